@@ -1,0 +1,1 @@
+"""The cache-controller process (DESIGN §2, §5)."""

@@ -1,0 +1,9 @@
+"""hicache: a tiered KV-cache daemon for LLM serving.
+
+One radix tree (``hicache.tree``) keeps the KV of computed prefixes across L1 device
+memory, L2 shared host memory and L3 (Redis or a file store). See README.md for a tour.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"

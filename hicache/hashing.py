@@ -1,0 +1,146 @@
+"""Page hashes: the chained keys under which pages live in L3 (DESIGN §6).
+
+    h_{-1} = SHA-256(b"hicache-ns-v1" || field || field || ...)      (the namespace seed)
+    h_i    = SHA-256(h_{i-1} || tokens of page i as little-endian uint32)
+
+Each seed field is length-prefixed (4-byte little-endian length, then UTF-8 bytes), so no
+two different field tuples can produce the same seed input. A page hash therefore names
+the model, the KV dtype, the page size, the cache component, the tenant salt *and* every
+token before and inside the page: two prefixes share a page hash only if they share all
+of that.
+
+Hashes travel as 64-character lowercase hex strings (``PageHash``); the chain itself is
+computed over the raw 32-byte digests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+NAMESPACE_TAG = b"hicache-ns-v1"
+HASH_HEX_LEN = 64
+MAX_TOKEN_ID = 2**32 - 1
+
+PageHash = str
+"""A page hash: 64 lowercase hex characters."""
+
+_BIG_ENDIAN = sys.byteorder == "big"
+_HEX_DIGITS = frozenset("0123456789abcdef")
+
+
+def _field(value: str) -> bytes:
+    raw = value.encode("utf-8")
+    return len(raw).to_bytes(4, "little") + raw
+
+
+@dataclass(frozen=True)
+class HashNamespace:
+    """Everything a page hash must depend on besides the tokens themselves.
+
+    ``model_identity`` is the model fingerprint (config + weights digest), so two models,
+    or two versions of one, never share pages. ``cache_salt`` is the per-request tenant
+    salt; the empty string is the shared default namespace.
+    """
+
+    model_identity: str
+    kv_dtype: str
+    page_size: int
+    component: str = "full"
+    cache_salt: str = ""
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if not self.model_identity:
+            raise ValueError("model_identity must not be empty")
+
+    def seed(self) -> bytes:
+        """The 32-byte digest h_{-1} that starts every chain in this namespace."""
+        h = hashlib.sha256(NAMESPACE_TAG)
+        for value in (
+            self.model_identity,
+            self.kv_dtype,
+            str(self.page_size),
+            self.component,
+            self.cache_salt,
+        ):
+            h.update(_field(value))
+        return h.digest()
+
+    def with_salt(self, cache_salt: str) -> HashNamespace:
+        return HashNamespace(
+            self.model_identity, self.kv_dtype, self.page_size, self.component, cache_salt
+        )
+
+
+def tokens_to_bytes(tokens: Sequence[int]) -> bytes:
+    """Tokens as little-endian uint32; raises ValueError for ids outside [0, 2**32)."""
+    try:
+        packed = array("I", tokens)
+    except OverflowError as exc:
+        bad = next((t for t in tokens if not 0 <= t <= MAX_TOKEN_ID), None)
+        raise ValueError(f"token id {bad} is outside [0, 2**32)") from exc
+    except TypeError as exc:
+        raise ValueError(f"token ids must be integers: {exc}") from exc
+    if packed.itemsize != 4:  # pragma: no cover - no supported platform has this
+        packed = array("L", tokens)
+    if _BIG_ENDIAN:  # pragma: no cover - exercised only on big-endian hosts
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def is_page_hash(value: object) -> bool:
+    """True if ``value`` is a well-formed page hash (64 lowercase hex characters)."""
+    return isinstance(value, str) and len(value) == HASH_HEX_LEN and _HEX_DIGITS.issuperset(value)
+
+
+def chain_page_hashes(
+    tokens: Sequence[int], page_size: int, parent: bytes
+) -> list[bytes]:
+    """Raw 32-byte digests for every *full* page of ``tokens``, chained from ``parent``.
+
+    A trailing partial page gets no hash (it is never cached).
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    full = len(tokens) - len(tokens) % page_size
+    data = tokens_to_bytes(tokens[:full])
+    step = 4 * page_size
+    out: list[bytes] = []
+    prev = parent
+    sha256 = hashlib.sha256
+    for off in range(0, len(data), step):
+        prev = sha256(prev + data[off : off + step]).digest()
+        out.append(prev)
+    return out
+
+
+class PageHasher:
+    """Computes page hashes within one namespace.
+
+    ``hash_pages(tokens, parent)`` continues the chain after the page whose hash is
+    ``parent`` (or from the namespace seed when ``parent`` is None) and returns one hex
+    hash per full page of ``tokens``.
+    """
+
+    def __init__(self, namespace: HashNamespace) -> None:
+        self.namespace = namespace
+        self.page_size = namespace.page_size
+        self._seed = namespace.seed()
+
+    @property
+    def seed(self) -> bytes:
+        return self._seed
+
+    def hash_pages(self, tokens: Sequence[int], parent: PageHash | None = None) -> list[PageHash]:
+        if parent is None:
+            start = self._seed
+        else:
+            if not is_page_hash(parent):
+                raise ValueError(f"parent is not a page hash: {parent!r}")
+            start = bytes.fromhex(parent)
+        return [d.hex() for d in chain_page_hashes(tokens, self.page_size, start)]

@@ -1,0 +1,1 @@
+"""L3 storage backends (DESIGN §6-§7)."""
