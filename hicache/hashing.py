@@ -16,10 +16,10 @@ computed over the raw 32-byte digests.
 from __future__ import annotations
 
 import hashlib
-import sys
-from array import array
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 NAMESPACE_TAG = b"hicache-ns-v1"
 HASH_HEX_LEN = 64
@@ -28,7 +28,6 @@ MAX_TOKEN_ID = 2**32 - 1
 PageHash = str
 """A page hash: 64 lowercase hex characters."""
 
-_BIG_ENDIAN = sys.byteorder == "big"
 _HEX_DIGITS = frozenset("0123456789abcdef")
 
 
@@ -77,20 +76,17 @@ class HashNamespace:
         )
 
 
-def tokens_to_bytes(tokens: Sequence[int]) -> bytes:
-    """Tokens as little-endian uint32; raises ValueError for ids outside [0, 2**32)."""
+def tokens_to_bytes(tokens: Sequence[int], count: int | None = None) -> bytes:
+    """The first ``count`` tokens (default all) as little-endian uint32.
+
+    Raises ValueError for an id outside [0, 2**32) or a non-integer id.
+    """
+    n = len(tokens) if count is None else count
     try:
-        packed = array("I", tokens)
-    except OverflowError as exc:
-        bad = next((t for t in tokens if not 0 <= t <= MAX_TOKEN_ID), None)
-        raise ValueError(f"token id {bad} is outside [0, 2**32)") from exc
-    except TypeError as exc:
-        raise ValueError(f"token ids must be integers: {exc}") from exc
-    if packed.itemsize != 4:  # pragma: no cover - no supported platform has this
-        packed = array("L", tokens)
-    if _BIG_ENDIAN:  # pragma: no cover - exercised only on big-endian hosts
-        packed.byteswap()
-    return packed.tobytes()
+        return struct.pack(f"<{n}I", *(tokens if n == len(tokens) else islice(tokens, n)))
+    except struct.error as exc:
+        bad = next((t for t in islice(tokens, n) if not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID), None)
+        raise ValueError(f"token id {bad!r} is not an integer in [0, 2**32)") from exc
 
 
 def is_page_hash(value: object) -> bool:
@@ -108,15 +104,11 @@ def chain_page_hashes(
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     full = len(tokens) - len(tokens) % page_size
-    data = tokens_to_bytes(tokens[:full])
+    data = tokens_to_bytes(tokens, full)
     step = 4 * page_size
-    out: list[bytes] = []
-    prev = parent
     sha256 = hashlib.sha256
-    for off in range(0, len(data), step):
-        prev = sha256(prev + data[off : off + step]).digest()
-        out.append(prev)
-    return out
+    prev = parent
+    return [(prev := sha256(prev + data[off : off + step]).digest()) for off in range(0, len(data), step)]
 
 
 class PageHasher:
@@ -143,4 +135,15 @@ class PageHasher:
             if not is_page_hash(parent):
                 raise ValueError(f"parent is not a page hash: {parent!r}")
             start = bytes.fromhex(parent)
-        return [d.hex() for d in chain_page_hashes(tokens, self.page_size, start)]
+        if not 0 < self.page_size <= len(tokens):
+            return []
+        full = len(tokens) - len(tokens) % self.page_size
+        data = tokens_to_bytes(tokens, full)
+        step = 4 * self.page_size
+        sha256 = hashlib.sha256
+        prev = start
+        # One C-level comprehension: hash, chain and hex each page in a single pass.
+        return [
+            (prev := sha256(prev + data[off : off + step]).digest()).hex()
+            for off in range(0, len(data), step)
+        ]

@@ -1,0 +1,572 @@
+"""The YAML configuration (DESIGN §10): typed, frozen, validated, with a default for every key.
+
+``load_config(path, overrides)`` reads one YAML file (or none: every key has a default, so
+an empty file is a valid config), applies ``--set dotted.key=value`` overrides, checks
+every key and value, and returns a frozen ``HicacheConfig``. All problems are collected
+and raised together as one ``ConfigError`` whose ``problems`` name each key's dotted path
+and the reason; the CLI prints them and exits with code 2.
+
+The dataclasses below are the one source of truth for key names and defaults: the loader
+walks their type hints, so adding a key means adding a field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlparse
+
+import yaml
+
+CONFIG_ENV = "HICACHE_CONFIG"
+
+ModelKind = Literal["reference", "hf"]
+DType = Literal["float32", "bfloat16", "float16"]
+LayerKind = Literal["full", "swa", "mamba"]
+Preset = Literal["tiny", "small", "bench"]
+L3Backend = Literal["none", "file", "redis"]
+WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
+PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
+EvictionPolicy = Literal["lru", "lfu", "slru", "s3fifo"]
+SchedulePolicy = Literal["lpm", "fcfs", "dfs-weight", "random"]
+Transport = Literal["ipc", "tcp"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class ReferenceModelConfig:
+    """The built-in reference decoder (DESIGN §9). Unset (None) fields come from ``preset``."""
+
+    preset: Preset = "tiny"
+    layers: tuple[LayerKind, ...] | None = None
+    hidden_size: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    vocab_size: int | None = None
+    sliding_window: int | None = None
+    mamba_state_size: int | None = None
+    max_context: int | None = None
+    seed: int = 0
+
+
+# Named sizes of the reference model. ``tiny`` keeps the test suite fast on two CPU
+# cores; ``bench`` has a prefill cost that is realistic relative to a cache load.
+REFERENCE_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        layers=("full", "full"), hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, vocab_size=512, sliding_window=64, mamba_state_size=16,
+        max_context=4096,
+    ),
+    "small": dict(
+        layers=("full", "full", "full", "full"), hidden_size=256, num_heads=8, num_kv_heads=4,
+        head_dim=32, intermediate_size=688, vocab_size=4096, sliding_window=256,
+        mamba_state_size=16, max_context=8192,
+    ),
+    "bench": dict(
+        layers=("full",) * 8, hidden_size=1024, num_heads=16, num_kv_heads=4, head_dim=64,
+        intermediate_size=2816, vocab_size=32000, sliding_window=1024, mamba_state_size=16,
+        max_context=16384,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    kind: ModelKind = "reference"
+    path: str | None = None
+    dtype: DType = "float32"
+    reference: ReferenceModelConfig = field(default_factory=ReferenceModelConfig)
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """``path`` names a local tokenizer.json (or a directory holding one); None = byte-level."""
+
+    path: str | None = None
+
+
+# --------------------------------------------------------------------------- cache
+
+
+@dataclass(frozen=True)
+class L1Config:
+    tokens: int = 65536
+
+
+@dataclass(frozen=True)
+class L2Config:
+    enabled: bool = True
+    tokens: int = 262144
+
+
+def default_l3_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "hicache", "l3")
+
+
+@dataclass(frozen=True)
+class FileStoreConfig:
+    dir: str = field(default_factory=default_l3_dir)
+    max_size_gb: float = 10.0
+    fsync: bool = False
+
+
+@dataclass(frozen=True)
+class RedisStoreConfig:
+    url: str = "redis://127.0.0.1:6379/0"
+    cluster: bool = False
+    password: str | None = None
+    ttl_s: int | None = None
+    key_prefix: str = "hicache"
+    timeout_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class L3Config:
+    backend: L3Backend = "file"
+    file: FileStoreConfig = field(default_factory=FileStoreConfig)
+    redis: RedisStoreConfig = field(default_factory=RedisStoreConfig)
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    policy: PrefetchPolicy = "best_effort"
+    threshold_tokens: int = 256
+    timeout_base_s: float = 1.0
+    timeout_per_ki_token_s: float = 0.25
+    max_reserved_fraction: float = 0.5
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16
+    l1: L1Config = field(default_factory=L1Config)
+    l2: L2Config = field(default_factory=L2Config)
+    l3: L3Config = field(default_factory=L3Config)
+    write_policy: WritePolicy = "write_through"
+    write_through_threshold: int = 2
+    load_back_threshold: int = 16
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    eviction: EvictionPolicy = "lru"
+
+
+# --------------------------------------------------------------------------- the rest
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: SchedulePolicy = "lpm"
+    max_running_requests: int = 32
+    max_prefill_tokens: int = 8192
+    chunked_prefill_tokens: int = 2048
+    default_max_new_tokens: int = 128
+    max_new_tokens_limit: int = 4096
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 30080
+    api_key: str | None = None
+
+
+@dataclass(frozen=True)
+class IpcConfig:
+    """``dir`` None = a fresh private directory (mode 0700) under the runtime dir."""
+
+    dir: str | None = None
+    transport: Transport = "ipc"
+    tcp_host: str = "127.0.0.1"
+    tcp_base_port: int = 0
+    curve: bool = False
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    level: LogLevel = "info"
+    json: bool = False
+
+
+@dataclass(frozen=True)
+class HicacheConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    device: str = "auto"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    ipc: IpcConfig = field(default_factory=IpcConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    path: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path or '<root>'}: {self.reason}"
+
+
+class ConfigError(ValueError):
+    """One or more problems in a config; ``problems`` lists every one with its key path."""
+
+    def __init__(self, problems: list[ConfigProblem]) -> None:
+        self.problems = problems
+        lines = "\n".join(f"  {p}" for p in problems)
+        super().__init__(f"invalid configuration ({len(problems)} problem(s)):\n{lines}")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None) -> HicacheConfig:
+    """Read, override, validate. ``path`` None falls back to ``$HICACHE_CONFIG``, then to defaults.
+
+    Raises ``ConfigError`` (every problem at once) for a bad file, key or value.
+    """
+    if path is None:
+        path = os.environ.get(CONFIG_ENV) or None
+    raw: Any = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError([ConfigProblem("", f"cannot read {path}: {exc.strerror or exc}")]) from exc
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError([ConfigProblem("", f"{path} is not valid YAML: {exc}")]) from exc
+        if raw is None:
+            raw = {}
+    return config_from_dict(raw, overrides)
+
+
+def config_from_dict(raw: Any, overrides: list[str] | None = None) -> HicacheConfig:
+    problems: list[ConfigProblem] = []
+    if not isinstance(raw, dict):
+        raise ConfigError([ConfigProblem("", f"the top level must be a mapping, got {_type_name(raw)}")])
+    raw = _deep_copy(raw)
+    for item in overrides or []:
+        _apply_override(raw, item, problems)
+    cfg = _resolve(_build(HicacheConfig, raw, "", problems))
+    # Keys with a type problem fell back to their defaults above; check the relations of the
+    # rest too, so that one run reports every problem, but once per key.
+    reported = {p.path for p in problems}
+    problems.extend(p for p in validate(cfg) if p.path not in reported)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``"cache.page_size=32"`` -> (["cache", "page_size"], 32); values are parsed as YAML."""
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"override {item!r} is not of the form key.path=value")
+    parts = [p.strip() for p in key.split(".")]
+    if any(not p for p in parts):
+        raise ValueError(f"override {item!r} has an empty key segment")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    return parts, parsed
+
+
+def _apply_override(raw: dict[str, Any], item: str, problems: list[ConfigProblem]) -> None:
+    try:
+        parts, value = parse_override(item)
+    except ValueError as exc:
+        problems.append(ConfigProblem("--set", str(exc)))
+        return
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            problems.append(ConfigProblem(".".join(parts[: i + 1]), "is not a section; cannot set a key below it"))
+            return
+        node = child
+    node[parts[-1]] = value
+
+
+def _deep_copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep_copy(v) for v in value]
+    return value
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+_MISSING = object()
+
+
+def _build(cls: type, data: Any, path: str, problems: list[ConfigProblem]) -> Any:
+    """Build dataclass ``cls`` from a mapping, appending a problem for each bad key."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        problems.append(ConfigProblem(path, f"must be a mapping, got {_type_name(data)}"))
+        return cls()
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            known = ", ".join(sorted(names))
+            problems.append(ConfigProblem(_join(path, str(key)), f"unknown key (known keys here: {known})"))
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        value = _convert(hints[f.name], data[f.name], _join(path, f.name), problems)
+        if value is not _MISSING:
+            kwargs[f.name] = value
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:  # pragma: no cover - conversion already checked types
+        problems.append(ConfigProblem(path, str(exc)))
+        return cls()
+
+
+def _convert(hint: Any, value: Any, path: str, problems: list[ConfigProblem]) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], value, path, problems)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, path, problems)
+    if origin is Literal:
+        if value not in args or isinstance(value, bool):
+            choices = ", ".join(str(a) for a in args)
+            problems.append(ConfigProblem(path, f"must be one of {choices}; got {value!r}"))
+            return _MISSING
+        return value
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            problems.append(ConfigProblem(path, f"must be a list, got {_type_name(value)}"))
+            return _MISSING
+        items = [_convert(args[0], v, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+        return _MISSING if any(v is _MISSING for v in items) else tuple(items)
+    if hint is bool:
+        if not isinstance(value, bool):
+            problems.append(ConfigProblem(path, f"must be true or false, got {value!r}"))
+            return _MISSING
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            problems.append(ConfigProblem(path, f"must be an integer, got {_type_name(value)} {value!r}"))
+            return _MISSING
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            problems.append(ConfigProblem(path, f"must be a number, got {_type_name(value)} {value!r}"))
+            return _MISSING
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            problems.append(ConfigProblem(path, f"must be a string, got {_type_name(value)} {value!r}"))
+            return _MISSING
+        return value
+    raise TypeError(f"config field {path} has an unsupported type {hint!r}")  # pragma: no cover
+
+
+def _resolve(cfg: HicacheConfig) -> HicacheConfig:
+    """Fill the reference model's unset fields from its preset."""
+    ref = cfg.model.reference
+    preset = REFERENCE_PRESETS[ref.preset]
+    filled = {k: v for k, v in preset.items() if getattr(ref, k) is None}
+    if not filled:
+        return cfg
+    ref = dataclasses.replace(ref, **filled)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, reference=ref))
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def kv_bytes_per_token(cfg: HicacheConfig) -> int | None:
+    """Bytes of Full+SWA KV one token takes in one tier, for the reference model; None for hf."""
+    if cfg.model.kind != "reference":
+        return None
+    ref = cfg.model.reference
+    assert ref.layers is not None and ref.num_kv_heads is not None and ref.head_dim is not None
+    attn_layers = sum(1 for kind in ref.layers if kind in ("full", "swa"))
+    return attn_layers * 2 * ref.num_kv_heads * ref.head_dim * DTYPE_BYTES[cfg.model.dtype]
+
+
+def validate(cfg: HicacheConfig) -> list[ConfigProblem]:
+    """Checks that need more than one key's type: ranges, relations, the machine's RAM."""
+    out: list[ConfigProblem] = []
+
+    def bad(path: str, reason: str) -> None:
+        out.append(ConfigProblem(path, reason))
+
+    def positive(path: str, value: int | float) -> None:
+        if value <= 0:
+            bad(path, f"must be > 0, got {value}")
+
+    def non_negative(path: str, value: int | float | None) -> None:
+        if value is not None and value < 0:
+            bad(path, f"must be >= 0, got {value}")
+
+    m = cfg.model
+    if m.kind == "hf" and not m.path:
+        bad("model.path", "is required when model.kind is hf")
+    ref = m.reference
+    for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                 "vocab_size", "sliding_window", "mamba_state_size", "max_context"):
+        positive(f"model.reference.{name}", getattr(ref, name))
+    if ref.layers is not None and not ref.layers:
+        bad("model.reference.layers", "must name at least one layer")
+    if ref.num_heads and ref.num_kv_heads and ref.num_heads % ref.num_kv_heads:
+        bad("model.reference.num_kv_heads",
+            f"must divide num_heads ({ref.num_heads}), got {ref.num_kv_heads}")
+    if ref.vocab_size is not None and m.kind == "reference" and not cfg.tokenizer.path and ref.vocab_size < 260:
+        bad("model.reference.vocab_size", "must be >= 260 for the built-in byte-level tokenizer")
+    non_negative("model.reference.seed", ref.seed)
+
+    dev = cfg.device
+    if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
+        bad("device", f"must be auto, cpu, cuda or cuda:N; got {dev!r}")
+
+    c = cfg.cache
+    if not _power_of_two(c.page_size):
+        bad("cache.page_size", f"must be a power of two, got {c.page_size}")
+    positive("cache.l1.tokens", c.l1.tokens)
+    positive("cache.l2.tokens", c.l2.tokens)
+    if _power_of_two(c.page_size):
+        if c.l1.tokens % c.page_size:
+            bad("cache.l1.tokens", f"must be a multiple of cache.page_size ({c.page_size}), got {c.l1.tokens}")
+        if c.l2.tokens % c.page_size:
+            bad("cache.l2.tokens", f"must be a multiple of cache.page_size ({c.page_size}), got {c.l2.tokens}")
+    if c.l2.enabled and 0 < c.l2.tokens < c.l1.tokens:
+        bad("cache.l2.tokens", f"must be >= cache.l1.tokens ({c.l1.tokens}) when L2 is enabled")
+    if c.l3.backend != "none" and not c.l2.enabled:
+        bad("cache.l3.backend", "an L3 backend needs cache.l2.enabled: true (L3 is read into and written from L2)")
+    per_token = kv_bytes_per_token(cfg)
+    if c.l2.enabled and per_token is not None and c.l2.tokens > 0:
+        import psutil
+
+        need = c.l2.tokens * per_token
+        avail = psutil.virtual_memory().available
+        if need > avail:
+            bad("cache.l2.tokens",
+                f"needs {need / 2**30:.1f} GiB of host memory, but only {avail / 2**30:.1f} GiB is available")
+    if c.write_through_threshold < 1:
+        bad("cache.write_through_threshold", f"must be >= 1, got {c.write_through_threshold}")
+    non_negative("cache.load_back_threshold", c.load_back_threshold)
+    p = c.prefetch
+    non_negative("cache.prefetch.threshold_tokens", p.threshold_tokens)
+    non_negative("cache.prefetch.timeout_base_s", p.timeout_base_s)
+    non_negative("cache.prefetch.timeout_per_ki_token_s", p.timeout_per_ki_token_s)
+    if not 0.0 < p.max_reserved_fraction <= 1.0:
+        bad("cache.prefetch.max_reserved_fraction", f"must be in (0, 1], got {p.max_reserved_fraction}")
+    if c.l3.backend == "file":
+        positive("cache.l3.file.max_size_gb", c.l3.file.max_size_gb)
+        if not c.l3.file.dir:
+            bad("cache.l3.file.dir", "must not be empty")
+    r = c.l3.redis
+    if c.l3.backend == "redis":
+        problem = redis_url_problem(r.url)
+        if problem:
+            bad("cache.l3.redis.url", problem)
+    positive("cache.l3.redis.timeout_s", r.timeout_s)
+    if r.ttl_s is not None:
+        positive("cache.l3.redis.ttl_s", r.ttl_s)
+    if not r.key_prefix or any(ch.isspace() for ch in r.key_prefix):
+        bad("cache.l3.redis.key_prefix", f"must be a non-empty string without spaces, got {r.key_prefix!r}")
+
+    s = cfg.scheduler
+    for name in ("max_running_requests", "max_prefill_tokens", "chunked_prefill_tokens",
+                 "default_max_new_tokens", "max_new_tokens_limit"):
+        positive(f"scheduler.{name}", getattr(s, name))
+    if s.default_max_new_tokens > s.max_new_tokens_limit:
+        bad("scheduler.default_max_new_tokens",
+            f"must be <= scheduler.max_new_tokens_limit ({s.max_new_tokens_limit})")
+    if _power_of_two(c.page_size) and s.chunked_prefill_tokens % c.page_size:
+        bad("scheduler.chunked_prefill_tokens",
+            f"must be a multiple of cache.page_size ({c.page_size}), got {s.chunked_prefill_tokens}")
+
+    if not 0 <= cfg.server.port <= 65535:
+        bad("server.port", f"must be in 0..65535, got {cfg.server.port}")
+    if not cfg.server.host:
+        bad("server.host", "must not be empty")
+    if cfg.ipc.transport == "tcp" and not 0 <= cfg.ipc.tcp_base_port <= 65535 - 8:
+        bad("ipc.tcp_base_port", f"must be in 0..65527, got {cfg.ipc.tcp_base_port}")
+    if cfg.ipc.curve and cfg.ipc.transport != "tcp":
+        bad("ipc.curve", "CURVE applies to ipc.transport: tcp only")
+    return out
+
+
+def redis_url_problem(url: str) -> str | None:
+    """None if ``url`` is a usable redis://, rediss:// or unix:// URL, else the reason."""
+    try:
+        parsed = urlparse(url)
+    except ValueError as exc:
+        return f"does not parse: {exc}"
+    if parsed.scheme not in ("redis", "rediss", "unix"):
+        return f"scheme must be redis, rediss or unix; got {url!r}"
+    if parsed.scheme == "unix":
+        return None if parsed.path else f"unix URL needs a socket path; got {url!r}"
+    if not parsed.hostname:
+        return f"needs a host; got {url!r}"
+    try:
+        parsed.port  # noqa: B018 - raises ValueError for a bad port
+    except ValueError:
+        return f"has an invalid port; got {url!r}"
+    db = parsed.path.lstrip("/")
+    if db and not db.isdigit():
+        return f"database must be a number; got {db!r}"
+    return None
+
+
+def to_dict(cfg: Any) -> Any:
+    """The config as plain YAML-ready data (tuples become lists)."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, tuple | list):
+        return [to_dict(v) for v in cfg]
+    return cfg
+
+
+def dump_yaml(cfg: HicacheConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=None)

@@ -1,0 +1,7 @@
+"""Memory bookkeeping owned by the scheduler: page-index allocators (and, later, pools)."""
+
+from __future__ import annotations
+
+from hicache.memory.allocator import AllocatorError, PageAllocator
+
+__all__ = ["AllocatorError", "PageAllocator"]

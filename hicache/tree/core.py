@@ -1,0 +1,291 @@
+"""TreeCore: the pure radix tree (DESIGN §4). It never touches an allocator or a pool.
+
+It owns the nodes, one root per ``cache_salt`` (the key space is per salt: two tenants never
+share a node, and each root starts its own page-hash chain from its salted namespace seed),
+matching with the seed's fixed split rule, splitting, node creation and deletion, and for
+every component the L1 and L2 eviction orders and size counters.
+
+Counters, per component ``i`` and per tier, in the component's units (pages for FULL/SWA,
+states for MAMBA):
+
+| counter          | what it sums                                                  |
+|------------------|---------------------------------------------------------------|
+| ``dev_total[i]`` | units of every non-None ``value``                             |
+| ``dev_prot[i]``  | the same, restricted to nodes with ``lock_ref > 0``           |
+| ``host_total[i]``| units of every non-None ``host_value``                        |
+| ``host_prot[i]`` | the same, restricted to nodes with ``host_lock_ref > 0``      |
+
+evictable = total - protected, so "evictable + protected = total" holds by construction;
+``check_integrity`` recomputes all four from the tree. Every mutation of ``value``,
+``host_value``, ``lock_ref`` and ``host_lock_ref`` goes through the methods below, which keep
+the counters and the LRU membership (a node is in a component's L1 order iff it has that
+component's ``value``, in its L2 order iff it has its ``host_value``) in step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hicache.tree.node import ComponentData, TreeNode
+from hicache.tree.policy import EvictionPolicy
+
+
+class TreeCore:
+    """Nodes, matching, splitting, LRU orders and counters for ``n`` components."""
+
+    def __init__(
+        self,
+        page_size: int,
+        n_components: int,
+        unit_counts: Sequence[Callable[[Any], int]],
+        split_hooks: Sequence[Callable[[ComponentData, ComponentData, int], None]],
+        make_policy: Callable[[], EvictionPolicy],
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.n = n_components
+        self.units = list(unit_counts)
+        self._split_hooks = list(split_hooks)
+        self.roots: dict[str, TreeNode] = {}
+        self.dev_lru: list[EvictionPolicy] = [make_policy() for _ in range(n_components)]
+        self.host_lru: list[EvictionPolicy] = [make_policy() for _ in range(n_components)]
+        self.dev_total = [0] * n_components
+        self.dev_prot = [0] * n_components
+        self.host_total = [0] * n_components
+        self.host_prot = [0] * n_components
+        self.tick = 0
+        self.node_count = 0
+
+    # ------------------------------------------------------------------ structure
+    def root(self, salt: str, create: bool) -> TreeNode | None:
+        r = self.roots.get(salt)
+        if r is None and create:
+            r = TreeNode(None, [], self.n)
+            r.salt = salt
+            for cd in r.data:  # the root holds "data" for every component and is never evicted
+                cd.value = []
+                cd.lock_ref = 1
+            self.roots[salt] = r
+        return r
+
+    def first_page(self, key: list[int], off: int) -> Any:
+        ps = self.page_size
+        return key[off] if ps == 1 else tuple(key[off:off + ps])
+
+    def common_tokens(self, key: list[int], off: int, ckey: list[int]) -> int:
+        """Tokens (a multiple of the page size) that ``key[off:]`` shares with ``ckey``,
+        knowing the first page is shared and the whole edge is not. Bisection over pages
+        with C-level slice comparisons: no per-token Python loop."""
+        ps = self.page_size
+        lo = 1  # pages known equal
+        hi = min(len(ckey), len(key) - off) // ps  # pages that might be equal
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            t = mid * ps
+            if key[off:off + t] == ckey[:t]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * ps
+
+    def walk(self, root: TreeNode, key: list[int]) -> list[TreeNode]:
+        """The nodes matching ``key`` (page-aligned) from ``root``.
+
+        Follows whole edges; where the key forks inside an edge (or ends inside it) the
+        node is split at the fork and the walk **stops** there (the seed's fixed rule: it
+        never compares the rest of the key against grandchildren past a fork).
+        """
+        path: list[TreeNode] = []
+        node = root
+        off = 0
+        n = len(key)
+        ps = self.page_size
+        while off < n:
+            child = node.children.get(key[off] if ps == 1 else tuple(key[off:off + ps]))
+            if child is None:
+                break
+            ckey = child.key
+            kl = len(ckey)
+            if key[off:off + kl] == ckey:
+                path.append(child)
+                off += kl
+                node = child
+                continue
+            m = self.common_tokens(key, off, ckey)
+            path.append(self.split(child, m))
+            break
+        return path
+
+    def split(self, node: TreeNode, ntok: int) -> TreeNode:
+        """Split ``node`` after ``ntok`` tokens; returns the new upper node.
+
+        The original object keeps the lower part (so a request holding it as ``last_node``
+        still holds the deepest node). Per component, ``split_hooks`` divides the data;
+        the core copies ``in_flight``/``loading``, splits ``hash_value`` and keeps
+        ``hit_count`` / ``last_access_time``. Counters are unchanged (units only move).
+        """
+        ps = self.page_size
+        if ntok <= 0 or ntok >= len(node.key) or ntok % ps:
+            raise ValueError(f"bad split at {ntok} of {len(node.key)} tokens")
+        parent = node.parent
+        upper = TreeNode(parent, node.key[:ntok], self.n)
+        self.node_count += 1
+        pages = ntok // ps
+        upper.hit_count = node.hit_count
+        upper.last_access_time = node.last_access_time
+        upper.in_flight = node.in_flight
+        upper.loading = node.loading
+        if node.hash_value is not None:
+            upper.hash_value = node.hash_value[:pages]
+            node.hash_value = node.hash_value[pages:]
+        first = self.first_page(node.key, 0)
+        node.key = node.key[ntok:]
+        upper.children[self.first_page(node.key, 0)] = node
+        node.parent = upper
+        parent.children[first] = upper  # type: ignore[union-attr]
+        for i in range(self.n):
+            lower_cd, upper_cd = node.data[i], upper.data[i]
+            self._split_hooks[i](upper_cd, lower_cd, pages)
+            # the upper part sits just before the lower one in every order (it is older)
+            if upper_cd.value is not None:
+                self._insert_before(self.dev_lru[i], upper_cd.dlink, lower_cd.dlink)
+            if upper_cd.host_value is not None:
+                self._insert_before(self.host_lru[i], upper_cd.hlink, lower_cd.hlink)
+        return upper
+
+    @staticmethod
+    def _insert_before(policy: EvictionPolicy, link: Any, anchor: Any) -> None:
+        # policies expose add(); placing before the anchor keeps "parent older than child"
+        # for the plain LRU list, and is the same as add() otherwise.
+        lst = getattr(policy, "_list", None)
+        if lst is not None and anchor.prev is not None:
+            prev = anchor.prev
+            link.prev, link.next = prev, anchor
+            prev.next = link
+            anchor.prev = link
+            lst.size += 1
+        else:
+            policy.add(link)
+
+    def new_child(self, parent: TreeNode, key: list[int]) -> TreeNode:
+        node = TreeNode(parent, key, self.n)
+        parent.children[self.first_page(key, 0)] = node
+        self.node_count += 1
+        return node
+
+    def detach(self, node: TreeNode) -> None:
+        """Remove a childless node whose data has all been cleared."""
+        if node.children:
+            raise ValueError("only a leaf can be deleted")
+        for cd in node.data:
+            if cd.value is not None or cd.host_value is not None:
+                raise ValueError("clear a node's data before deleting it")
+        del node.parent.children[self.first_page(node.key, 0)]  # type: ignore[union-attr]
+        node.parent = None
+        self.node_count -= 1
+
+    # ------------------------------------------------------------------ data
+    def set_value(self, node: TreeNode, i: int, value: Any) -> None:
+        cd = node.data[i]
+        if cd.value is not None:
+            raise ValueError("component value already set")
+        cd.value = value
+        u = self.units[i](value)
+        self.dev_total[i] += u
+        if cd.lock_ref:
+            self.dev_prot[i] += u
+        self.dev_lru[i].add(cd.dlink)
+
+    def clear_value(self, node: TreeNode, i: int) -> Any:
+        cd = node.data[i]
+        value = cd.value
+        if value is None:
+            return None
+        u = self.units[i](value)
+        self.dev_total[i] -= u
+        if cd.lock_ref:
+            self.dev_prot[i] -= u
+        self.dev_lru[i].remove(cd.dlink)
+        cd.value = None
+        return value
+
+    def set_host(self, node: TreeNode, i: int, host_value: Any) -> None:
+        cd = node.data[i]
+        if cd.host_value is not None:
+            raise ValueError("component host value already set")
+        cd.host_value = host_value
+        u = self.units[i](host_value)
+        self.host_total[i] += u
+        if cd.host_lock_ref:
+            self.host_prot[i] += u
+        self.host_lru[i].add(cd.hlink)
+
+    def clear_host(self, node: TreeNode, i: int) -> Any:
+        cd = node.data[i]
+        hv = cd.host_value
+        if hv is None:
+            return None
+        u = self.units[i](hv)
+        self.host_total[i] -= u
+        if cd.host_lock_ref:
+            self.host_prot[i] -= u
+        self.host_lru[i].remove(cd.hlink)
+        cd.host_value = None
+        return hv
+
+    def lock(self, node: TreeNode, i: int) -> None:
+        cd = node.data[i]
+        if cd.lock_ref == 0 and cd.value is not None:
+            self.dev_prot[i] += self.units[i](cd.value)
+        cd.lock_ref += 1
+
+    def unlock(self, node: TreeNode, i: int) -> None:
+        cd = node.data[i]
+        if cd.lock_ref <= 0:
+            raise ValueError(f"lock_ref of {node!r} would go below zero")
+        cd.lock_ref -= 1
+        if cd.lock_ref == 0 and cd.value is not None:
+            self.dev_prot[i] -= self.units[i](cd.value)
+
+    def host_lock(self, node: TreeNode, i: int) -> None:
+        cd = node.data[i]
+        if cd.host_lock_ref == 0 and cd.host_value is not None:
+            self.host_prot[i] += self.units[i](cd.host_value)
+        cd.host_lock_ref += 1
+
+    def host_unlock(self, node: TreeNode, i: int) -> None:
+        cd = node.data[i]
+        if cd.host_lock_ref <= 0:
+            raise ValueError(f"host_lock_ref of {node!r} would go below zero")
+        cd.host_lock_ref -= 1
+        if cd.host_lock_ref == 0 and cd.host_value is not None:
+            self.host_prot[i] -= self.units[i](cd.host_value)
+
+    def touch(self, path: Sequence[TreeNode]) -> None:
+        """Mark ``path`` (root side first) as just used: increasing access times, so a
+        parent is older than its child, and each node to the MRU end of every order that
+        holds it."""
+        t = self.tick
+        dev, host = self.dev_lru, self.host_lru
+        rng = range(self.n)
+        for node in path:
+            t += 1
+            node.last_access_time = t
+            for i in rng:
+                cd = node.data[i]
+                if cd.value is not None:
+                    dev[i].touch(cd.dlink)
+                if cd.host_value is not None:
+                    host[i].touch(cd.hlink)
+        self.tick = t
+
+    def iter_nodes(self) -> list[TreeNode]:
+        out: list[TreeNode] = []
+        stack = list(self.roots.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out

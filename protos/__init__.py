@@ -1,0 +1,45 @@
+"""The wire protocol between hicache's processes (DESIGN §8).
+
+Messages are grouped by the process that receives them: ``to_scheduler``, ``to_tokenizer``,
+``to_controller``, plus ``lifecycle`` (launcher <-> all). ``encode`` / ``decode`` are the
+only way in and out of bytes; every decoding problem is a ``ProtocolError``.
+
+This package depends on the standard library and msgpack only (no torch, no zmq).
+"""
+
+from __future__ import annotations
+
+from protos.base import MAX_FRAME_BYTES, PROTOCOL_VERSION, Message, ProtocolError
+from protos.codec import MESSAGE_TYPES, decode, encode
+from protos.lifecycle import ErrorReply, LifecycleMessage, Ready, Shutdown
+from protos.to_controller import (
+    BackupToStorage,
+    Cancel,
+    ControllerMessage,
+    LoadToDevice,
+    PrefetchFetch,
+    PrefetchQuery,
+    StorageAdmin,
+    WriteToHost,
+)
+from protos.to_scheduler import (
+    AbortRequest,
+    AdminRequest,
+    GenerateRequest,
+    OpDone,
+    PrefetchHits,
+    SamplingParams,
+    SchedulerMessage,
+    StorageStatus,
+)
+from protos.to_tokenizer import AdminReply, TokenizerMessage, TokenOutput, Usage
+
+__all__ = [
+    "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "MESSAGE_TYPES", "Message", "ProtocolError", "decode", "encode",
+    "ErrorReply", "LifecycleMessage", "Ready", "Shutdown",
+    "BackupToStorage", "Cancel", "ControllerMessage", "LoadToDevice", "PrefetchFetch", "PrefetchQuery",
+    "StorageAdmin", "WriteToHost",
+    "AbortRequest", "AdminRequest", "GenerateRequest", "OpDone", "PrefetchHits", "SamplingParams",
+    "SchedulerMessage", "StorageStatus",
+    "AdminReply", "TokenOutput", "TokenizerMessage", "Usage",
+]

@@ -1,0 +1,90 @@
+"""Messages the cache-controller process receives from the scheduler.
+
+Page lists are keyed by component name (``full``, ``swa``, ``mamba``); the ``i``-th source
+page of a component is copied to its ``i``-th destination page. The controller copies what it
+is told and acknowledges every op with exactly one ``OpDone`` (``PrefetchQuery`` with one
+``PrefetchHits``); it never decides anything about the tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from protos.base import Message, message
+
+
+class ControllerMessage(Message):
+    """Base of everything the controller can be told."""
+
+    __slots__ = ()
+
+
+@message("write_to_host")
+@dataclass(slots=True)
+class WriteToHost(ControllerMessage):
+    """Copy L1 pages to L2 pages (device -> host)."""
+
+    op_id: int
+    device_pages: dict[str, list[int]]
+    host_pages: dict[str, list[int]]
+
+
+@message("load_to_device")
+@dataclass(slots=True)
+class LoadToDevice(ControllerMessage):
+    """Copy L2 pages to L1 pages (host -> device)."""
+
+    op_id: int
+    host_pages: dict[str, list[int]]
+    device_pages: dict[str, list[int]]
+
+
+@message("backup")
+@dataclass(slots=True)
+class BackupToStorage(ControllerMessage):
+    """Write L2 pages to L3 under their page hashes; pages L3 already holds are skipped."""
+
+    op_id: int
+    host_pages: list[int]
+    hashes: list[str]
+    component: str = "full"
+
+
+@message("prefetch_query")
+@dataclass(slots=True)
+class PrefetchQuery(ControllerMessage):
+    """How many consecutive pages of this hash chain does L3 hold? Answered by ``PrefetchHits``."""
+
+    op_id: int
+    hashes: list[str]
+    component: str = "full"
+
+
+@message("prefetch_fetch")
+@dataclass(slots=True)
+class PrefetchFetch(ControllerMessage):
+    """Read these L3 pages into these L2 pages; ``OpDone.pages_done`` says how many arrived."""
+
+    op_id: int
+    hashes: list[str]
+    host_pages: list[int]
+    component: str = "full"
+
+
+@message("cancel")
+@dataclass(slots=True)
+class Cancel(ControllerMessage):
+    """Cancel op ``op_id`` if it has not finished; it is then acknowledged as ``cancelled``."""
+
+    op_id: int
+
+
+@message("storage_admin")
+@dataclass(slots=True)
+class StorageAdmin(ControllerMessage):
+    """``op``: status | attach | detach | clear. Answered by ``StorageStatus``."""
+
+    op_id: int
+    op: str
+    args: dict[str, Any] = field(default_factory=dict)

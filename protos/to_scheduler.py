@@ -1,0 +1,94 @@
+"""Messages the scheduler process receives: from the tokenizer and from the cache controller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from protos.base import Message, message
+
+
+class SchedulerMessage(Message):
+    """Base of everything the scheduler can be told."""
+
+    __slots__ = ()
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens. ``temperature`` 0 means greedy; ``seed`` makes sampling repeatable."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+# ---- from the tokenizer
+
+
+@message("generate")
+@dataclass(slots=True)
+class GenerateRequest(SchedulerMessage):
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stream: bool = False
+    cache_salt: str = ""
+
+
+@message("abort")
+@dataclass(slots=True)
+class AbortRequest(SchedulerMessage):
+    rid: str
+
+
+@message("admin")
+@dataclass(slots=True)
+class AdminRequest(SchedulerMessage):
+    """``op``: flush | stats | storage_status | storage_attach | storage_detach | storage_clear."""
+
+    rid: str
+    op: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+# ---- from the cache controller
+
+
+@message("op_done")
+@dataclass(slots=True)
+class OpDone(SchedulerMessage):
+    """The end of one controller op. ``status``: ok | failed | cancelled | error.
+
+    ``pages_done`` counts the pages that were completely moved (a prefix of the op's pages).
+    """
+
+    op_id: int
+    status: str
+    pages_done: int = 0
+    error: str | None = None
+
+
+@message("prefetch_hits")
+@dataclass(slots=True)
+class PrefetchHits(SchedulerMessage):
+    """Answer to ``PrefetchQuery``: L3 holds the first ``n`` pages of the queried chain."""
+
+    op_id: int
+    n: int
+
+
+@message("storage_status")
+@dataclass(slots=True)
+class StorageStatus(SchedulerMessage):
+    """The L3 store's state: after a ``StorageAdmin`` op (``op_id``) or unprompted (``op_id`` -1)."""
+
+    op_id: int
+    backend: str
+    up: bool
+    stats: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None

@@ -1,0 +1,51 @@
+"""Messages the tokenizer process receives from the scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from protos.base import Message, message
+
+
+class TokenizerMessage(Message):
+    """Base of everything the tokenizer can be told."""
+
+    __slots__ = ()
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token accounting of one request; the three ``cached_*`` add up to the cached prompt tokens."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_device: int = 0
+    cached_host: int = 0
+    cached_storage: int = 0
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.cached_device + self.cached_host + self.cached_storage
+
+
+@message("token_output")
+@dataclass(slots=True)
+class TokenOutput(TokenizerMessage):
+    """New tokens of a request. ``finish_reason`` (stop | length | abort | error) when finished."""
+
+    rid: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: str | None = None
+
+
+@message("admin_reply")
+@dataclass(slots=True)
+class AdminReply(TokenizerMessage):
+    rid: str
+    ok: bool
+    result: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None

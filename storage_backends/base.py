@@ -1,0 +1,120 @@
+"""The one interface every L3 backend implements (DESIGN §7).
+
+Contract, common to all backends:
+
+- Keys are page hashes (64 lowercase hex characters). A malformed hash is a programming
+  error and raises ``InvalidPageHash``; a buffer of the wrong size raises ``ValueError``.
+  Those are the only exceptions the data-path methods raise.
+- **Store trouble never raises.** A store that is down, slow, full, or returns a corrupt
+  object makes reads misses and writes ``False``; every such event is counted in
+  ``stats()``. A corrupt object (any header field different from the backend's
+  ``PageLayout``, a wrong length, a bad checksum) is a miss, counts in ``corrupt`` and is
+  deleted.
+- **Buffers.** ``batch_get`` writes each payload into the caller's buffer ``into[i]``,
+  which the caller owns and which must be exactly ``layout.payload_size`` bytes and
+  writable. Where the result is ``False`` the buffer's contents are unspecified (it may hold
+  partial or rejected bytes); the caller must not use them. ``batch_set`` only reads the
+  caller's pages during the call and keeps no reference afterwards.
+- **Concurrency.** Every method may be called from several threads at once, and several
+  processes may share one store: a reader sees either a whole page written by one writer
+  or nothing, never a torn or mixed page.
+- **Processes.** A backend notices when it is used in a new process (after ``fork``) and
+  rebuilds its clients, pools and threads there. Build it after spawn where possible.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from storage_backends.page_format import PageLayout
+from storage_backends.stats import StorageStats
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class StoreUsage:
+    """What a full scan of the store found (administration only)."""
+
+    pages: int
+    bytes: int
+
+
+class StorageBackend(ABC):
+    """An L3 store of page objects, keyed by page hash."""
+
+    kind: str = "abstract"
+
+    def __init__(self, layout: PageLayout | None) -> None:
+        self.layout = layout
+
+    # -- data path ------------------------------------------------------------------
+
+    @abstractmethod
+    def batch_exists(self, hashes: Sequence[str]) -> int:
+        """How many pages, counted from ``hashes[0]``, exist consecutively.
+
+        Returns ``k`` such that ``hashes[:k]`` all exist and ``hashes[k]`` (if any) does not.
+        Existence is not verification: a later ``batch_get`` may still find a page corrupt.
+        A store that is down answers 0.
+        """
+
+    @abstractmethod
+    def batch_get(self, hashes: Sequence[str], into: Sequence[memoryview]) -> list[bool]:
+        """Read page ``hashes[i]`` into ``into[i]``; result ``i`` is True iff it was a verified hit."""
+
+    @abstractmethod
+    def batch_set(self, hashes: Sequence[str], pages: Sequence[Buffer]) -> list[bool]:
+        """Store ``pages[i]`` under ``hashes[i]``; result ``i`` is True iff the page is stored.
+
+        A page that already exists counts as stored (content under a hash never changes).
+        Each page must be exactly ``layout.payload_size`` bytes.
+        """
+
+    @abstractmethod
+    def delete(self, hashes: Sequence[str]) -> int:
+        """Remove these pages if present; return how many were removed (0 when down)."""
+
+    @abstractmethod
+    def clear(self) -> int:
+        """Remove every page of this store (only this store's keys/files); return how many."""
+
+    @abstractmethod
+    def stats(self) -> StorageStats:
+        """A snapshot of the counters and the up/down state."""
+
+    @abstractmethod
+    def health(self) -> bool:
+        """Ask the store now (bounded by the timeout) whether it answers; never raises."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop threads and close connections. Idempotent; the backend is unusable after."""
+
+    # -- administration (``hicache storage``) ---------------------------------------
+
+    @abstractmethod
+    def iter_hashes(self) -> Iterator[str]:
+        """Every page hash in the store (a scan; may miss pages written during it). May raise
+        ``StorageError``: this is a tool path, not the data path."""
+
+    @abstractmethod
+    def read_object(self, h: str) -> bytes | None:
+        """The raw stored object (header + payload) or None if absent. May raise ``StorageError``."""
+
+    @abstractmethod
+    def usage(self) -> StoreUsage:
+        """Count pages and bytes by scanning. May raise ``StorageError``."""
+
+    def __enter__(self) -> StorageBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _require_layout(self) -> PageLayout:
+        if self.layout is None:
+            raise ValueError(f"{type(self).__name__} was built without a PageLayout (administration only)")
+        return self.layout
