@@ -75,8 +75,8 @@ REFERENCE_PRESETS: dict[str, dict[str, Any]] = {
         mamba_state_size=16, max_context=8192,
     ),
     "bench": dict(
-        layers=("full",) * 8, hidden_size=1024, num_heads=16, num_kv_heads=4, head_dim=64,
-        intermediate_size=2816, vocab_size=32000, sliding_window=1024, mamba_state_size=16,
+        layers=("full",) * 4, hidden_size=768, num_heads=12, num_kv_heads=4, head_dim=64,
+        intermediate_size=2048, vocab_size=32000, sliding_window=1024, mamba_state_size=16,
         max_context=16384,
     ),
 }

@@ -92,8 +92,9 @@ class PushSocket(Generic[M]):
     def send(self, msg: M) -> None:
         self.socket.send(encode(msg), copy=False)
 
-    def close(self) -> None:
-        self.socket.close(linger=0)
+    def close(self, linger_ms: int = 0) -> None:
+        """Close; with ``linger_ms`` > 0, first wait up to that long for queued messages to leave."""
+        self.socket.close(linger=linger_ms)
 
 
 class PullSocket(Generic[M]):

@@ -49,7 +49,8 @@ _CHECKSUM = struct.Struct("<Q")
 PREFIX_SIZE = _PREFIX.size  # 72
 _CHECKSUM_OFFSET = PREFIX_SIZE
 _TAIL_PAD = bytes(HEADER_SIZE - PREFIX_SIZE - _CHECKSUM.size)
-assert PREFIX_SIZE == 72 and HEADER_SIZE == PREFIX_SIZE + 8 + len(_TAIL_PAD)  # layout invariant
+if PREFIX_SIZE != 72:  # pragma: no cover - guards edits to the struct format above
+    raise ImportError(f"page header prefix is {PREFIX_SIZE} bytes, the format needs 72")
 
 DTYPE_ITEMSIZE: dict[str, int] = {
     "float64": 8,

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from hicache.memory.allocator import AllocatorError, PageAllocator
+from hicache.memory.allocator import AllocatorError, PageAllocator, PageIndices
 
-__all__ = ["AllocatorError", "PageAllocator"]
+__all__ = ["AllocatorError", "PageAllocator", "PageIndices"]

@@ -13,12 +13,22 @@ Contract:
 
 ``free`` refuses (before changing anything) indices out of ``[0, capacity)``, indices that
 are already free, and an index listed twice in one call. ``free_count + used == capacity``
-always holds.
+always holds. ``checked=False`` drops that ownership tracking (a bare free list, for
+benchmarks of the tree alone); production code keeps the default.
+
+``array_indices=True`` makes ``alloc`` return ``array('q')`` instead of ``list[int]`` (and
+``empty()`` an empty one); ``free`` accepts either. Every allocator of one cache must use the
+same kind, since the cache concatenates what they hand out.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from array import array
+from collections.abc import Iterable, Sequence
+
+PageIndices = list[int] | array
+"""A run of page indices: a ``list[int]``, or an ``array('q')`` from an allocator built with
+``array_indices=True`` (C-level slices and concatenations: no per-index Python objects)."""
 
 
 class AllocatorError(ValueError):
@@ -26,22 +36,34 @@ class AllocatorError(ValueError):
 
 
 class PageAllocator:
-    """A LIFO free list of page indices ``0 .. capacity-1`` with double-free detection.
+    """A LIFO stack of free page indices ``0 .. capacity-1`` with double-free detection.
 
-    Allocation and free are C-level list/set operations (no per-index Python loop), so the
-    cost per call is small even for thousands of pages.
+    The stack is a fixed-size buffer with a top pointer (it never shrinks or grows, so no
+    call reallocates it); allocation and free are C-level slice copies and set operations,
+    with no per-index Python loop, even for thousands of pages.
     """
 
-    __slots__ = ("_capacity", "_free", "_free_set", "name")
+    __slots__ = ("_capacity", "_stack", "_top", "_used", "name", "checked", "array_indices")
 
-    def __init__(self, capacity: int, name: str = "pages") -> None:
+    def __init__(self, capacity: int, name: str = "pages", *, checked: bool = True,
+                 array_indices: bool = False) -> None:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
             raise ValueError(f"capacity must be a non-negative int, got {capacity!r}")
         self.name = name
         self._capacity = capacity
-        # A stack: the next allocation takes from the end, so fresh pools hand out 0, 1, 2, ...
-        self._free: list[int] = list(range(capacity - 1, -1, -1))
-        self._free_set: set[int] = set(self._free)
+        self.array_indices = array_indices
+        self.checked = checked
+        self._stack: PageIndices = self._fresh()
+        self._top = capacity  # _stack[:_top] are the free indices; allocation takes the top
+        self._used: set[int] = set()
+
+    def _fresh(self) -> PageIndices:
+        order = range(self._capacity - 1, -1, -1)  # the lowest indices go out first
+        return array("q", order) if self.array_indices else list(order)
+
+    def empty(self) -> PageIndices:
+        """An empty run of indices of the kind ``alloc`` returns."""
+        return array("q") if self.array_indices else []
 
     @property
     def capacity(self) -> int:
@@ -49,67 +71,91 @@ class PageAllocator:
 
     @property
     def free_count(self) -> int:
-        return len(self._free)
+        return self._top
 
     @property
     def used(self) -> int:
-        return self._capacity - len(self._free)
+        return self._capacity - self._top
 
     def can_alloc(self, n: int) -> bool:
         """Whether ``alloc(n)`` would succeed now. No side effect."""
-        return 0 <= n <= len(self._free)
+        return 0 <= n <= self._top
 
-    def alloc(self, n: int) -> list[int] | None:
+    def alloc(self, n: int) -> PageIndices | None:
         """``n`` distinct free indices, or ``None`` (and no change) when fewer are free."""
         if n < 0:
             raise ValueError(f"{self.name}: cannot allocate {n} pages")
-        free = self._free
-        if n > len(free):
+        top = self._top
+        if n > top:
             return None
         if n == 0:
-            return []
-        out = free[-n:]
-        del free[-n:]
-        out.reverse()
-        self._free_set.difference_update(out)
+            return self.empty()
+        out = self._stack[top - n:top]
+        self._top = top - n
+        if self.checked:
+            self._used.update(out)
         return out
 
     def free(self, indices: Iterable[int]) -> None:
         """Return ``indices`` to the pool; raises ``AllocatorError`` and changes nothing if
         any index is out of range, already free, or listed twice."""
-        idx = indices if isinstance(indices, list) else list(indices)
-        if not idx:
+        idx: Sequence[int] = indices if isinstance(indices, (list, array)) else list(indices)
+        k = len(idx)
+        if not k:
             return
-        as_set = set(idx)
-        if len(as_set) != len(idx):
-            raise AllocatorError(f"{self.name}: an index is listed twice in one free()")
-        try:
-            lo, hi = min(as_set), max(as_set)
-        except TypeError as exc:
-            raise AllocatorError(f"{self.name}: page indices must be integers") from exc
-        if lo < 0 or hi >= self._capacity:
-            bad = lo if lo < 0 else hi
-            raise AllocatorError(f"{self.name}: index {bad} is outside [0, {self._capacity})")
-        if not self._free_set.isdisjoint(as_set):
-            bad = min(self._free_set & as_set)
-            raise AllocatorError(f"{self.name}: double free of index {bad}")
-        self._free_set |= as_set
-        self._free.extend(idx)
+        top = self._top
+        if self.checked:
+            used = self._used
+            # Only allocated indices are in ``used``: one C-level pass rejects out-of-range
+            # indices and double frees alike (the slow path below says which it was).
+            if not used.issuperset(idx):
+                self._raise_bad(idx)
+            before = len(used)
+            used.difference_update(idx)
+            if before - len(used) != k:
+                used.update(idx)  # undo: nothing changes on failure
+                raise AllocatorError(f"{self.name}: an index is listed twice in one free()")
+        elif top + k > self._capacity:
+            raise AllocatorError(f"{self.name}: more pages freed than were allocated")
+        if self.array_indices and not isinstance(idx, array):
+            idx = array("q", idx)
+        elif not self.array_indices and not isinstance(idx, list):
+            idx = list(idx)
+        self._stack[top:top + k] = idx  # type: ignore[index]
+        self._top = top + k
+
+    def _raise_bad(self, idx: Sequence[int]) -> None:
+        for i in idx:
+            if not isinstance(i, int) or isinstance(i, bool):
+                raise AllocatorError(f"{self.name}: page indices must be integers, got {i!r}")
+            if not 0 <= i < self._capacity:
+                raise AllocatorError(f"{self.name}: index {i} is outside [0, {self._capacity})")
+            if i not in self._used:
+                raise AllocatorError(f"{self.name}: double free of index {i}")
+        raise AllocatorError(f"{self.name}: invalid free()")  # pragma: no cover
 
     def is_free(self, index: int) -> bool:
-        return index in self._free_set
+        if not self.checked:
+            raise RuntimeError(f"{self.name}: is_free needs a checked allocator")
+        return 0 <= index < self._capacity and index not in self._used
 
     def check(self) -> None:
-        """Raise ``AllocatorError`` if the free list and the free set disagree."""
-        if len(self._free) != len(self._free_set):
-            raise AllocatorError(f"{self.name}: free list holds duplicates")
-        if self._free_set and (min(self._free_set) < 0 or max(self._free_set) >= self._capacity):
-            raise AllocatorError(f"{self.name}: free list holds an out-of-range index")
+        """Raise ``AllocatorError`` if the free stack and the used set disagree."""
+        free = self._stack[:self._top]
+        if len(set(free)) != len(free):
+            raise AllocatorError(f"{self.name}: the free stack holds duplicates")
+        if not self.checked:
+            return
+        if len(free) + len(self._used) != self._capacity:
+            raise AllocatorError(f"{self.name}: free + used != capacity")
+        if not self._used.isdisjoint(free):
+            raise AllocatorError(f"{self.name}: an index is both free and used")
 
     def reset(self) -> None:
         """Mark every page free (used when the whole cache is flushed)."""
-        self._free = list(range(self._capacity - 1, -1, -1))
-        self._free_set = set(self._free)
+        self._stack = self._fresh()
+        self._top = self._capacity
+        self._used = set()
 
     def __repr__(self) -> str:
-        return f"PageAllocator({self.name!r}, capacity={self._capacity}, free={len(self._free)})"
+        return f"PageAllocator({self.name!r}, capacity={self._capacity}, free={self._top})"

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hicache.tree.node import ComponentData, TreeNode
+from hicache.tree.node import ComponentData, Key, TreeNode
 from hicache.tree.policy import EvictionPolicy
 
 
@@ -70,17 +70,19 @@ class TreeCore:
             self.roots[salt] = r
         return r
 
-    def first_page(self, key: list[int], off: int) -> Any:
+    def first_page(self, key: Key, off: int) -> Any:
+        """The children-dict key of the page at ``off``: the token id itself when pages are
+        one token, else the page's raw bytes (C-level slice + copy, hashable)."""
         ps = self.page_size
-        return key[off] if ps == 1 else tuple(key[off:off + ps])
+        return key[off] if ps == 1 else key[off:off + ps].tobytes()
 
-    def common_tokens(self, key: list[int], off: int, ckey: list[int]) -> int:
-        """Tokens (a multiple of the page size) that ``key[off:]`` shares with ``ckey``,
+    def common_tokens(self, key: Key, off: int, ckey: Key, n: int) -> int:
+        """Tokens (a multiple of the page size) that ``key[off:n]`` shares with ``ckey``,
         knowing the first page is shared and the whole edge is not. Bisection over pages
         with C-level slice comparisons: no per-token Python loop."""
         ps = self.page_size
         lo = 1  # pages known equal
-        hi = min(len(ckey), len(key) - off) // ps  # pages that might be equal
+        hi = min(len(ckey), n - off) // ps  # pages that might be equal
         while lo < hi:
             mid = (lo + hi + 1) // 2
             t = mid * ps
@@ -90,8 +92,8 @@ class TreeCore:
                 hi = mid - 1
         return lo * ps
 
-    def walk(self, root: TreeNode, key: list[int]) -> list[TreeNode]:
-        """The nodes matching ``key`` (page-aligned) from ``root``.
+    def walk(self, root: TreeNode, key: Key, n: int) -> list[TreeNode]:
+        """The nodes matching ``key[:n]`` (``n`` page-aligned) from ``root``.
 
         Follows whole edges; where the key forks inside an edge (or ends inside it) the
         node is split at the fork and the walk **stops** there (the seed's fixed rule: it
@@ -100,21 +102,19 @@ class TreeCore:
         path: list[TreeNode] = []
         node = root
         off = 0
-        n = len(key)
         ps = self.page_size
         while off < n:
-            child = node.children.get(key[off] if ps == 1 else tuple(key[off:off + ps]))
+            child = node.children.get(key[off] if ps == 1 else key[off:off + ps].tobytes())
             if child is None:
                 break
             ckey = child.key
-            kl = len(ckey)
-            if key[off:off + kl] == ckey:
+            end = off + len(ckey)
+            if end <= n and key[off:end] == ckey:
                 path.append(child)
-                off += kl
+                off = end
                 node = child
                 continue
-            m = self.common_tokens(key, off, ckey)
-            path.append(self.split(child, m))
+            path.append(self.split(child, self.common_tokens(key, off, ckey, n)))
             break
         return path
 
@@ -135,6 +135,7 @@ class TreeCore:
         pages = ntok // ps
         upper.hit_count = node.hit_count
         upper.last_access_time = node.last_access_time
+        upper.host_time = node.host_time
         upper.in_flight = node.in_flight
         upper.loading = node.loading
         if node.hash_value is not None:
@@ -169,7 +170,7 @@ class TreeCore:
         else:
             policy.add(link)
 
-    def new_child(self, parent: TreeNode, key: list[int]) -> TreeNode:
+    def new_child(self, parent: TreeNode, key: Key) -> TreeNode:
         node = TreeNode(parent, key, self.n)
         parent.children[self.first_page(key, 0)] = node
         self.node_count += 1
@@ -197,6 +198,9 @@ class TreeCore:
         if cd.lock_ref:
             self.dev_prot[i] += u
         self.dev_lru[i].add(cd.dlink)
+        if i == 0:
+            self.tick += 1
+            node.last_access_time = self.tick
 
     def clear_value(self, node: TreeNode, i: int) -> Any:
         cd = node.data[i]
@@ -221,6 +225,9 @@ class TreeCore:
         if cd.host_lock_ref:
             self.host_prot[i] += u
         self.host_lru[i].add(cd.hlink)
+        if i == 0:
+            self.tick += 1
+            node.host_time = self.tick
 
     def clear_host(self, node: TreeNode, i: int) -> Any:
         cd = node.data[i]
@@ -266,13 +273,29 @@ class TreeCore:
     def touch(self, path: Sequence[TreeNode]) -> None:
         """Mark ``path`` (root side first) as just used: increasing access times, so a
         parent is older than its child, and each node to the MRU end of every order that
-        holds it."""
+        holds it. With the LRU policy, the FULL L1 order is therefore sorted by
+        ``last_access_time`` and the FULL L2 order by ``host_time`` (ties: a split's upper
+        part sits first), which eviction relies on when it follows a parent."""
         t = self.tick
+        if self.n == 1:  # FULL only: the common case, without the per-component loop
+            dtouch, htouch = self.dev_lru[0].touch, self.host_lru[0].touch
+            for node in path:
+                t += 1
+                node.last_access_time = t
+                node.host_time = t
+                cd = node.data[0]
+                if cd.value is not None:
+                    dtouch(cd.dlink)
+                if cd.host_value is not None:
+                    htouch(cd.hlink)
+            self.tick = t
+            return
         dev, host = self.dev_lru, self.host_lru
         rng = range(self.n)
         for node in path:
             t += 1
             node.last_access_time = t
+            node.host_time = t
             for i in rng:
                 cd = node.data[i]
                 if cd.value is not None:

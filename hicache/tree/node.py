@@ -1,14 +1,21 @@
 """Tree nodes and per-component node data (DESIGN §4).
 
-A node's ``key`` is a page-aligned run of token ids (a ``list[int]``) and every per-page
+A node's ``key`` is a page-aligned run of token ids (an ``array('I')``) and every per-page
 field (``value``, ``host_value``, ``hash_value``) holds exactly one entry per page of it.
 ``TreeNode`` keeps the structure; ``ComponentData`` keeps what one component stores there.
 """
 
 from __future__ import annotations
 
+from array import array
 from enum import IntEnum
 from typing import Any
+
+Key = array
+"""Token ids as ``array('I')`` (uint32): slices and comparisons are C-level memory copies
+and compares, and the bytes are exactly what page hashing consumes."""
+
+KEY_TYPECODE = "I"
 
 
 class ComponentType(IntEnum):
@@ -64,7 +71,7 @@ class TreeNode:
     """A radix-tree node.
 
     ``children`` is indexed by the first page of each child's key (the token id itself when
-    the page size is 1, a tuple of ``page_size`` token ids otherwise). ``data[i]`` belongs to
+    the page size is 1, the page's bytes otherwise). ``data[i]`` belongs to
     the cache's ``i``-th component (FULL is index 0). ``hash_value`` (one hex page hash per
     page) is computed lazily, only when a tier needs it, and split along with the node.
     ``loading`` marks an L1 copy whose host->device load is still in flight (not yet readable).
@@ -73,19 +80,20 @@ class TreeNode:
 
     __slots__ = (
         "children", "parent", "key", "data", "hash_value", "hit_count", "last_access_time",
-        "id", "loading", "in_flight", "salt",
+        "host_time", "id", "loading", "in_flight", "salt",
     )
 
     _next_id = 0
 
-    def __init__(self, parent: TreeNode | None, key: list[int], n_components: int) -> None:
+    def __init__(self, parent: TreeNode | None, key: Key, n_components: int) -> None:
         self.children: dict[Any, TreeNode] = {}
         self.parent = parent
         self.key = key
         self.data = [ComponentData(self) for _ in range(n_components)]
         self.hash_value: list[str] | None = None
         self.hit_count = 0
-        self.last_access_time = 0
+        self.last_access_time = 0  # logical clock: bumped on every touch and L1 (re)fill
+        self.host_time = 0  # the same clock, bumped on touches and when the L2 copy lands
         TreeNode._next_id += 1
         self.id = TreeNode._next_id
         self.loading = False

@@ -8,9 +8,10 @@ candidate can go (a leaf, unlocked, no transfer in flight).
 Policies:
 
 * ``lru`` (default) -- one list; a touch moves the node to the MRU end.
-* ``slru`` -- segmented LRU: new entries start in a probation segment; a second touch
-  promotes to the protected segment (capped at ``protected_fraction`` of the entries; the
-  overflow is demoted to the MRU end of probation). Candidates come from probation first.
+* ``slru`` -- segmented LRU: new entries start in a probation segment; a touch of a node
+  that a match has hit before (``hit_count >= 1``: it was re-used) promotes it to the
+  protected segment (capped at ``protected_fraction`` of the entries; the overflow is
+  demoted to the MRU end of probation). Candidates come from probation first.
 """
 
 from __future__ import annotations
@@ -168,6 +169,9 @@ class SLRUPolicy(EvictionPolicy):
     def touch(self, link: LruLink) -> None:
         if link.segment == self.PROTECTED:
             self._prot.move_to_mru(link)
+            return
+        if link.owner.hit_count < 1:  # type: ignore[union-attr]
+            self._prob.move_to_mru(link)
             return
         self._prob.unlink(link)
         link.segment = self.PROTECTED

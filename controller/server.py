@@ -1,0 +1,320 @@
+"""The cache-controller process: executes the scheduler's page moves and answers each op once.
+
+It decides nothing about the tree. It maps the shared pools, owns the L3 backend, receives
+``protos.to_controller`` messages on its PULL socket and pushes ``OpDone`` /
+``PrefetchHits`` / ``StorageStatus`` / ``ErrorReply`` to the scheduler.
+
+Contract with the scheduler:
+
+=====================  ========================================  ==========================
+message                executed on                               answered by
+=====================  ========================================  ==========================
+WriteToHost            the copy thread (FIFO: ops never          OpDone(ok | error |
+LoadToDevice           overtake each other); small ops inline    cancelled)
+                       when no copy is queued
+BackupToStorage        an L3 worker thread                       OpDone(pages_done = pages
+PrefetchFetch                                                    L3 holds / arrived)
+PrefetchQuery          an L3 worker thread                       PrefetchHits(n)
+Cancel                 main loop: an op not yet started is       the op's own OpDone
+                       answered ``cancelled``; a running one     (never a second one)
+                       finishes normally
+StorageAdmin           main loop, once no L3 op is running       StorageStatus
+Shutdown / SIGTERM     stop reading, finish queued ops, exit 0   —
+=====================  ========================================  ==========================
+
+Every op gets exactly one answer. A message that is refused (bad indices, unknown
+component, a duplicate ``op_id`` of an op still running) is answered ``OpDone(status=
+"rejected")`` without touching memory; if an op with that id is running it goes on and
+answers for itself. A frame that does not decode is answered with ``ErrorReply``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+import protos
+from controller.storage_io import StorageIO
+from controller.transfer import TransferRefused, make_transfer_engine
+from hicache.ipc import Endpoints, PullSocket, PushSocket
+from hicache.logging_setup import setup_logging
+from hicache.memory.pools import PoolLayout, attach_pools
+from storage_backends import create_backend
+
+log = logging.getLogger("hicache.controller")
+
+INLINE_COPY_BYTES = 4 * 1024 * 1024
+"""Copies up to this size run on the main loop when no other copy is queued (saves a thread hop)."""
+
+ACCEPTS = (
+    protos.WriteToHost, protos.LoadToDevice, protos.BackupToStorage, protos.PrefetchQuery,
+    protos.PrefetchFetch, protos.Cancel, protos.StorageAdmin, protos.Shutdown,
+)
+
+
+@dataclass(frozen=True)
+class ControllerArgs:
+    """What the controller process is started with (pickled by ``spawn``)."""
+
+    layout: PoolLayout
+    endpoints: Endpoints
+    storage: Any = None  # storage_backends settings, or None for no L3
+    ready_address: str | None = None
+    device: str = "cpu"
+    io_threads: int = 4
+    log_level: str = "info"
+    log_json: bool = False
+
+
+@dataclass
+class _Op:
+    op_id: int
+    kind: str  # "copy" | "l3"
+    started: bool = False
+    cancelled: bool = False
+
+
+class ControllerServer:
+    def __init__(self, args: ControllerArgs, ctx: zmq.Context) -> None:
+        self.args = args
+        self.ctx = ctx
+        self.pools = attach_pools(args.layout)
+        self.engine = make_transfer_engine(self.pools, args.device)
+        backend = None
+        if args.storage is not None:
+            io_probe = StorageIO(self.pools, None)
+            paged = next((c.name for c in args.layout.components if c.kind == "paged"), None)
+            if paged is not None:
+                backend = create_backend(args.storage, io_probe.layout_for(paged))
+        self.storage = StorageIO(self.pools, backend, args.storage.kind if backend is not None else "none")
+        self.inbox: PullSocket[protos.ControllerMessage] = PullSocket(
+            ctx, args.endpoints.address("controller"), ACCEPTS, bind=True)
+        self.outbox: PushSocket[protos.Message] = PushSocket(ctx, args.endpoints.address("scheduler"))
+        self._done_addr = f"inproc://controller-done-{id(self)}"
+        self.done = ctx.socket(zmq.PULL)
+        self.done.bind(self._done_addr)
+        self._local = threading.local()
+        self.copy_pool = ThreadPoolExecutor(1, thread_name_prefix="copy")
+        self.io_pool = ThreadPoolExecutor(args.io_threads, thread_name_prefix="l3")
+        self.ops: dict[int, _Op] = {}
+        self.copies_queued = 0
+        self.l3_running = 0
+        self.pending_admin: list[protos.StorageAdmin] = []
+        self.stopping = False
+
+    # -- answering -----------------------------------------------------------------
+
+    def _answer_from_worker(self, msg: protos.Message) -> None:
+        """Worker threads answer through their own inproc socket; the main loop forwards."""
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            sock = self._local.sock = self.ctx.socket(zmq.PUSH)
+            sock.connect(self._done_addr)
+        sock.send(protos.encode(msg))
+
+    def _reject(self, op_id: int, reason: str) -> None:
+        log.warning("op %d rejected: %s", op_id, reason)
+        self.outbox.send(protos.OpDone(op_id, "rejected", 0, reason))
+
+    # -- dispatch ------------------------------------------------------------------
+
+    def handle(self, msg: protos.Message) -> None:
+        if isinstance(msg, protos.Shutdown):
+            log.info("shutdown requested: %s", msg.reason)
+            self.stopping = True
+            return
+        if isinstance(msg, protos.Cancel):
+            op = self.ops.get(msg.op_id)
+            if op is not None and not op.started:
+                op.cancelled = True
+            return
+        if isinstance(msg, protos.StorageAdmin):
+            self.pending_admin.append(msg)
+            return
+        op_id = msg.op_id  # type: ignore[attr-defined]
+        if op_id in self.ops:
+            self._reject(op_id, f"duplicate op id {op_id}: an op with this id is still running")
+            return
+        if isinstance(msg, protos.WriteToHost | protos.LoadToDevice):
+            self._start_copy(msg)
+        elif isinstance(msg, protos.BackupToStorage | protos.PrefetchFetch | protos.PrefetchQuery):
+            self._start_l3(msg)
+
+    def _start_copy(self, msg: protos.WriteToHost | protos.LoadToDevice) -> None:
+        try:
+            self.engine.check(msg)
+        except TransferRefused as exc:
+            self._reject(msg.op_id, str(exc))
+            return
+        op = self.ops[msg.op_id] = _Op(msg.op_id, "copy")
+        if self.copies_queued == 0 and self.engine.nbytes(msg) <= INLINE_COPY_BYTES:
+            self.outbox.send(self._copy(op, msg))
+            del self.ops[msg.op_id]
+            return
+        self.copies_queued += 1
+        self.copy_pool.submit(self._run_and_answer, op, lambda: self._copy(op, msg))
+
+    def _copy(self, op: _Op, msg: protos.WriteToHost | protos.LoadToDevice) -> protos.OpDone:
+        if op.cancelled:
+            return protos.OpDone(op.op_id, "cancelled")
+        op.started = True
+        try:
+            result = self.engine.run(msg)
+        except Exception as exc:  # a copy that fails is reported, never lost
+            log.exception("copy op %d failed", op.op_id)
+            return protos.OpDone(op.op_id, "error", 0, f"{type(exc).__name__}: {exc}")
+        return protos.OpDone(op.op_id, "ok", result.pages)
+
+    def _start_l3(self, msg: protos.BackupToStorage | protos.PrefetchFetch | protos.PrefetchQuery) -> None:
+        try:
+            pages = None if isinstance(msg, protos.PrefetchQuery) else msg.host_pages
+            self.storage.check(msg.component, pages, msg.hashes)
+        except ValueError as exc:
+            self._reject(msg.op_id, str(exc))
+            return
+        op = self.ops[msg.op_id] = _Op(msg.op_id, "l3")
+        self.l3_running += 1
+        self.io_pool.submit(self._run_and_answer, op, lambda: self._l3(op, msg))
+
+    def _l3(self, op: _Op, msg: protos.BackupToStorage | protos.PrefetchFetch | protos.PrefetchQuery) -> protos.Message:
+        if isinstance(msg, protos.PrefetchQuery):
+            op.started = True
+            return protos.PrefetchHits(op.op_id, self.storage.query(msg.hashes))
+        if op.cancelled:
+            return protos.OpDone(op.op_id, "cancelled")
+        op.started = True
+        try:
+            if isinstance(msg, protos.BackupToStorage):
+                done = self.storage.backup(msg.component, msg.host_pages, msg.hashes, lambda: op.cancelled)
+            else:
+                done = self.storage.fetch(msg.component, msg.hashes, msg.host_pages)
+        except Exception as exc:  # the backends never raise for store trouble; this is a bug
+            log.exception("L3 op %d failed", op.op_id)
+            return protos.OpDone(op.op_id, "error", 0, f"{type(exc).__name__}: {exc}")
+        status = "ok" if done == len(msg.hashes) else "failed"
+        return protos.OpDone(op.op_id, status, done)
+
+    def _run_and_answer(self, op: _Op, work: Callable[[], protos.Message]) -> None:
+        try:
+            answer = work()
+        except Exception as exc:  # pragma: no cover - work() already catches
+            answer = protos.OpDone(op.op_id, "error", 0, f"{type(exc).__name__}: {exc}")
+        self._answer_from_worker(answer)
+
+    def _forward_done(self) -> None:
+        while True:
+            try:
+                frame = self.done.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            op = self.ops.pop(protos.decode(frame).op_id, None)  # type: ignore[attr-defined]
+            if op is not None:
+                if op.kind == "copy":
+                    self.copies_queued -= 1
+                else:
+                    self.l3_running -= 1
+            self.outbox.socket.send(frame)
+
+    def _run_admin(self) -> None:
+        while self.pending_admin and self.l3_running == 0:
+            msg = self.pending_admin.pop(0)
+            error = None
+            try:
+                if msg.op == "attach":
+                    settings = l3_settings_from_mapping(msg.args)
+                    if settings is None:
+                        self.storage.detach()
+                    else:
+                        self.storage.attach(settings)
+                elif msg.op == "detach":
+                    self.storage.detach()
+                elif msg.op == "clear":
+                    self.storage.clear()
+                elif msg.op != "status":
+                    error = f"unknown storage admin op {msg.op!r}"
+            except Exception as exc:  # reported to the caller; the controller keeps serving
+                error = f"{type(exc).__name__}: {exc}"
+            up, stats = self.storage.status()
+            self.outbox.send(protos.StorageStatus(msg.op_id, self.storage.backend_name, up, stats, error))
+
+    # -- the loop ------------------------------------------------------------------
+
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.inbox.socket, zmq.POLLIN)
+        poller.register(self.done, zmq.POLLIN)
+        while not (self.stopping and not self.ops):
+            events = dict(poller.poll(100))
+            if self.done in events:
+                self._forward_done()
+            if self.inbox.socket in events and not self.stopping:
+                for _ in range(64):
+                    try:
+                        msg = self.inbox.recv(0)
+                    except protos.ProtocolError as exc:
+                        log.warning("refused a frame: %s", exc)
+                        self.outbox.send(protos.ErrorReply(str(exc)))
+                        continue
+                    if msg is None:
+                        break
+                    self.handle(msg)
+            if self.pending_admin:
+                self._run_admin()
+
+    def close(self) -> None:
+        self.copy_pool.shutdown(wait=True)
+        self.io_pool.shutdown(wait=True)
+        self.storage.detach()
+        self.inbox.close()
+        self.outbox.close(linger_ms=2000)
+        self.done.close(0)
+        self.pools.close()
+
+
+def l3_settings_from_mapping(raw: dict[str, Any]) -> Any:
+    """Backend settings from a ``cache.l3``-shaped mapping (as the admin API receives it).
+
+    Validated exactly like the config file; raises ``ConfigError`` naming each bad key.
+    """
+    from hicache.config import config_from_dict
+    from hicache.storage_cli import storage_settings_from_config
+
+    l3 = config_from_dict({"cache": {"l3": raw}}).cache.l3
+    return storage_settings_from_config(l3)
+
+
+def controller_main(args: ControllerArgs) -> None:
+    """Process entry point (``multiprocessing`` spawn target)."""
+    setup_logging("controller", args.log_level, args.log_json)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("signal %d: stopping", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; Ctrl-C reaches the group
+    ctx = zmq.Context()
+    server = ControllerServer(args, ctx)
+    if args.ready_address:
+        ready: PushSocket[protos.Message] = PushSocket(ctx, args.ready_address)
+        ready.send(protos.Ready("controller", os.getpid()))
+        ready.close(linger_ms=5000)
+    log.info("controller ready: components %s, L3 %s", list(server.pools.components), server.storage.backend_name)
+    watcher = threading.Thread(target=lambda: (stop.wait(), setattr(server, "stopping", True)), daemon=True)
+    watcher.start()
+    try:
+        server.serve()
+    finally:
+        server.close()
+        ctx.term()
+        time.sleep(0)

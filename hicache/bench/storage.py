@@ -1,0 +1,278 @@
+"""``hicache bench storage``: L3 backends against raw redis-py and raw file I/O.
+
+For each page size (64 KiB, 256 KiB, 1 MiB by default) and each backend, one repetition
+writes a batch of fresh pages through the backend and reads them back into preallocated
+buffers, then does the same through the reference on the same server / file system:
+
+- Redis reference: redis-py pipelined ``SET`` / ``GET`` of the same bytes (no header, no
+  checksum), one pipeline per batch;
+- file reference: plain buffered ``open/write/close`` to a temporary name and
+  ``os.replace`` into place, and ``open/readinto`` of the same sizes into the same
+  preallocated destination buffers the backend reads into (a reference that reads into a
+  fresh, recycled ``bytes`` each time keeps the destination in the CPU cache, which no
+  L3 read into L2 buffers can do, and would overstate raw speed about twofold).
+
+Backend and reference alternate within each repetition; the table shows the median GB/s
+of the repetitions and backend / reference. ``--json PATH`` writes the same figures. If
+``--redis-url`` is not given, a private ``redis-server`` is started on a free loopback
+port (and killed at the end) when one is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+DEFAULT_SIZES = "64K,256K,1M"
+
+
+def _parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1:], 1)
+    return int(float(text.rstrip("KMG")) * mult)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"page sizes (default {DEFAULT_SIZES})")
+    parser.add_argument("--batch-mb", type=float, default=32.0, help="MiB of pages per batch (default 32)")
+    parser.add_argument("--reps", type=int, default=7, help="repetitions; the median is reported (default 7)")
+    parser.add_argument("--backends", default="file,redis", help="comma list of file, redis (default both)")
+    parser.add_argument("--dir", help="directory for the file store (default: a temporary one)")
+    parser.add_argument("--redis-url", help="use this Redis instead of starting a private redis-server")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+
+
+@dataclass
+class Row:
+    backend: str
+    op: str
+    page_bytes: int
+    batch_pages: int
+    gbps: float
+    reference: str
+    ref_gbps: float
+    ratio: float
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _PrivateRedis:
+    """A throw-away redis-server on loopback, killed by ``stop``."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="hicache-bench-redis-")
+        self.port = _free_port()
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server not installed")
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.dir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        import redis
+
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.RedisError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("private redis-server did not start") from None
+                time.sleep(0.05)
+        client.close()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _hashes(n: int) -> list[str]:
+    return [os.urandom(32).hex() for _ in range(n)]
+
+
+def _bench_file(root: str, size: int, n: int, reps: int) -> tuple[list[float], ...]:
+    from storage_backends import FileSettings, PageLayout, create_backend
+
+    layout = PageLayout.for_bytes(size)
+    pages = [os.urandom(size) for _ in range(n)]
+    into = [memoryview(bytearray(size)) for _ in range(n)]
+    store = os.path.join(root, "store")
+    raw_root = os.path.join(root, "raw")
+    be = create_backend(FileSettings(dir=store), layout)
+    bw: list[float] = []
+    br: list[float] = []
+    rw: list[float] = []
+    rr: list[float] = []
+    try:
+        for _ in range(reps):
+            hs = _hashes(n)
+            bw.append(_timed(lambda hs=hs: _check(be.batch_set(hs, pages))))
+            br.append(_timed(lambda hs=hs: _check(be.batch_get(hs, into))))
+            be.delete(hs)
+
+            paths = [os.path.join(raw_root, h[:2], h + ".page") for h in _hashes(n)]
+            for p in paths:
+                os.makedirs(os.path.dirname(p), exist_ok=True)
+
+            def raw_write(paths: list[str] = paths) -> None:
+                for p, page in zip(paths, pages, strict=True):
+                    tmp = p + ".tmp"
+                    with open(tmp, "wb") as f:
+                        f.write(page)
+                    os.replace(tmp, p)
+
+            def raw_read(paths: list[str] = paths) -> None:
+                for p, buf in zip(paths, into, strict=True):
+                    with open(p, "rb") as f:
+                        f.readinto(buf)
+
+            rw.append(_timed(raw_write))
+            rr.append(_timed(raw_read))
+            for p in paths:
+                os.unlink(p)
+    finally:
+        be.close()
+    return bw, br, rw, rr
+
+
+def _bench_redis(url: str, size: int, n: int, reps: int) -> tuple[list[float], ...]:
+    import redis
+
+    from storage_backends import PageLayout, RedisSettings, create_backend
+
+    layout = PageLayout.for_bytes(size)
+    pages = [os.urandom(size) for _ in range(n)]
+    into = [memoryview(bytearray(size)) for _ in range(n)]
+    prefix = f"hicache-bench-{os.getpid()}"
+    be = create_backend(
+        RedisSettings(url=url, key_prefix=prefix, pipeline_bytes=max(size * n + 1, 16 << 20), pipeline_max=n),
+        layout,
+    )
+    raw = redis.Redis.from_url(url)
+    bw: list[float] = []
+    br: list[float] = []
+    rw: list[float] = []
+    rr: list[float] = []
+    try:
+        for _ in range(reps):
+            hs = _hashes(n)
+            bw.append(_timed(lambda hs=hs: _check(be.batch_set(hs, pages))))
+            br.append(_timed(lambda hs=hs: _check(be.batch_get(hs, into))))
+            be.delete(hs)
+
+            keys = [f"{prefix}-raw:{h}" for h in _hashes(n)]
+
+            def raw_write(keys: list[str] = keys) -> None:
+                pipe = raw.pipeline(transaction=False)
+                for k, page in zip(keys, pages, strict=True):
+                    pipe.set(k, page)
+                pipe.execute()
+
+            def raw_read(keys: list[str] = keys) -> None:
+                pipe = raw.pipeline(transaction=False)
+                for k in keys:
+                    pipe.get(k)
+                pipe.execute()
+
+            rw.append(_timed(raw_write))
+            rr.append(_timed(raw_read))
+            raw.delete(*keys)
+    finally:
+        be.close()
+        raw.close()
+    return bw, br, rw, rr
+
+
+def _check(results: list[bool]) -> None:
+    if not all(results):
+        raise RuntimeError(f"{results.count(False)} of {len(results)} pages failed during the benchmark")
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = [_parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = set(backends) - {"file", "redis"}
+    if unknown or not sizes or args.reps < 1:
+        print(f"error: bad --backends {sorted(unknown)} / --sizes / --reps", file=sys.stderr)
+        return 2
+    private: _PrivateRedis | None = None
+    url = args.redis_url
+    if "redis" in backends and url is None:
+        try:
+            private = _PrivateRedis()
+            url = private.url
+        except RuntimeError as exc:
+            print(f"skipping redis: {exc} (pass --redis-url)", file=sys.stderr)
+            backends.remove("redis")
+    root = args.dir or tempfile.mkdtemp(prefix="hicache-bench-file-")
+    rows: list[Row] = []
+    try:
+        for size in sizes:
+            n = max(4, int(args.batch_mb * 2**20) // size)
+            gb = size * n / 1e9
+            for backend in backends:
+                if backend == "file":
+                    bw, br, rw, rr = _bench_file(root, size, n, args.reps)
+                    ref = "file write+rename / read"
+                else:
+                    bw, br, rw, rr = _bench_redis(url, size, n, args.reps)
+                    ref = "redis-py pipelined SET / GET"
+                for op, mine, theirs in (("write", bw, rw), ("read", br, rr)):
+                    g = gb / statistics.median(mine)
+                    r = gb / statistics.median(theirs)
+                    rows.append(Row(backend, op, size, n, g, ref, r, g / r))
+                    print(f"  {backend:5} {op:5} {size // 1024:>5} KiB  {g:6.2f} GB/s  ref {r:6.2f} GB/s  x{g / r:.2f}",
+                          file=sys.stderr, flush=True)  # fmt: skip
+    finally:
+        if private is not None:
+            private.stop()
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    _print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"benchmark": "storage", "reps": args.reps, "rows": [asdict(r) for r in rows]}, f, indent=2
+            )
+    return 0
+
+
+def _print_table(rows: list[Row]) -> None:
+    print(f"{'backend':8} {'op':6} {'page':>9} {'batch':>6} {'GB/s':>7} {'ref GB/s':>9} {'ratio':>6}  reference")
+    for r in rows:
+        page = f"{r.page_bytes // 1024} KiB"
+        print(
+            f"{r.backend:8} {r.op:6} {page:>9} {r.batch_pages:>6} {r.gbps:7.2f} {r.ref_gbps:9.2f} "
+            f"{r.ratio:6.2f}  {r.reference}"
+        )

@@ -1,0 +1,125 @@
+"""What the L1/L2 pools must hold for a model: per-component shapes, page-size independent.
+
+This module is torch-free: the scheduler and the memory pools size their shared-memory
+segments from it without importing the model.
+
+Pool layout (the contract between the memory pools and the runner; ``S = num_pages *
+page_size`` token slots, token ``j`` of page ``p`` lives in slot ``p * page_size + j``):
+
+=========  =====================================================================
+component  L1 tensor(s)
+=========  =====================================================================
+full       ``[full.num_layers, 2, S_full, full.num_kv_heads, full.head_dim]`` (k=0, v=1)
+swa        ``[swa.num_layers, 2, S_swa, swa.num_kv_heads, swa.head_dim]`` (own page pool)
+mamba      conv ``[mamba.num_layers, num_state_slots, *mamba.conv_shape]`` and
+           ssm  ``[mamba.num_layers, num_state_slots, *mamba.ssm_shape]``
+=========  =====================================================================
+
+The layer axis counts only the layers of that kind, in model order (the ``i``-th ``swa``
+layer of the model is index ``i`` of the SWA tensor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hicache.config import DTYPE_BYTES, ModelConfig
+from hicache.model.spec import DecoderSpec, spec_for
+
+MAMBA_STATE_DTYPE = "float32"
+"""Mamba states are kept in float32 whatever the model dtype: they accumulate over the
+whole sequence and low precision would drift."""
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """KV of one attention component (``full`` or ``swa``)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of K and V of one token over all layers of this component."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    def page_bytes(self, page_size: int) -> int:
+        return self.bytes_per_token * page_size
+
+    def l1_shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_pages * page_size, self.num_kv_heads, self.head_dim)
+
+    def l2_page_shape(self, page_size: int) -> tuple[int, ...]:
+        """One page in a page-contiguous host buffer: ``[layers, 2, page_size, heads, dim]``."""
+        return (self.num_layers, 2, page_size, self.num_kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True)
+class MambaGeometry:
+    """Per-sequence recurrent state of the mamba layers (one state slot per sequence/snapshot)."""
+
+    num_layers: int
+    conv_shape: tuple[int, ...]
+    ssm_shape: tuple[int, ...]
+    dtype: str = MAMBA_STATE_DTYPE
+
+    @property
+    def bytes_per_slot(self) -> int:
+        conv = 1
+        for n in self.conv_shape:
+            conv *= n
+        ssm = 1
+        for n in self.ssm_shape:
+            ssm *= n
+        return self.num_layers * (conv + ssm) * DTYPE_BYTES[self.dtype]
+
+    def conv_l1_shape(self, num_state_slots: int) -> tuple[int, ...]:
+        return (self.num_layers, num_state_slots, *self.conv_shape)
+
+    def ssm_l1_shape(self, num_state_slots: int) -> tuple[int, ...]:
+        return (self.num_layers, num_state_slots, *self.ssm_shape)
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """The pool-relevant shape of a model. A component is None when the model has no layer of it."""
+
+    layer_kinds: tuple[str, ...]
+    full: AttentionGeometry | None
+    swa: AttentionGeometry | None
+    mamba: MambaGeometry | None
+    sliding_window: int | None
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        """The cache components this model needs, in priority order (``full`` first)."""
+        return tuple(name for name in ("full", "swa", "mamba") if getattr(self, name) is not None)
+
+    @classmethod
+    def from_spec(cls, spec: DecoderSpec) -> ModelGeometry:
+        def attention(kind: str) -> AttentionGeometry | None:
+            n = spec.count(kind)
+            return AttentionGeometry(n, spec.num_kv_heads, spec.head_dim, spec.dtype) if n else None
+
+        n_mamba = spec.count("mamba")
+        mamba = None
+        if n_mamba:
+            mamba = MambaGeometry(
+                n_mamba,
+                conv_shape=(spec.mamba_d_conv - 1, spec.mamba_d_inner),
+                ssm_shape=(spec.mamba_d_inner, spec.mamba_state_size),
+            )
+        return cls(
+            layer_kinds=spec.layer_kinds,
+            full=attention("full"),
+            swa=attention("swa"),
+            mamba=mamba,
+            sliding_window=spec.sliding_window if spec.count("swa") else None,
+        )
+
+
+def geometry_for(model: ModelConfig) -> ModelGeometry:
+    """The geometry of the configured model (reads only config.json for ``hf``; no weights)."""
+    return ModelGeometry.from_spec(spec_for(model))

@@ -1,0 +1,231 @@
+"""``hicache storage``: inspect, verify, clear or gc the configured L3 store.
+
+The store comes from the config file (``--config``, ``--set cache.l3....``) or, to use the
+command without a config, from ``--backend file --dir PATH`` / ``--backend redis --url URL``
+(flags win over the config). Subcommands:
+
+- ``stats``  pages and bytes in the store (a scan), plus server memory settings for Redis;
+- ``verify`` re-check every object's header and checksum; ``--delete`` removes bad ones;
+- ``clear``  remove every page of this store (``--yes`` required);
+- ``gc``     file store only: evict least recently used pages down to ``--to-gb``.
+
+Exit codes: 0 success, 1 store trouble or (``verify``) bad objects found, 2 bad usage or
+config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from storage_backends import FileSettings, RedisSettings
+    from storage_backends.base import StorageBackend
+
+
+def storage_settings_from_config(l3cfg: Any) -> FileSettings | RedisSettings | None:
+    """Convert the core's ``cache.l3`` section into backend settings (``None`` for ``none``).
+
+    Duck-typed: reads ``backend``, ``file.dir``, ``file.max_size_gb``, optional
+    ``file.fsync``, and ``redis.url``, ``.cluster``, ``.password``, ``.ttl_s``,
+    ``.key_prefix``, ``.timeout_s``. Raises ``StorageConfigError`` for an unknown backend or
+    a value the settings refuse.
+    """
+    from storage_backends import FileSettings, RedisSettings, ResilienceSettings, StorageConfigError
+
+    backend = getattr(l3cfg, "backend", "none")
+    if backend in (None, "none"):
+        return None
+    if backend == "file":
+        f = l3cfg.file
+        return FileSettings(
+            dir=str(f.dir),
+            max_size_gb=float(f.max_size_gb),
+            fsync=bool(getattr(f, "fsync", False)),
+        )
+    if backend == "redis":
+        r = l3cfg.redis
+        timeout = getattr(r, "timeout_s", None)
+        return RedisSettings(
+            url=str(r.url),
+            cluster=bool(getattr(r, "cluster", False)),
+            password=getattr(r, "password", None),
+            ttl_s=getattr(r, "ttl_s", None),
+            key_prefix=str(getattr(r, "key_prefix", "hicache")),
+            resilience=ResilienceSettings(timeout_s=float(timeout)) if timeout else ResilienceSettings(),
+        )
+    raise StorageConfigError(f"cache.l3.backend: unknown backend {backend!r} (none, file, redis)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="hicache YAML config (its cache.l3 section)")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
+    parser.add_argument("--backend", choices=["file", "redis"], help="use this backend instead of the config's")
+    parser.add_argument("--dir", help="file store directory (with --backend file)")
+    parser.add_argument("--url", help="redis://, rediss:// or unix:// URL (with --backend redis)")
+    parser.add_argument("--cluster", action="store_true", help="the URL names a Redis Cluster node")
+    parser.add_argument("--password", help="Redis password")
+    parser.add_argument("--key-prefix", help="Redis key prefix (default: the config's, else 'hicache')")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per store call")
+    sub = parser.add_subparsers(dest="storage_command", metavar="ACTION", required=True)
+    p = sub.add_parser("stats", help="count pages and bytes in the store")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p = sub.add_parser("verify", help="re-check every object's header and checksum")
+    p.add_argument("--delete", action="store_true", help="delete the objects that fail")
+    p = sub.add_parser("clear", help="delete every page of this store")
+    p.add_argument("--yes", action="store_true", help="really delete everything")
+    p = sub.add_parser("gc", help="file store: evict least recently used pages down to a size")
+    p.add_argument("--to-gb", type=float, required=True, metavar="GB", help="target size in GiB")
+
+
+def _settings(args: argparse.Namespace) -> FileSettings | RedisSettings | None:
+    from storage_backends import FileSettings, RedisSettings, ResilienceSettings
+
+    base: FileSettings | RedisSettings | None = None
+    if args.config or args.overrides or not args.backend:
+        from hicache.config import load_config
+
+        base = storage_settings_from_config(load_config(args.config, list(args.overrides)).cache.l3)
+    kind = args.backend or (base.kind if base is not None else None)
+    res = ResilienceSettings(timeout_s=args.timeout) if args.timeout else None
+    if kind == "file":
+        if args.dir is None and not isinstance(base, FileSettings):
+            raise ValueError("--backend file needs --dir (or a config whose cache.l3.backend is file)")
+        b = base if isinstance(base, FileSettings) else None
+        return FileSettings(
+            dir=args.dir or (b.dir if b else ""),
+            max_size_gb=b.max_size_gb if b else 0.0,
+            fsync=b.fsync if b else False,
+            scan_on_start=True,
+            **({"resilience": res} if res else {}),
+        )
+    if kind == "redis":
+        b2 = base if isinstance(base, RedisSettings) else None
+        if args.url is None and b2 is None:
+            raise ValueError("--backend redis needs --url (or a config whose cache.l3.backend is redis)")
+        return RedisSettings(
+            url=args.url or b2.url,  # type: ignore[union-attr]
+            cluster=args.cluster or (b2.cluster if b2 else False),
+            password=args.password if args.password is not None else (b2.password if b2 else None),
+            key_prefix=args.key_prefix or (b2.key_prefix if b2 else "hicache"),
+            resilience=res or (b2.resilience if b2 else ResilienceSettings()),
+        )
+    return None
+
+
+def _progress(iterable: Any, desc: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc=desc, unit=" pages", file=sys.stderr, disable=None, mininterval=0.5)
+
+
+def _stats(be: StorageBackend, args: argparse.Namespace) -> int:
+    usage = be.usage()
+    out: dict[str, Any] = {"backend": be.kind, "pages": usage.pages, "bytes": usage.bytes}
+    if be.kind == "file":
+        out["dir"] = be.root  # type: ignore[attr-defined]
+        out["max_size_gb"] = be.settings.max_size_gb  # type: ignore[attr-defined]
+    else:
+        out["url"] = be.name  # type: ignore[attr-defined]
+        out.update(be.server_info())  # type: ignore[attr-defined]
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+    else:
+        for key, value in out.items():
+            if key == "bytes":
+                value = f"{value} ({value / 2**30:.3f} GiB)"
+            print(f"{key:>18}: {value}")
+    if out.get("maxmemory_policy") not in (None, "allkeys-lru", "volatile-lru", "allkeys-lfu", "volatile-lfu"):
+        print(
+            f"warning: redis maxmemory-policy is {out['maxmemory_policy']}; "
+            "run it with maxmemory and allkeys-lru (or volatile-lru with ttl_s)",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _verify(be: StorageBackend, args: argparse.Namespace) -> int:
+    from storage_backends.errors import PageFormatError, StorageUnavailable
+    from storage_backends.page_format import verify_object
+
+    good = bad = gone = deleted = 0
+    layouts: dict[tuple[int, str, tuple[int, ...]], int] = {}
+    for h in _progress(be.iter_hashes(), "verify"):
+        try:
+            obj = be.read_object(h)
+        except StorageUnavailable as exc:
+            print(f"{h}: unreadable: {exc}", file=sys.stderr)
+            bad += 1
+            continue
+        if obj is None:
+            gone += 1  # removed since the scan listed it
+            continue
+        try:
+            hdr = verify_object(obj)
+        except PageFormatError as exc:
+            bad += 1
+            print(f"{h}: {exc}")
+            if args.delete:
+                deleted += be.delete([h])
+            continue
+        good += 1
+        key = (hdr.layout_id, hdr.dtype, hdr.shape)
+        layouts[key] = layouts.get(key, 0) + 1
+    for (layout_id, dtype, shape), n in sorted(layouts.items()):
+        print(f"layout {layout_id} {dtype} {shape}: {n} pages")
+    print(f"{good} ok, {bad} bad" + (f", {deleted} deleted" if args.delete else "") + (f", {gone} vanished" if gone else ""))
+    return 1 if bad else 0
+
+
+def _clear(be: StorageBackend, args: argparse.Namespace) -> int:
+    if not args.yes:
+        print("refusing to clear without --yes", file=sys.stderr)
+        return 2
+    print(f"removed {be.clear()} pages")
+    return 0
+
+
+def _gc(be: StorageBackend, args: argparse.Namespace) -> int:
+    if be.kind != "file":
+        print("gc applies to the file store; Redis evicts by its maxmemory-policy", file=sys.stderr)
+        return 2
+    if args.to_gb < 0:
+        print("--to-gb must be >= 0", file=sys.stderr)
+        return 2
+    be.wait_scan()  # type: ignore[attr-defined]
+    before = be.used_bytes  # type: ignore[attr-defined]
+    pages, freed = be.gc(int(args.to_gb * 2**30))  # type: ignore[attr-defined]
+    print(f"evicted {pages} pages, {freed / 2**30:.3f} GiB; {(before - freed) / 2**30:.3f} GiB remain")
+    return 0
+
+
+ACTIONS = {"stats": _stats, "verify": _verify, "clear": _clear, "gc": _gc}
+
+
+def run(args: argparse.Namespace) -> int:
+    from storage_backends import StorageError, create_backend
+
+    try:
+        settings = _settings(args)
+    except (ValueError, StorageError) as exc:  # ConfigError and StorageConfigError are ValueErrors
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if settings is None:
+        print("error: cache.l3.backend is none: there is no L3 store to act on", file=sys.stderr)
+        return 2
+    try:
+        backend = create_backend(settings, None)
+    except StorageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        return ACTIONS[args.storage_command](backend, args)
+    except StorageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        backend.close()

@@ -1,0 +1,195 @@
+"""The ``hicache storage`` command, the page format and the resilience pieces."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from hicache.cli import main
+from hicache.storage_cli import storage_settings_from_config
+from storage_backends import FileSettings, PageFormatError, PageLayout, RedisSettings, StorageConfigError
+from storage_backends.page_format import (
+    HEADER_SIZE,
+    check_object,
+    encode_header,
+    verify_object,
+)
+from storage_backends.resilience import CircuitBreaker, ConstantBackoff, ExponentialJitterBackoff
+from tests.storage.conftest import LAYOUT, RedisProcess, random_hashes, random_pages
+
+
+def _fill(store: Path, n: int = 5) -> list[str]:
+    from storage_backends import create_backend
+
+    be = create_backend(FileSettings(dir=str(store)), LAYOUT)
+    h = random_hashes(n)
+    assert be.batch_set(h, random_pages(n)) == [True] * n
+    be.close()
+    return h
+
+
+def test_cli_file_stats_verify_gc_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = tmp_path / "l3"
+    h = _fill(store, 6)
+    bad = store / h[0][:2] / f"{h[0]}.page"
+    data = bytearray(bad.read_bytes())
+    data[HEADER_SIZE] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    base = ["storage", "--backend", "file", "--dir", str(store)]
+
+    assert main([*base, "stats", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["pages"] == 6 and stats["bytes"] == 6 * LAYOUT.object_size
+
+    assert main([*base, "verify"]) == 1
+    out = capsys.readouterr().out
+    assert h[0] in out and "5 ok, 1 bad" in out and bad.exists()
+    assert main([*base, "verify", "--delete"]) == 1
+    assert not bad.exists()
+    assert main([*base, "verify"]) == 0
+    capsys.readouterr()
+
+    assert main([*base, "gc", "--to-gb", str(2 * LAYOUT.object_size / 2**30)]) == 0
+    assert "evicted 3 pages" in capsys.readouterr().out
+    assert main([*base, "clear"]) == 2
+    assert main([*base, "clear", "--yes"]) == 0
+    assert "removed 2 pages" in capsys.readouterr().out
+
+
+def test_cli_redis(redis_process: RedisProcess, capsys: pytest.CaptureFixture[str]) -> None:
+    from storage_backends import create_backend
+
+    be = create_backend(RedisSettings(url=redis_process.url, key_prefix="cli"), LAYOUT)
+    h = random_hashes(4)
+    be.batch_set(h, random_pages(4))
+    redis_process.client().set(f"cli:{h[1]}", b"garbage")
+    base = ["storage", "--backend", "redis", "--url", redis_process.url, "--key-prefix", "cli"]
+    assert main([*base, "stats", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pages"] == 4
+    assert main([*base, "verify", "--delete"]) == 1
+    assert "3 ok, 1 bad, 1 deleted" in capsys.readouterr().out
+    assert main([*base, "gc", "--to-gb", "1"]) == 2
+    assert main([*base, "clear", "--yes"]) == 0
+    assert be.batch_exists(h) == 0
+    be.close()
+
+
+def test_cli_unreachable_store_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["storage", "--backend", "redis", "--url", "redis://127.0.0.1:1/0", "--timeout", "0.2", "stats"]) == 1
+    assert "cannot connect" in capsys.readouterr().err
+    assert main(["storage", "--backend", "file", "stats"]) == 2
+
+
+def test_settings_from_config_duck_typed(tmp_path: Path) -> None:
+    file_cfg = SimpleNamespace(backend="file", file=SimpleNamespace(dir=str(tmp_path), max_size_gb=2.5))
+    s = storage_settings_from_config(file_cfg)
+    assert isinstance(s, FileSettings) and s.dir == str(tmp_path) and s.max_bytes == int(2.5 * 2**30)
+    redis_cfg = SimpleNamespace(
+        backend="redis",
+        redis=SimpleNamespace(
+            url="rediss://h:6380/1", cluster=True, password="pw", ttl_s=60, key_prefix="x", timeout_s=0.7
+        ),
+    )
+    r = storage_settings_from_config(redis_cfg)
+    assert isinstance(r, RedisSettings)
+    assert (r.url, r.cluster, r.password, r.ttl_s, r.key_prefix) == ("rediss://h:6380/1", True, "pw", 60, "x")
+    assert r.resilience.timeout_s == 0.7
+    assert storage_settings_from_config(SimpleNamespace(backend="none")) is None
+    with pytest.raises(StorageConfigError):
+        storage_settings_from_config(SimpleNamespace(backend="s3"))
+    with pytest.raises(StorageConfigError):
+        storage_settings_from_config(SimpleNamespace(backend="redis", redis=SimpleNamespace(url="http://x")))
+
+
+def test_settings_from_the_real_config(tmp_path: Path) -> None:
+    config = pytest.importorskip("hicache.config")
+    cfg = config.load_config(None, [f"cache.l3.file.dir={tmp_path}"])
+    s = storage_settings_from_config(cfg.cache.l3)
+    assert isinstance(s, FileSettings) and s.dir == str(tmp_path)
+
+
+# -- page format ------------------------------------------------------------------------------
+
+
+def test_header_round_trip_and_fields() -> None:
+    payload = random_pages(1)[0]
+    obj = encode_header(LAYOUT, payload) + payload
+    assert len(obj) == LAYOUT.object_size
+    assert bytes(check_object(LAYOUT, obj)) == payload
+    hdr = verify_object(obj)
+    assert (hdr.layout_id, hdr.dtype, hdr.shape, hdr.payload_size) == (7, "bfloat16", (2, 4, 16, 64), 16384)
+    assert PageLayout(7, "torch.bfloat16", [2, 4, 16, 64]) == LAYOUT  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(layout_id=-1, dtype="uint8", shape=(1,)),
+        dict(layout_id=0, dtype="complex64", shape=(1,)),
+        dict(layout_id=0, dtype="uint8", shape=()),
+        dict(layout_id=0, dtype="uint8", shape=(0,)),
+        dict(layout_id=0, dtype="uint8", shape=(1,) * 9),
+    ],
+)
+def test_bad_layouts_are_refused(bad: dict) -> None:
+    with pytest.raises(StorageConfigError):
+        PageLayout(**bad)
+
+
+@given(st.binary(min_size=0, max_size=HEADER_SIZE + 64), st.integers(0, 2**32 - 1))
+def test_random_bytes_never_verify(blob: bytes, layout_id: int) -> None:
+    layout = PageLayout(layout_id, "uint8", (64,))
+    with pytest.raises(PageFormatError):
+        check_object(layout, blob)
+
+
+@given(st.integers(0, HEADER_SIZE + 63), st.integers(1, 255))
+def test_any_single_byte_change_is_detected(pos: int, xor: int) -> None:
+    assume(not 80 <= pos < HEADER_SIZE)  # reserved bytes after the checksum carry nothing
+    layout = PageLayout(3, "uint8", (64,))
+    payload = bytes(range(64))
+    obj = bytearray(encode_header(layout, payload) + payload)
+    obj[pos] ^= xor
+    with pytest.raises(PageFormatError):
+        check_object(layout, obj)
+
+
+# -- resilience -------------------------------------------------------------------------------
+
+
+def test_exponential_jitter_backoff_bounds() -> None:
+    b = ExponentialJitterBackoff(0.1, 2.0, random.Random(1))
+    for n in range(1, 40):
+        d = b.compute(n)
+        cap = min(2.0, 0.1 * 2 ** (n - 1))
+        assert cap / 2 <= d <= cap
+
+
+def test_breaker_trips_at_threshold_and_probe_reattaches() -> None:
+    healthy = threading.Event()
+    changes: list[bool] = []
+    br = CircuitBreaker("t", 3, healthy.is_set, ConstantBackoff(0.01), on_change=changes.append)
+    br.record_failure()
+    br.record_failure()
+    br.record_success()
+    br.record_failure()
+    br.record_failure()
+    assert br.up
+    br.record_failure()
+    assert not br.up and changes == [False]
+    time.sleep(0.1)
+    assert not br.up
+    healthy.set()
+    deadline = time.monotonic() + 5
+    while not br.up and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert br.up and changes == [False, True]
+    br.close()

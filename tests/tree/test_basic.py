@@ -1,0 +1,209 @@
+"""Core tree semantics: the seed's split bug, insert's return value, eviction, salts."""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache.hashing import HashNamespace, PageHasher
+from hicache.memory.allocator import AllocatorError, PageAllocator
+from hicache.tree import FullComponent, UnifiedRadixCache
+
+from .helpers import cache_seq, full_cache, toks
+
+
+def test_seed_split_bug_match_stops_at_fork():
+    cache, dev, _ = full_cache()
+    cache_seq(cache, dev, toks("Hello_L.A.!"))
+    cache_seq(cache, dev, toks("Hello_L.A.!world"))
+    m = cache.match_prefix(toks("Hello_world"))
+    assert m.device_len == 6
+    node = m.last_device_node
+    assert node.key == toks("Hello_")  # the node was split exactly there
+    assert [c.key for c in node.children.values()] == [toks("L.A.!")]
+    assert m.device_indices == cache.match_prefix(toks("Hello_L.A.!")).device_indices[:6]
+    assert m.host_hit_length == 0
+    cache.check_integrity(exact=True)
+
+
+def test_match_returns_the_pages_of_the_prefix():
+    cache, dev, _ = full_cache()
+    cache_seq(cache, dev, toks("abcdef"))
+    whole = cache.match_prefix(toks("abcdef")).device_indices
+    part = cache.match_prefix(toks("abcxyz"))
+    assert part.device_indices == whole[:3]
+    assert part.last_device_node.key == toks("abc")
+
+
+def test_insert_returns_length_already_cached_and_dedup_leaves_one_copy():
+    cache, dev, _ = full_cache(capacity=64)
+    a = toks("abcdefgh")
+    pa = dev.alloc(len(a))
+    assert cache.insert(a, pa).prefix_len == 0
+    b = toks("abcdexyz")
+    pb = dev.alloc(len(b))  # a request that computed everything itself (no match)
+    r = cache.insert(b, pb)
+    assert r.prefix_len == 5
+    dev.free(pb[:r.prefix_len])  # the caller frees its duplicates
+    # every cached token has exactly one page, and no page is leaked
+    assert dev.used == 8 + 3
+    assert cache.total_size() == 11
+    cache.check_integrity(exact=True)
+    again = dev.alloc(8)
+    assert cache.insert(a, again).prefix_len == 8
+    dev.free(again)
+    cache.check_integrity(exact=True)
+
+
+def test_page_alignment_ignores_partial_tail():
+    cache, dev, _ = full_cache(page_size=4)
+    key = list(range(10))  # 2 full pages + 2 tokens
+    cache_seq(cache, dev, key)
+    assert cache.total_size() == 8
+    m = cache.match_prefix(list(range(10)))
+    assert m.device_len == 8 and len(m.device_indices) == 2
+    m2 = cache.match_prefix([0, 1, 2, 3, 4, 5, 9, 9])  # forks inside the second page
+    assert m2.device_len == 4
+    cache.check_integrity(exact=True)
+
+
+def test_eviction_is_lru_leaf_first_and_skips_locked():
+    cache, dev, _ = full_cache(capacity=64)
+    cache_seq(cache, dev, toks("aaaa"))
+    cache_seq(cache, dev, toks("bbbb"))
+    cache_seq(cache, dev, toks("cccc"))
+    m = cache.match_prefix(toks("aaaa"))  # a is now most recent
+    lock = cache.inc_lock_ref(cache.match_prefix(toks("bbbb")).last_device_node)  # b locked
+    assert cache.protected_size() == 4 and cache.evictable_size() == 8
+    res = cache.evict(4)
+    assert res.full_tokens == 4
+    assert cache.match_prefix(toks("cccc")).device_len == 0  # c (oldest unlocked) went
+    assert cache.match_prefix(toks("bbbb")).device_len == 4
+    cache.evict(100)
+    assert cache.match_prefix(toks("bbbb")).device_len == 4  # locked: never evicted
+    assert cache.match_prefix(toks("aaaa")).device_len == 0
+    cache.dec_lock_ref(lock)
+    cache.evict(100)
+    assert cache.total_size() == 0 and dev.used == 0
+    assert m.device_len == 4
+    cache.check_integrity(exact=True)
+
+
+def test_parent_becomes_candidate_after_children_go():
+    cache, dev, _ = full_cache()
+    cache_seq(cache, dev, toks("prefix-a"))
+    cache_seq(cache, dev, toks("prefix-b"))
+    assert cache.total_size() == 9  # "prefix-" shared, then "a" and "b"
+    assert cache.evict(100).full_tokens == 9
+    assert cache.total_size() == 0 and dev.used == 0
+    cache.check_integrity(exact=True)
+
+
+def test_dec_lock_ref_refuses_to_go_below_zero():
+    cache, dev, _ = full_cache()
+    m = cache_seq(cache, dev, toks("abc"))
+    node = cache.match_prefix(toks("abc")).last_device_node
+    with pytest.raises(ValueError):
+        cache.dec_lock_ref(node)
+    assert m.device_len == 0
+    cache.check_integrity(exact=True)
+
+
+def test_cache_salt_isolates_key_spaces():
+    cache, dev, _ = full_cache()
+    cache_seq(cache, dev, toks("secret"), salt="tenant-a")
+    assert cache.match_prefix(toks("secret"), "tenant-b").device_len == 0
+    assert cache.match_prefix(toks("secret")).device_len == 0
+    assert cache.match_prefix(toks("secret"), "tenant-a").device_len == 6
+    cache.check_integrity(exact=True)
+
+
+def test_page_hashes_chain_and_follow_splits():
+    cache, dev, _ = full_cache(page_size=2)
+    key = list(range(1, 13))
+    cache_seq(cache, dev, key)
+    hasher = PageHasher(HashNamespace("test-model", "bf16", 2))
+    want = hasher.hash_pages(key)
+    node = cache.match_prefix(key).last_device_node
+    assert cache.node_hashes(node) == want
+    assert cache.last_page_hash(node) == want[-1]
+    m = cache.match_prefix(key[:6] + [99, 98])  # split after 3 pages
+    assert m.last_device_node.hash_value == want[:3]
+    assert node.hash_value == want[3:]
+    salted = cache.match_prefix(key, "s")
+    assert salted.device_len == 0
+    cache_seq(cache, dev, key, salt="s")
+    snode = cache.match_prefix(key, "s").last_device_node
+    assert cache.node_hashes(snode) == PageHasher(hasher.namespace.with_salt("s")).hash_pages(key)
+    cache.check_integrity(exact=True)
+
+
+def test_cache_finished_and_unfinished_req():
+    from hicache.tree import RequestState
+
+    cache, dev, _ = full_cache(page_size=2, capacity=64)
+    tokens = list(range(100, 111))  # 11 tokens: 5 full pages + 1
+    req = RequestState(tokens, dev.alloc(3))  # chunk 1: 6 tokens computed, 3 pages
+    cache.cache_unfinished_req(req, committed_len=6)
+    assert req.prefix_len == 6 and req.lock is not None
+    assert cache.protected_size() == 6
+    req.kv_pages += dev.alloc(3)
+    cache.cache_finished_req(req)
+    assert cache.total_size() == 10 and cache.protected_size() == 0
+    assert dev.used == 5
+    cache.check_integrity(exact=True)
+
+
+def test_allocator_contract():
+    a = PageAllocator(4)
+    assert a.can_alloc(4) and not a.can_alloc(5)
+    assert a.alloc(5) is None and a.free_count == 4
+    got = a.alloc(3)
+    assert sorted(got) == [0, 1, 2] and a.used == 3
+    with pytest.raises(AllocatorError, match="double free"):
+        a.free([3])
+    with pytest.raises(AllocatorError, match="outside"):
+        a.free([7])
+    with pytest.raises(AllocatorError, match="twice"):
+        a.free([got[0], got[0]])
+    assert a.used == 3  # nothing changed by the failures
+    a.free(got)
+    assert a.free_count == 4 and a.used == 0
+    a.check()
+
+
+def test_constructor_validation():
+    with pytest.raises(ValueError):
+        UnifiedRadixCache([], 1)
+    with pytest.raises(ValueError):
+        UnifiedRadixCache([FullComponent(PageAllocator(4))], 1, eviction_policy="nope")
+
+
+def test_allocator_array_indices():
+    from array import array
+
+    a = PageAllocator(6, array_indices=True)
+    got = a.alloc(4)
+    assert isinstance(got, array) and sorted(got) == [0, 1, 2, 3]
+    assert isinstance(a.empty(), array) and isinstance(a.alloc(0), array)
+    with pytest.raises(AllocatorError, match="double free"):
+        a.free([5])
+    a.free(got[:2])
+    a.free([got[2], got[3]])  # a list is accepted too
+    assert a.free_count == 6
+    a.check()
+    b = PageAllocator(3, checked=False)
+    b.alloc(1)
+    with pytest.raises(AllocatorError):
+        b.free([0, 1])  # more than was allocated: refused even without tracking
+
+
+def test_cache_with_array_indices_returns_arrays():
+    from array import array
+
+    dev = PageAllocator(32, array_indices=True)
+    cache = UnifiedRadixCache([FullComponent(dev)], 1)
+    cache_seq(cache, dev, toks("abcdef"))
+    m = cache.match_prefix(toks("abcxyz"))
+    assert isinstance(m.device_indices, array) and len(m.device_indices) == 3
+    assert isinstance(cache.match_prefix(toks("zzz")).device_indices, array)
+    cache.check_integrity(exact=True)

@@ -1,0 +1,219 @@
+"""SWA and Mamba components: validity, locks, tombstones, copy-on-write, cascade eviction."""
+
+from __future__ import annotations
+
+from hicache.memory.allocator import PageAllocator
+from hicache.tree import ComponentType, FullComponent, MambaComponent, SWAComponent, UnifiedRadixCache
+
+from .helpers import toks
+
+SWA = ComponentType.SWA
+MAMBA = ComponentType.MAMBA
+
+
+def swa_cache(window: int):
+    dev, swa = PageAllocator(128, "full"), PageAllocator(128, "swa")
+    cache = UnifiedRadixCache([FullComponent(dev), SWAComponent(swa, window)], 1)
+    return cache, dev, swa
+
+
+def swa_insert(cache, dev, swa, s: str):
+    key = toks(s)
+    m = cache.match_prefix(key)
+    have = m.device_len
+    full_pages = m.device_indices + dev.alloc(len(key) - have)
+    swa_pages = [None] * have + swa.alloc(len(key) - have)  # matched part: the tree's own
+    r = cache.insert(key, full_pages, prev_prefix_len=have, swa_value=swa_pages)
+    dev.free(full_pages[have:r.prefix_len])
+    cache.check_integrity(exact=True)
+    return r
+
+
+def chain(cache, dev, swa):
+    for s in ("aaaa", "aaaabbbb", "aaaabbbbcccc"):
+        swa_insert(cache, dev, swa, s)
+    nodes = []
+    n = cache.match_prefix(toks("aaaabbbbcccc")).last_device_node
+    while n.parent is not None:
+        nodes.append(n)
+        n = n.parent
+    return nodes[::-1]  # [aaaa, bbbb, cccc]
+
+
+def test_swa_match_valid_only_where_window_is_covered():
+    cache, dev, swa = swa_cache(window=7)
+    a, b, c = chain(cache, dev, swa)
+    res = cache.evict(swa_tokens=1)  # the oldest SWA data: the internal "aaaa" -> tombstone
+    assert res.swa_tokens == 4 and cache.data(a, SWA).value is None and a.value is not None
+    cache.check_integrity(exact=True)
+    assert cache.match_prefix(toks("aaaabbbbcccc")).device_len == 12  # 8 tokens of window
+    assert cache.match_prefix(toks("aaaabbbb")).device_len == 0  # only 4 < 7 covered
+    assert cache.match_prefix(toks("aaaabbbbcczz")).device_len == 0  # 4 + 2 < 7
+    assert cache.match_prefix(toks("aaaabbbbccczz")).device_len == 11  # 4 + 3 >= 7
+
+
+def test_swa_lock_and_unlock_stop_at_the_same_uuid_boundary():
+    cache, dev, swa = swa_cache(window=4)
+    a, b, c = chain(cache, dev, swa)
+    lock = cache.inc_lock_ref(c)
+    assert [cache.data(n, SWA).lock_ref for n in (a, b, c)] == [0, 0, 1]
+    assert [n.lock_ref for n in (a, b, c)] == [1, 1, 1]
+    assert cache.protected_size(SWA) == 4 and cache.protected_size() == 12
+    m = cache.match_prefix(toks("aaaabbbbccXY"))  # splits the boundary node
+    upper = m.last_device_node
+    assert upper.parent is b and c.parent is upper
+    assert cache.data(upper, SWA).lock_ref == 1 and cache.data(c, SWA).lock_ref == 1
+    cache.check_integrity(exact=True)
+    cache.dec_lock_ref(lock)
+    assert [cache.data(n, SWA).lock_ref for n in (a, b, upper, c)] == [0, 0, 0, 0]
+    assert cache.protected_size(SWA) == 0 and cache.protected_size() == 0
+    cache.check_integrity(exact=True)
+
+
+def test_swa_tombstone_recovered_on_insert():
+    cache, dev, swa = swa_cache(window=4)
+    a, b, c = chain(cache, dev, swa)
+    cache.evict(swa_tokens=1)
+    assert cache.data(a, SWA).value is None
+    used = swa.used
+    key = toks("aaaabbbbcccc")
+    full = dev.alloc(12)
+    own = swa.alloc(12)  # a request that recomputed everything, SWA pages for all of it
+    r = cache.insert(key, full, swa_value=own)
+    dev.free(full[:r.prefix_len])
+    assert cache.data(a, SWA).value == own[:4]  # recovered from the request's pages
+    assert swa.used == used + 4  # the other 8 were duplicates and were freed
+    cache.check_integrity(exact=True)
+
+
+def test_swa_partial_recovery_splits_at_window_start():
+    cache, dev, swa = swa_cache(window=4)
+    a, b, c = chain(cache, dev, swa)
+    cache.evict(swa_tokens=1)
+    full = dev.alloc(12)
+    own = swa.alloc(10)  # the request released its first 2 SWA pages (outside its window)
+    r = cache.insert(toks("aaaabbbbcccc"), full, swa_value=own, swa_start_page=2)
+    dev.free(full[:r.prefix_len])
+    assert a.key == toks("aa") and cache.data(a.parent, SWA).value is None
+    assert a.parent.key == toks("aa") and cache.data(a, SWA).value == own[:2]
+    cache.check_integrity(exact=True)
+
+
+def test_cascade_eviction_by_priority():
+    cache, dev, swa = swa_cache(window=4)
+    a, b, c = chain(cache, dev, swa)
+    cache.match_prefix(toks("aaaabbbbcccc"))
+    # internal SWA eviction leaves a tombstone and keeps FULL
+    cache.evict(swa_tokens=8)
+    assert cache.data(a, SWA).value is None and cache.data(b, SWA).value is None and a.value is not None
+    # SWA eviction of a leaf deletes the leaf (all components, priority 0)
+    cache.evict(swa_tokens=4)
+    assert c.parent is None and cache.total_size() == 8
+    # FULL eviction (priority 2) takes every component of the node with it
+    swa_insert(cache, dev, swa, "aaaabbbbdddd")
+    cache.evict(full_tokens=100)
+    assert cache.total_size() == 0 and cache.total_size(SWA) == 0
+    assert dev.used == 0 and swa.used == 0
+    cache.check_integrity(exact=True)
+
+
+# ------------------------------------------------------------------ mamba
+def mamba_cache():
+    dev, states = PageAllocator(128, "full"), PageAllocator(16, "mamba")
+    memory: dict[int, list[int]] = {}
+
+    def copy(src: int, dst: int) -> None:
+        memory[dst] = list(memory[src])
+
+    cache = UnifiedRadixCache([FullComponent(dev), MambaComponent(states, copy_state=copy)], 1)
+    return cache, dev, states, memory
+
+
+def mamba_insert(cache, dev, states, memory, s: str, with_state=True):
+    key = toks(s)
+    m = cache.match_prefix(key, cow_mamba=False)
+    pages = m.device_indices + dev.alloc(len(key) - m.device_len)
+    slot = None
+    if with_state:
+        slot = states.alloc(1)[0]
+        memory[slot] = [len(key)]
+    r = cache.insert(key, pages, prev_prefix_len=m.device_len, mamba_value=slot)
+    dev.free(pages[m.device_len:r.prefix_len])
+    cache.check_integrity(exact=True)
+    return r
+
+
+def test_mamba_match_truncated_to_deepest_node_with_state():
+    cache, dev, states, memory = mamba_cache()
+    mamba_insert(cache, dev, states, memory, "aaaa")
+    mamba_insert(cache, dev, states, memory, "aaaabbbb", with_state=False)
+    m = cache.match_prefix(toks("aaaabbbbcc"))
+    assert m.device_len == 4 and m.last_device_node.key == toks("aaaa")
+    states.free([m.mamba_slot])
+    cache.check_integrity(exact=True)
+
+
+def test_mamba_copy_on_write_keeps_cached_state():
+    cache, dev, states, memory = mamba_cache()
+    mamba_insert(cache, dev, states, memory, "aaaa")
+    m = cache.match_prefix(toks("aaaa"))
+    assert m.mamba_slot is not None and m.mamba_slot != m.mamba_cow_src
+    memory[m.mamba_slot].append(999)  # decoding mutates the request's own copy
+    assert memory[m.mamba_cow_src] == [4]
+    assert cache.data(m.last_device_node, MAMBA).value == m.mamba_cow_src
+    states.free([m.mamba_slot])
+    cache.check_integrity(exact=True)
+
+
+def test_mamba_single_node_lock_and_eviction():
+    cache, dev, states, memory = mamba_cache()
+    mamba_insert(cache, dev, states, memory, "aaaa")
+    mamba_insert(cache, dev, states, memory, "aaaabbbb")
+    m = cache.match_prefix(toks("aaaabbbb"), cow_mamba=False)
+    leaf = m.last_device_node
+    lock = cache.inc_lock_ref(leaf)
+    assert cache.data(leaf, MAMBA).lock_ref == 1 and cache.data(leaf.parent, MAMBA).lock_ref == 0
+    assert cache.protected_size(MAMBA) == 1
+    res = cache.evict(mamba_states=2)  # only the parent's state can go: a tombstone
+    assert res.mamba_states == 1 and cache.data(leaf.parent, MAMBA).value is None and leaf.parent.value
+    cache.dec_lock_ref(lock)
+    cache.evict(mamba_states=1)  # a leaf: the whole node goes
+    assert leaf.parent is None and cache.total_size() == 4
+    assert states.used == 0
+    cache.check_integrity(exact=True)
+
+
+def test_mamba_state_stays_on_lower_node_when_split():
+    cache, dev, states, memory = mamba_cache()
+    mamba_insert(cache, dev, states, memory, "aaaabbbb")
+    m = cache.match_prefix(toks("aaaaXXXX"), cow_mamba=False)
+    assert m.last_device_node.parent is None  # no state at the split point: nothing valid
+    (upper,) = m.last_device_node.children.values()
+    assert upper.key == toks("aaaa") and cache.data(upper, MAMBA).value is None
+    (lower,) = upper.children.values()
+    assert cache.data(lower, MAMBA).value is not None
+    assert m.device_len == 0
+    r = mamba_insert(cache, dev, states, memory, "aaaabbbb")
+    assert r.mamba_exist and states.used == 1
+    cache.check_integrity(exact=True)
+
+
+def test_swa_chunked_prefill_then_finish():
+    from hicache.tree import RequestState
+
+    cache, dev, swa = swa_cache(window=4)
+    tokens = toks("abcdefghij")
+    req = RequestState(tokens, dev.alloc(6), swa_pages=swa.alloc(6))
+    cache.cache_unfinished_req(req, committed_len=6)
+    assert req.prefix_len == 6 and cache.protected_size() == 6
+    cache.check_integrity(exact=True)
+    req.kv_pages += dev.alloc(4)
+    req.swa_pages += swa.alloc(4)
+    cache.cache_finished_req(req)
+    cache.check_integrity(exact=True)
+    m = cache.match_prefix(tokens)
+    assert m.device_len == 10
+    first = m.last_device_node.parent
+    assert first.key == toks("abcdef") and cache.data(first, SWA).value is not None  # recovered
+    assert cache.protected_size() == 0 and dev.used == 10 and swa.used == 10
+    assert cache.total_size(SWA) == 10  # no SWA page leaked

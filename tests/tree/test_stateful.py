@@ -1,0 +1,294 @@
+"""Differential, stateful property test of UnifiedRadixCache (FULL, with L2) against a
+deliberately naive reference: a dict of cached page prefixes with explicit LRU order.
+
+The reference knows nothing of nodes. Every cached page is keyed by the whole token prefix
+it ends; it holds L1/L2 flags, a lock count and access "ticks". Eviction picks, page by
+page, the unlocked page with no L1 child that was touched longest ago. After every step the
+full set of cached pages (with their tiers) must agree, match results must agree, and
+``check_integrity()`` must hold.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from hicache.memory.allocator import PageAllocator
+from hicache.tree import FullComponent, UnifiedRadixCache
+
+VOCAB = 3
+MAX_TOKENS = 12
+
+
+class Page:
+    __slots__ = ("device", "host", "tick", "htick", "lock", "host_lock")
+
+    def __init__(self) -> None:
+        self.device = self.host = False
+        self.tick = self.htick = 0
+        self.lock = self.host_lock = 0
+
+
+class Reference:
+    def __init__(self, ps: int) -> None:
+        self.ps = ps
+        self.pages: dict[tuple[int, ...], Page] = {}
+        self.clock = itertools.count(1)
+
+    def prefixes(self, key: list[int]) -> list[tuple[int, ...]]:
+        n = len(key) - len(key) % self.ps
+        return [tuple(key[:i]) for i in range(self.ps, n + 1, self.ps)]
+
+    def touch(self, prefixes) -> None:
+        for p in prefixes:
+            t = next(self.clock)
+            pg = self.pages[p]
+            pg.tick = t
+            pg.htick = t
+
+    def match(self, key: list[int]) -> tuple[int, int, list[tuple[int, ...]]]:
+        path = []
+        for p in self.prefixes(key):
+            if p not in self.pages:
+                break
+            path.append(p)
+        ndev = 0
+        while ndev < len(path) and self.pages[path[ndev]].device:
+            ndev += 1
+        nhost = len(path) - ndev
+        self.touch(path)
+        return ndev * self.ps, nhost * self.ps, path[:ndev]
+
+    def insert(self, key: list[int]) -> int:
+        prefix = 0
+        device_run = True
+        ps = self.prefixes(key)
+        for p in ps:
+            pg = self.pages.get(p)
+            if pg is None:
+                pg = self.pages[p] = Page()
+                pg.device = True
+                device_run = False
+            elif not pg.device:
+                pg.device = True
+                device_run = False
+            elif device_run:
+                prefix += self.ps
+        self.touch(ps)
+        return prefix
+
+    def children(self, p: tuple[int, ...]) -> list[Page]:
+        n = len(p) + self.ps
+        return [pg for q, pg in self.pages.items() if len(q) == n and q[:len(p)] == p]
+
+    def evict(self, k: int) -> None:
+        for _ in range(k):
+            cands = [(pg.tick, p) for p, pg in self.pages.items()
+                     if pg.device and pg.lock == 0 and not any(c.device for c in self.children(p))
+                     and (pg.host or not self.children(p))]
+            if not cands:
+                raise AssertionError("reference: nothing left to evict")
+            _, p = min(cands)
+            pg = self.pages[p]
+            pg.device = False
+            if not pg.host:
+                del self.pages[p]
+
+    def evict_host(self, k: int) -> None:
+        for _ in range(k):
+            cands = [(pg.htick, p) for p, pg in self.pages.items()
+                     if pg.host and not pg.device and pg.host_lock == 0 and pg.lock == 0
+                     and not self.children(p)]
+            if not cands:
+                raise AssertionError("reference: nothing left to evict from L2")
+            _, p = min(cands)
+            del self.pages[p]
+
+    def snapshot(self) -> dict[tuple[int, ...], tuple[bool, bool]]:
+        return {p: (pg.device, pg.host) for p, pg in self.pages.items()}
+
+
+def tree_snapshot(cache: UnifiedRadixCache) -> dict[tuple[int, ...], tuple[bool, bool]]:
+    ps = cache.page_size
+    out = {}
+    stack = [(r, ()) for r in cache.core.roots.values()]
+    while stack:
+        node, prefix = stack.pop()
+        if node.parent is not None:
+            full = prefix + tuple(node.key)
+            for i in range(len(prefix) + ps, len(full) + 1, ps):
+                out[full[:i]] = (node.value is not None, node.host_value is not None)
+            prefix = full
+        stack.extend((c, prefix) for c in node.children.values())
+    return out
+
+
+def node_prefixes(node, ps: int) -> list[tuple[int, ...]]:
+    keys = []
+    n = node
+    while n.parent is not None:
+        keys.append(n.key)
+        n = n.parent
+    full: list[int] = []
+    for k in reversed(keys):
+        full.extend(k)
+    start = len(full) - len(node.key)
+    return [tuple(full[:i]) for i in range(start + ps, len(full) + 1, ps)]
+
+
+keys = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=MAX_TOKENS)
+
+
+class CacheMachine(RuleBasedStateMachine):
+    page_size = 1
+    array_indices = False
+
+    @initialize()
+    def setup(self) -> None:
+        self.dev = PageAllocator(1000, "l1", array_indices=self.array_indices)
+        self.host = PageAllocator(1000, "l2", array_indices=self.array_indices)
+        self.cache = UnifiedRadixCache([FullComponent(self.dev, self.host)], self.page_size)
+        self.ref = Reference(self.page_size)
+        self.locks: list = []  # (token, prefixes)
+        self.writes: list = []  # (op, prefixes)
+
+    # ---------------------------------------------------------------- rules
+    @rule(key=keys)
+    def match(self, key):
+        m = self.cache.match_prefix(key)
+        dev_len, host_len, _ = self.ref.match(key)
+        assert (m.device_len, m.host_hit_length) == (dev_len, host_len)
+        assert len(m.device_indices) == dev_len // self.page_size
+
+    @rule(key=keys)
+    def insert(self, key):
+        ps = self.page_size
+        n = len(key) // ps
+        pages = self.dev.alloc(n)
+        r = self.cache.insert(key, pages)
+        self.dev.free(pages[:r.prefix_len // ps])  # the caller's duplicates
+        assert r.prefix_len == self.ref.insert(key)
+
+    @rule(key=keys)
+    def lock(self, key):
+        m = self.cache.match_prefix(key)
+        _, _, dev_path = self.ref.match(key)
+        token = self.cache.inc_lock_ref(m.last_device_node)
+        for p in dev_path:
+            self.ref.pages[p].lock += 1
+        self.locks.append((token, dev_path))
+
+    @precondition(lambda self: self.locks)
+    @rule(i=st.integers(0, 100))
+    def unlock(self, i):
+        token, path = self.locks.pop(i % len(self.locks))
+        for p in path:  # a locked page was never evicted
+            assert self.ref.pages[p].device
+        self.cache.dec_lock_ref(token)
+        for p in path:
+            self.ref.pages[p].lock -= 1
+
+    @rule(tokens=st.integers(1, 16))
+    def evict(self, tokens):
+        ps = self.page_size
+        res = self.cache.evict(tokens)
+        k = res.full_tokens // ps
+        self.ref.evict(k)
+        if k * ps < tokens:  # stopped short: nothing evictable must remain
+            self.ref_nothing_evictable()
+
+    def ref_nothing_evictable(self) -> None:
+        try:
+            self.ref.evict(1)
+        except AssertionError:
+            return
+        raise AssertionError("the cache stopped evicting while the reference could go on")
+
+    @rule(i=st.integers(0, 100))
+    def start_write(self, i):
+        cands = self.cache.nodes_to_write_to_host()
+        if not cands:
+            return
+        node = cands[i % len(cands)]
+        prefixes = node_prefixes(node, self.page_size)
+        op = self.cache.start_write(node)
+        assert op is not None
+        _, _, path = self._path_to(prefixes[-1])
+        for p in path:
+            self.ref.pages[p].lock += 1
+        self.writes.append((op, prefixes, path))
+
+    def _path_to(self, last: tuple[int, ...]):
+        ps = self.page_size
+        return None, None, [last[:i] for i in range(ps, len(last) + 1, ps)]
+
+    @precondition(lambda self: self.writes)
+    @rule(i=st.integers(0, 100), ok=st.booleans())
+    def finish_write(self, i, ok):
+        op, prefixes, path = self.writes.pop(i % len(self.writes))
+        self.cache.finish_write(op, ok)
+        for p in path:
+            self.ref.pages[p].lock -= 1
+        if ok:
+            for p in prefixes:
+                pg = self.ref.pages[p]
+                pg.host = True
+                pg.htick = next(self.ref.clock)
+
+    @rule(tokens=st.integers(1, 16))
+    def evict_host(self, tokens):
+        ps = self.page_size
+        k = self.cache.evict_host(tokens) // ps
+        self.ref.evict_host(k)
+
+    @rule(key=keys, ok=st.booleans())
+    def load_back(self, key, ok):
+        m = self.cache.match_prefix(key)
+        dev_len, host_len, dev_path = self.ref.match(key)
+        op = self.cache.start_load_back(m)
+        if op is None:
+            return
+        ps = self.page_size
+        full = self.ref.prefixes(key)
+        loaded = full[dev_len // ps:(dev_len + host_len) // ps]
+        assert len(op.dst_pages) == len(loaded)
+        for p in loaded:
+            pg = self.ref.pages[p]
+            pg.device = True
+            pg.tick = next(self.ref.clock)
+        self.cache.finish_load_back(op, ok)
+        if not ok:
+            for p in loaded:
+                self.ref.pages[p].device = False
+
+    # ---------------------------------------------------------------- invariants
+    @invariant()
+    def agrees_with_reference(self):
+        if not hasattr(self, "cache"):
+            return
+        self.cache.check_integrity()
+        assert tree_snapshot(self.cache) == self.ref.snapshot()
+        for _token, path in self.locks:
+            for p in path:
+                assert self.ref.pages[p].device
+
+
+class CacheMachinePage2(CacheMachine):
+    page_size = 2
+
+
+class CacheMachinePage4(CacheMachine):
+    page_size = 4
+
+
+class CacheMachineArrayIndices(CacheMachine):
+    page_size = 2
+    array_indices = True
+
+
+TestCachePage1 = CacheMachine.TestCase
+TestCacheArrayIndices = CacheMachineArrayIndices.TestCase
+TestCachePage2 = CacheMachinePage2.TestCase
+TestCachePage4 = CacheMachinePage4.TestCase
