@@ -183,3 +183,31 @@ class PeerProtocolError(ProtocolError):
     def __init__(self, peer: bytes, reason: str) -> None:
         super().__init__(reason)
         self.peer = peer
+
+
+class ResettablePush(Generic[M]):
+    """A PUSH connection that can be torn down and rebuilt, dropping what it had queued.
+
+    Used towards a peer that can die and be restarted (the cache controller): after the
+    peer is lost, ``reset`` guarantees that no message sent before it is ever delivered
+    to the new peer.
+    """
+
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self.ctx = ctx
+        self.address = address
+        self._push: PushSocket[M] = PushSocket(ctx, address)
+
+    def send(self, msg: M) -> None:
+        self._push.send(msg)
+
+    @property
+    def socket(self) -> zmq.Socket:
+        return self._push.socket
+
+    def reset(self) -> None:
+        self._push.close(linger_ms=0)
+        self._push = PushSocket(self.ctx, self.address)
+
+    def close(self) -> None:
+        self._push.close(linger_ms=0)

@@ -154,9 +154,21 @@ class RequestState:
 class UnifiedRadixCache:
     """One radix tree over FULL (+ SWA or MAMBA) data, with L1 and optional L2 state.
 
-    ``components``: FULL first, then optionally one SWAComponent or MambaComponent.
+    ``components``: FULL first, then optionally one SWAComponent or MambaComponent; a
+    component built with a ``host_allocator`` has L2 state (L2 is on when FULL has one).
     ``hasher``: a ``PageHasher`` or ``HashNamespace`` for page hashes (computed lazily, on
     the tier path only; other salts derive from it with ``with_salt``).
+    ``eviction_policy``: ``lru`` (default) or ``slru``. ``write_policy``: ``write_through``,
+    ``write_through_selective`` (``hit_count >= write_through_threshold``) or ``write_back``.
+
+    Scheduler calls: ``match_prefix``, ``inc_lock_ref`` / ``dec_lock_ref``, ``insert``,
+    ``evict``, ``cache_finished_req``, ``cache_unfinished_req``, ``evictable_size`` /
+    ``protected_size`` / ``total_size``, ``flush``, ``check_integrity``.
+    Tier calls (see the module table): ``nodes_to_write_to_host``, ``start_write`` /
+    ``finish_write``, ``start_load_back`` / ``finish_load_back``, ``start_backup`` /
+    ``finish_backup``, ``evict_host``, ``protect_host`` / ``release_host``, ``insert_host``,
+    ``node_hashes`` / ``last_page_hash``, ``pending_ops`` / ``fail_pending_ops``.
+    Not thread-safe: only the scheduler's loop calls it.
     """
 
     def __init__(

@@ -13,7 +13,7 @@ import zmq
 
 import protos
 from controller.server import ControllerArgs, controller_main
-from hicache.ipc import Endpoints, PullSocket, PushSocket, make_runtime_dir
+from hicache.ipc import Endpoints, PullSocket, ResettablePush, make_runtime_dir
 from hicache.memory.pools import (
     PoolLayout,
     SharedPools,
@@ -50,7 +50,7 @@ class ControllerHarness:
             self.ctx, self.endpoints.address("scheduler"),
             (protos.OpDone, protos.PrefetchHits, protos.StorageStatus, protos.ErrorReply))
         self.ready: PullSocket[protos.Message] = PullSocket(self.ctx, self.endpoints.address("launcher"), (protos.Ready,))
-        self.outbox: PushSocket[protos.Message] = PushSocket(self.ctx, self.endpoints.address("controller"))
+        self.outbox: ResettablePush[protos.Message] = ResettablePush(self.ctx, self.endpoints.address("controller"))
         self.storage = storage
         self.proc: mp.process.BaseProcess | None = None
         self.next_op = 1

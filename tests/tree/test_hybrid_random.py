@@ -113,7 +113,7 @@ class HybridMachine(RuleBasedStateMachine):
     def consistent(self):
         if not hasattr(self, "cache"):
             return
-        self.cache.check_integrity()
+        self.cache.check_integrity(exact=not (self.writes or self.loads))  # no page leaked
         for _token, node, pages in self.locks:
             walk = []
             n = node

@@ -1,0 +1,363 @@
+"""The scheduler's half of HiCache (DESIGN §5): tier policies that drive the cache controller.
+
+The tree decides which pages move (``UnifiedRadixCache``'s tier calls); this class turns
+those decisions into controller messages, matches the controller's answers back to them,
+and applies them to the tree. It is transport-agnostic: it sends through a callable and is
+fed every controller answer through ``on_message``. Only the scheduler's loop calls it.
+
+Lifecycle of each kind of op (``op_id`` here is the controller op id this class assigns):
+
+==============  ===============================  ============================  ===========================
+op              started by                       on ``OpDone(ok)``             on failure / controller loss
+==============  ===============================  ============================  ===========================
+write (d2h)     ``issue_writes`` (write policy)  ``finish_write(ok)``; then a  ``finish_write(fail)``: L2
+                                                 backup if L3 is attached      pages freed, node as before
+load (h2d)      ``start_load_back`` (admission)  ``finish_load_back(ok)``;     ``finish_load_back(fail)``:
+                                                 the ticket becomes ``done``   nodes L2-only again, the
+                                                                               request recomputes
+backup (h2s)    after a write                    ``finish_backup``             ``finish_backup``
+prefetch query  ``start_prefetch``               (``PrefetchHits``) reserve    ticket done with 0 pages
+                                                 L2 pages, send the fetch
+prefetch fetch  after the query                  ``insert_host`` of the pages  reserved L2 pages freed
+                                                 that arrived; the rest freed
+==============  ===============================  ============================  ===========================
+
+``on_controller_lost`` fails every op at once (locks released, fresh pages freed, nodes as
+before the op); answers that arrive later for those ids are ignored. The caller must also
+drop messages not yet delivered to the dead controller (``ControllerLink.reset``), so no
+stale copy can ever land in a page that was freed and reused.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import protos
+from hicache.config import PrefetchConfig
+from hicache.tree.cache import MatchResult, TierOp, UnifiedRadixCache
+from hicache.tree.node import TreeNode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TierCounters:
+    """Monotonic counters for the metrics layer (pages unless the name says bytes/tokens)."""
+
+    writes: int = 0
+    writes_failed: int = 0
+    loads: int = 0
+    loads_failed: int = 0
+    loaded_tokens: int = 0
+    backups: int = 0
+    backup_tokens: int = 0
+    backups_failed: int = 0
+    prefetch_queries: int = 0
+    prefetch_hit_tokens: int = 0
+    prefetch_tokens: int = 0
+    prefetch_failed: int = 0
+    prefetch_revoked_pages: int = 0
+    controller_losses: int = 0
+    rejected: int = 0
+
+
+@dataclass
+class LoadTicket:
+    """A load-back the request waits for. ``ok`` is None while in flight."""
+
+    op_id: int
+    tokens: int
+    ok: bool | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.ok is not None
+
+
+@dataclass
+class PrefetchTicket:
+    """A prefetch for a waiting request.
+
+    ``start_tokens``: where the L3 run starts (the end of the L1+L2 match); ``hashes``: the
+    page hashes of the request's next pages; ``arrived_tokens``: tokens inserted into L2 so
+    far; ``complete``: no more will arrive. ``deadline``: monotonic time after which a
+    ``timeout`` policy stops waiting (None: no limit).
+    """
+
+    rid: str
+    key: list[int]
+    cache_salt: str
+    start_tokens: int
+    hashes: list[str]
+    policy: str
+    deadline: float | None
+    query_op: int
+    fetch_op: int | None = None
+    host_pages: list[int] = field(default_factory=list)
+    hit_tokens: int = 0
+    arrived_tokens: int = 0
+    complete: bool = False
+
+    def ready(self, now: float) -> bool:
+        """May the request be scheduled now, per the prefetch policy?"""
+        if self.complete or self.policy == "best_effort":
+            return True
+        if self.policy == "timeout":
+            return self.deadline is not None and now >= self.deadline
+        return False  # wait_complete
+
+
+@dataclass
+class _Pending:
+    kind: str  # write | load | backup | query | fetch
+    tier_op: TierOp | None = None
+    ticket: Any = None
+    started: float = 0.0
+
+
+class TierManager:
+    """Tier policies over one ``UnifiedRadixCache`` and one cache controller.
+
+    ``send``: delivers a message to the controller (never blocks for long).
+    ``l3_enabled``: whether backups and prefetches are issued at all.
+    """
+
+    def __init__(
+        self,
+        cache: UnifiedRadixCache,
+        send: Callable[[protos.ControllerMessage], None],
+        *,
+        load_back_threshold: int = 0,
+        prefetch: PrefetchConfig | None = None,
+        l3_enabled: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not cache.hicache:
+            raise ValueError("TierManager needs a cache with L2 (host allocators)")
+        self.cache = cache
+        self.send = send
+        self.load_back_threshold = load_back_threshold
+        self.prefetch_cfg = prefetch or PrefetchConfig()
+        self.l3_enabled = l3_enabled
+        self.clock = clock
+        self.counters = TierCounters()
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count(1)
+        self._prefetch_reserved = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def in_flight_kinds(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for p in self._pending.values():
+            out[p.kind] = out.get(p.kind, 0) + 1
+        return out
+
+    def _new_op(self, pending: _Pending) -> int:
+        op_id = next(self._ids)
+        pending.started = self.clock()
+        self._pending[op_id] = pending
+        return op_id
+
+    # ------------------------------------------------------------------ L1 -> L2
+    def issue_writes(self, limit: int | None = None) -> int:
+        """Start the L2 writes the write policy asks for now; returns how many were sent."""
+        sent = 0
+        for node in self.cache.nodes_to_write_to_host(limit):
+            op = self.cache.start_write(node)
+            if op is None:
+                continue
+            op_id = self._new_op(_Pending("write", op))
+            dev = {name: list(src) for name, (src, _dst) in op.transfers.items()}
+            host = {name: list(dst) for name, (_src, dst) in op.transfers.items()}
+            self.send(protos.WriteToHost(op_id, dev, host))
+            sent += 1
+        return sent
+
+    def write_back_before_evict(self, tokens: int) -> int:
+        """``write_back``: evicting queues nodes for L2; start their writes. Returns ops sent."""
+        return self.issue_writes() if self.cache.write_policy == "write_back" else 0
+
+    # ------------------------------------------------------------------ L2 -> L1
+    def start_load_back(self, match: MatchResult) -> LoadTicket | None:
+        """Load the L2-only tail of ``match`` into L1, or None to recompute it instead
+        (shorter than ``load_back_threshold``, or no room in L1)."""
+        if match.host_hit_length <= 0 or match.host_hit_length < self.load_back_threshold:
+            return None
+        op = self.cache.start_load_back(match)
+        if op is None:
+            return None
+        ticket = LoadTicket(0, match.host_hit_length)
+        ticket.op_id = self._new_op(_Pending("load", op, ticket))
+        host = {name: list(src) for name, (src, _dst) in op.transfers.items()}
+        dev = {name: list(dst) for name, (_src, dst) in op.transfers.items()}
+        self.send(protos.LoadToDevice(ticket.op_id, host, dev))
+        return ticket
+
+    # ------------------------------------------------------------------ L2 -> L3
+    def _start_backup(self, node: TreeNode) -> None:
+        if not self.l3_enabled:
+            return
+        op = self.cache.start_backup(node)
+        if op is None:
+            return
+        op_id = self._new_op(_Pending("backup", op))
+        self.send(protos.BackupToStorage(op_id, list(op.transfers["full"][0]), list(op.hashes)))
+
+    # ------------------------------------------------------------------ L3 -> L2
+    def start_prefetch(self, rid: str, token_ids: Sequence[int], match: MatchResult,
+                       cache_salt: str = "") -> PrefetchTicket | None:
+        """Ask L3 for the pages after the L1+L2 match of a waiting request.
+
+        None when L3 is off or the rest is shorter than ``prefetch.threshold_tokens``.
+        """
+        if not self.l3_enabled:
+            return None
+        ps = self.cache.page_size
+        start = match.device_len + match.host_hit_length
+        rest_pages = (len(token_ids) - start) // ps
+        if rest_pages <= 0 or rest_pages * ps < max(self.prefetch_cfg.threshold_tokens, 1):
+            return None
+        parent = self.cache.last_page_hash(match.last_host_node) if match.last_host_node.parent else None
+        hasher = self.cache._hasher_for(cache_salt)
+        hashes = hasher.hash_pages(token_ids[start : start + rest_pages * ps], parent)
+        cfg = self.prefetch_cfg
+        deadline = None
+        if cfg.policy == "timeout":
+            deadline = self.clock() + cfg.timeout_base_s + cfg.timeout_per_ki_token_s * rest_pages * ps / 1024
+        ticket = PrefetchTicket(rid, list(token_ids[: start + rest_pages * ps]), cache_salt, start, hashes,
+                                cfg.policy, deadline, 0)
+        ticket.query_op = self._new_op(_Pending("query", ticket=ticket))
+        self.counters.prefetch_queries += 1
+        self.send(protos.PrefetchQuery(ticket.query_op, hashes))
+        return ticket
+
+    def _on_hits(self, ticket: PrefetchTicket, n: int) -> None:
+        ps = self.cache.page_size
+        self.counters.prefetch_hit_tokens += n * ps
+        if n * ps < max(self.prefetch_cfg.threshold_tokens, 1):
+            ticket.complete = True
+            return
+        host_alloc = self.cache.full.host_allocator
+        assert host_alloc is not None
+        cap = int(host_alloc.capacity * self.prefetch_cfg.max_reserved_fraction) - self._prefetch_reserved
+        n = min(n, max(cap, 0))
+        if n and host_alloc.free_count < n:
+            self.cache.evict_host((n - host_alloc.free_count) * ps)
+        n = min(n, host_alloc.free_count)
+        pages = host_alloc.alloc(n) if n > 0 else None
+        if not pages:
+            ticket.complete = True
+            self.counters.prefetch_failed += 1
+            return
+        ticket.host_pages = list(pages)
+        self._prefetch_reserved += len(pages)
+        ticket.fetch_op = self._new_op(_Pending("fetch", ticket=ticket))
+        self.send(protos.PrefetchFetch(ticket.fetch_op, ticket.hashes[: len(pages)], ticket.host_pages))
+
+    def _on_fetched(self, ticket: PrefetchTicket, pages_done: int) -> None:
+        ps = self.cache.page_size
+        pages = ticket.host_pages
+        self._prefetch_reserved -= len(pages)
+        host_alloc = self.cache.full.host_allocator
+        assert host_alloc is not None
+        if pages_done < len(pages):
+            host_alloc.free(pages[pages_done:])
+            self.counters.prefetch_revoked_pages += len(pages) - pages_done
+        if pages_done:
+            end = ticket.start_tokens + pages_done * ps
+            res = self.cache.insert_host(ticket.key[:end], pages[:pages_done], ticket.cache_salt,
+                                         start_page=ticket.start_tokens // ps)
+            ticket.arrived_tokens = res.host_pages_taken * ps
+            self.counters.prefetch_tokens += pages_done * ps
+        ticket.host_pages = []
+        ticket.complete = True
+
+    def cancel_prefetch(self, ticket: PrefetchTicket) -> None:
+        """The request no longer needs it (aborted or scheduled): stop waiting; a fetch in
+        flight still lands in L2 (its pages are useful to others) and is inserted."""
+        if ticket.fetch_op is not None and ticket.fetch_op in self._pending:
+            return
+        self._pending.pop(ticket.query_op, None)
+        ticket.complete = True
+
+    # ------------------------------------------------------------------ answers
+    def on_message(self, msg: protos.Message) -> None:
+        """Apply one controller answer. Answers for unknown (e.g. already failed) ops are ignored."""
+        if isinstance(msg, protos.PrefetchHits):
+            p = self._pending.pop(msg.op_id, None)
+            if p is not None and p.kind == "query":
+                self._on_hits(p.ticket, msg.n)
+            return
+        if not isinstance(msg, protos.OpDone):
+            return
+        if msg.status == "rejected":
+            # The controller refused this message; if it is ours, the op never ran.
+            self.counters.rejected += 1
+            log.error("controller rejected op %d: %s", msg.op_id, msg.error)
+        p = self._pending.pop(msg.op_id, None)
+        if p is None:
+            return
+        ok = msg.status == "ok"
+        self._finish(p, ok, msg.pages_done)
+
+    def _finish(self, p: _Pending, ok: bool, pages_done: int) -> None:
+        cache = self.cache
+        if p.kind == "write":
+            assert p.tier_op is not None
+            cache.finish_write(p.tier_op, ok)
+            if ok:
+                self.counters.writes += 1
+                self._start_backup(p.tier_op.node)
+            else:
+                self.counters.writes_failed += 1
+        elif p.kind == "load":
+            assert p.tier_op is not None
+            cache.finish_load_back(p.tier_op, ok)
+            p.ticket.ok = ok
+            if ok:
+                self.counters.loads += 1
+                self.counters.loaded_tokens += p.ticket.tokens
+            else:
+                self.counters.loads_failed += 1
+        elif p.kind == "backup":
+            assert p.tier_op is not None
+            cache.finish_backup(p.tier_op, ok)
+            if ok:
+                self.counters.backups += 1
+                self.counters.backup_tokens += p.tier_op.npages * cache.page_size
+            else:
+                self.counters.backups_failed += 1
+        elif p.kind == "query":
+            p.ticket.complete = True
+        elif p.kind == "fetch":
+            self._on_fetched(p.ticket, pages_done if pages_done >= 0 else 0)
+
+    def on_controller_lost(self) -> int:
+        """The controller died or hung: fail every op now. Returns how many were failed."""
+        pending = list(self._pending.values())
+        self._pending.clear()
+        self.counters.controller_losses += 1
+        for p in pending:
+            if p.kind == "query":
+                p.ticket.complete = True
+                continue
+            self._finish(p, False, 0)
+        leftover = self.cache.fail_pending_ops()  # ops the tree still holds (none expected)
+        if leftover:
+            log.warning("failed %d tree ops without a controller op", leftover)
+        return len(pending)
+
+    def oldest_op_age(self) -> float:
+        """Seconds since the oldest in-flight op was sent (0 with none): a hung controller shows here."""
+        if not self._pending:
+            return 0.0
+        return self.clock() - min(p.started for p in self._pending.values())
