@@ -41,7 +41,14 @@ from concurrent.futures import wait as wait_futures
 from storage_backends.base import Buffer, StorageBackend, StoreUsage
 from storage_backends.errors import PageFormatError, StorageUnavailable
 from storage_backends.keys import check_hashes, is_page_hash
-from storage_backends.page_format import HEADER_SIZE, PageLayout, check_header, check_payload, encode_header
+from storage_backends.page_format import (
+    HEADER_SIZE,
+    PREFIX_SIZE,
+    PageLayout,
+    checksum,
+    describe_mismatch,
+    encode_header,
+)
 from storage_backends.resilience import CircuitBreaker, ExponentialJitterBackoff
 from storage_backends.settings import FileSettings
 from storage_backends.stats import StatsCounter, StorageStats
@@ -53,6 +60,9 @@ TMP_SUFFIX = ".tmp"
 _SHARDS = [f"{i:02x}" for i in range(256)]
 _ATIME_REFRESH_S = 3600.0
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+_CHECKSUM_END = PREFIX_SIZE + 8
+INLINE_MAX_OBJECT_BYTES = 192 * 1024
+"""Batches of objects up to this size run on the calling thread (see ``FileBackend._run``)."""
 
 
 class _Outcome(enum.Enum):
