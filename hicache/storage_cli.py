@@ -20,43 +20,11 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
+from hicache.storage_settings import storage_settings_from_config
+
 if TYPE_CHECKING:
     from storage_backends import FileSettings, RedisSettings
     from storage_backends.base import StorageBackend
-
-
-def storage_settings_from_config(l3cfg: Any) -> FileSettings | RedisSettings | None:
-    """Convert the core's ``cache.l3`` section into backend settings (``None`` for ``none``).
-
-    Duck-typed: reads ``backend``, ``file.dir``, ``file.max_size_gb``, optional
-    ``file.fsync``, and ``redis.url``, ``.cluster``, ``.password``, ``.ttl_s``,
-    ``.key_prefix``, ``.timeout_s``. Raises ``StorageConfigError`` for an unknown backend or
-    a value the settings refuse.
-    """
-    from storage_backends import FileSettings, RedisSettings, ResilienceSettings, StorageConfigError
-
-    backend = getattr(l3cfg, "backend", "none")
-    if backend in (None, "none"):
-        return None
-    if backend == "file":
-        f = l3cfg.file
-        return FileSettings(
-            dir=str(f.dir),
-            max_size_gb=float(f.max_size_gb),
-            fsync=bool(getattr(f, "fsync", False)),
-        )
-    if backend == "redis":
-        r = l3cfg.redis
-        timeout = getattr(r, "timeout_s", None)
-        return RedisSettings(
-            url=str(r.url),
-            cluster=bool(getattr(r, "cluster", False)),
-            password=getattr(r, "password", None),
-            ttl_s=getattr(r, "ttl_s", None),
-            key_prefix=str(getattr(r, "key_prefix", "hicache")),
-            resilience=ResilienceSettings(timeout_s=float(timeout)) if timeout else ResilienceSettings(),
-        )
-    raise StorageConfigError(f"cache.l3.backend: unknown backend {backend!r} (none, file, redis)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -39,7 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
 from storage_backends.base import Buffer, StorageBackend, StoreUsage
-from storage_backends.errors import PageFormatError, StorageUnavailable
+from storage_backends.errors import StorageUnavailable
 from storage_backends.keys import check_hashes, is_page_hash
 from storage_backends.page_format import (
     HEADER_SIZE,
@@ -101,6 +101,12 @@ def _readv_full(fd: int, views: list[memoryview]) -> int:
     return total
 
 
+def _skip(hdr: memoryview, into: memoryview, got: int) -> list[memoryview]:
+    """The parts of ``[hdr, into]`` not yet filled after ``got`` bytes, plus a probe byte."""
+    views = [hdr[got:], into] if got < hdr.nbytes else [into[got - hdr.nbytes :]]
+    return [*views, memoryview(bytearray(1))]
+
+
 def _writev_full(fd: int, views: list[memoryview]) -> None:
     while views:
         n = os.writev(fd, views)
@@ -120,6 +126,7 @@ class FileBackend(StorageBackend):
         super().__init__(layout)
         self.settings = settings
         self.root = os.path.abspath(settings.dir)
+        self._root_slash = os.path.join(self.root, "")
         self._timeout = settings.resilience.timeout_s
         self._max_bytes = settings.max_bytes
         self._low_bytes = int(self._max_bytes * settings.low_water)
@@ -141,7 +148,8 @@ class FileBackend(StorageBackend):
             ExponentialJitterBackoff(res.probe_base_s, res.probe_cap_s),
             on_change=self._on_breaker_change,
         )
-        self._index: OrderedDict[str, int] = OrderedDict()
+        # hash -> (object bytes, last access time we know of), least recently used first.
+        self._index: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self._used = 0
         self._scan_done = threading.Event()
         if settings.scan_on_start:
@@ -180,7 +188,7 @@ class FileBackend(StorageBackend):
     # -- paths -------------------------------------------------------------------------
 
     def _path(self, h: str) -> str:
-        return os.path.join(self.root, h[:2], h + PAGE_SUFFIX)
+        return f"{self._root_slash}{h[:2]}/{h}{PAGE_SUFFIX}"
 
     # -- data path ---------------------------------------------------------------------
 
@@ -234,7 +242,7 @@ class FileBackend(StorageBackend):
         if self._closed or not self._breaker.up:
             self._counters.add(misses=len(hashes))
             return [False] * len(hashes)
-        batch = self._run(hashes, lambda i, h: self._read_one(layout, h, views[i]))
+        batch = self._run(layout, hashes, lambda i, h: self._read_one(layout, h, views[i]))
         return self._account_reads(batch, layout)
 
     def batch_set(self, hashes: Sequence[str], pages: Sequence[Buffer]) -> list[bool]:
@@ -254,7 +262,7 @@ class FileBackend(StorageBackend):
         if self._closed or not self._breaker.up:
             self._counters.add(dropped_writes=len(hashes))
             return [False] * len(hashes)
-        batch = self._run(hashes, lambda i, h: self._write_one(layout, h, views[i]))
+        batch = self._run(layout, hashes, lambda i, h: self._write_one(layout, h, views[i]))
         return self._account_writes(batch, layout)
 
     def delete(self, hashes: Sequence[str]) -> int:
@@ -377,15 +385,37 @@ class FileBackend(StorageBackend):
 
     # -- batch machinery ---------------------------------------------------------------
 
-    def _run(self, hashes: list[str], op: Callable[[int, str], _Outcome]) -> _Batch:
-        """Run ``op(i, hashes[i])`` for every page on the pool, honouring the timeout.
+    def _inline(self, layout: PageLayout, n: int) -> bool:
+        """Whether a batch of ``n`` pages runs on the calling thread instead of the pool.
 
-        Pages are split into at most ``io_threads`` contiguous chunks. After the deadline,
-        chunks not yet started are cancelled and running chunks stop before their next
-        page; the call then waits for pages in progress, so no worker outlives it.
+        Small objects cost mostly Python work under the GIL (open, checksum, bookkeeping),
+        which worker threads cannot run in parallel: handing them to the pool only adds
+        thread hand-offs and GIL contention. Large objects spend their time in ``readv`` /
+        ``writev`` with the GIL released, where the pool overlaps the copies and keeps
+        several requests in flight for the device.
+        """
+        return n == 1 or self.settings.io_threads == 1 or layout.object_size <= INLINE_MAX_OBJECT_BYTES
+
+    def _run(self, layout: PageLayout, hashes: list[str], op: Callable[[int, str], _Outcome]) -> _Batch:
+        """Run ``op(i, hashes[i])`` for every page, honouring the timeout.
+
+        Either on the calling thread (see ``_inline``), checking the deadline before each
+        page, or on the pool: pages are split into at most ``io_threads`` contiguous chunks;
+        after the deadline, chunks not yet started are cancelled and running chunks stop
+        before their next page; the call then waits for pages in progress, so no worker
+        outlives it. Either way a page that has not started by the deadline is ``TIMEOUT``
+        and no page is in progress after the call returns.
         """
         batch = _Batch(len(hashes))
         n = len(hashes)
+        if self._inline(layout, n):
+            outcomes = batch.outcomes
+            deadline = time.monotonic() + self._timeout
+            for i, h in enumerate(hashes):
+                if time.monotonic() > deadline:
+                    break
+                outcomes[i] = op(i, h)
+            return batch
         chunks = min(self.settings.io_threads, n)
         step = -(-n // chunks)
 
@@ -455,14 +485,26 @@ class FileBackend(StorageBackend):
 
     # -- one page ----------------------------------------------------------------------
 
-    def _header_buf(self) -> memoryview:
-        buf = getattr(self._tls, "hdr", None)
-        if buf is None:
-            buf = self._tls.hdr = memoryview(bytearray(HEADER_SIZE))
-        return buf
+    def _scratch(self) -> tuple[bytearray, list[memoryview]]:
+        """This thread's header buffer, and views of it plus a 1-byte overflow probe."""
+        scratch = getattr(self._tls, "scratch", None)
+        if scratch is None:
+            hdr = bytearray(HEADER_SIZE + 1)
+            mv = memoryview(hdr)
+            scratch = self._tls.scratch = (hdr, [mv[:HEADER_SIZE], mv[HEADER_SIZE:]])
+        return scratch
 
     def _read_one(self, layout: PageLayout, h: str, into: memoryview) -> _Outcome:
-        path = self._path(h)
+        """Read and verify one page into ``into``; never raises for store trouble.
+
+        One ``open``, one ``readv`` of header + payload + one probe byte (so a long or short
+        file shows in the byte count without an ``fstat``), ``close``. The header is
+        verified by comparing its first ``PREFIX_SIZE`` bytes with the layout's constant
+        prefix, then the checksum. ``fstat`` runs only for a page whose access time is not
+        known to be recent (to refresh it, see ``_touch_read``) and for a corrupt page (to
+        delete exactly the file that was read).
+        """
+        path = f"{self._root_slash}{h[:2]}/{h}{PAGE_SUFFIX}"
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -470,25 +512,23 @@ class FileBackend(StorageBackend):
         except OSError as exc:
             log.debug("file store: open %s failed: %s", path, exc)
             return _Outcome.ERROR
+        size = layout.object_size
         try:
-            st = os.fstat(fd)
-            if st.st_size != layout.object_size:
-                reason = f"file is {st.st_size} bytes, expected {layout.object_size}"
+            hdr, (hdr_mv, probe) = self._scratch()
+            got = os.readv(fd, [hdr_mv, into, probe])
+            if 0 < got < size:
+                # A short read without EOF (rare on local file systems): finish it.
+                got += _readv_full(fd, _skip(hdr_mv, into, got))
+            if got != size:
+                reason = f"object is {'more than ' if got > size else ''}{min(got, size)} bytes, expected {size}"
+            elif not hdr.startswith(layout.header_prefix):
+                reason = describe_mismatch(layout, hdr_mv)
+            elif int.from_bytes(hdr[PREFIX_SIZE:_CHECKSUM_END], "little") != checksum(into):
+                reason = "payload checksum mismatch"
             else:
-                hdr = self._header_buf()
-                got = _readv_full(fd, [hdr, into])
-                try:
-                    if got != layout.object_size:
-                        raise PageFormatError(f"short read: {got} of {layout.object_size} bytes")
-                    check_payload(check_header(layout, hdr), into)
-                except PageFormatError as exc:
-                    reason = str(exc)
-                else:
-                    if time.time() - st.st_atime > _ATIME_REFRESH_S:
-                        # Keep LRU order across restarts on relatime / noatime mounts.
-                        os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
-                    self._touch(h, st.st_size)
-                    return _Outcome.HIT
+                self._touch_read(h, size, fd)
+                return _Outcome.HIT
+            st = os.fstat(fd)
         except OSError as exc:
             log.debug("file store: read %s failed: %s", path, exc)
             return _Outcome.ERROR
@@ -522,8 +562,8 @@ class FileBackend(StorageBackend):
         else:
             return _Outcome.EXISTED
         header = encode_header(layout, page)
-        shard = os.path.dirname(path)
-        tmp = os.path.join(shard, f".{h}.{os.getpid()}.{next(self._tmp_seq)}{TMP_SUFFIX}")
+        shard = f"{self._root_slash}{h[:2]}"
+        tmp = f"{shard}/.{h}.{self._pid}.{next(self._tmp_seq)}{TMP_SUFFIX}"
         try:
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -568,27 +608,50 @@ class FileBackend(StorageBackend):
 
     # -- index and eviction ------------------------------------------------------------
 
-    def _touch(self, h: str, size: int) -> None:
+    def _touch(self, h: str, size: int, atime: float | None = None) -> None:
+        """Mark ``h`` most recently used (adding it with ``size`` bytes if new)."""
+        now = time.time() if atime is None else atime
         with self._index_lock:
             old = self._index.get(h)
             if old is None:
-                self._index[h] = size
+                self._index[h] = (size, now)
                 self._used += size
             else:
                 self._index.move_to_end(h)
 
+    def _touch_read(self, h: str, size: int, fd: int) -> None:
+        """After a verified read of ``h`` on ``fd``: LRU bookkeeping, and keep the file's
+        access time within ``_ATIME_REFRESH_S`` of the truth so LRU order survives a restart
+        on relatime / noatime mounts. Costs no syscall for a page whose atime is recent."""
+        now = time.time()
+        with self._index_lock:
+            old = self._index.get(h)
+            if old is not None:
+                self._index.move_to_end(h)
+                if now - old[1] <= _ATIME_REFRESH_S:
+                    return
+                self._index[h] = (old[0], now)
+        try:
+            st = os.fstat(fd)
+            if now - st.st_atime > _ATIME_REFRESH_S:
+                os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
+        except OSError as exc:  # not our file (a shared store), or read-only: LRU only
+            log.debug("file store: cannot refresh the access time of page %s: %s", h, exc)
+        if old is None:
+            self._touch(h, size, now)
+
     def _forget(self, h: str) -> None:
         with self._index_lock:
-            size = self._index.pop(h, None)
-            if size is not None:
-                self._used -= size
+            old = self._index.pop(h, None)
+            if old is not None:
+                self._used -= old[0]
 
     def _evict_to(self, target_bytes: int) -> tuple[int, int]:
         victims: list[str] = []
         freed = 0
         with self._index_lock:
             while self._used > target_bytes and self._index:
-                h, size = self._index.popitem(last=False)
+                h, (size, _atime) = self._index.popitem(last=False)
                 self._used -= size
                 freed += size
                 victims.append(h)
@@ -648,12 +711,14 @@ class FileBackend(StorageBackend):
             found.sort()
             with self._index_lock:
                 # Pages touched since start are more recent than anything the scan found.
-                merged: OrderedDict[str, int] = OrderedDict((h, size) for _, h, size in found)
-                for h, size in self._index.items():
+                merged: OrderedDict[str, tuple[int, float]] = OrderedDict(
+                    (h, (size, atime)) for atime, h, size in found
+                )
+                for h, entry in self._index.items():
                     merged.pop(h, None)
-                    merged[h] = size
+                    merged[h] = entry
                 self._index = merged
-                self._used = sum(merged.values())
+                self._used = sum(size for size, _atime in merged.values())
             log.info(
                 "file store %s: %d pages, %.1f MiB found in %.2fs",
                 self.root,

@@ -1,7 +1,7 @@
 """Settings classes for the backends.
 
 ``storage_backends`` does not read the daemon's config: the core converts its ``cache.l3``
-section into these (see ``hicache.storage_cli.storage_settings_from_config``). All are
+section into these (see ``hicache.storage_settings.storage_settings_from_config``). All are
 frozen; ``validate`` runs on construction and raises ``StorageConfigError`` with the
 field's name.
 """

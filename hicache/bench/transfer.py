@@ -59,7 +59,13 @@ def run(args: argparse.Namespace) -> int:
     from hicache.bench.report import Figure, print_table, write_json
     from hicache.hashing import HashNamespace, PageHasher
     from hicache.ipc import Endpoints, PullSocket, PushSocket, make_runtime_dir
-    from hicache.memory.pools import PoolLayout, create_pools, default_directory, new_instance_id, paged_layout
+    from hicache.memory.pools import (
+        PoolLayout,
+        create_pools,
+        default_directory,
+        new_instance_id,
+        paged_layout,
+    )
     from storage_backends import FileSettings, PageLayout, RedisSettings, create_backend
 
     figures: list[Figure] = []
@@ -96,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
             raise RuntimeError("the controller did not start")
         op_ids = iter(range(1, 10**9))
 
-        def call(msg: protos.Message) -> protos.Message:
+        def call(msg: protos.Message, outbox: PushSocket = outbox, inbox: PullSocket = inbox) -> protos.Message:
             outbox.send(msg)
             answer = inbox.recv(60_000)
             if not isinstance(answer, protos.OpDone) or answer.status != "ok":
@@ -114,15 +120,19 @@ def run(args: argparse.Namespace) -> int:
                 src6 = comp.l1_paged[0]
                 l2 = comp.l2[0]
 
-                def raw_d2h() -> None:
+                def raw_d2h(l2: torch.Tensor = l2, host_t: torch.Tensor = host_t, src6: torch.Tensor = src6,
+                            dev_t: torch.Tensor = dev_t) -> None:
                     l2.index_copy_(0, host_t, torch.index_select(src6, 2, dev_t).movedim(2, 0))
 
-                def raw_h2d() -> None:
+                def raw_h2d(l2: torch.Tensor = l2, host_t: torch.Tensor = host_t, src6: torch.Tensor = src6,
+                            dev_t: torch.Tensor = dev_t) -> None:
                     src6.index_copy_(2, dev_t, torch.index_select(l2, 0, host_t).movedim(0, 2))
 
                 for direction, ours, raw in (
-                    ("L1->L2", lambda: call(protos.WriteToHost(next(op_ids), {"full": dev}, {"full": host})), raw_d2h),
-                    ("L2->L1", lambda: call(protos.LoadToDevice(next(op_ids), {"full": host}, {"full": dev})), raw_h2d),
+                    ("L1->L2", lambda ids=op_ids, d=dev, h=host: call(protos.WriteToHost(next(ids), {"full": d}, {"full": h})),
+                     raw_d2h),
+                    ("L2->L1", lambda ids=op_ids, d=dev, h=host: call(protos.LoadToDevice(next(ids), {"full": h}, {"full": d})),
+                     raw_h2d),
                 ):
                     ours()
                     raw()

@@ -63,7 +63,8 @@ class RedisProcess:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        assert REDIS_SERVER is not None
+        if REDIS_SERVER is None:
+            raise RuntimeError(NO_REDIS)
         args = [
             REDIS_SERVER,
             "--port", str(self.port),
@@ -124,21 +125,25 @@ def redis_standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Redis
         server.kill()
 
 
-@pytest.fixture(scope="session")
-def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A 3-master Redis Cluster on loopback; yields the URL of one node."""
+CLUSTER_NODE_ARGS = [
+    "--cluster-enabled", "yes",
+    "--cluster-config-file", "nodes.conf",
+    "--cluster-node-timeout", "2000",
+    # An L3 cache keeps serving the slots it still has when one node is lost.
+    "--cluster-require-full-coverage", "no",
+]  # fmt: skip
+
+
+def start_cluster(base: Path, masters: int = 3) -> list[RedisProcess]:
+    """Start ``masters`` cluster-enabled servers, join them into one cluster (no replicas)
+    and wait until every node reports ``cluster_state:ok``. On failure, kills what it started.
+    """
     if REDIS_SERVER is None or REDIS_CLI is None:
-        pytest.skip(NO_REDIS)
-    base = tmp_path_factory.mktemp("redis-cluster")
+        raise RuntimeError(NO_REDIS)
     nodes: list[RedisProcess] = []
     try:
-        for i in range(3):
-            port = free_port(cluster=True)
-            node = RedisProcess(
-                base / f"node{i}",
-                port,
-                ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"],
-            )
+        for i in range(masters):
+            node = RedisProcess(base / f"node{i}", free_port(cluster=True), CLUSTER_NODE_ARGS)
             node.start()
             nodes.append(node)
         subprocess.run(
@@ -146,18 +151,53 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
              "--cluster-replicas", "0", "--cluster-yes"],
             check=True, capture_output=True, timeout=60,
         )  # fmt: skip
-        deadline = time.monotonic() + 30
-        while True:
-            states = []
-            for n in nodes:
+        wait_cluster_ok(nodes, 30)
+    except BaseException:
+        for n in nodes:
+            n.kill()
+        raise
+    return nodes
+
+
+def wait_cluster_ok(nodes: list[RedisProcess], timeout: float) -> None:
+    """Wait until every node in ``nodes`` reports ``cluster_state:ok``; raise after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for n in nodes:
+            try:
                 info = n.client().cluster("info")
-                states.append(info.get("cluster_state") if isinstance(info, dict) else None)
-            if all(s == "ok" for s in states):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"cluster did not become ready: {states}")
-            time.sleep(0.1)
+            except redis.RedisError:
+                info = None
+            states.append(info.get("cluster_state") if isinstance(info, dict) else None)
+        if all(s == "ok" for s in states):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"cluster did not become ready: {states}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A 3-master Redis Cluster on loopback, shared by the session; yields the URL of one node."""
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        pytest.skip(NO_REDIS)
+    nodes = start_cluster(tmp_path_factory.mktemp("redis-cluster"))
+    try:
         yield nodes[0].url
+    finally:
+        for n in nodes:
+            n.kill()
+
+
+@pytest.fixture
+def redis_cluster_nodes(tmp_path: Path) -> Iterator[list[RedisProcess]]:
+    """A private 3-master cluster for tests that kill and restart its nodes."""
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        pytest.skip(NO_REDIS)
+    nodes = start_cluster(tmp_path / "cluster")
+    try:
+        yield nodes
     finally:
         for n in nodes:
             n.kill()

@@ -14,7 +14,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from hicache.cli import main
-from hicache.storage_cli import storage_settings_from_config
+from hicache.storage_settings import storage_settings_from_config
 from storage_backends import FileSettings, PageFormatError, PageLayout, RedisSettings, StorageConfigError
 from storage_backends.page_format import (
     HEADER_SIZE,

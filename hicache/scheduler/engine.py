@@ -1,0 +1,414 @@
+"""The scheduler's core: admission, continuous batching and the cache, without any sockets.
+
+``Scheduler`` is fed messages (``submit``, ``abort``, ``admin``, ``on_controller``) and
+advanced by ``step``; it answers through the ``emit`` callable (to the tokenizer) and talks
+to the cache controller through the ``TierManager`` and ``controller_send``. The process
+module (``hicache.scheduler.process``) wires those to ZeroMQ; tests call them directly.
+
+One step:
+
+1. start the L2 writes the write policy asks for;
+2. walk the waiting queue in ``scheduler.policy`` order: match each request, start its L3
+   prefetch or L2 load-back when the tier policy says so, and admit it when its prefix is
+   in L1 and there are enough free-or-evictable L1 pages for its prompt plus its whole
+   decode budget (it stays queued otherwise; nothing fails for lack of room);
+3. run one forward pass over every running request: one prefill chunk of at most
+   ``chunked_prefill_tokens`` (all chunks together at most ``max_prefill_tokens``) or one
+   decode token each; cache each finished prefill chunk (``cache_unfinished_req``);
+4. sample, emit tokens, and finish requests (``cache_finished_req`` gives their pages to
+   the tree, which frees duplicates; the lock is released).
+
+Page accounting: a running request reserves, at admission, every L1 page it may still need
+(``reserved_pages``) and allocates them as it goes; admission counts ``free + evictable -
+reserved``. Whatever a finished or aborted request holds goes back to the tree or the
+allocator in ``cache_finished_req``: nothing leaks (``check_integrity`` when idle proves it).
+
+Only full-attention models are served by this build; a model with SWA or Mamba layers is
+refused at construction with that reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import protos
+from hicache.config import HicacheConfig
+from hicache.memory.allocator import PageAllocator
+from hicache.model.loader import LoadedModel
+from hicache.model.runner import ForwardItem, ModelRunner
+from hicache.model.sampling import SamplingParams, finish_reason, resolve_seed, sample_next
+from hicache.scheduler.queue_policy import order_waiting
+from hicache.scheduler.request import LOADING, PREFETCH, RUNNING, WAITING, Request
+from hicache.tier_manager import TierManager
+from hicache.tree.cache import MatchResult, RequestState, UnifiedRadixCache
+from hicache.tree.node import KEY_TYPECODE
+
+log = logging.getLogger("hicache.scheduler")
+
+
+class RequestRejected(ValueError):
+    """A request that cannot be served as given (answered with finish_reason ``error``)."""
+
+
+@dataclass
+class SchedulerCounters:
+    requests_ok: int = 0
+    requests_error: int = 0
+    requests_aborted: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    cached_device: int = 0
+    cached_host: int = 0
+    cached_storage: int = 0
+    forward_passes: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cfg: HicacheConfig,
+        model: LoadedModel,
+        runner: ModelRunner,
+        cache: UnifiedRadixCache,
+        l1: PageAllocator,
+        emit: Callable[[protos.TokenizerMessage], None],
+        *,
+        tier: TierManager | None = None,
+        controller_send: Callable[[protos.ControllerMessage], None] | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if model.geometry.components != ("full",):
+            raise ValueError(
+                f"this build serves full-attention models only; model.reference.layers has "
+                f"{', '.join(sorted(set(model.geometry.layer_kinds)))} layers")
+        self.cfg = cfg
+        self.model = model
+        self.runner = runner
+        self.cache = cache
+        self.l1 = l1
+        self.emit = emit
+        self.tier = tier
+        self.controller_send = controller_send
+        self.eos_token_ids = eos_token_ids
+        self.clock = clock
+        self.page_size = cache.page_size
+        self.vocab_size = model.spec.vocab_size
+        self.max_context = model.spec.max_context
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.by_rid: dict[str, Request] = {}
+        self.reserved_pages = 0
+        self.counters = SchedulerCounters()
+        self._rng = random.Random(0)
+        self._match_len: dict[str, int] = {}
+        self._match_node: dict[str, object] = {}
+        self._admin_waiting: dict[int, str] = {}
+        self._admin_ids = iter(range(1, 2**62))
+
+    # ------------------------------------------------------------------ input
+    def submit(self, msg: protos.GenerateRequest) -> None:
+        """Queue a request, or answer it at once with an error naming the problem."""
+        try:
+            req = self._validate(msg)
+        except RequestRejected as exc:
+            self.counters.requests_error += 1
+            self.emit(protos.TokenOutput(msg.rid, [], True, "error", protos.Usage(len(msg.input_ids)), str(exc)))
+            return
+        self.by_rid[req.rid] = req
+        self.waiting.append(req)
+
+    def _validate(self, msg: protos.GenerateRequest) -> Request:
+        if msg.rid in self.by_rid:
+            raise RequestRejected(f"request id {msg.rid!r} is already in use")
+        if not msg.input_ids:
+            raise RequestRejected("input_ids must not be empty")
+        bad = next((t for t in msg.input_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestRejected(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        s = msg.sampling
+        limit = self.cfg.scheduler.max_new_tokens_limit
+        if not 1 <= s.max_new_tokens <= limit:
+            raise RequestRejected(f"max_new_tokens must be in [1, {limit}], got {s.max_new_tokens}")
+        if len(msg.input_ids) + s.max_new_tokens > self.max_context:
+            raise RequestRejected(
+                f"prompt of {len(msg.input_ids)} tokens + max_new_tokens {s.max_new_tokens} exceeds the "
+                f"model's context of {self.max_context}")
+        try:
+            params = SamplingParams(s.max_new_tokens, s.temperature, s.top_k, s.top_p, s.seed,
+                                    tuple(s.stop_token_ids), s.ignore_eos)
+            params.check_vocab(self.vocab_size)
+        except ValueError as exc:
+            raise RequestRejected(str(exc)) from None
+        need = -(-(len(msg.input_ids) + s.max_new_tokens) // self.page_size)
+        if need > self.l1.capacity:
+            raise RequestRejected(f"the request needs {need} L1 pages; L1 holds {self.l1.capacity}")
+        return Request(msg.rid, array(KEY_TYPECODE, msg.input_ids), params, resolve_seed(params), msg.stream,
+                       msg.cache_salt, arrival=self.clock())
+
+    def abort(self, rid: str) -> None:
+        req = self.by_rid.get(rid)
+        if req is None:
+            return
+        self.counters.requests_aborted += 1
+        self._finish(req, "abort")
+
+    # ------------------------------------------------------------------ admin
+    def admin(self, msg: protos.AdminRequest) -> None:
+        op = msg.op
+        try:
+            if op == "flush":
+                before = self.cache.total_size()
+                self.cache.flush()
+                self.emit(protos.AdminReply(msg.rid, True, {"flushed_tokens": before - self.cache.total_size()}))
+            elif op == "stats":
+                self.emit(protos.AdminReply(msg.rid, True, self.stats()))
+            elif op in ("storage_status", "storage_attach", "storage_detach", "storage_clear"):
+                self._storage_admin(msg)
+            else:
+                self.emit(protos.AdminReply(msg.rid, False, {}, f"unknown admin op {op!r}"))
+        except Exception as exc:  # an admin call must never take the scheduler down
+            log.exception("admin op %s failed", op)
+            self.emit(protos.AdminReply(msg.rid, False, {}, f"{type(exc).__name__}: {exc}"))
+
+    def _storage_admin(self, msg: protos.AdminRequest) -> None:
+        if self.controller_send is None:
+            self.emit(protos.AdminReply(msg.rid, False, {}, "no cache controller: L2 is disabled"))
+            return
+        op = msg.op.removeprefix("storage_")
+        if op != "status" and (self.running or self.waiting or (self.tier and self.tier.in_flight)):
+            self.emit(protos.AdminReply(msg.rid, False, {}, "busy: requests or transfers are in flight; retry when idle"))
+            return
+        op_id = next(self._admin_ids)
+        self._admin_waiting[op_id] = msg.rid
+        self.controller_send(protos.StorageAdmin(op_id, op, msg.args))
+
+    def on_controller(self, msg: protos.Message) -> None:
+        """An answer from the cache controller."""
+        if isinstance(msg, protos.StorageStatus):
+            if self.tier is not None:
+                self.tier.l3_enabled = msg.backend != "none"
+            rid = self._admin_waiting.pop(msg.op_id, None)
+            if rid is not None:
+                result = {"backend": msg.backend, "up": msg.up, "stats": msg.stats}
+                self.emit(protos.AdminReply(rid, msg.error is None, result, msg.error))
+            return
+        if self.tier is not None:
+            self.tier.on_message(msg)
+
+    def stats(self) -> dict[str, Any]:
+        ps = self.page_size
+        out: dict[str, Any] = {
+            "l1": {"full": {"used_tokens": self.l1.used * ps, "capacity_tokens": self.l1.capacity * ps,
+                            "cached_tokens": self.cache.total_size()}},
+            "requests": {"running": len(self.running), "waiting": len(self.waiting)},
+            "hit_tokens": {"device": self.counters.cached_device, "host": self.counters.cached_host,
+                           "storage": self.counters.cached_storage},
+        }
+        host = self.cache.full.host_allocator
+        if host is not None:
+            out["l2"] = {"full": {"used_tokens": host.used * ps, "capacity_tokens": host.capacity * ps}}
+        if self.tier is not None:
+            out["tiers"] = vars(self.tier.counters)
+        return out
+
+    # ------------------------------------------------------------------ the step
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def step(self) -> bool:
+        """One scheduling pass and at most one forward pass; True if a forward ran."""
+        if self.tier is not None:
+            self.tier.issue_writes()
+        self._schedule()
+        if not self.running:
+            return False
+        self._forward()
+        return True
+
+    def check_idle(self) -> None:
+        """The integrity check, run by the loop when nothing is running or in flight."""
+        if not self.busy and (self.tier is None or not self.tier.in_flight):
+            self.cache.check_integrity()
+
+    def _schedule(self) -> None:
+        if not self.waiting:
+            return
+        budget = self.cfg.scheduler.max_prefill_tokens - sum(
+            min(r.prompt_len - r.computed, self.cfg.scheduler.chunked_prefill_tokens)
+            for r in self.running if r.prefilling)
+        order = order_waiting(self.waiting, self.cfg.scheduler.policy,
+                              lambda r: self._match_len.get(r.rid, 0),  # type: ignore[attr-defined]
+                              lambda r: self._match_node.get(r.rid), self._rng)  # type: ignore[attr-defined]
+        for req in order:
+            if len(self.running) >= self.cfg.scheduler.max_running_requests or budget <= 0:
+                break
+            if self._try_admit(req):
+                self.waiting.remove(req)
+                self.running.append(req)
+                budget -= min(req.prompt_len - req.computed, self.cfg.scheduler.chunked_prefill_tokens)
+
+    def _try_admit(self, req: Request) -> bool:
+        """Move ``req`` along its tier states; True once it is admitted (status running)."""
+        cache, tier, now = self.cache, self.tier, self.clock()
+        if req.status == LOADING:
+            assert req.load is not None
+            if not req.load.done:
+                return False
+            req.status = WAITING
+        if req.status == PREFETCH:
+            assert req.prefetch is not None
+            if not req.prefetch.ready(now):
+                return False
+            if not req.prefetch.complete and tier is not None:
+                tier.cancel_prefetch(req.prefetch)
+            req.status = WAITING
+        m = cache.match_prefix(req.input_ids, req.cache_salt)
+        self._match_len[req.rid] = m.device_len + m.host_hit_length
+        self._match_node[req.rid] = m.last_host_node
+        if tier is not None and req.load is None:
+            if req.prefetch is None and tier.l3_enabled:
+                ticket = tier.start_prefetch(req.rid, req.input_ids, m, req.cache_salt)
+                if ticket is not None:
+                    req.prefetch = ticket
+                    if not ticket.ready(now):
+                        req.status = PREFETCH
+                        return False
+            if m.host_hit_length:
+                ticket = tier.start_load_back(m)
+                if ticket is not None:
+                    req.load = ticket
+                    req.status = LOADING
+                    return False
+        return self._admit(req, m)
+
+    def _admit(self, req: Request, m: MatchResult) -> bool:
+        ps = self.page_size
+        prefix = min(m.device_len, (req.prompt_len - 1) // ps * ps)  # at least one token to compute
+        total_pages = -(-(req.prompt_len + req.params.max_new_tokens) // ps)
+        need = total_pages - prefix // ps
+        lock = self.cache.inc_lock_ref(m.last_device_node)
+        available = self.l1.free_count + self.cache.evictable_size() // ps - self.reserved_pages
+        if need > available:
+            self.cache.dec_lock_ref(lock)
+            return False
+        req.tree = RequestState(req.input_ids, list(m.device_indices[: prefix // ps]), req.cache_salt, prefix,
+                                m.last_device_node, lock)
+        req.computed = prefix
+        req.reserved_pages = need
+        self.reserved_pages += need
+        req.status = RUNNING
+        self._account_hits(req, prefix)
+        return True
+
+    def _account_hits(self, req: Request, prefix: int) -> None:
+        loaded = req.load.tokens if req.load is not None and req.load.ok else 0
+        fetched = req.prefetch.arrived_tokens if req.prefetch is not None else 0
+        storage = min(fetched, loaded, prefix)
+        host = min(loaded - storage, prefix - storage)
+        req.cached_storage, req.cached_host = storage, host
+        req.cached_device = prefix - storage - host
+        c = self.counters
+        c.cached_device += req.cached_device
+        c.cached_host += req.cached_host
+        c.cached_storage += req.cached_storage
+        c.prompt_tokens += req.prompt_len
+
+    # ------------------------------------------------------------------ forward
+    def _ensure_pages(self, req: Request, upto: int) -> bool:
+        assert req.tree is not None
+        need = -(-upto // self.page_size) - len(req.tree.kv_pages)
+        if need <= 0:
+            return True
+        pages = self.l1.alloc(need)
+        if pages is None:
+            self.cache.evict(full_tokens=(need - self.l1.free_count) * self.page_size)
+            pages = self.l1.alloc(need)
+        if pages is None:
+            return False
+        req.tree.kv_pages.extend(pages)
+        taken = min(need, req.reserved_pages)
+        req.reserved_pages -= taken
+        self.reserved_pages -= taken
+        return True
+
+    def _forward(self) -> None:
+        chunk_cap = self.cfg.scheduler.chunked_prefill_tokens
+        budget = self.cfg.scheduler.max_prefill_tokens
+        batch: list[tuple[Request, ForwardItem]] = []
+        for req in list(self.running):
+            assert req.tree is not None
+            if req.prefilling:
+                n = min(req.prompt_len - req.computed, chunk_cap, max(budget, 0))
+                if n <= 0:
+                    continue
+                budget -= n
+                tokens = req.input_ids[req.computed : req.computed + n]
+                logits = "last" if req.computed + n == req.prompt_len else "none"
+            else:
+                tokens = array(KEY_TYPECODE, [req.output_ids[-1]])
+                logits = "last"
+            if not self._ensure_pages(req, req.computed + len(tokens)):
+                self._finish(req, "error", "L1 is out of pages for this request")
+                continue
+            batch.append((req, ForwardItem(tokens, req.computed, req.tree.kv_pages, logits=logits)))
+        if not batch:
+            return
+        outputs = self.runner.forward([item for _r, item in batch])
+        self.counters.forward_passes += 1
+        for (req, item), out in zip(batch, outputs, strict=True):
+            req.computed = item.end
+            if out is None:
+                self.cache.cache_unfinished_req(req.tree, committed_len=req.computed)  # type: ignore[arg-type]
+                continue
+            self._append_token(req, out)
+
+    def _append_token(self, req: Request, logits: torch.Tensor) -> None:
+        token = sample_next(logits, req.params, req.seed, len(req.output_ids))
+        req.output_ids.append(token)
+        if req.first_token_at is None:
+            req.first_token_at = self.clock()
+        self.counters.generation_tokens += 1
+        reason = finish_reason(req.output_ids, req.params, self.eos_token_ids)
+        if reason is not None:
+            self._finish(req, reason)
+        elif req.stream:
+            self.emit(protos.TokenOutput(req.rid, req.output_ids[req.sent_tokens:]))
+            req.sent_tokens = len(req.output_ids)
+
+    # ------------------------------------------------------------------ finishing
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        """Give back everything ``req`` holds and send its final output."""
+        self.by_rid.pop(req.rid, None)
+        self._match_len.pop(req.rid, None)
+        self._match_node.pop(req.rid, None)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        if req.prefetch is not None and not req.prefetch.complete and self.tier is not None:
+            self.tier.cancel_prefetch(req.prefetch)
+        if req.tree is not None:
+            req.tree.token_ids = req.all_tokens()
+            self.cache.cache_finished_req(req.tree, committed_len=req.computed)
+            req.tree = None
+        self.reserved_pages -= req.reserved_pages
+        req.reserved_pages = 0
+        if reason == "error":
+            self.counters.requests_error += 1
+        elif reason != "abort":
+            self.counters.requests_ok += 1
+        usage = protos.Usage(req.prompt_len, len(req.output_ids), req.cached_device, req.cached_host,
+                             req.cached_storage)
+        tokens = req.output_ids[req.sent_tokens:] if req.stream else list(req.output_ids)
+        req.sent_tokens = len(req.output_ids)
+        self.emit(protos.TokenOutput(req.rid, tokens, True, reason, usage, error))

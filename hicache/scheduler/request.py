@@ -1,0 +1,70 @@
+"""One generation request as the scheduler tracks it.
+
+States and who moves a request between them:
+
+==========  ===========================================  ===================================
+state       meaning                                      leaves it when
+==========  ===========================================  ===================================
+waiting     queued; re-matched on every scheduling pass  admitted, or an L2/L3 tier op starts
+prefetch    L3 pages are being fetched into L2           the ticket is ready (per policy)
+loading     its L2-only prefix is being loaded into L1    the load is acknowledged
+running     admitted: holds a tree lock and L1 pages     finished or aborted
+==========  ===========================================  ===================================
+
+A running request's ``state`` (``RequestState``) is what the tree sees: its token ids
+(prompt + output), its L1 pages, the tree-owned prefix length and its lock. ``computed`` is
+how many of those tokens have KV in the pages; the last sampled token never has KV yet.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from dataclasses import dataclass, field
+
+from hicache.model.sampling import SamplingParams
+from hicache.tier_manager import LoadTicket, PrefetchTicket
+from hicache.tree.cache import RequestState
+
+WAITING, PREFETCH, LOADING, RUNNING = "waiting", "prefetch", "loading", "running"
+
+
+@dataclass
+class Request:
+    rid: str
+    input_ids: array
+    params: SamplingParams
+    seed: int
+    stream: bool
+    cache_salt: str
+    arrival: float = field(default_factory=time.monotonic)
+    status: str = WAITING
+    output_ids: list[int] = field(default_factory=list)
+    tree: RequestState | None = None
+    computed: int = 0
+    reserved_pages: int = 0
+    cached_device: int = 0
+    cached_host: int = 0
+    cached_storage: int = 0
+    prefetch: PrefetchTicket | None = None
+    load: LoadTicket | None = None
+    first_token_at: float | None = None
+    sent_tokens: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.prompt_len
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.cached_device + self.cached_host + self.cached_storage
+
+    def all_tokens(self) -> array:
+        """Prompt + output so far (what the tree keys this request by)."""
+        out = array(self.input_ids.typecode, self.input_ids)
+        out.extend(self.output_ids)
+        return out
