@@ -48,6 +48,7 @@ from controller.transfer import TransferRefused, make_transfer_engine
 from hicache.ipc import Endpoints, PullSocket, PushSocket
 from hicache.logging_setup import setup_logging
 from hicache.memory.pools import PoolLayout, attach_pools
+from hicache.proc import die_with_parent
 from storage_backends import create_backend
 
 log = logging.getLogger("hicache.controller")
@@ -286,7 +287,7 @@ def l3_settings_from_mapping(raw: dict[str, Any]) -> Any:
     Validated exactly like the config file; raises ``ConfigError`` naming each bad key.
     """
     from hicache.config import config_from_dict
-    from hicache.storage_cli import storage_settings_from_config
+    from hicache.storage_settings import storage_settings_from_config
 
     l3 = config_from_dict({"cache": {"l3": raw}}).cache.l3
     return storage_settings_from_config(l3)
@@ -303,8 +304,18 @@ def controller_main(args: ControllerArgs) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; Ctrl-C reaches the group
+    die_with_parent()
     ctx = zmq.Context()
-    server = ControllerServer(args, ctx)
+    try:
+        server = ControllerServer(args, ctx)
+    except Exception as exc:  # e.g. an L3 store that was asked for and cannot start
+        log.error("controller failed to start: %s: %s", type(exc).__name__, exc)
+        if args.ready_address:
+            failed: PushSocket[protos.Message] = PushSocket(ctx, args.ready_address)
+            failed.send(protos.ProcessEvent("controller", "failed", os.getpid(), f"{type(exc).__name__}: {exc}"))
+            failed.close(linger_ms=5000)
+        ctx.term()
+        raise SystemExit(1) from None
     if args.ready_address:
         ready: PushSocket[protos.Message] = PushSocket(ctx, args.ready_address)
         ready.send(protos.Ready("controller", os.getpid()))

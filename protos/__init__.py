@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from protos.base import MAX_FRAME_BYTES, PROTOCOL_VERSION, Message, ProtocolError
 from protos.codec import MESSAGE_TYPES, decode, encode
-from protos.lifecycle import ErrorReply, LifecycleMessage, Ready, Shutdown
+from protos.lifecycle import ErrorReply, LifecycleMessage, ProcessEvent, Ready, Shutdown
 from protos.to_controller import (
     BackupToStorage,
     Cancel,
@@ -36,7 +36,7 @@ from protos.to_tokenizer import AdminReply, TokenizerMessage, TokenOutput, Usage
 
 __all__ = [
     "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "MESSAGE_TYPES", "Message", "ProtocolError", "decode", "encode",
-    "ErrorReply", "LifecycleMessage", "Ready", "Shutdown",
+    "ErrorReply", "LifecycleMessage", "ProcessEvent", "Ready", "Shutdown",
     "BackupToStorage", "Cancel", "ControllerMessage", "LoadToDevice", "PrefetchFetch", "PrefetchQuery",
     "StorageAdmin", "WriteToHost",
     "AbortRequest", "AdminRequest", "GenerateRequest", "OpDone", "PrefetchHits", "SamplingParams",

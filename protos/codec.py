@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 
 from protos.base import MAX_FRAME_BYTES, PROTOCOL_VERSION, Message, ProtocolError
-from protos.lifecycle import ErrorReply, Ready, Shutdown
+from protos.lifecycle import ErrorReply, ProcessEvent, Ready, Shutdown
 from protos.to_controller import (
     BackupToStorage,
     Cancel,
@@ -45,7 +45,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     GenerateRequest, AbortRequest, AdminRequest, OpDone, PrefetchHits, StorageStatus,
     TokenOutput, AdminReply,
     WriteToHost, LoadToDevice, BackupToStorage, PrefetchQuery, PrefetchFetch, Cancel, StorageAdmin,
-    Ready, Shutdown, ErrorReply,
+    Ready, Shutdown, ErrorReply, ProcessEvent,
 )
 
 # A checker validates one decoded value and returns it (converted where needed, e.g. int ->

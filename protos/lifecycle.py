@@ -36,3 +36,19 @@ class ErrorReply(LifecycleMessage):
 
     error: str
     ref: str = ""
+
+
+@message("process_event")
+@dataclass(slots=True)
+class ProcessEvent(LifecycleMessage):
+    """Supervision news between the launcher and the scheduler.
+
+    launcher -> scheduler: ``died`` (the cache controller is gone: fail its in-flight ops and
+    drop undelivered messages now) and ``ready`` (a restarted controller is serving).
+    scheduler -> launcher: ``restart`` (the controller stopped answering: kill and restart it).
+    """
+
+    process: str
+    event: str
+    pid: int = 0
+    detail: str = ""

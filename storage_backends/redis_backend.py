@@ -12,6 +12,12 @@ Timeouts: every socket connect and read is bounded by ``timeout_s``; a connectio
 is retried once on a fresh connection (a server restart leaves dead pooled sockets),
 timeouts are not retried. Failures feed the circuit breaker.
 
+Cluster: each batch is split by the node that owns each key's slot, one pipeline per node,
+and every node has its own circuit breaker (and health probe). A node that is lost makes
+only its own pages misses and its writes dropped; the other nodes keep serving, and the
+lost node is skipped (no connection attempts on the data path) until its probe answers.
+``stats().up`` is False while the store, or any node of it, is marked down.
+
 Processes: the client is created per process (checked by pid on every call), never shared
 across ``fork``. Thread safety: redis-py clients are thread-safe; this class adds no lock
 besides the one guarding client creation.
@@ -19,10 +25,11 @@ besides the one guarding client creation.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import redis
@@ -70,6 +77,7 @@ class RedisBackend(StorageBackend):
         self._client_lock = threading.Lock()
         self._client: Any = None
         self._pid = -1
+        self._node_breakers: dict[str, CircuitBreaker] = {}
         self.name = f"{'redis-cluster' if settings.cluster else 'redis'}:{_redact(settings.url)}"
         res = settings.resilience
         self._breaker = CircuitBreaker(
@@ -141,11 +149,99 @@ class RedisBackend(StorageBackend):
     def _pipeline(self) -> Any:
         return self._conn().pipeline(transaction=False)
 
-    def _store_failed(self, what: str, exc: BaseException) -> None:
+    def _node_breaker(self, name: str) -> CircuitBreaker:
+        """The breaker of cluster node ``name`` (``host:port``), created on first use."""
+        breaker = self._node_breakers.get(name)
+        if breaker is None:
+            with self._client_lock:
+                breaker = self._node_breakers.get(name)
+                if breaker is None:
+                    res = self.settings.resilience
+                    breaker = CircuitBreaker(
+                        f"{self.name}@{name}",
+                        res.failure_threshold,
+                        functools.partial(self._probe_node, name),
+                        ExponentialJitterBackoff(res.probe_base_s, res.probe_cap_s),
+                        on_change=self._on_breaker_change,
+                    )
+                    if self._closed:
+                        breaker.close()
+                    self._node_breakers[name] = breaker
+        return breaker
+
+    def _route(self, hashes: Sequence[str], lo: int, hi: int) -> list[tuple[CircuitBreaker, list[int]]]:
+        """Indices ``lo..hi-1`` grouped by the breaker that guards them: the store's breaker
+        for a standalone server, the owning node's in cluster mode. May raise a store error
+        (the cluster client could not be built)."""
+        if not self.settings.cluster:
+            return [(self._breaker, list(range(lo, hi)))]
+        client = self._conn()
+        nodes = client.nodes_manager
+        groups: dict[str, list[int]] = {}
+        for i in range(lo, hi):
+            try:
+                name = nodes.get_node_from_slot(client.keyslot(self._key(hashes[i]))).name
+            except _STORE_ERRORS:
+                name = ""  # slot not covered right now: let the cluster client route it
+            groups.setdefault(name, []).append(i)
+        return [(self._node_breaker(name) if name else self._breaker, idx) for name, idx in groups.items()]
+
+    def _store_failed(self, what: str, exc: BaseException, breaker: CircuitBreaker) -> None:
         timeout = isinstance(exc, (RedisTimeoutError, TimeoutError))
         self._counters.add(errors=1, timeouts=int(timeout))
         log.debug("%s: %s failed: %r", self.name, what, exc)
-        self._breaker.record_failure()
+        breaker.record_failure()
+
+    def _run_groups(
+        self,
+        what: str,
+        hashes: Sequence[str],
+        value_bytes: int,
+        command: Callable[[Any, int], object],
+        consume: Callable[[list[int], list[Any]], int],
+        span: tuple[int, int] | None = None,
+    ) -> None:
+        """Send ``command(pipe, i)`` for every index (of ``span``, default all), pipelined
+        per chunk and per node.
+
+        ``consume(indices, results)`` gets every pipeline that came back (results may hold
+        per-command exceptions) and returns how many of them were errors. Indices whose
+        store or node is down, or whose pipeline failed, are never passed to ``consume``.
+        A failed pipeline counts an error and a breaker failure, and its node is skipped
+        for the rest of the call; every other breaker used records success, or failure if
+        ``consume`` reported errors for it. Never raises store errors.
+        """
+        failed: set[int] = set()
+        used: dict[int, tuple[CircuitBreaker, int]] = {}
+        first, stop = span or (0, len(hashes))
+        for lo, hi in self._chunks(stop - first, value_bytes):
+            lo, hi = lo + first, hi + first
+            try:
+                groups = self._route(hashes, lo, hi)
+            except _STORE_ERRORS as exc:
+                self._store_failed(what, exc, self._breaker)
+                break
+            for breaker, idx in groups:
+                key = id(breaker)
+                if key in failed or not breaker.up:
+                    continue
+                try:
+                    pipe = self._pipeline()
+                    for i in idx:
+                        command(pipe, i)
+                    results = pipe.execute(raise_on_error=False)
+                except _STORE_ERRORS as exc:
+                    self._store_failed(what, exc, breaker)
+                    failed.add(key)
+                    used.pop(key, None)
+                    continue
+                bad = consume(idx, results)
+                used[key] = (breaker, used.get(key, (breaker, 0))[1] + bad)
+        for breaker, bad in used.values():
+            if bad:
+                breaker.record_failure()
+            else:
+                breaker.record_success()
 
     # -- data path ---------------------------------------------------------------------
 
@@ -153,23 +249,22 @@ class RedisBackend(StorageBackend):
         hashes = check_hashes(hashes)
         if not hashes or self._closed or not self._breaker.up:
             return 0
+        n = len(hashes)
+        present = [False] * n
         count = 0
-        try:
-            for lo, hi in self._chunks(len(hashes), 1024):
-                pipe = self._pipeline()
-                for h in hashes[lo:hi]:
-                    pipe.exists(self._key(h))
-                for res in pipe.execute(raise_on_error=False):
-                    if isinstance(res, Exception):
-                        raise res
-                    if not res:
-                        self._breaker.record_success()
-                        return count
-                    count += 1
-        except _STORE_ERRORS as exc:
-            self._store_failed("EXISTS", exc)
-            return 0
-        self._breaker.record_success()
+
+        def consume(idx: list[int], results: list[Any]) -> int:
+            for i, res in zip(idx, results, strict=True):
+                present[i] = not isinstance(res, Exception) and bool(res)
+            return sum(isinstance(res, Exception) for res in results)
+
+        # Windows in order, so that a miss early in a long batch ends the call early.
+        for lo, hi in self._chunks(n, 1024):
+            self._run_groups("EXISTS", hashes, 0, lambda p, i: p.exists(self._key(hashes[i])), consume, (lo, hi))
+            while count < hi and present[count]:
+                count += 1
+            if count < hi:
+                break
         return count
 
     def batch_get(self, hashes: Sequence[str], into: Sequence[memoryview]) -> list[bool]:
@@ -192,24 +287,18 @@ class RedisBackend(StorageBackend):
         if self._closed or not self._breaker.up:
             self._counters.add(misses=n)
             return out
-        hits = errors = 0
+        hits = 0
+        errors: list[int] = []
         corrupt: list[str] = []
-        failed = False
-        for lo, hi in self._chunks(n, layout.object_size):
-            pipe = self._pipeline()
-            for h in hashes[lo:hi]:
-                pipe.get(self._key(h))
-            try:
-                results = pipe.execute(raise_on_error=False)
-            except _STORE_ERRORS as exc:
-                self._store_failed("GET", exc)
-                failed = True
-                break  # the rest of the batch would wait on the same trouble: misses
-            for i, res in enumerate(results, lo):
+
+        def consume(idx: list[int], results: list[Any]) -> int:
+            nonlocal hits
+            bad = 0
+            for i, res in zip(idx, results, strict=True):
                 if res is None:
                     continue
                 if isinstance(res, Exception):
-                    errors += 1
+                    bad += 1
                     continue
                 try:
                     payload = check_object(layout, res)
@@ -220,20 +309,19 @@ class RedisBackend(StorageBackend):
                 views[i][:] = payload
                 out[i] = True
                 hits += 1
+            errors.append(bad)
+            return bad
+
+        self._run_groups("GET", hashes, layout.object_size, lambda p, i: p.get(self._key(hashes[i])), consume)
         self._counters.add(
             hits=hits,
             misses=n - hits,
             bytes_read=hits * layout.payload_size,
             corrupt=len(corrupt),
-            errors=errors,
+            errors=sum(errors),
         )
         if corrupt:
             self._delete_keys(corrupt)
-        if not failed:
-            if errors:
-                self._breaker.record_failure()
-            else:
-                self._breaker.record_success()
         return out
 
     def batch_set(self, hashes: Sequence[str], pages: Sequence[Buffer]) -> list[bool]:
@@ -255,37 +343,33 @@ class RedisBackend(StorageBackend):
             self._counters.add(dropped_writes=n)
             return out
         ttl = self.settings.ttl_s
-        written = errors = 0
-        failed = False
-        for lo, hi in self._chunks(n, layout.object_size):
-            pipe = self._pipeline()
-            for i in range(lo, hi):
-                value = PageValue(encode_header(layout, views[i]), views[i])
-                pipe.set(self._key(hashes[i]), value, ex=ttl)
-            try:
-                results = pipe.execute(raise_on_error=False)
-            except _STORE_ERRORS as exc:
-                self._store_failed("SET", exc)
-                failed = True
-                break
-            for i, res in enumerate(results, lo):
+
+        def send(pipe: Any, i: int) -> None:
+            pipe.set(self._key(hashes[i]), PageValue(encode_header(layout, views[i]), views[i]), ex=ttl)
+
+        written = 0
+        errors: list[int] = []
+
+        def consume(idx: list[int], results: list[Any]) -> int:
+            nonlocal written
+            bad = 0
+            for i, res in zip(idx, results, strict=True):
                 if isinstance(res, Exception):
-                    errors += 1
+                    bad += 1
                     log.debug("%s: SET %s failed: %r", self.name, hashes[i], res)
                 elif res:
                     out[i] = True
                     written += 1
+            errors.append(bad)
+            return bad
+
+        self._run_groups("SET", hashes, layout.object_size, send, consume)
         self._counters.add(
             writes=written,
             bytes_written=written * layout.payload_size,
             dropped_writes=n - written,
-            errors=errors,
+            errors=sum(errors),
         )
-        if not failed:
-            if errors:
-                self._breaker.record_failure()
-            else:
-                self._breaker.record_success()
         return out
 
     def delete(self, hashes: Sequence[str]) -> int:
@@ -297,17 +381,19 @@ class RedisBackend(StorageBackend):
     def _delete_keys(self, hashes: Sequence[str]) -> int:
         """Pipelined ``DEL`` (one key per command, so it works across cluster slots)."""
         removed = 0
-        try:
-            for lo, hi in self._chunks(len(hashes), 1024):
-                pipe = self._pipeline()
-                for h in hashes[lo:hi]:
-                    pipe.delete(self._key(h))
-                for res in pipe.execute(raise_on_error=False):
-                    if isinstance(res, Exception):
-                        raise res
+
+        def consume(idx: list[int], results: list[Any]) -> int:
+            nonlocal removed
+            bad = 0
+            for res in results:
+                if isinstance(res, Exception):
+                    bad += 1
+                else:
                     removed += int(res)
-        except _STORE_ERRORS as exc:
-            self._store_failed("DEL", exc)
+            self._counters.add(errors=bad)
+            return bad
+
+        self._run_groups("DEL", hashes, 0, lambda p, i: p.delete(self._key(hashes[i])), consume)
         return removed
 
     def clear(self) -> int:
@@ -328,7 +414,8 @@ class RedisBackend(StorageBackend):
         return removed
 
     def stats(self) -> StorageStats:
-        return self._counters.snapshot(self.kind, self._breaker.up and not self._closed)
+        up = self._breaker.up and all(b.up for b in list(self._node_breakers.values()))
+        return self._counters.snapshot(self.kind, up and not self._closed)
 
     def health(self) -> bool:
         return not self._closed and self._probe()
@@ -338,6 +425,10 @@ class RedisBackend(StorageBackend):
             return
         self._closed = True
         self._breaker.close()
+        with self._client_lock:
+            node_breakers = list(self._node_breakers.values())
+        for breaker in node_breakers:
+            breaker.close()
         self._drop_client()
 
     # -- administration ----------------------------------------------------------------
@@ -403,6 +494,19 @@ class RedisBackend(StorageBackend):
             return bool(self._conn().ping())
         except _STORE_ERRORS as exc:
             log.debug("%s: probe failed: %r", self.name, exc)
+            return False
+        except StorageConfigError:
+            return False
+
+    def _probe_node(self, name: str) -> bool:
+        """``PING`` cluster node ``name``; True also if it has left the topology (its slots
+        now route elsewhere). Never raises."""
+        try:
+            client = self._conn()
+            node = client.get_node(node_name=name)
+            return node is None or bool(client.get_redis_connection(node).ping())
+        except _STORE_ERRORS as exc:
+            log.debug("%s: probe of node %s failed: %r", self.name, name, exc)
             return False
         except StorageConfigError:
             return False

@@ -15,7 +15,10 @@ buffers, then does the same through the reference on the same server / file syst
 Backend and reference alternate within each repetition; the table shows the median GB/s
 of the repetitions and backend / reference. ``--json PATH`` writes the same figures. If
 ``--redis-url`` is not given, a private ``redis-server`` is started on a free loopback
-port (and killed at the end) when one is installed.
+port (and killed at the end) when one is installed. ``--cluster`` adds the backend on a
+Redis Cluster (``--cluster-url``, or a private 3-master cluster started with
+``redis-cli --cluster create``), measured against redis-py's ``RedisCluster`` pipeline
+doing the same ``SET`` / ``GET`` on the same cluster.
 """
 
 from __future__ import annotations
@@ -47,9 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"page sizes (default {DEFAULT_SIZES})")
     parser.add_argument("--batch-mb", type=float, default=32.0, help="MiB of pages per batch (default 32)")
     parser.add_argument("--reps", type=int, default=7, help="repetitions; the median is reported (default 7)")
-    parser.add_argument("--backends", default="file,redis", help="comma list of file, redis (default both)")
+    parser.add_argument("--backends", default="file,redis", help="comma list of file, redis, redis-cluster (default file,redis)")
     parser.add_argument("--dir", help="directory for the file store (default: a temporary one)")
     parser.add_argument("--redis-url", help="use this Redis instead of starting a private redis-server")
+    parser.add_argument("--cluster", action="store_true", help="also benchmark Redis Cluster (backend redis-cluster)")
+    parser.add_argument("--cluster-url", help="a node of the Redis Cluster to use instead of a private 3-master one")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
 
 
@@ -71,18 +76,33 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _free_cluster_port() -> int:
+    """A free loopback port whose cluster bus port (+10000) is free too."""
+    for _ in range(100):
+        port = _free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
 class _PrivateRedis:
     """A throw-away redis-server on loopback, killed by ``stop``."""
 
-    def __init__(self) -> None:
+    def __init__(self, extra: list[str] | None = None, port: int | None = None) -> None:
         self.dir = tempfile.mkdtemp(prefix="hicache-bench-redis-")
-        self.port = _free_port()
+        self.port = port or _free_port()
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server not installed")
         self.proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir],
+             "--dir", self.dir, *(extra or [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         import redis
@@ -109,6 +129,59 @@ class _PrivateRedis:
             self.proc.kill()
             self.proc.wait(10)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class _PrivateCluster:
+    """A throw-away 3-master Redis Cluster on loopback (no replicas), killed by ``stop``."""
+
+    def __init__(self, masters: int = 3) -> None:
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise RuntimeError("redis-cli not installed")
+        args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+        self.nodes: list[_PrivateRedis] = []
+        try:
+            for _ in range(masters):
+                self.nodes.append(_PrivateRedis(args, _free_cluster_port()))
+            created = subprocess.run(
+                [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                 "--cluster-replicas", "0", "--cluster-yes"],
+                capture_output=True, timeout=60, check=False,
+            )  # fmt: skip
+            if created.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed: {created.stderr.decode(errors='replace')}")
+            self._wait_ok(30.0)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ok(self, timeout: float) -> None:
+        import redis
+
+        deadline = time.monotonic() + timeout
+        while True:
+            states = []
+            for n in self.nodes:
+                client = redis.Redis(port=n.port, socket_timeout=2)
+                try:
+                    states.append(client.cluster("info").get("cluster_state"))
+                except redis.RedisError:
+                    states.append(None)
+                finally:
+                    client.close()
+            if all(s == "ok" for s in states):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"private cluster did not become ready: {states}")
+            time.sleep(0.05)
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -166,8 +239,9 @@ def _bench_file(root: str, size: int, n: int, reps: int) -> tuple[list[float], .
     return bw, br, rw, rr
 
 
-def _bench_redis(url: str, size: int, n: int, reps: int) -> tuple[list[float], ...]:
+def _bench_redis(url: str, size: int, n: int, reps: int, cluster: bool = False) -> tuple[list[float], ...]:
     import redis
+    from redis.cluster import RedisCluster
 
     from storage_backends import PageLayout, RedisSettings, create_backend
 
@@ -176,10 +250,12 @@ def _bench_redis(url: str, size: int, n: int, reps: int) -> tuple[list[float], .
     into = [memoryview(bytearray(size)) for _ in range(n)]
     prefix = f"hicache-bench-{os.getpid()}"
     be = create_backend(
-        RedisSettings(url=url, key_prefix=prefix, pipeline_bytes=max(size * n + 1, 16 << 20), pipeline_max=n),
+        RedisSettings(
+            url=url, cluster=cluster, key_prefix=prefix, pipeline_bytes=max(size * n + 1, 16 << 20), pipeline_max=n
+        ),
         layout,
     )
-    raw = redis.Redis.from_url(url)
+    raw: Any = RedisCluster.from_url(url) if cluster else redis.Redis.from_url(url)
     bw: list[float] = []
     br: list[float] = []
     rw: list[float] = []
@@ -207,7 +283,10 @@ def _bench_redis(url: str, size: int, n: int, reps: int) -> tuple[list[float], .
 
             rw.append(_timed(raw_write))
             rr.append(_timed(raw_read))
-            raw.delete(*keys)
+            pipe = raw.pipeline(transaction=False)
+            for k in keys:
+                pipe.delete(k)  # one key per command: works across cluster slots
+            pipe.execute()
     finally:
         be.close()
         raw.close()
@@ -222,7 +301,9 @@ def _check(results: list[bool]) -> None:
 def run(args: argparse.Namespace) -> int:
     sizes = [_parse_size(s) for s in args.sizes.split(",") if s.strip()]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = set(backends) - {"file", "redis"}
+    if args.cluster and "redis-cluster" not in backends:
+        backends.append("redis-cluster")
+    unknown = set(backends) - {"file", "redis", "redis-cluster"}
     if unknown or not sizes or args.reps < 1:
         print(f"error: bad --backends {sorted(unknown)} / --sizes / --reps", file=sys.stderr)
         return 2
@@ -235,6 +316,15 @@ def run(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             print(f"skipping redis: {exc} (pass --redis-url)", file=sys.stderr)
             backends.remove("redis")
+    cluster: _PrivateCluster | None = None
+    cluster_url = args.cluster_url
+    if "redis-cluster" in backends and cluster_url is None:
+        try:
+            cluster = _PrivateCluster()
+            cluster_url = cluster.url
+        except RuntimeError as exc:
+            print(f"skipping redis-cluster: {exc} (pass --cluster-url)", file=sys.stderr)
+            backends.remove("redis-cluster")
     root = args.dir or tempfile.mkdtemp(prefix="hicache-bench-file-")
     rows: list[Row] = []
     try:
@@ -245,18 +335,23 @@ def run(args: argparse.Namespace) -> int:
                 if backend == "file":
                     bw, br, rw, rr = _bench_file(root, size, n, args.reps)
                     ref = "file write+rename / read"
-                else:
+                elif backend == "redis":
                     bw, br, rw, rr = _bench_redis(url, size, n, args.reps)
                     ref = "redis-py pipelined SET / GET"
+                else:
+                    bw, br, rw, rr = _bench_redis(cluster_url, size, n, args.reps, cluster=True)
+                    ref = "redis-py RedisCluster pipelined SET / GET"
                 for op, mine, theirs in (("write", bw, rw), ("read", br, rr)):
                     g = gb / statistics.median(mine)
                     r = gb / statistics.median(theirs)
                     rows.append(Row(backend, op, size, n, g, ref, r, g / r))
-                    print(f"  {backend:5} {op:5} {size // 1024:>5} KiB  {g:6.2f} GB/s  ref {r:6.2f} GB/s  x{g / r:.2f}",
+                    print(f"  {backend:13} {op:5} {size // 1024:>5} KiB  {g:6.2f} GB/s  ref {r:6.2f} GB/s  x{g / r:.2f}",
                           file=sys.stderr, flush=True)  # fmt: skip
     finally:
         if private is not None:
             private.stop()
+        if cluster is not None:
+            cluster.stop()
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     _print_table(rows)
@@ -269,10 +364,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(rows: list[Row]) -> None:
-    print(f"{'backend':8} {'op':6} {'page':>9} {'batch':>6} {'GB/s':>7} {'ref GB/s':>9} {'ratio':>6}  reference")
+    print(f"{'backend':13} {'op':6} {'page':>9} {'batch':>6} {'GB/s':>7} {'ref GB/s':>9} {'ratio':>6}  reference")
     for r in rows:
         page = f"{r.page_bytes // 1024} KiB"
         print(
-            f"{r.backend:8} {r.op:6} {page:>9} {r.batch_pages:>6} {r.gbps:7.2f} {r.ref_gbps:9.2f} "
+            f"{r.backend:13} {r.op:6} {page:>9} {r.batch_pages:>6} {r.gbps:7.2f} {r.ref_gbps:9.2f} "
             f"{r.ratio:6.2f}  {r.reference}"
         )

@@ -48,22 +48,29 @@ class ComponentLayout:
 
     @property
     def l2_page_bytes(self) -> int:
-        """Bytes of one L2 page over all of its tensors."""
-        return sum(spec.nbytes // spec.shape[0] for spec in self.l2)
+        """Bytes of one page (or state slot) over all of the component's tensors, in either tier."""
+        return sum(spec.nbytes for spec in self.l1) // self.l1_pages
+
+    @property
+    def l1_page_axis(self) -> int:
+        return 2 if self.kind == "paged" else 1
 
     @property
     def l2_page_shape(self) -> tuple[int, ...]:
         """Shape of one L2 page (paged components: ``[layers, 2, ps, heads, dim]``)."""
-        return self.l2[0].shape[1:]
+        layers, two, _slots, heads, dim = self.l1[0].shape
+        return (layers, two, self.page_size, heads, dim)
 
     @property
     def dtype(self) -> str:
-        return self.l2[0].dtype
+        return self.l1[0].dtype
 
 
 @dataclass(frozen=True)
 class PoolLayout:
-    """Everything a process needs to map the pools; picklable, so it travels as a spawn argument."""
+    """Everything a process needs to map the pools; picklable, so it travels as a spawn argument.
+
+    A component with ``l2_pages == 0`` has no L2 tensors (L2 disabled)."""
 
     instance: str
     directory: str
@@ -88,13 +95,14 @@ def paged_layout(instance: str, name: str, page_size: int, l1_pages: int, l2_pag
                  num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> ComponentLayout:
     l1 = TensorSpec(f"{instance}-{name}-l1-0", (num_layers, 2, l1_pages * page_size, num_kv_heads, head_dim), dtype)
     l2 = TensorSpec(f"{instance}-{name}-l2-0", (l2_pages, num_layers, 2, page_size, num_kv_heads, head_dim), dtype)
-    return ComponentLayout(name, "paged", page_size, l1_pages, l2_pages, (l1,), (l2,))
+    return ComponentLayout(name, "paged", page_size, l1_pages, l2_pages, (l1,), (l2,) if l2_pages else ())
 
 
 def state_layout(instance: str, name: str, l1_slots: int, l2_slots: int, num_layers: int,
                  shapes: tuple[tuple[int, ...], ...], dtype: str) -> ComponentLayout:
     l1 = tuple(TensorSpec(f"{instance}-{name}-l1-{i}", (num_layers, l1_slots, *s), dtype) for i, s in enumerate(shapes))
-    l2 = tuple(TensorSpec(f"{instance}-{name}-l2-{i}", (l2_slots, num_layers, *s), dtype) for i, s in enumerate(shapes))
+    l2 = tuple(TensorSpec(f"{instance}-{name}-l2-{i}", (l2_slots, num_layers, *s), dtype)
+               for i, s in enumerate(shapes)) if l2_slots else ()
     return ComponentLayout(name, "state", 1, l1_slots, l2_slots, l1, l2)
 
 

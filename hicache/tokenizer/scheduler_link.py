@@ -141,7 +141,7 @@ class SchedulerLink:
     async def admin(self, op: str, args: dict[str, Any] | None = None, timeout_s: float = 30.0) -> protos.AdminReply:
         """Send ``AdminRequest(rid, op, args)`` and wait for the ``AdminReply`` with that rid.
 
-        Raises ``TimeoutError`` after ``timeout_s`` and ``SchedulerUnavailable`` if it cannot
+        Raises ``asyncio.TimeoutError`` after ``timeout_s`` and ``SchedulerUnavailable`` if it cannot
         be sent or the link closes meanwhile. An ``ErrorReply`` naming the rid comes back as
         ``AdminReply(ok=False)``.
         """

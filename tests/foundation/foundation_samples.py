@@ -25,4 +25,5 @@ SAMPLES: dict[str, p.Message] = {
     "ready": p.Ready("controller", 4242),
     "shutdown": p.Shutdown("SIGTERM", 5.0),
     "error": p.ErrorReply("unknown message tag 'x'", "req-9"),
+    "process_event": p.ProcessEvent("controller", "died", 4242, "exit code -9"),
 }

@@ -6,6 +6,7 @@ import json
 import random
 import threading
 import time
+import typing
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from hicache.cli import main
-from hicache.storage_settings import storage_settings_from_config
+from hicache.storage_settings import L3_BACKENDS, storage_settings_from_config
 from storage_backends import FileSettings, PageFormatError, PageLayout, RedisSettings, StorageConfigError
 from storage_backends.page_format import (
     HEADER_SIZE,
@@ -114,6 +115,15 @@ def test_settings_from_the_real_config(tmp_path: Path) -> None:
     cfg = config.load_config(None, [f"cache.l3.file.dir={tmp_path}"])
     s = storage_settings_from_config(cfg.cache.l3)
     assert isinstance(s, FileSettings) and s.dir == str(tmp_path)
+    assert set(typing.get_args(config.L3Backend)) == set(L3_BACKENDS)
+    r = storage_settings_from_config(config.load_config(None, ["cache.l3.backend=redis"]).cache.l3)
+    assert isinstance(r, RedisSettings) and r.resilience.timeout_s == config.RedisStoreConfig().timeout_s
+
+
+def test_storage_cli_uses_the_settings_module() -> None:
+    import hicache.storage_cli as cli
+
+    assert cli.storage_settings_from_config is storage_settings_from_config
 
 
 # -- page format ------------------------------------------------------------------------------

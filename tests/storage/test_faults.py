@@ -17,7 +17,14 @@ import pytest
 from storage_backends import FileSettings, PageLayout, RedisSettings, ResilienceSettings, create_backend
 from storage_backends.file_backend import FileBackend
 from storage_backends.page_format import HEADER_SIZE, encode_header
-from tests.storage.conftest import LAYOUT, RedisProcess, buffers, random_hashes, random_pages
+from tests.storage.conftest import (
+    LAYOUT,
+    RedisProcess,
+    buffers,
+    random_hashes,
+    random_pages,
+    wait_cluster_ok,
+)
 
 QUICK = ResilienceSettings(timeout_s=0.5, failure_threshold=2, probe_base_s=0.05, probe_cap_s=0.3)
 
@@ -62,6 +69,92 @@ def test_redis_killed_mid_batch_then_restarted(redis_process: RedisProcess) -> N
     into = buffers(3, big)
     assert be.batch_get(h, into) == [True] * 3
     assert [bytes(b) for b in into] == pages
+    be.close()
+
+
+def _owner(nodes: list[RedisProcess], key: str) -> int:
+    """Index in ``nodes`` of the master that owns ``key``'s slot."""
+    slot = nodes[0].client().cluster("keyslot", key)
+    for i, n in enumerate(nodes):
+        if _owns(n, slot):
+            return i
+    raise AssertionError(f"no node owns slot {slot}")
+
+
+def _owns(node: RedisProcess, slot: int) -> bool:
+    myself = node.client().execute_command("CLUSTER", "MYID")
+    myself = myself.decode() if isinstance(myself, bytes) else myself
+    for start, end, *owners in node.client().execute_command("CLUSTER", "SLOTS"):
+        if start <= slot <= end:
+            ident = owners[0][2]
+            return (ident.decode() if isinstance(ident, bytes) else ident) == myself
+    return False
+
+
+def test_redis_cluster_master_killed_mid_traffic_then_restarted(redis_cluster_nodes: list[RedisProcess]) -> None:
+    nodes = redis_cluster_nodes
+    be = create_backend(RedisSettings(url=nodes[0].url, cluster=True, key_prefix="c", resilience=QUICK), LAYOUT)
+    hashes = random_hashes(60)
+    pages = random_pages(60)
+    assert be.batch_set(hashes, pages) == [True] * 60
+    owner = [_owner(nodes, f"c:{h}") for h in hashes]
+    assert set(owner) == {0, 1, 2}, "60 random keys should land on every master"
+    victim = 1
+    on_victim = [i for i, o in enumerate(owner) if o == victim]
+    elsewhere = [i for i, o in enumerate(owner) if o != victim]
+
+    stop = threading.Event()
+    traffic_errors: list[BaseException] = []
+
+    def traffic() -> None:  # readers and writers keep going while the node dies
+        into = buffers(60)
+        while not stop.is_set():
+            try:
+                be.batch_get(hashes, into)
+                be.batch_set(random_hashes(6), random_pages(6))
+                be.batch_exists(hashes)
+            except BaseException as exc:  # the interface must never raise for store trouble
+                traffic_errors.append(exc)
+                return
+
+    workers = [threading.Thread(target=traffic) for _ in range(2)]
+    for w in workers:
+        w.start()
+    time.sleep(0.1)
+    nodes[victim].kill()
+    time.sleep(0.3)
+    stop.set()
+    for w in workers:
+        w.join(10)
+    assert not traffic_errors, traffic_errors
+
+    into = buffers(60)
+    got = be.batch_get(hashes, into)
+    assert [got[i] for i in on_victim] == [False] * len(on_victim)
+    assert [got[i] for i in elsewhere] == [True] * len(elsewhere), "other masters must keep serving"
+    assert all(bytes(into[i]) == pages[i] for i in elsewhere)
+    before = be.stats()
+    written = be.batch_set(random_hashes(30), random_pages(30))
+    st = be.stats()
+    assert 0 < written.count(True) < 30
+    assert st.dropped_writes - before.dropped_writes == written.count(False)
+    assert not st.up and st.trips >= 1 and st.errors >= 1
+    assert be.batch_exists(hashes) == next(i for i, o in enumerate(owner) if o == victim)
+
+    nodes[victim].start()  # empty (no persistence), same port and nodes.conf
+    wait_cluster_ok(nodes, 10)
+    fresh = [hashes[i] for i in on_victim]
+    fresh_pages = [pages[i] for i in on_victim]
+
+    def serves_again() -> bool:
+        return be.batch_set(fresh, fresh_pages) == [True] * len(fresh)
+
+    assert wait_until(serves_again, 10), "the restarted master was not re-attached"
+    assert wait_until(lambda: be.stats().up, 5)
+    into = buffers(60)
+    assert be.batch_get(hashes, into) == [True] * 60
+    assert [bytes(b) for b in into] == pages
+    assert be.stats().corrupt == 0
     be.close()
 
 
@@ -318,10 +411,14 @@ def test_interrupted_writes_leave_no_visible_partial_page(tmp_path: Path) -> Non
     be.close()
 
 
-def test_file_slow_io_is_bounded_and_buffers_are_released(tmp_path: Path, monkeypatch) -> None:
-    be = _file_backend(tmp_path, io_threads=2, resilience=ResilienceSettings(timeout_s=0.2, failure_threshold=50))
+@pytest.mark.parametrize("layout", [LAYOUT, PageLayout(5, "uint8", (512 * 1024,))], ids=["inline", "pool"])
+def test_file_slow_io_is_bounded_and_buffers_are_released(tmp_path: Path, monkeypatch, layout: PageLayout) -> None:
+    be = _file_backend(
+        tmp_path, layout, io_threads=2, resilience=ResilienceSettings(timeout_s=0.2, failure_threshold=50)
+    )
+    assert be._inline(layout, 20) == (layout is LAYOUT)
     h = random_hashes(20)
-    be.batch_set(h, random_pages(20))
+    be.batch_set(h, random_pages(20, layout))
     real = FileBackend._read_one
     active = threading.Semaphore(0)
 
@@ -334,7 +431,7 @@ def test_file_slow_io_is_bounded_and_buffers_are_released(tmp_path: Path, monkey
 
     monkeypatch.setattr(FileBackend, "_read_one", slow)
     t0 = time.monotonic()
-    got = be.batch_get(h, buffers(20))
+    got = be.batch_get(h, buffers(20, layout))
     elapsed = time.monotonic() - t0
     assert elapsed < 0.6
     assert 0 < got.count(True) < 20

@@ -1,0 +1,272 @@
+"""``hicache serve``: the launcher that starts, supervises and stops the daemon's processes.
+
+Start (any failure stops what was started, removes what was created, and exits 1 naming
+the process and the reason):
+
+1. validate the config (exit 2 on problems) and the model's pool geometry;
+2. create the private runtime directory, the metrics directory and the shared-memory pools;
+3. spawn the cache controller (when L2 is on), then the scheduler, then the tokenizer, each
+   waiting for its ``Ready`` (``START_TIMEOUT_S``).
+
+Supervision (the loop in ``Launcher.supervise``):
+
+============================  =========================================================
+event                         what the launcher does
+============================  =========================================================
+controller exits / is killed  tell the scheduler (``ProcessEvent died``: it fails the
+                              in-flight ops back and drops undelivered messages), count
+                              the restart, spawn a new controller on the same pools
+scheduler asks ``restart``    SIGKILL the hung controller (then as above)
+scheduler or tokenizer exits  stop everything, exit 1 with the process and exit code
+SIGTERM / SIGINT              orderly stop (below), exit 0
+============================  =========================================================
+
+Orderly stop: SIGTERM to the tokenizer (stops accepting, drains), then the scheduler
+(finishes or aborts running requests), then the controller (finishes queued L3 backups),
+each within ``STOP_TIMEOUT_S`` before SIGKILL; then the shared memory is unlinked and the
+runtime directory removed. Children die with the launcher (``die_with_parent``) if it is
+killed outright.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("hicache.launch")
+
+START_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 40.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from hicache.config_cli import add_config_arguments
+
+    add_config_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hicache.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"hicache: {exc}", file=sys.stderr)
+        return 2
+    from hicache.logging_setup import setup_logging
+
+    setup_logging("launcher", cfg.logging.level, cfg.logging.json)
+    launcher = Launcher(cfg)
+    return launcher.serve()
+
+
+class StartError(RuntimeError):
+    """A process could not be started; the message names it and says why."""
+
+
+@dataclass
+class _Child:
+    name: str
+    target: Any
+    args: Any
+    proc: Any = None
+    restarts: int = 0
+
+
+@dataclass
+class Launcher:
+    cfg: Any
+    children: dict[str, _Child] = field(default_factory=dict)
+    stop_signal: int | None = None
+
+    def serve(self) -> int:
+        import zmq
+
+        from hicache.ipc import Endpoints, PullSocket, make_runtime_dir
+
+        cfg = self.cfg
+        if cfg.device not in ("auto", "cpu"):
+            print(f"hicache: device: {cfg.device} is not supported by this build (L1 lives in host memory); "
+                  "use device: cpu", file=sys.stderr)
+            return 2
+        try:
+            layout = self._layout()
+        except ValueError as exc:
+            print(f"hicache: {exc}", file=sys.stderr)
+            return 2
+        runtime = Path(cfg.ipc.dir) if cfg.ipc.dir else make_runtime_dir()
+        runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
+        endpoints = Endpoints(cfg.ipc.transport, str(runtime), cfg.ipc.tcp_host, cfg.ipc.tcp_base_port)
+        from hicache.metrics import prepare_multiprocess_dir
+
+        prepare_multiprocess_dir(runtime / "metrics")
+        from hicache.memory.pools import create_pools
+
+        pools = None
+        ctx = zmq.Context()
+        inbox = None
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        code = 1
+        try:
+            pools = create_pools(layout)
+            inbox = PullSocket(ctx, endpoints.address("launcher"), self._accepts(), bind=True)
+            self._define_children(layout, endpoints)
+            for name in ("controller", "scheduler", "tokenizer"):
+                if name in self.children:
+                    self._start(self.children[name], inbox)
+            log.info("hicache is serving on http://%s:%d (pids: %s)", cfg.server.host, cfg.server.port,
+                     {n: c.proc.pid for n, c in self.children.items()})
+            code = self.supervise(inbox, ctx, endpoints)
+        except StartError as exc:
+            print(f"hicache: {exc}", file=sys.stderr)
+            code = 1
+        finally:
+            self._stop_all()
+            if inbox is not None:
+                inbox.close()
+            ctx.term()
+            if pools is not None:
+                pools.close()
+                pools.unlink()
+            if not cfg.ipc.dir:
+                shutil.rmtree(runtime, ignore_errors=True)
+        return code
+
+    # ------------------------------------------------------------------ setup
+    def _layout(self) -> Any:
+        from hicache.memory.pools import PoolLayout, default_directory, new_instance_id, paged_layout
+        from hicache.model.geometry import geometry_for
+
+        cfg = self.cfg
+        geometry = geometry_for(cfg.model)
+        if geometry.components != ("full",):
+            raise ValueError(f"model layers {sorted(set(geometry.layer_kinds))}: this build serves full-attention "
+                             "models only")
+        full = geometry.full
+        assert full is not None
+        ps = cfg.cache.page_size
+        l2_pages = cfg.cache.l2.tokens // ps if cfg.cache.l2.enabled else 0
+        inst = new_instance_id()
+        return PoolLayout(inst, default_directory(), (
+            paged_layout(inst, "full", ps, cfg.cache.l1.tokens // ps, l2_pages, full.num_layers,
+                         full.num_kv_heads, full.head_dim, full.dtype),))
+
+    @staticmethod
+    def _accepts() -> tuple:
+        import protos
+
+        return (protos.Ready, protos.ProcessEvent)
+
+    def _define_children(self, layout: Any, endpoints: Any) -> None:
+        from controller.server import ControllerArgs, controller_main
+        from hicache.scheduler.process import SchedulerArgs, scheduler_main
+        from hicache.storage_settings import storage_settings_from_config
+        from hicache.tokenizer.args import TokenizerArgs
+        from hicache.tokenizer.process import tokenizer_main
+
+        cfg = self.cfg
+        ready = endpoints.address("launcher")
+        if cfg.cache.l2.enabled:
+            storage = storage_settings_from_config(cfg.cache.l3)
+            self.children["controller"] = _Child("controller", controller_main, ControllerArgs(
+                layout, endpoints, storage, ready, "cpu", log_level=cfg.logging.level, log_json=cfg.logging.json))
+        self.children["scheduler"] = _Child("scheduler", scheduler_main, SchedulerArgs(cfg, layout, endpoints, ready))
+        self.children["tokenizer"] = _Child("tokenizer", tokenizer_main, TokenizerArgs(cfg, endpoints, ready))
+
+    def _spawn(self, child: _Child) -> None:
+        child.proc = mp.get_context("spawn").Process(target=child.target, args=(child.args,), name=child.name)
+        child.proc.start()
+
+    def _start(self, child: _Child, inbox: Any) -> None:
+        import protos
+
+        if child.name == "tokenizer":
+            pids = {n: c.proc.pid for n, c in self.children.items() if c.proc is not None}
+            child.args = type(child.args)(**{**vars_of(child.args), "process_pids": pids})
+        self._spawn(child)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.stop_signal is not None:
+                raise StartError(f"interrupted while starting the {child.name}")
+            msg = inbox.recv(200)
+            if isinstance(msg, protos.Ready) and msg.process == child.name:
+                return
+            if isinstance(msg, protos.ProcessEvent) and msg.process == child.name and msg.event == "failed":
+                raise StartError(f"the {child.name} failed to start: {msg.detail}")
+            if not child.proc.is_alive():
+                raise StartError(f"the {child.name} exited during start with code {child.proc.exitcode} "
+                                 "(see its log above)")
+        raise StartError(f"the {child.name} did not report ready within {START_TIMEOUT_S:.0f} s")
+
+    # ------------------------------------------------------------------ running
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.stop_signal = signum
+
+    def supervise(self, inbox: Any, ctx: Any, endpoints: Any) -> int:
+        import protos
+        from hicache.ipc import PushSocket
+        from hicache.metrics import get_metrics, mark_process_dead
+
+        to_scheduler: PushSocket[protos.Message] = PushSocket(ctx, endpoints.address("scheduler"))
+        to_tokenizer: PushSocket[protos.Message] = PushSocket(ctx, endpoints.address("tokenizer"))
+        try:
+            while self.stop_signal is None:
+                msg = inbox.recv(200)
+                if isinstance(msg, protos.ProcessEvent) and msg.event == "restart" and "controller" in self.children:
+                    proc = self.children["controller"].proc
+                    log.error("restarting the hung controller (pid %s): %s", proc.pid, msg.detail)
+                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.join(10)
+                for name in ("scheduler", "tokenizer"):
+                    proc = self.children[name].proc
+                    if not proc.is_alive():
+                        log.error("the %s exited with code %s: stopping hicache", name, proc.exitcode)
+                        print(f"hicache: the {name} exited unexpectedly with code {proc.exitcode}", file=sys.stderr)
+                        return 1
+                child = self.children.get("controller")
+                if child is not None and not child.proc.is_alive():
+                    dead = child.proc
+                    log.error("the controller (pid %s) exited with code %s: restarting it", dead.pid, dead.exitcode)
+                    mark_process_dead(dead.pid)
+                    to_scheduler.send(protos.ProcessEvent("controller", "died", dead.pid, f"exit code {dead.exitcode}"))
+                    child.restarts += 1
+                    get_metrics().process_restarts.labels(process="controller").inc()
+                    try:
+                        self._start(child, inbox)
+                    except StartError as exc:
+                        print(f"hicache: {exc}", file=sys.stderr)
+                        return 1
+                    to_tokenizer.send(protos.Ready("controller", child.proc.pid))
+            log.info("signal %d: stopping", self.stop_signal)
+            return 0
+        finally:
+            to_scheduler.close()
+            to_tokenizer.close(linger_ms=500)
+
+    def _stop_all(self) -> None:
+        for name in ("tokenizer", "scheduler", "controller"):
+            child = self.children.get(name)
+            if child is None or child.proc is None or not child.proc.is_alive():
+                continue
+            os.kill(child.proc.pid, signal.SIGTERM)
+            child.proc.join(STOP_TIMEOUT_S)
+            if child.proc.is_alive():
+                log.error("the %s did not stop within %.0f s: killing it", name, STOP_TIMEOUT_S)
+                child.proc.kill()
+                child.proc.join(5)
+
+
+def vars_of(obj: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}

@@ -1,0 +1,353 @@
+"""Tiered replay through the real ``UnifiedRadixCache`` and its tier calls (DESIGN §5).
+
+No processes and no KV bytes: every copy the tree asks for is acknowledged at once
+(``start_* -> finish_*(ok=True)``), and what it would have moved is counted.
+
+Per request, in the order the scheduler and ``TierManager`` act:
+
+1. ``match_prefix``: the L1 prefix (``device_len``) and the L2-only run after it.
+2. L3 prefetch (L3 on): page hashes after the L1+L2 match are looked up in the L3 store;
+   if the consecutive run found is at least ``prefetch_threshold`` tokens, L2 pages are
+   reserved (``evict_host`` if needed, with the matched L2 run protected) and the run is
+   inserted as L2-only nodes (``insert_host``; s2h), then the request is matched again.
+3. Load back (``start_load_back`` / ``finish_load_back``; h2d) of the L2-only run when it
+   is at least ``load_back_threshold`` tokens; otherwise it is recomputed.
+4. ``insert`` of the whole request (new L1 pages for the part that missed).
+5. Writes by the write policy (``start_write`` / ``finish_write``; d2h) and, with L3 on,
+   backups of what landed in L2 (``start_backup`` / ``finish_backup``; h2s for pages the
+   store did not hold). ``write_through`` writes every L1 node of the request's path that
+   has no L2 copy, ``write_through_selective`` those with ``hit_count`` at the threshold;
+   ``write_back`` writes what L1 eviction queued (step 6).
+6. L1 eviction back to its capacity (``evict``; the request's own pages are working
+   space until then, as in a server, so L1 holds up to ``l1`` tokens between requests).
+
+Hits: a request's tokens served by L1 (matched on device), L2 (loaded back), L3
+(prefetched, then loaded back); the rest is computed. The L3 store is an LRU over page
+hashes (or unbounded), as a file store or Redis with ``allkeys-lru`` behaves.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+from hicache.replay_sim.trace import KEY_TYPECODE
+
+DIRECTIONS = ("d2h", "h2d", "h2s", "s2h")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One tiered configuration, capacities in *pages* of ``page_tokens`` tokens.
+
+    ``l2_pages`` 0: no L2 (single tier). ``l3_pages`` 0: no L3; None: unbounded L3 (L3
+    needs L2, as in the daemon). Thresholds are in tokens.
+    """
+
+    l1_pages: int
+    l2_pages: int = 0
+    l3_pages: int | None = 0
+    page_tokens: int = 1
+    eviction: str = "lru"
+    write_policy: str = "write_through"
+    write_through_threshold: int = 2
+    load_back_threshold: int = 0
+    prefetch_threshold: int = 0
+    bytes_per_token: int = 0
+
+    def validate(self) -> None:
+        """``ValueError`` naming the first impossible setting."""
+        if self.l1_pages < 1:
+            raise ValueError("L1 capacity must be at least one page")
+        if self.l2_pages < 0:
+            raise ValueError("L2 capacity must be >= 0")
+        if self.l3_pages is not None and self.l3_pages < 0:
+            raise ValueError("L3 capacity must be >= 0 (or unbounded)")
+        if self.l3_enabled and not self.l2_pages:
+            raise ValueError("L3 needs L2 (L3 is read into and written from L2)")
+        if self.page_tokens < 1 or self.bytes_per_token < 0:
+            raise ValueError("page_tokens must be >= 1 and bytes_per_token >= 0")
+        if self.load_back_threshold < 0 or self.prefetch_threshold < 0:
+            raise ValueError("thresholds must be >= 0")
+
+    @property
+    def l3_enabled(self) -> bool:
+        return self.l3_pages is None or self.l3_pages > 0
+
+
+@dataclass
+class TierReport:
+    """One tier's figures, in tokens. ``capacity_tokens`` None: unbounded."""
+
+    tier: str
+    capacity_tokens: int | None
+    hit_tokens: int = 0
+    hit_rate: float = 0.0
+    evicted_tokens: int = 0
+
+
+@dataclass
+class SimReport:
+    """What one replay found. ``bytes_moved`` per direction (d2h, h2d, h2s, s2h)."""
+
+    config: SimConfig
+    requests: int
+    total_tokens: int
+    hit_tokens: int
+    tiers: list[TierReport]
+    tokens_moved: dict[str, int]
+    bytes_moved: dict[str, int]
+    seconds: float
+    extra: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.total_tokens if self.total_tokens else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        d["hit_rate"] = self.hit_rate
+        return d
+
+
+class _L3Store:
+    """Page hashes held by L3: an LRU of ``capacity`` pages (None: unbounded)."""
+
+    def __init__(self, capacity: int | None) -> None:
+        self.capacity = capacity
+        self._pages: OrderedDict[str, None] = OrderedDict()
+        self.evicted = 0
+
+    def consecutive(self, hashes: Sequence[str]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self._pages:
+                break
+            n += 1
+        return n
+
+    def touch(self, hashes: Sequence[str]) -> None:
+        for h in hashes:
+            self._pages.move_to_end(h)
+
+    def put(self, hashes: Sequence[str]) -> int:
+        """Store pages; returns how many were new (the ones that move)."""
+        new = 0
+        pages = self._pages
+        for h in hashes:
+            if h in pages:
+                pages.move_to_end(h)
+            else:
+                pages[h] = None
+                new += 1
+        if self.capacity is not None:
+            while len(pages) > self.capacity:
+                pages.popitem(last=False)
+                self.evicted += 1
+        return new
+
+
+class TieredSimulator:
+    """Replays keys through a fresh cache built for one ``SimConfig``.
+
+    ``tree_page_size``: the cache's page size in key units (1 when keys are page ids,
+    ``page_tokens`` when keys are real tokens). ``longest_pages``: the longest request, for
+    the L1 working space. Not reusable: one simulator, one replay.
+    """
+
+    def __init__(self, cfg: SimConfig, tree_page_size: int, longest_pages: int) -> None:
+        from hicache.hashing import HashNamespace, PageHasher
+        from hicache.memory.allocator import PageAllocator
+        from hicache.tree.cache import UnifiedRadixCache
+        from hicache.tree.components import FullComponent
+
+        cfg.validate()
+        self.cfg = cfg
+        self.ps = tree_page_size
+        self.l1 = PageAllocator(cfg.l1_pages + longest_pages + 1, "replay-l1", checked=False)
+        self.l2 = PageAllocator(cfg.l2_pages, "replay-l2", checked=False) if cfg.l2_pages else None
+        ns = HashNamespace("replay", "none", tree_page_size)
+        self.cache = UnifiedRadixCache(
+            [FullComponent(self.l1, self.l2)], tree_page_size, hasher=PageHasher(ns),
+            eviction_policy=cfg.eviction, write_policy=cfg.write_policy,
+            write_through_threshold=cfg.write_through_threshold)
+        self.l3 = _L3Store(cfg.l3_pages) if cfg.l3_enabled else None
+        self.pages = {d: 0 for d in DIRECTIONS}
+        self.hits = [0, 0, 0]  # pages served by L1, L2, L3
+        self.total = 0
+        self.l1_evicted = 0
+        self.l2_taken = 0  # L2 pages the tree took (written or prefetched)
+
+    # ------------------------------------------------------------------ one request
+    def step(self, key: array) -> None:
+        cache, cfg, ps = self.cache, self.cfg, self.ps
+        npages = len(key) // ps
+        self.total += npages
+        m = cache.match_prefix(key)
+        dev = m.device_len // ps
+        host = m.host_hit_length // ps
+        storage = 0
+        if self.l3 is not None:
+            got = self._prefetch(key, m, npages)
+            if got:
+                storage = got
+                m = cache.match_prefix(key)
+                host = min(host, m.host_hit_length // ps)
+        loaded = 0
+        pages = m.device_indices
+        last = m.last_device_node
+        have = m.device_len // ps
+        if m.host_hit_length > 0 and m.host_hit_length * self._unit >= cfg.load_back_threshold:
+            op = cache.start_load_back(m)
+            if op is not None:
+                cache.finish_load_back(op, True)
+                loaded = op.npages
+                self.pages["h2d"] += loaded
+                pages = pages + op.dst_pages
+                last = m.last_host_node
+                have += loaded
+        from_l2 = min(host, loaded)
+        self.hits[0] += dev
+        self.hits[1] += from_l2
+        self.hits[2] += min(storage, loaded - from_l2)
+        new = self.l1.alloc(npages - have)
+        if new is None:  # pragma: no cover - the pool keeps room for the longest request
+            raise RuntimeError("replay: L1 working space exhausted")
+        lock = cache.inc_lock_ref(last) if last.parent is not None else None
+        res = cache.insert(key, pages + new, prev_prefix_len=have * ps)
+        dup = (pages + new)[have:res.prefix_len // ps]
+        if dup:
+            self.l1.free(dup)
+        if lock is not None:
+            cache.dec_lock_ref(lock)
+        if self.l2 is not None and cfg.write_policy != "write_back":
+            self._write_path(res.node)
+        self._evict_l1()
+
+    @property
+    def _unit(self) -> int:
+        """Tokens per key unit."""
+        return self.cfg.page_tokens // self.ps if self.ps > 1 else self.cfg.page_tokens
+
+    # ------------------------------------------------------------------ tiers
+    def _prefetch(self, key: array, m: object, npages: int) -> int:
+        cache, ps = self.cache, self.ps
+        start = (m.device_len + m.host_hit_length) // ps  # type: ignore[attr-defined]
+        rest = npages - start
+        if rest <= 0 or rest * self.cfg.page_tokens < max(self.cfg.prefetch_threshold, 1):
+            return 0
+        node = m.last_host_node  # type: ignore[attr-defined]
+        parent = cache.last_page_hash(node) if node.parent is not None else None
+        hashes = cache._hasher_for("").hash_pages(key[start * ps:npages * ps], parent)
+        n = self.l3.consecutive(hashes)  # type: ignore[union-attr]
+        if n == 0 or n * self.cfg.page_tokens < max(self.cfg.prefetch_threshold, 1):
+            return 0
+        l2 = self.l2
+        assert l2 is not None  # L3 implies L2 (SimConfig.validate)
+        if l2.free_count < n:
+            guard = cache.protect_host(node) if node.parent is not None and node.host_value is not None else None
+            cache.evict_host((n - l2.free_count) * ps)
+            if guard is not None:
+                cache.release_host(node, guard)
+        n = min(n, l2.free_count)
+        got = l2.alloc(n) if n else None
+        if not got:
+            return 0
+        self.l3.touch(hashes[:n])  # type: ignore[union-attr]
+        self.pages["s2h"] += n
+        res = cache.insert_host(key[:(start + n) * ps], got, start_page=start)
+        self.l2_taken += res.host_pages_taken
+        return res.host_pages_taken
+
+    def _write_node(self, node: object) -> None:
+        cache = self.cache
+        op = cache.start_write(node)  # type: ignore[arg-type]
+        if op is None:
+            return
+        cache.finish_write(op, True)
+        self.pages["d2h"] += op.npages
+        self.l2_taken += op.npages
+        if self.l3 is not None:
+            bop = cache.start_backup(op.node)
+            if bop is not None:
+                self.pages["h2s"] += self.l3.put(bop.hashes)
+                cache.finish_backup(bop, True)
+
+    def _write_path(self, node: object) -> None:
+        cfg = self.cfg
+        thr = cfg.write_through_threshold if cfg.write_policy == "write_through_selective" else 0
+        path = []
+        n = node
+        while n.parent is not None:  # type: ignore[attr-defined]
+            d = n.data[0]  # type: ignore[attr-defined]
+            if d.host_value is not None:
+                break  # written parents first: everything above already has its copy
+            if d.value is not None and n.hit_count >= thr:  # type: ignore[attr-defined]
+                path.append(n)
+            n = n.parent  # type: ignore[attr-defined]
+        for n in reversed(path):
+            self._write_node(n)
+
+    def _evict_l1(self) -> None:
+        cache, core = self.cache, self.cache.core
+        write_back = self.l2 is not None and self.cfg.write_policy == "write_back"
+        over = core.dev_total[0] - self.cfg.l1_pages
+        while over > 0:
+            freed = cache.evict(over * self.ps).full_tokens // self.ps
+            self.l1_evicted += freed
+            wrote = 0
+            if write_back:
+                for n in cache.nodes_to_write_to_host():
+                    self._write_node(n)
+                    wrote += 1
+            if not freed and not wrote:
+                break
+            over = core.dev_total[0] - self.cfg.l1_pages
+
+    # ------------------------------------------------------------------ result
+    def report(self, seconds: float) -> SimReport:
+        cfg, u = self.cfg, self.cfg.page_tokens
+        total = self.total * u
+        l2_total = self.cache.core.host_total[0]
+
+        def tier(name: str, cap: int | None, hits: int, evicted: int) -> TierReport:
+            return TierReport(name, cap, hits * u, hits / self.total if self.total else 0.0, evicted * u)
+
+        tiers = [tier("L1", cfg.l1_pages * u, self.hits[0], self.l1_evicted)]
+        if self.l2 is not None:
+            tiers.append(tier("L2", cfg.l2_pages * u, self.hits[1], self.l2_taken - l2_total))
+        if self.l3 is not None:
+            cap = None if cfg.l3_pages is None else cfg.l3_pages * u
+            tiers.append(tier("L3", cap, self.hits[2], self.l3.evicted))
+        moved = {d: p * u for d, p in self.pages.items()}
+        return SimReport(cfg, 0, total, sum(self.hits) * u, tiers, moved,
+                         {d: t * cfg.bytes_per_token for d, t in moved.items()}, seconds)
+
+
+def simulate(keys: Sequence[array], cfg: SimConfig, tree_page_size: int = 1,
+             progress: Callable[[int], None] | None = None) -> SimReport:
+    """Replay ``keys`` (one per request, in key units of the tree) under ``cfg``.
+
+    ``progress(n)`` is called every few hundred requests with the number done since the
+    last call. Raises ``ValueError`` for an impossible ``cfg``.
+    """
+    longest = max((len(k) for k in keys), default=0) // tree_page_size
+    sim = TieredSimulator(cfg, tree_page_size, longest)
+    t0 = time.perf_counter()
+    step = sim.step
+    done = 0
+    for i, key in enumerate(keys):
+        if type(key) is not array:
+            key = array(KEY_TYPECODE, key)
+        step(key)
+        if progress is not None and i - done >= 255:
+            progress(i + 1 - done)
+            done = i + 1
+    if progress is not None and len(keys) > done:
+        progress(len(keys) - done)
+    rep = sim.report(time.perf_counter() - t0)
+    rep.requests = len(keys)
+    return rep

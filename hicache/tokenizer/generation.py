@@ -1,0 +1,111 @@
+"""One generation request's round trip through the scheduler, as a stream of ``Step``s.
+
+``generate_steps`` sends the request, turns each ``TokenOutput`` into text (``OutputText``:
+incremental detokenization, stop strings) and yields ``Step``s; the last one has the
+``finish_reason`` and the final ``Usage``. It records the request's latencies and token
+counts through the ``RequestTracker`` it is given.
+
+Ending a request (the table every path follows):
+
+==================================  ============================  ===========================
+how it ends                         finish_reason                 sent to the scheduler
+==================================  ============================  ===========================
+scheduler: finished=True            the scheduler's (stop,        nothing
+                                    length, abort)
+a stop string appears in the text   stop                          AbortRequest(rid)
+scheduler: finish_reason "error"    raises GenerationError        nothing
+consumer stops early (client gone,  —                             AbortRequest(rid)
+cancelled, exception)
+==================================  ============================  ===========================
+
+Run it under ``contextlib.aclosing`` so an early stop reliably sends the abort.
+
+Usage of the last step: ``prompt_tokens`` and the ``cached_*`` split from the scheduler's
+latest ``Usage`` (``prompt_tokens`` falls back to the prompt's length when the scheduler did
+not send one), ``completion_tokens`` = the number of token ids returned to the client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import protos
+from hicache.metrics import RequestTracker, TokenCounts
+from hicache.text import Tokenizer
+from hicache.tokenizer.formats import GenerationResult, Step
+from hicache.tokenizer.scheduler_link import SchedulerLink
+from hicache.tokenizer.textstream import OutputText
+from hicache.tokenizer.validation import PreparedRequest
+
+
+class GenerationError(RuntimeError):
+    """The scheduler failed the request (``finish_reason="error"`` or an ``ErrorReply``)."""
+
+
+def final_usage(req: PreparedRequest, latest: protos.Usage | None, completion_tokens: int) -> protos.Usage:
+    u = latest or protos.Usage()
+    return protos.Usage(
+        prompt_tokens=u.prompt_tokens or len(req.input_ids),
+        completion_tokens=completion_tokens,
+        cached_device=u.cached_device,
+        cached_host=u.cached_host,
+        cached_storage=u.cached_storage,
+    )
+
+
+async def generate_steps(link: SchedulerLink, tokenizer: Tokenizer, req: PreparedRequest,
+                         tracker: RequestTracker) -> AsyncIterator[Step]:
+    """Yield the steps of ``req``. Streaming: one per ``TokenOutput`` that adds text or ids,
+    the last with ``finish_reason`` and ``usage``. Otherwise: one step, the whole output."""
+    channel = link.generate(req.to_message())
+    text = OutputText(tokenizer, req.stop, incremental=req.stream)
+    all_ids: list[int] = []
+    usage: protos.Usage | None = None
+    ended = False
+    try:
+        while True:
+            out = await channel.next()
+            if out.usage is not None:
+                usage = out.usage
+            if out.finish_reason == "error":
+                ended = True
+                raise GenerationError(out.error or "the scheduler failed the request")
+            ids = out.token_ids
+            tracker.tokens(len(ids))
+            all_ids.extend(ids)
+            piece, stopped = text.push(ids)
+            if stopped or out.finished:
+                ended = True
+                if stopped:
+                    link.abort(req.rid)
+                    reason = "stop"
+                else:
+                    piece += text.finish()
+                    reason = out.finish_reason or "stop"
+                final = final_usage(req, usage, len(all_ids))
+                tracker.finish("aborted" if reason == "abort" else "ok", TokenCounts(
+                    final.prompt_tokens, final.completion_tokens, final.cached_device, final.cached_host,
+                    final.cached_storage))
+                if req.stream:
+                    yield Step(piece, ids, reason, final)
+                else:  # nothing was yielded before: the whole output at once
+                    yield Step(text.text, all_ids, reason, final)
+                return
+            if req.stream and (piece or ids):
+                yield Step(piece, ids)
+    finally:
+        channel.close()
+        if not ended:
+            link.abort(req.rid)
+
+
+async def collect(steps: AsyncIterator[Step], rid: str) -> GenerationResult:
+    """Drain a request's steps into one result."""
+    parts: list[str] = []
+    ids: list[int] = []
+    async for step in steps:
+        parts.append(step.text)
+        ids.extend(step.token_ids)
+        if step.finish_reason is not None and step.usage is not None:
+            return GenerationResult(rid, "".join(parts), ids, step.finish_reason, step.usage)
+    raise GenerationError("the request ended without a final output")

@@ -1,0 +1,317 @@
+"""The HTTP API of the tokenizer process (DESIGN §11), on aiohttp.
+
+Routes::
+
+    POST /generate                  native generation: text or input_ids (greedy by default)
+    POST /v1/completions            OpenAI completions; "stream": true -> SSE
+    POST /v1/chat/completions       OpenAI chat completions; "stream": true -> SSE
+    GET  /v1/models                 the served model
+    GET  /health                    {"status", "processes": {name: pid}}; 503 unless "ok"
+    GET  /metrics                   Prometheus exposition of all processes; 404 when disabled
+    GET  /cache/stats               AdminRequest op "stats"
+    POST /cache/flush               AdminRequest op "flush" (L1 and L2; L3 is kept)
+    GET  /cache/storage             AdminRequest op "storage_status"
+    PUT  /cache/storage             AdminRequest op "storage_attach", args {"l3": <resolved cache.l3>}
+    DELETE /cache/storage           AdminRequest op "storage_detach"
+    POST /cache/storage/clear       AdminRequest op "storage_clear"
+
+Admin routes answer the ``AdminReply.result`` as JSON; ``ok=false`` becomes an error with
+the reply's ``error`` text: 409 when it says "busy", else 500. No reply within
+``ADMIN_TIMEOUT_S`` -> 504.
+
+Errors of every route have one shape, ``{"error": {"message", "type", "code"}}``: 400 for an
+invalid body (bad JSON, unknown fields, out-of-vocabulary ids, bad limits or sampling
+parameters, a prompt too long for the context), 401 without the bearer ``server.api_key``
+(every route but ``/health`` and ``/metrics``), 413 for a body over the size limit (refused
+from its Content-Length, or as soon as a chunked body passes the limit), 503 while
+shutting down or when the scheduler's queue is full, 500 when the scheduler fails a
+request. A stream that fails after its first chunk sends an ``{"error": ...}`` event, then
+``data: [DONE]``.
+
+A client that disconnects ends its request: the handler is cancelled (or its next write
+fails) and ``generate_steps`` sends ``AbortRequest(rid)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import aclosing
+from typing import Any
+
+from aiohttp import web
+
+from hicache.config import HicacheConfig
+from hicache.metrics import CONTENT_TYPE, Metrics, RequestTracker, render_metrics
+from hicache.text import Tokenizer
+from hicache.tokenizer.args import ADMIN_TIMEOUT_S
+from hicache.tokenizer.formats import (
+    SSE_DONE,
+    ChatFormat,
+    CompletionFormat,
+    GenerateFormat,
+    GenerationResult,
+    ResponseFormat,
+    error_body,
+    sse,
+)
+from hicache.tokenizer.generation import GenerationError, generate_steps
+from hicache.tokenizer.scheduler_link import SchedulerLink, SchedulerUnavailable, new_rid
+from hicache.tokenizer.validation import (
+    ModelLimits,
+    PreparedRequest,
+    RequestError,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+    parse_json,
+    parse_storage_config,
+)
+
+log = logging.getLogger("hicache.tokenizer.http")
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+"""Routes served without the API key."""
+
+Parser = Callable[[dict[str, Any], str, Tokenizer, ModelLimits], PreparedRequest]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.json_response(body, status=status, dumps=_dumps)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class HttpApi:
+    """The aiohttp application and its handlers; one per tokenizer process.
+
+    ``pids`` is the live process table of ``/health`` (the process may update it).
+    ``draining`` (set by ``begin_drain``) makes new generation requests fail with 503;
+    ``wait_idle`` waits until no request is being handled.
+    """
+
+    def __init__(self, *, link: SchedulerLink, tokenizer: Tokenizer, limits: ModelLimits, config: HicacheConfig,
+                 pids: dict[str, int], metrics: Metrics, max_body_bytes: int) -> None:
+        self.link = link
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.config = config
+        self.pids = pids
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self.started = int(time.time())
+        self.draining = False
+        self._api_key = config.server.api_key
+        self._active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.app = web.Application(client_max_size=max_body_bytes,
+                                   middlewares=[self._errors, self._auth, self._count])
+        r = self.app.router
+        r.add_post("/generate", self._route(parse_generate, GenerateFormat))
+        r.add_post("/v1/completions", self._route(parse_completion, CompletionFormat))
+        r.add_post("/v1/chat/completions", self._route(parse_chat, ChatFormat))
+        r.add_get("/v1/models", self.models)
+        r.add_get("/health", self.health)
+        r.add_get("/metrics", self.metrics_route)
+        r.add_get("/cache/stats", self._admin_route("stats"))
+        r.add_post("/cache/flush", self._admin_route("flush"))
+        r.add_get("/cache/storage", self._admin_route("storage_status"))
+        r.add_put("/cache/storage", self.storage_attach)
+        r.add_delete("/cache/storage", self._admin_route("storage_detach"))
+        r.add_post("/cache/storage/clear", self._admin_route("storage_clear"))
+
+    # ---- lifecycle
+
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True once no request is in a handler; False if that took longer than ``timeout_s``."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    # ---- middlewares (outermost first)
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except RequestError as exc:
+            return self._error(exc.message, exc.status, exc.kind)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return self._error(exc.text or exc.reason, exc.status)
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception:
+            log.exception("%s %s failed", request.method, request.path)
+            return self._error("internal server error", 500, "server_error")
+
+    @staticmethod
+    def _error(message: str, status: int, kind: str | None = None) -> web.Response:
+        if kind is None:
+            kind = "invalid_request_error" if status < 500 else "server_error"
+        resp = _json(error_body(message, status, kind), status)
+        if status == 401:
+            resp.headers["WWW-Authenticate"] = "Bearer"
+        return resp
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self._api_key and request.path not in OPEN_PATHS:
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
+                raise RequestError("missing or wrong API key (send 'Authorization: Bearer <key>')", 401,
+                                   "authentication_error")
+        return await handler(request)
+
+    @web.middleware
+    async def _count(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        self._active += 1
+        self._idle.clear()
+        try:
+            return await handler(request)
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.set()
+
+    # ---- bodies
+
+    async def _read_json(self, request: web.Request, *, optional: bool = False) -> dict[str, Any]:
+        length = request.content_length
+        if length is not None and length > self.max_body_bytes:
+            raise RequestError(f"the request body is {length} bytes; the limit is {self.max_body_bytes}", 413)
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise RequestError(f"the request body exceeds the limit of {self.max_body_bytes} bytes", 413) from None
+        if optional and not raw.strip():
+            return {}
+        return parse_json(raw)
+
+    # ---- generation
+
+    def _route(self, parse: Parser, fmt_cls: type[ResponseFormat]) -> Handler:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            with self.metrics.track_request() as tracker:
+                try:
+                    if self.draining:
+                        raise RequestError("the server is shutting down", 503, "unavailable")
+                    req = parse(await self._read_json(request), new_rid(), self.tokenizer, self.limits)
+                except RequestError as exc:
+                    tracker.finish("invalid" if exc.status < 500 else "error")
+                    raise
+                return await self._generate(request, req, fmt_cls(req.rid, self.limits.name, req.include_usage),
+                                            tracker)
+
+        return handler
+
+    async def _generate(self, request: web.Request, req: PreparedRequest, fmt: ResponseFormat,
+                        tracker: RequestTracker) -> web.StreamResponse:
+        async with aclosing(generate_steps(self.link, self.tokenizer, req, tracker)) as steps:
+            # The first step is awaited before any byte is sent, so that a refusal or a failure
+            # before the first token is still a plain HTTP error.
+            try:
+                first = await anext(steps)
+            except SchedulerUnavailable as exc:
+                raise RequestError(str(exc), 503, "unavailable") from None
+            except GenerationError as exc:
+                raise RequestError(str(exc), 500, "server_error") from None
+            if not req.stream:
+                if first.finish_reason is None or first.usage is None:  # generate_steps' contract broken
+                    raise RequestError("the request ended without a final output", 500, "server_error")
+                result = GenerationResult(req.rid, first.text, first.token_ids, first.finish_reason, first.usage)
+                return _json(fmt.full(result))
+            resp = web.StreamResponse(headers={
+                "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            await resp.prepare(request)
+            for chunk in fmt.chunks(first):
+                await resp.write(sse(chunk))
+            if first.finish_reason is None:
+                try:
+                    async for step in steps:
+                        for chunk in fmt.chunks(step):
+                            await resp.write(sse(chunk))
+                except GenerationError as exc:
+                    tracker.finish("error")
+                    await resp.write(sse(error_body(str(exc), 500, "server_error")))
+            await resp.write(SSE_DONE)
+            await resp.write_eof()
+            return resp
+
+    # ---- info
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json({"object": "list", "data": [{
+            "id": self.limits.name, "object": "model", "created": self.started, "owned_by": "hicache",
+            "max_model_len": self.limits.max_context}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        procs: Mapping[str, int] = dict(self.pids)
+        dead = sorted(name for name, pid in procs.items() if not _pid_alive(pid))
+        status = "draining" if self.draining else "degraded" if dead else "ok"
+        body: dict[str, Any] = {"status": status, "processes": procs}
+        if dead:
+            body["dead"] = dead
+        return _json(body, 200 if status == "ok" else 503)
+
+    async def metrics_route(self, request: web.Request) -> web.Response:
+        body = await asyncio.to_thread(render_metrics)
+        if body is None:
+            return web.Response(status=404, text="metrics are disabled (metrics.enabled: false)\n")
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+    # ---- admin
+
+    async def _admin(self, op: str, args: dict[str, Any] | None = None) -> web.Response:
+        try:
+            reply = await self.link.admin(op, args, ADMIN_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise RequestError(f"the scheduler did not answer {op} within {ADMIN_TIMEOUT_S:g} s", 504,
+                               "timeout") from None
+        except SchedulerUnavailable as exc:
+            raise RequestError(str(exc), 503, "unavailable") from None
+        if not reply.ok:
+            error = reply.error or f"{op} failed"
+            raise RequestError(error, 409 if "busy" in error.lower() else 500,
+                               "conflict" if "busy" in error.lower() else "server_error")
+        return _json(reply.result)
+
+    def _admin_route(self, op: str) -> Handler:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            if request.method != "GET":
+                data = await self._read_json(request, optional=True)
+                if data:
+                    raise RequestError(f"{request.method} {request.path} takes no body fields, got "
+                                       f"{', '.join(sorted(data))}")
+            return await self._admin(op)
+
+        return handler
+
+    async def storage_attach(self, request: web.Request) -> web.Response:
+        args = parse_storage_config(await self._read_json(request), self.config)
+        return await self._admin("storage_attach", args)

@@ -1,0 +1,419 @@
+"""Request bodies -> validated requests. Every problem is a ``RequestError`` naming it.
+
+The three generation routes share the checks of ``_finish``: the prompt is non-empty, every
+token id is in ``[0, vocab_size)`` of the model, the prompt leaves room in the model's
+context, ``max_new_tokens`` is in ``[1, scheduler.max_new_tokens_limit]`` and fits the
+context, and the sampling parameters pass ``hicache.model.sampling.SamplingParams``. When a
+request does not say how many tokens to generate, it gets
+``min(scheduler.default_max_new_tokens, room left in the context)``.
+
+Unknown fields are refused (a typo must not silently change behaviour). OpenAI fields this
+server does not implement are accepted only with their neutral value (``n: 1``,
+``presence_penalty: 0``, ``logprobs: null`` ...), and refused with a message otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import protos
+from hicache.config import ConfigError, HicacheConfig, config_from_dict, to_dict
+from hicache.model.sampling import SamplingParams as CheckedSampling
+from hicache.model.spec import spec_for
+from hicache.text import Tokenizer, TokenizerError
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+MAX_CACHE_SALT_LENGTH = 256
+
+
+class RequestError(Exception):
+    """A request that cannot be served as sent: ``status`` (400, 401, 404, 409, 413, 503 ...)
+    and a message for the client. ``kind`` is the OpenAI error ``type``."""
+
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What validation needs to know about the served model."""
+
+    name: str
+    vocab_size: int
+    max_context: int
+    max_new_tokens_limit: int
+    default_max_new_tokens: int
+
+    @classmethod
+    def from_config(cls, config: HicacheConfig) -> ModelLimits:
+        """From the config (reads only ``config.json`` for an ``hf`` model; no weights, no torch)."""
+        spec = spec_for(config.model)
+        if config.model.kind == "hf":
+            name = Path(config.model.path or "model").name
+        else:
+            name = f"hicache-reference-{config.model.reference.preset}"
+        return cls(name, spec.vocab_size, spec.max_context, config.scheduler.max_new_tokens_limit,
+                   config.scheduler.default_max_new_tokens)
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated generation request, ready to become a ``GenerateRequest``."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: protos.SamplingParams
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    cache_salt: str = ""
+    include_usage: bool = False
+    """OpenAI ``stream_options.include_usage``: add the usage-only chunk at the end of a stream."""
+
+    def to_message(self) -> protos.GenerateRequest:
+        return protos.GenerateRequest(self.rid, self.input_ids, self.sampling, self.stream, self.cache_salt)
+
+
+# --------------------------------------------------------------------------- JSON
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; RequestError for anything else."""
+    if not raw:
+        raise RequestError("the request body is empty; expected a JSON object")
+    try:
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise RequestError(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise RequestError(f"the request body must be a JSON object, got {_json_type(data)}")
+    return data
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number"}.get(type(value), type(value).__name__)
+
+
+# --------------------------------------------------------------------------- field access
+
+
+class _Fields:
+    """Typed reads of one JSON object; ``where`` prefixes every message (e.g. ``sampling_params.``)."""
+
+    def __init__(self, data: Any, allowed: Sequence[str], where: str = "") -> None:
+        if not isinstance(data, dict):
+            raise RequestError(f"{where.rstrip('.') or 'the body'} must be a JSON object, got {_json_type(data)}")
+        unknown = sorted(k for k in data if k not in allowed)
+        if unknown:
+            raise RequestError(f"unknown field(s): {', '.join(where + k for k in unknown)}")
+        self.data = data
+        self.where = where
+
+    def has(self, name: str) -> bool:
+        return self.data.get(name) is not None
+
+    def _bad(self, name: str, expected: str) -> RequestError:
+        return RequestError(f"{self.where}{name} must be {expected}, got {_json_type(self.data[name])}")
+
+    def get_int(self, name: str) -> int | None:
+        v = self.data.get(name)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self._bad(name, "an integer")
+        return v
+
+    def get_number(self, name: str) -> float | None:
+        v = self.data.get(name)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise self._bad(name, "a number")
+        return float(v)
+
+    def get_bool(self, name: str, default: bool = False) -> bool:
+        v = self.data.get(name)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise self._bad(name, "true or false")
+        return v
+
+    def get_str(self, name: str, default: str | None = None, max_length: int | None = None) -> str | None:
+        v = self.data.get(name)
+        if v is None:
+            return default
+        if not isinstance(v, str):
+            raise self._bad(name, "a string")
+        if max_length is not None and len(v) > max_length:
+            raise RequestError(f"{self.where}{name} must be at most {max_length} characters")
+        return v
+
+    def stop_strings(self, name: str) -> tuple[str, ...]:
+        v = self.data.get(name)
+        if v is None:
+            return ()
+        items = [v] if isinstance(v, str) else v
+        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+            raise self._bad(name, "a string or an array of strings")
+        if len(items) > MAX_STOP_STRINGS:
+            raise RequestError(f"{self.where}{name} may hold at most {MAX_STOP_STRINGS} strings")
+        if any(not s or len(s) > MAX_STOP_LENGTH for s in items):
+            raise RequestError(f"{self.where}{name}: each stop string must have 1 to {MAX_STOP_LENGTH} characters")
+        return tuple(items)
+
+    def int_list(self, name: str) -> list[int]:
+        v = self.data.get(name)
+        if v is None:
+            return []
+        if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            raise self._bad(name, "an array of integers")
+        return v
+
+    def neutral(self, name: str, ok: Callable[[Any], bool], meaning: str) -> None:
+        """An OpenAI field this server does not implement: only its neutral value passes."""
+        v = self.data.get(name)
+        if v is not None and not ok(v):
+            raise RequestError(f"{self.where}{name} is not supported by this server ({meaning})")
+
+
+# --------------------------------------------------------------------------- shared checks
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    """Sampling fields as read from a body, before the context-dependent checks."""
+
+    max_new_tokens: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, what: str = "input_ids") -> None:
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise RequestError(f"{what}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
+
+
+def _finish(rid: str, input_ids: list[int], s: _Sampling, limits: ModelLimits, *, stop: tuple[str, ...],
+            stream: bool, cache_salt: str, include_usage: bool = False, field: str = "max_new_tokens") -> PreparedRequest:
+    n = len(input_ids)
+    if n == 0:
+        raise RequestError("the prompt is empty")
+    check_token_ids(input_ids, limits.vocab_size)
+    room = limits.max_context - n
+    if room <= 0:
+        raise RequestError(f"the prompt is {n} tokens long, but the model's context is {limits.max_context} tokens")
+    max_new = s.max_new_tokens
+    if max_new is None:
+        max_new = min(limits.default_max_new_tokens, room)
+    elif max_new < 1:
+        raise RequestError(f"{field} must be >= 1, got {max_new}")
+    elif max_new > limits.max_new_tokens_limit:
+        raise RequestError(f"{field} must be <= {limits.max_new_tokens_limit}, got {max_new}")
+    elif max_new > room:
+        raise RequestError(
+            f"the prompt ({n} tokens) plus {field} ({max_new}) exceeds the model's context of "
+            f"{limits.max_context} tokens")
+    try:
+        checked = CheckedSampling(max_new, s.temperature, s.top_k, s.top_p, s.seed, s.stop_token_ids, s.ignore_eos)
+        checked.check_vocab(limits.vocab_size)
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
+    sampling = protos.SamplingParams(
+        max_new_tokens=checked.max_new_tokens, temperature=float(checked.temperature), top_p=float(checked.top_p),
+        top_k=checked.top_k, seed=checked.seed, stop_token_ids=list(checked.stop_token_ids),
+        ignore_eos=checked.ignore_eos)
+    return PreparedRequest(rid, input_ids, sampling, stop, stream, cache_salt, include_usage)
+
+
+def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=True)
+
+
+# --------------------------------------------------------------------------- POST /generate
+
+_GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "stream", "cache_salt")
+_GENERATE_SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+                      "ignore_eos")
+
+
+def parse_generate(data: dict[str, Any], rid: str, tokenizer: Tokenizer, limits: ModelLimits) -> PreparedRequest:
+    """``{"text" | "input_ids", "sampling_params", "stream", "cache_salt"}``; greedy by default."""
+    f = _Fields(data, _GENERATE_FIELDS)
+    if f.has("text") == f.has("input_ids"):
+        raise RequestError("give exactly one of text and input_ids")
+    text = f.get_str("text")
+    input_ids = _encode(tokenizer, text) if text is not None else list(f.int_list("input_ids"))
+    sp = _Fields(data.get("sampling_params") or {}, _GENERATE_SAMPLING, "sampling_params.")
+    s = _Sampling(
+        max_new_tokens=sp.get_int("max_new_tokens"),
+        temperature=_or(sp.get_number("temperature"), 0.0),
+        top_p=_or(sp.get_number("top_p"), 1.0),
+        top_k=_or(sp.get_int("top_k"), 0),
+        seed=sp.get_int("seed"),
+        stop_token_ids=tuple(sp.int_list("stop_token_ids")),
+        ignore_eos=sp.get_bool("ignore_eos"),
+    )
+    return _finish(rid, input_ids, s, limits, stop=sp.stop_strings("stop"), stream=f.get_bool("stream"),
+                   cache_salt=f.get_str("cache_salt", "", MAX_CACHE_SALT_LENGTH) or "",
+                   field="sampling_params.max_new_tokens")
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+# --------------------------------------------------------------------------- OpenAI routes
+
+_OPENAI_COMMON = (
+    "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
+    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+    # extensions (as other OpenAI-compatible servers spell them)
+    "top_k", "stop_token_ids", "ignore_eos", "cache_salt",
+)
+_COMPLETION_FIELDS = (*_OPENAI_COMMON, "prompt", "echo", "best_of", "suffix")
+_CHAT_FIELDS = (*_OPENAI_COMMON, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+                "tool_choice", "parallel_tool_calls")
+_CHAT_ROLES = ("system", "user", "assistant", "developer")
+
+
+def _openai_sampling(f: _Fields, max_tokens_field: str = "max_tokens") -> _Sampling:
+    """Sampling fields of an OpenAI body; temperature defaults to 1.0 as in the OpenAI API."""
+    f.get_str("model")
+    f.get_str("user")
+    f.neutral("n", lambda v: v == 1, "only n = 1")
+    f.neutral("presence_penalty", lambda v: v == 0, "penalties are not implemented")
+    f.neutral("frequency_penalty", lambda v: v == 0, "penalties are not implemented")
+    f.neutral("logit_bias", lambda v: v == {}, "logit_bias is not implemented")
+    return _Sampling(
+        max_new_tokens=f.get_int(max_tokens_field),
+        temperature=_or(f.get_number("temperature"), 1.0),
+        top_p=_or(f.get_number("top_p"), 1.0),
+        top_k=_or(f.get_int("top_k"), 0),
+        seed=f.get_int("seed"),
+        stop_token_ids=tuple(f.int_list("stop_token_ids")),
+        ignore_eos=f.get_bool("ignore_eos"),
+    )
+
+
+def _stream_options(f: _Fields) -> tuple[bool, bool]:
+    stream = f.get_bool("stream")
+    opts = _Fields(f.data.get("stream_options") or {}, ("include_usage", "continuous_usage_stats"),
+                   "stream_options.")
+    return stream, opts.get_bool("include_usage")
+
+
+def parse_completion(data: dict[str, Any], rid: str, tokenizer: Tokenizer, limits: ModelLimits) -> PreparedRequest:
+    """``POST /v1/completions``: one prompt (a string or an array of token ids)."""
+    f = _Fields(data, _COMPLETION_FIELDS)
+    f.neutral("echo", lambda v: v is False, "echo is not implemented")
+    f.neutral("best_of", lambda v: v == 1, "only best_of = 1")
+    f.neutral("suffix", lambda v: v == "", "suffix is not implemented")
+    f.neutral("logprobs", lambda v: False, "logprobs are not implemented")
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        input_ids = _encode(tokenizer, prompt)
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        input_ids = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        raise RequestError("prompt: only one prompt per request is supported")
+    else:
+        raise RequestError(f"prompt must be a string or an array of token ids, got {_json_type(prompt)}")
+    s = _openai_sampling(f)
+    stream, include_usage = _stream_options(f)
+    return _finish(rid, input_ids, s, limits, stop=f.stop_strings("stop"), stream=stream,
+                   cache_salt=f.get_str("cache_salt", "", MAX_CACHE_SALT_LENGTH) or "", include_usage=include_usage,
+                   field="max_tokens")
+
+
+def _message_content(msg: dict[str, Any], i: int) -> str:
+    content = msg.get("content")
+    if content is None and msg.get("role") == "assistant":
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: only text
+        out = []
+        for j, part in enumerate(content):
+            p = _Fields(part, ("type", "text"), f"messages[{i}].content[{j}].")
+            if p.get_str("type") != "text":
+                raise RequestError(f"messages[{i}].content[{j}].type must be \"text\" (only text is supported)")
+            out.append(p.get_str("text") or "")
+        return "".join(out)
+    raise RequestError(f"messages[{i}].content must be a string or an array of text parts, got {_json_type(content)}")
+
+
+def parse_chat(data: dict[str, Any], rid: str, tokenizer: Tokenizer, limits: ModelLimits) -> PreparedRequest:
+    """``POST /v1/chat/completions``: ``messages`` rendered with the tokenizer's chat template."""
+    f = _Fields(data, _CHAT_FIELDS)
+    f.neutral("logprobs", lambda v: v is False, "logprobs are not implemented")
+    f.neutral("top_logprobs", lambda v: v == 0, "logprobs are not implemented")
+    f.neutral("response_format", lambda v: v == {"type": "text"}, "only the text response format")
+    f.neutral("tools", lambda v: v == [], "tool calls are not implemented")
+    f.neutral("tool_choice", lambda v: v == "none", "tool calls are not implemented")
+    f.get_bool("parallel_tool_calls")
+    raw = data.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise RequestError("messages must be a non-empty array of {role, content} objects")
+    messages = []
+    for i, m in enumerate(raw):
+        mf = _Fields(m, ("role", "content", "name"), f"messages[{i}].")
+        role = mf.get_str("role")
+        if role not in _CHAT_ROLES:
+            raise RequestError(f"messages[{i}].role must be one of {', '.join(_CHAT_ROLES)}; got {role!r}")
+        mf.get_str("name")
+        messages.append({"role": "system" if role == "developer" else role, "content": _message_content(m, i)})
+    try:
+        input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except TokenizerError as exc:
+        raise RequestError(f"messages: {exc}") from None
+    field = "max_completion_tokens" if f.has("max_completion_tokens") else "max_tokens"
+    s = _openai_sampling(f, field)
+    stream, include_usage = _stream_options(f)
+    return _finish(rid, input_ids, s, limits, stop=f.stop_strings("stop"), stream=stream,
+                   cache_salt=f.get_str("cache_salt", "", MAX_CACHE_SALT_LENGTH) or "", include_usage=include_usage,
+                   field=field)
+
+
+# --------------------------------------------------------------------------- PUT /cache/storage
+
+
+def parse_storage_config(data: dict[str, Any], config: HicacheConfig) -> dict[str, Any]:
+    """A ``cache.l3`` section (the YAML keys: ``backend``, ``file``, ``redis``) -> the resolved
+    section as a plain dict, every unset key filled with its default.
+
+    The scheduler receives it as ``AdminRequest(op="storage_attach", args={"l3": <this>})``
+    and can rebuild the ``L3Config`` with ``config_from_dict({"cache": {"l3": args["l3"]}})``.
+    """
+    if data.get("backend") in (None, "none"):
+        raise RequestError("backend must name a storage backend (file or redis); DELETE /cache/storage detaches")
+    if not config.cache.l2.enabled:
+        raise RequestError("an L3 backend needs cache.l2.enabled: true, and this daemon runs without L2", 409)
+    try:
+        resolved = config_from_dict({"cache": {"l3": data}})
+    except ConfigError as exc:
+        mine = [p for p in exc.problems if p.path.startswith("cache.l3")] or exc.problems
+        raise RequestError("invalid storage config: " + "; ".join(str(p) for p in mine)) from None
+    return {"l3": to_dict(resolved.cache.l3)}
