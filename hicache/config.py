@@ -142,7 +142,14 @@ class L3Config:
 
 @dataclass(frozen=True)
 class PrefetchConfig:
-    policy: PrefetchPolicy = "best_effort"
+    """L3 -> L2 prefetch for waiting requests (DESIGN §5).
+
+    ``timeout`` (the default) holds a request until its prefetch completes or
+    ``timeout_base_s + timeout_per_ki_token_s * tokens / 1024`` passes; ``wait_complete``
+    holds it until the prefetch completes; ``best_effort`` never holds it, so only later
+    requests for the same prefix profit from what the prefetch brings.
+    """
+    policy: PrefetchPolicy = "timeout"
     threshold_tokens: int = 256
     timeout_base_s: float = 1.0
     timeout_per_ki_token_s: float = 0.25

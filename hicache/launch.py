@@ -106,11 +106,15 @@ class Launcher:
         runtime = Path(cfg.ipc.dir) if cfg.ipc.dir else make_runtime_dir()
         runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
         endpoints = Endpoints(cfg.ipc.transport, str(runtime), cfg.ipc.tcp_host, cfg.ipc.tcp_base_port)
-        from hicache.metrics import prepare_multiprocess_dir
+        from hicache.metrics import init_process_metrics, prepare_multiprocess_dir
 
         prepare_multiprocess_dir(runtime / "metrics")
-        from hicache.memory.pools import create_pools
+        init_process_metrics(cfg.metrics, "launcher")
+        from hicache.memory.pools import create_pools, remove_stale_segments
 
+        stale = remove_stale_segments(layout.directory)
+        if stale:
+            log.warning("removed %d shared-memory segments of a daemon that did not stop cleanly", len(stale))
         pools = None
         ctx = zmq.Context()
         inbox = None
@@ -240,10 +244,12 @@ class Launcher:
                     mark_process_dead(dead.pid)
                     to_scheduler.send(protos.ProcessEvent("controller", "died", dead.pid, f"exit code {dead.exitcode}"))
                     child.restarts += 1
-                    get_metrics().process_restarts.labels(process="controller").inc()
+                    get_metrics().process_restarted("controller")
                     try:
                         self._start(child, inbox)
                     except StartError as exc:
+                        if self.stop_signal is not None:
+                            break  # asked to stop while restarting: an orderly stop
                         print(f"hicache: {exc}", file=sys.stderr)
                         return 1
                     to_tokenizer.send(protos.Ready("controller", child.proc.pid))

@@ -23,6 +23,7 @@ after checking they are in range.
 
 from __future__ import annotations
 
+import os
 import secrets
 from dataclasses import dataclass, field
 from typing import Literal
@@ -88,7 +89,33 @@ class PoolLayout:
 
 
 def new_instance_id() -> str:
-    return f"hicache-{secrets.token_hex(6)}"
+    """``hicache-{pid}-{random}``: the creating process's pid lets a later start find and remove
+    the segments of a daemon that was killed before it could clean up (``remove_stale_segments``)."""
+    return f"hicache-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def remove_stale_segments(directory: str | None = None) -> list[str]:
+    """Unlink the segments of daemons whose creating process no longer exists."""
+    d = directory or shm_dir()
+    removed = []
+    for entry in os.listdir(d):
+        parts = entry.split("-")
+        if len(parts) < 3 or parts[0] != "hicache" or not parts[1].isdigit():
+            continue
+        pid = int(parts[1])
+        try:
+            os.kill(pid, 0)
+            continue  # its creator is alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, another user's
+        try:
+            os.unlink(os.path.join(d, entry))
+            removed.append(entry)
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 def paged_layout(instance: str, name: str, page_size: int, l1_pages: int, l2_pages: int,

@@ -328,13 +328,16 @@ class TieredSimulator:
 
 
 def simulate(keys: Sequence[array], cfg: SimConfig, tree_page_size: int = 1,
-             progress: Callable[[int], None] | None = None) -> SimReport:
+             progress: Callable[[int], None] | None = None,
+             longest_pages: int | None = None) -> SimReport:
     """Replay ``keys`` (one per request, in key units of the tree) under ``cfg``.
 
     ``progress(n)`` is called every few hundred requests with the number done since the
-    last call. Raises ``ValueError`` for an impossible ``cfg``.
+    last call; ``longest_pages`` (the longest request) is computed from ``keys`` when not
+    given. Raises ``ValueError`` for an impossible ``cfg``.
     """
-    longest = max((len(k) for k in keys), default=0) // tree_page_size
+    longest = (max((len(k) for k in keys), default=0) // tree_page_size
+               if longest_pages is None else longest_pages)
     sim = TieredSimulator(cfg, tree_page_size, longest)
     t0 = time.perf_counter()
     step = sim.step

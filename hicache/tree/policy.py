@@ -12,10 +12,16 @@ Policies:
   that a match has hit before (``hit_count >= 1``: it was re-used) promotes it to the
   protected segment (capped at ``protected_fraction`` of the entries; the overflow is
   demoted to the MRU end of probation). Candidates come from probation first.
+* ``lfu`` -- LFU with dynamic aging (GreedyDual-Size-Frequency with cost = size): a node's
+  priority is ``L + 1 + hit_count``, set when it is added or touched, where ``L`` is the
+  highest priority removed so far (so old frequency fades); lowest priority first, ties
+  in touch order. A binary heap with lazy deletion: O(log n) add / touch / remove.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Iterator
 
 from hicache.tree.node import LruLink, TreeNode
@@ -205,7 +211,77 @@ class SLRUPolicy(EvictionPolicy):
                 raise AssertionError("SLRU: protected entry marked probation")
 
 
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "slru": SLRUPolicy}
+class LFUPolicy(EvictionPolicy):
+    """LFU with dynamic aging over a lazy-deletion heap.
+
+    Entries are ``[priority, seq, link]``; touching or removing a link voids its entry
+    (``link`` slot set to None) and touching pushes a fresh one. ``candidates`` pops entries
+    in order and pushes back, when the iteration ends or is abandoned, every entry whose
+    link is still present (a candidate the tree skipped: internal, locked, in flight).
+    """
+
+    name = "lfu"
+
+    def __init__(self) -> None:
+        self._heap: list[list] = []
+        self._entry: dict[LruLink, list] = {}
+        self._seq = itertools.count()
+        self.age = 0  # L: the highest priority removed so far
+
+    def _push(self, link: LruLink) -> None:
+        e = [self.age + 1 + link.owner.hit_count, next(self._seq), link]  # type: ignore[union-attr]
+        self._entry[link] = e
+        heapq.heappush(self._heap, e)
+        if len(self._heap) > 2 * len(self._entry) + 64:
+            self._heap = [x for x in self._heap if x[2] is not None]
+            heapq.heapify(self._heap)
+
+    def add(self, link: LruLink) -> None:
+        if link in self._entry:
+            raise ValueError("LFU: link added twice")
+        self._push(link)
+
+    def touch(self, link: LruLink) -> None:
+        old = self._entry.get(link)
+        if old is None:
+            raise ValueError("LFU: touch of a link that was never added")
+        old[2] = None
+        self._push(link)
+
+    def remove(self, link: LruLink) -> None:
+        e = self._entry.pop(link)
+        e[2] = None
+        if e[0] > self.age:
+            self.age = e[0]
+
+    def candidates(self) -> Iterator[TreeNode]:
+        heap = self._heap
+        taken: list[list] = []
+        try:
+            while heap:
+                e = heapq.heappop(heap)
+                if e[2] is None:
+                    continue
+                taken.append(e)
+                yield e[2].owner
+        finally:
+            for e in taken:
+                if e[2] is not None:
+                    heapq.heappush(heap, e)
+
+    def __len__(self) -> int:
+        return len(self._entry)
+
+    def links(self) -> Iterator[LruLink]:
+        return iter(list(self._entry))
+
+    def check(self) -> None:
+        live = [e for e in self._heap if e[2] is not None]
+        if len(live) != len(self._entry) or any(self._entry.get(e[2]) is not e for e in live):
+            raise AssertionError("LFU: heap entries and the link table disagree")
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "slru": SLRUPolicy, "lfu": LFUPolicy}
 
 
 def make_policy(name: str) -> EvictionPolicy:

@@ -54,7 +54,11 @@ class ControllerHarness:
         self.storage = storage
         self.proc: mp.process.BaseProcess | None = None
         self.next_op = 1
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
 
     def start(self) -> None:
         args = ControllerArgs(self.layout, self.endpoints, self.storage, self.endpoints.address("launcher"),

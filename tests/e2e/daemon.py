@@ -1,0 +1,129 @@
+"""Start a real ``hicache serve`` as a subprocess and talk to it over HTTP (test helper)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Daemon:
+    def __init__(self, tmp: Path, config: dict[str, Any], name: str = "d") -> None:
+        self.port = free_port()
+        self.dir = tmp / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        cfg = dict(config)
+        cfg.setdefault("server", {})["port"] = self.port
+        self.config_path = self.dir / "hicache.yaml"
+        self.config_path.write_text(yaml.safe_dump(cfg))
+        self.log_path = self.dir / "daemon.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 180.0) -> None:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the daemon's lifetime
+        self.proc = subprocess.Popen([sys.executable, "-m", "hicache.cli", "serve", "--config", str(self.config_path)],
+                                     stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if self.get("/health")["status"] == "ok":
+                    return
+            except (OSError, urllib.error.URLError, ValueError, KeyError):
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"daemon not healthy in {timeout_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def request(self, method: str, path: str, body: Any = None, timeout: float = 120.0) -> tuple[int, Any]:
+        data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+        req = urllib.request.Request(self.url(path), data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                raw = resp.read()
+                status = resp.status
+        except urllib.error.HTTPError as exc:
+            raw, status = exc.read(), exc.code
+        try:
+            return status, json.loads(raw)
+        except ValueError:
+            return status, raw.decode(errors="replace")
+
+    def get(self, path: str) -> Any:
+        status, body = self.request("GET", path)
+        if status != 200:
+            raise ValueError(f"GET {path}: {status} {body}")
+        return body
+
+    def get_text(self, path: str) -> str:
+        with urllib.request.urlopen(self.url(path), timeout=30) as resp:
+            return resp.read().decode()
+
+    def generate(self, ids: list[int], n: int = 8) -> dict[str, Any]:
+        status, body = self.request("POST", "/generate", {
+            "input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}})
+        if status != 200:
+            raise AssertionError(f"/generate: {status} {body}\n{self.log()}")
+        return body
+
+    def pids(self) -> dict[str, int]:
+        """The processes' pids from /health (also while it reports a process restarting: 503)."""
+        _status, body = self.request("GET", "/health")
+        return body["processes"]
+
+    def stop(self, timeout_s: float = 120.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+                raise
+        return self.proc.returncode
+
+    def kill_all(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not alive
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

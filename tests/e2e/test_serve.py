@@ -1,0 +1,162 @@
+"""End to end: a real ``hicache serve`` (three processes, real sockets, shared memory, L3).
+
+The correctness oracle is the model itself: greedy outputs must be identical whether a
+prompt's prefix came from L1, L2, L3 or was recomputed on a cold daemon.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from daemon import Daemon, alive
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def _config(tmp: Path, **cache: object) -> dict:
+    base = {
+        "model": {"reference": {"preset": "tiny"}},
+        "cache": {"page_size": 4, "l1": {"tokens": 2048}, "l2": {"tokens": 8192},
+                  "l3": {"backend": "file", "file": {"dir": str(tmp / "l3")}}, **cache},
+        "scheduler": {"chunked_prefill_tokens": 256, "max_prefill_tokens": 512},
+        "logging": {"level": "warning"},
+    }
+    return base
+
+
+def _segments(prefix: str = "hicache-") -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)} if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.fixture
+def daemon(tmp_path: Path):
+    before = _segments()
+    d = Daemon(tmp_path, _config(tmp_path))
+    d.start()
+    try:
+        yield d
+    finally:
+        code = d.stop()
+    assert code == 0, d.log()
+    leaked = _segments() - before
+    assert not leaked, f"shared memory left behind: {leaked}"
+
+
+def test_cached_prefix_gives_the_same_output_and_reports_hits(daemon: Daemon, tmp_path: Path) -> None:
+    rng = random.Random(0)
+    system = [rng.randrange(1, 250) for _ in range(64)]
+    prompts = [system + [rng.randrange(1, 250) for _ in range(20)] for _ in range(3)]
+    first = [daemon.generate(p) for p in prompts]
+    again = [daemon.generate(p) for p in prompts]
+    for a, b in zip(first, again, strict=True):
+        assert a["output_ids"] == b["output_ids"]
+    assert first[1]["meta_info"]["cached_tokens"] >= 64
+    assert again[0]["meta_info"]["cached_tokens_details"]["device"] >= 80
+    cold = Daemon(tmp_path, _config(tmp_path / "cold", l2={"enabled": False}, l3={"backend": "none"}), "cold")
+    cold.start()
+    try:
+        for p, a in zip(prompts, first, strict=True):
+            assert cold.generate(p)["output_ids"] == a["output_ids"]
+    finally:
+        assert cold.stop() == 0
+
+
+def test_seed_split_bug_end_to_end(tmp_path: Path) -> None:
+    d = Daemon(tmp_path, _config(tmp_path, page_size=1))
+    d.start()
+    try:
+        enc = lambda s: list(s.encode())  # noqa: E731 - the byte-level tokenizer's ids
+        d.generate(enc("Hello_L.A.!"), 2)
+        d.generate(enc("Hello_L.A.!world"), 2)
+        hit = d.generate(enc("Hello_world"), 4)
+        assert hit["meta_info"]["cached_tokens"] == 6
+        d.request("POST", "/cache/flush")
+        miss = d.generate(enc("Hello_world"), 4)
+        assert miss["output_ids"] == hit["output_ids"]
+    finally:
+        assert d.stop() == 0
+
+
+def test_l3_round_trip_after_flush_and_after_restart(tmp_path: Path) -> None:
+    rng = random.Random(1)
+    prompt = [rng.randrange(1, 250) for _ in range(768)]
+    d = Daemon(tmp_path, _config(tmp_path))
+    d.start()
+    try:
+        first = d.generate(prompt, 4)
+        for i in range(3):
+            d.generate([rng.randrange(1, 250) for _ in range(100 + i)], 2)
+        time.sleep(1.0)  # let write-through and backups finish
+        status, _ = d.request("POST", "/cache/flush")
+        assert status == 200
+        again = d.generate(prompt, 4)
+        assert again["output_ids"] == first["output_ids"]
+        assert again["meta_info"]["cached_tokens_details"]["storage"] >= 700, again["meta_info"]
+    finally:
+        assert d.stop() == 0
+    d2 = Daemon(tmp_path, _config(tmp_path), "restarted")
+    d2.start()
+    try:
+        third = d2.generate(prompt, 4)
+        assert third["output_ids"] == first["output_ids"]
+        assert third["meta_info"]["cached_tokens_details"]["storage"] >= 700, third["meta_info"]
+    finally:
+        assert d2.stop() == 0
+
+
+def test_controller_killed_during_traffic_is_restarted(daemon: Daemon) -> None:
+    rng = random.Random(2)
+    prompts = [[rng.randrange(1, 250) for _ in range(120)] for _ in range(6)]
+    expected = [daemon.generate(p, 6)["output_ids"] for p in prompts]
+    controller = daemon.pids()["controller"]
+    os.kill(controller, signal.SIGKILL)
+    outs = [daemon.generate(p, 6)["output_ids"] for p in prompts]
+    assert outs == expected
+    deadline = time.monotonic() + 60
+    while daemon.pids().get("controller") in (None, controller) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert daemon.pids()["controller"] != controller
+    metrics = {s.name: s.value for f in text_string_to_metric_families(daemon.get_text("/metrics"))
+               for s in f.samples if s.name == "hicache_process_restarts_total"}
+    assert metrics.get("hicache_process_restarts_total", 0) >= 1
+    assert [daemon.generate(p, 6)["output_ids"] for p in prompts] == expected
+    stats = daemon.get("/cache/stats")
+    assert stats is not None
+
+
+def test_sigterm_leaves_nothing_behind(tmp_path: Path) -> None:
+    before = _segments()
+    d = Daemon(tmp_path, _config(tmp_path))
+    d.start()
+    pids = d.pids()
+    d.generate([5] * 40, 4)
+    assert d.stop() == 0
+    for name, pid in pids.items():
+        assert not alive(pid), f"{name} (pid {pid}) still running"
+    assert _segments() == before
+
+
+def test_killed_launcher_leaves_no_orphans_and_next_start_cleans_up(tmp_path: Path) -> None:
+    before = _segments()
+    d = Daemon(tmp_path, _config(tmp_path))
+    d.start()
+    pids = d.pids()
+    assert d.proc is not None
+    os.kill(d.proc.pid, signal.SIGKILL)  # only the launcher: its children must follow it
+    d.proc.wait(10)
+    deadline = time.monotonic() + 60
+    while any(alive(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in pids.values()), pids
+    assert _segments() - before  # the killed launcher could not unlink its pools ...
+    d2 = Daemon(tmp_path, _config(tmp_path), "next")
+    d2.start()
+    try:
+        mine = {n for n in _segments() if n.startswith(f"hicache-{d2.proc.pid}-")}  # type: ignore[union-attr]
+        assert _segments() - before == mine  # ... the next start removed them
+    finally:
+        assert d2.stop() == 0
