@@ -46,7 +46,9 @@ import protos
 from controller.storage_io import StorageIO
 from controller.transfer import TransferRefused, make_transfer_engine
 from hicache.ipc import Endpoints, PullSocket, PushSocket
+from hicache.config import MetricsConfig
 from hicache.logging_setup import setup_logging
+from hicache.metrics import get_metrics, init_process_metrics
 from hicache.memory.pools import PoolLayout, attach_pools
 from hicache.proc import die_with_parent
 from storage_backends import create_backend
@@ -74,6 +76,7 @@ class ControllerArgs:
     io_threads: int = 4
     log_level: str = "info"
     log_json: bool = False
+    metrics_enabled: bool = True
 
 
 @dataclass
@@ -111,6 +114,7 @@ class ControllerServer:
         self.l3_running = 0
         self.pending_admin: list[protos.StorageAdmin] = []
         self.stopping = False
+        self._last_health = 0.0
 
     # -- answering -----------------------------------------------------------------
 
@@ -168,8 +172,10 @@ class ControllerServer:
         if op.cancelled:
             return protos.OpDone(op.op_id, "cancelled")
         op.started = True
+        direction = "d2h" if isinstance(msg, protos.WriteToHost) else "h2d"
         try:
-            result = self.engine.run(msg)
+            with get_metrics().transfer(direction, self.engine.nbytes(msg)):
+                result = self.engine.run(msg)
         except Exception as exc:  # a copy that fails is reported, never lost
             log.exception("copy op %d failed", op.op_id)
             return protos.OpDone(op.op_id, "error", 0, f"{type(exc).__name__}: {exc}")
@@ -193,11 +199,19 @@ class ControllerServer:
         if op.cancelled:
             return protos.OpDone(op.op_id, "cancelled")
         op.started = True
+        page_bytes = self.pools[msg.component].layout.l2_page_bytes
+        metrics = get_metrics()
         try:
             if isinstance(msg, protos.BackupToStorage):
-                done = self.storage.backup(msg.component, msg.host_pages, msg.hashes, lambda: op.cancelled)
+                written_before = self.storage.counters.backup_pages
+                with metrics.transfer("h2s", 0):
+                    done = self.storage.backup(msg.component, msg.host_pages, msg.hashes, lambda: op.cancelled)
+                metrics.transfer_bytes("h2s", (self.storage.counters.backup_pages - written_before) * page_bytes)
+                metrics.storage_error("set", len(msg.hashes) - done)
             else:
-                done = self.storage.fetch(msg.component, msg.hashes, msg.host_pages)
+                with metrics.transfer("s2h", 0):
+                    done = self.storage.fetch(msg.component, msg.hashes, msg.host_pages)
+                metrics.transfer_bytes("s2h", done * page_bytes)
         except Exception as exc:  # the backends never raise for store trouble; this is a bug
             log.exception("L3 op %d failed", op.op_id)
             return protos.OpDone(op.op_id, "error", 0, f"{type(exc).__name__}: {exc}")
@@ -270,6 +284,10 @@ class ControllerServer:
                     self.handle(msg)
             if self.pending_admin:
                 self._run_admin()
+            now = time.monotonic()
+            if now - self._last_health > 1.0:
+                self._last_health = now
+                get_metrics().set_storage_up(self.storage.backend is not None and self.storage.status()[0])
 
     def close(self) -> None:
         self.copy_pool.shutdown(wait=True)
@@ -305,6 +323,7 @@ def controller_main(args: ControllerArgs) -> None:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; Ctrl-C reaches the group
     die_with_parent()
+    init_process_metrics(MetricsConfig(enabled=args.metrics_enabled), "controller")
     ctx = zmq.Context()
     try:
         server = ControllerServer(args, ctx)

@@ -183,7 +183,8 @@ class Launcher:
         if cfg.cache.l2.enabled:
             storage = storage_settings_from_config(cfg.cache.l3)
             self.children["controller"] = _Child("controller", controller_main, ControllerArgs(
-                layout, endpoints, storage, ready, "cpu", log_level=cfg.logging.level, log_json=cfg.logging.json))
+                layout, endpoints, storage, ready, "cpu", log_level=cfg.logging.level, log_json=cfg.logging.json,
+                metrics_enabled=cfg.metrics.enabled))
         self.children["scheduler"] = _Child("scheduler", scheduler_main, SchedulerArgs(cfg, layout, endpoints, ready))
         self.children["tokenizer"] = _Child("tokenizer", tokenizer_main, TokenizerArgs(cfg, endpoints, ready))
 

@@ -23,7 +23,7 @@ tokenizer              requests_total, ttft, e2e and inter-token latency, prompt
                        and cached tokens — all through ``Metrics.track_request``
 scheduler              pool used/capacity (``set_pool``), queue depths (``set_queue``),
                        evictions (``evicted``), prefetch and backup tokens
-controller             transfers (``transfer`` context manager), storage errors
+controller             transfers (``transfer`` context manager, ``transfer_bytes``), storage errors
                        (``storage_op`` / ``storage_error``), ``set_storage_up``
 launcher               process restarts (``process_restarted``)
 =====================  =====================================================================
@@ -308,14 +308,23 @@ class Metrics:
     # ---- controller
 
     @contextmanager
-    def transfer(self, direction: str, nbytes: int) -> Iterator[None]:
-        """Wrap one transfer of ``nbytes``: its duration is observed and its bytes counted when
-        the block completes; a block that raises is counted nowhere (the exception propagates)."""
+    def transfer(self, direction: str, nbytes: int = 0) -> Iterator[TransferRecord]:
+        """Wrap one transfer: when the block completes, its duration is observed and its bytes
+        counted — ``nbytes``, or what the block set on the yielded record (for moves whose size
+        is known only afterwards, e.g. a partly successful L3 batch). A block that raises is
+        counted nowhere (the exception propagates)."""
         _check("direction", direction, DIRECTIONS)
+        record = TransferRecord(nbytes)
         start = time.perf_counter()
-        yield
+        yield record
         self._m["hicache_transfer_seconds"].labels(direction=direction).observe(time.perf_counter() - start)
-        self._m["hicache_transfer_bytes_total"].labels(direction=direction).inc(nbytes)
+        self.transfer_bytes(direction, record.nbytes)
+
+    def transfer_bytes(self, direction: str, nbytes: int) -> None:
+        """Count bytes moved without timing them (prefer ``transfer``, which does both)."""
+        _check("direction", direction, DIRECTIONS)
+        if nbytes:
+            self._m["hicache_transfer_bytes_total"].labels(direction=direction).inc(nbytes)
 
     @contextmanager
     def storage_op(self, op: str) -> Iterator[None]:
@@ -339,6 +348,13 @@ class Metrics:
 
     def process_restarted(self, process: str) -> None:
         self._m["hicache_process_restarts_total"].labels(process=process).inc()
+
+
+@dataclass
+class TransferRecord:
+    """Yielded by ``Metrics.transfer``: the bytes the wrapped transfer moved (settable)."""
+
+    nbytes: int = 0
 
 
 @dataclass(frozen=True)

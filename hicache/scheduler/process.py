@@ -42,6 +42,7 @@ CONTROLLER_OP_TIMEOUT_S = 60.0
 """An op unanswered for this long means the controller hangs: the launcher restarts it."""
 
 IDLE_CHECK_INTERVAL_S = 1.0
+METRICS_INTERVAL_S = 0.5
 
 ACCEPTS = (
     protos.GenerateRequest, protos.AbortRequest, protos.AdminRequest,
@@ -76,7 +77,9 @@ def scheduler_main(args: SchedulerArgs) -> None:
     from hicache.model.loader import load_model
     from hicache.model.runner import ModelRunner
     from hicache.scheduler.assembly import build_cache, kv_pools_over
+    from hicache.metrics import init_process_metrics
     from hicache.scheduler.engine import Scheduler
+    from hicache.scheduler.telemetry import SchedulerTelemetry
     from hicache.text import load_tokenizer
     from hicache.tier_manager import TierManager
 
@@ -101,6 +104,8 @@ def scheduler_main(args: SchedulerArgs) -> None:
                            prefetch=cfg.cache.prefetch, l3_enabled=cfg.cache.l3.backend != "none")
     sched = Scheduler(cfg, model, runner, cache, l1, to_tokenizer.send, tier=tier,
                       controller_send=to_controller.send if to_controller else None, eos_token_ids=eos)
+    telemetry = SchedulerTelemetry(init_process_metrics(cfg.metrics, "scheduler"), sched)
+    last_publish = 0.0
     to_launcher.send(protos.Ready("scheduler", os.getpid()))
     log.info("scheduler ready: model %s, page size %d, L1 %d pages, L2 %s pages, L3 %s",
              cfg.model.kind, cfg.cache.page_size, full.l1_pages, l2_pages, cfg.cache.l3.backend)
@@ -156,6 +161,9 @@ def scheduler_main(args: SchedulerArgs) -> None:
                 to_launcher.send(protos.ProcessEvent("controller", "restart", 0, "ops unanswered"))
                 restart_asked = True
             now = time.monotonic()
+            if now - last_publish > METRICS_INTERVAL_S:
+                telemetry.publish()
+                last_publish = now
             if not busy and now - last_idle_check > IDLE_CHECK_INTERVAL_S:
                 sched.check_idle()
                 last_idle_check = now

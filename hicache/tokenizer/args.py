@@ -14,7 +14,7 @@ DEFAULT_MAX_BODY_BYTES = 1024 * 1024
 DEFAULT_GRACE_S = 10.0
 """How long a shutdown waits for running requests before aborting them."""
 
-ADMIN_TIMEOUT_S = 30.0
+DEFAULT_ADMIN_TIMEOUT_S = 30.0
 """How long an admin route waits for the scheduler's ``AdminReply`` before answering 504."""
 
 
@@ -29,7 +29,9 @@ class TokenizerArgs:
     ``protos.Ready("tokenizer", pid)`` is pushed to ``ready_address`` (skipped when None).
     ``process_pids`` maps process names (``scheduler``, ``controller``) to pids for
     ``GET /health``; the launcher may update an entry later by pushing ``Ready(name, pid)``
-    to the tokenizer's address. ``grace_s`` bounds the drain on SIGTERM/SIGINT/``Shutdown``.
+    to the tokenizer's address. ``grace_s`` bounds the drain on SIGTERM/SIGINT/``Shutdown``;
+    ``max_body_bytes`` is the request body limit (413 above it); ``admin_timeout_s`` how long
+    an admin route waits for the scheduler (504 after it).
     """
 
     config: HicacheConfig
@@ -38,3 +40,4 @@ class TokenizerArgs:
     process_pids: Mapping[str, int] = field(default_factory=dict)
     grace_s: float = DEFAULT_GRACE_S
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    admin_timeout_s: float = DEFAULT_ADMIN_TIMEOUT_S

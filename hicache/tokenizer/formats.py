@@ -9,7 +9,8 @@ shape:
 - ``CompletionFormat`` / ``ChatFormat``: the OpenAI ``text_completion`` /
   ``chat.completion`` objects and their ``.chunk`` stream forms. The last chunk (the one
   with a ``finish_reason``) carries ``usage`` too; with ``stream_options.include_usage``
-  a usage-only chunk with empty ``choices`` follows, as in the OpenAI API.
+  a usage-only chunk with empty ``choices`` follows, as in the OpenAI API. Steps that add
+  no text (token ids of a character not complete yet) produce no OpenAI chunk.
 
 Usage everywhere: ``prompt_tokens``, ``completion_tokens``, ``total_tokens``,
 ``prompt_tokens_details.cached_tokens`` and ``cached_tokens_details`` ``{device, host,
@@ -123,6 +124,8 @@ class CompletionFormat(ResponseFormat):
         return body
 
     def chunks(self, step: Step) -> list[dict[str, Any]]:
+        if not step.text and step.finish_reason is None:
+            return []  # ids without text yet (a split character): nothing to show
         body = self._base("text_completion")
         body["choices"] = [{"index": 0, "text": step.text, "logprobs": None, "finish_reason": step.finish_reason}]
         out = [body]
@@ -150,6 +153,8 @@ class ChatFormat(ResponseFormat):
         return body
 
     def chunks(self, step: Step) -> list[dict[str, Any]]:
+        if not step.text and step.finish_reason is None and self._started:
+            return []  # ids without text yet (a split character): nothing to show
         delta: dict[str, Any] = {}
         if not self._started:  # the first chunk names the role
             delta["role"] = "assistant"

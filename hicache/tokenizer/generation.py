@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator
 import protos
 from hicache.metrics import RequestTracker, TokenCounts
 from hicache.text import Tokenizer
-from hicache.tokenizer.formats import GenerationResult, Step
+from hicache.tokenizer.formats import Step
 from hicache.tokenizer.scheduler_link import SchedulerLink
 from hicache.tokenizer.textstream import OutputText
 from hicache.tokenizer.validation import PreparedRequest
@@ -97,15 +97,3 @@ async def generate_steps(link: SchedulerLink, tokenizer: Tokenizer, req: Prepare
         channel.close()
         if not ended:
             link.abort(req.rid)
-
-
-async def collect(steps: AsyncIterator[Step], rid: str) -> GenerationResult:
-    """Drain a request's steps into one result."""
-    parts: list[str] = []
-    ids: list[int] = []
-    async for step in steps:
-        parts.append(step.text)
-        ids.extend(step.token_ids)
-        if step.finish_reason is not None and step.usage is not None:
-            return GenerationResult(rid, "".join(parts), ids, step.finish_reason, step.usage)
-    raise GenerationError("the request ended without a final output")

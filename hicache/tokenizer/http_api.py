@@ -17,7 +17,7 @@ Routes::
 
 Admin routes answer the ``AdminReply.result`` as JSON; ``ok=false`` becomes an error with
 the reply's ``error`` text: 409 when it says "busy", else 500. No reply within
-``ADMIN_TIMEOUT_S`` -> 504.
+``admin_timeout_s`` -> 504.
 
 Errors of every route have one shape, ``{"error": {"message", "type", "code"}}``: 400 for an
 invalid body (bad JSON, unknown fields, out-of-vocabulary ids, bad limits or sampling
@@ -49,7 +49,6 @@ from aiohttp import web
 from hicache.config import HicacheConfig
 from hicache.metrics import CONTENT_TYPE, Metrics, RequestTracker, render_metrics
 from hicache.text import Tokenizer
-from hicache.tokenizer.args import ADMIN_TIMEOUT_S
 from hicache.tokenizer.formats import (
     SSE_DONE,
     ChatFormat,
@@ -77,6 +76,9 @@ log = logging.getLogger("hicache.tokenizer.http")
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 """Routes served without the API key."""
+
+OFFLOAD_BYTES = 64 * 1024
+"""Generation bodies larger than this are parsed and tokenized on a worker thread."""
 
 Parser = Callable[[dict[str, Any], str, Tokenizer, ModelLimits], PreparedRequest]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -109,7 +111,7 @@ class HttpApi:
     """
 
     def __init__(self, *, link: SchedulerLink, tokenizer: Tokenizer, limits: ModelLimits, config: HicacheConfig,
-                 pids: dict[str, int], metrics: Metrics, max_body_bytes: int) -> None:
+                 pids: dict[str, int], metrics: Metrics, max_body_bytes: int, admin_timeout_s: float) -> None:
         self.link = link
         self.tokenizer = tokenizer
         self.limits = limits
@@ -117,6 +119,7 @@ class HttpApi:
         self.pids = pids
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.admin_timeout_s = admin_timeout_s
         self.started = int(time.time())
         self.draining = False
         self._api_key = config.server.api_key
@@ -202,6 +205,12 @@ class HttpApi:
     # ---- bodies
 
     async def _read_json(self, request: web.Request, *, optional: bool = False) -> dict[str, Any]:
+        raw = await self._read_body(request)
+        if optional and not raw.strip():
+            return {}
+        return parse_json(raw)
+
+    async def _read_body(self, request: web.Request) -> bytes:
         length = request.content_length
         if length is not None and length > self.max_body_bytes:
             raise RequestError(f"the request body is {length} bytes; the limit is {self.max_body_bytes}", 413)
@@ -209,9 +218,7 @@ class HttpApi:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise RequestError(f"the request body exceeds the limit of {self.max_body_bytes} bytes", 413) from None
-        if optional and not raw.strip():
-            return {}
-        return parse_json(raw)
+        return raw
 
     # ---- generation
 
@@ -221,7 +228,11 @@ class HttpApi:
                 try:
                     if self.draining:
                         raise RequestError("the server is shutting down", 503, "unavailable")
-                    req = parse(await self._read_json(request), new_rid(), self.tokenizer, self.limits)
+                    raw = await self._read_body(request)
+                    if len(raw) > OFFLOAD_BYTES:  # tokenizing a long prompt must not stall the loop
+                        req = await asyncio.to_thread(self._parse, parse, raw)
+                    else:
+                        req = self._parse(parse, raw)
                 except RequestError as exc:
                     tracker.finish("invalid" if exc.status < 500 else "error")
                     raise
@@ -229,6 +240,9 @@ class HttpApi:
                                             tracker)
 
         return handler
+
+    def _parse(self, parse: Parser, raw: bytes) -> PreparedRequest:
+        return parse(parse_json(raw), new_rid(), self.tokenizer, self.limits)
 
     async def _generate(self, request: web.Request, req: PreparedRequest, fmt: ResponseFormat,
                         tracker: RequestTracker) -> web.StreamResponse:
@@ -289,9 +303,9 @@ class HttpApi:
 
     async def _admin(self, op: str, args: dict[str, Any] | None = None) -> web.Response:
         try:
-            reply = await self.link.admin(op, args, ADMIN_TIMEOUT_S)
+            reply = await self.link.admin(op, args, self.admin_timeout_s)
         except asyncio.TimeoutError:
-            raise RequestError(f"the scheduler did not answer {op} within {ADMIN_TIMEOUT_S:g} s", 504,
+            raise RequestError(f"the scheduler did not answer {op} within {self.admin_timeout_s:g} s", 504,
                                "timeout") from None
         except SchedulerUnavailable as exc:
             raise RequestError(str(exc), 503, "unavailable") from None

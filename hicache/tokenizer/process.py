@@ -7,7 +7,8 @@ metrics (``init_process_metrics``), the tokenizer and the model limits, the Zero
 socket address in use, an unreadable tokenizer, a bad model config) is logged and the
 process exits with code 1 without sending Ready.
 
-Shutdown — on SIGTERM, SIGINT or a ``Shutdown`` message from the launcher:
+Shutdown — on SIGTERM (also sent by the kernel when the launcher dies: ``die_with_parent``),
+SIGINT or a ``Shutdown`` message from the launcher:
 
 1. stop listening; new requests on open connections get 503;
 2. wait up to ``args.grace_s`` for running requests to finish;
@@ -35,6 +36,7 @@ import protos
 from hicache.ipc import PushSocket
 from hicache.logging_setup import setup_logging
 from hicache.metrics import init_process_metrics
+from hicache.proc import die_with_parent
 from hicache.tokenizer.args import TokenizerArgs
 
 if TYPE_CHECKING:
@@ -53,6 +55,7 @@ def tokenizer_main(args: TokenizerArgs) -> None:
     """Process entry point. Returns (exit code 0) after an orderly shutdown; exits with 1 if
     start-up fails."""
     cfg = args.config
+    die_with_parent()  # a launcher killed outright sends us SIGTERM: the orderly shutdown below
     setup_logging("tokenizer", cfg.logging.level, cfg.logging.json)
     init_process_metrics(cfg.metrics, "tokenizer")
     try:
@@ -102,7 +105,7 @@ async def _serve(args: TokenizerArgs) -> None:
     except zmq.ZMQError as exc:
         raise _StartupError(f"cannot bind {args.endpoints.address('tokenizer')}: {exc}") from exc
     api = HttpApi(link=link, tokenizer=tokenizer, limits=limits, config=cfg, pids=pids, metrics=get_metrics(),
-                  max_body_bytes=args.max_body_bytes)
+                  max_body_bytes=args.max_body_bytes, admin_timeout_s=args.admin_timeout_s)
     debug = logging.getLogger().isEnabledFor(logging.DEBUG)
     runner = web.AppRunner(api.app, handle_signals=False, handler_cancellation=True,
                            shutdown_timeout=_ABORT_WAIT_S, access_log=log if debug else None)
@@ -116,7 +119,8 @@ async def _serve(args: TokenizerArgs) -> None:
             await site.start()
         except OSError as exc:
             raise _StartupError(f"cannot listen on {cfg.server.host}:{cfg.server.port}: {exc}") from exc
-        log.info("serving %s on http://%s:%d", limits.name, cfg.server.host, cfg.server.port)
+        where = ", ".join(f"http://{a[0]}:{a[1]}" for a in runner.addresses)
+        log.info("serving %s on %s", limits.name, where)
         if args.ready_address:
             ready: PushSocket[protos.Message] = PushSocket(link.ctx, args.ready_address)
             ready.send(protos.Ready("tokenizer", os.getpid()))

@@ -17,6 +17,35 @@ Routing: every request has a ``rid``. Outputs (``TokenOutput``, or ``ErrorReply`
 with no open channel (a request that was aborted or has finished) are dropped. An
 ``AdminReply`` (or ``ErrorReply``) completes the admin call waiting on its rid.
 ``Ready`` and ``Shutdown`` are handed to the ``on_control`` callback.
+
+What the scheduler must do (its side of the contract):
+
+- ``GenerateRequest(rid, input_ids, sampling, stream, cache_salt)``: ``rid`` is 32 hex
+  characters, unique; ``input_ids`` are validated (non-empty, each in ``[0, vocab_size)``,
+  ``len(input_ids) + sampling.max_new_tokens <= max_context``, ``1 <= max_new_tokens <=
+  scheduler.max_new_tokens_limit``); ``sampling`` passed ``hicache.model.sampling`` checks;
+  ``sampling.stop_token_ids`` are the request's own stop ids (stop *strings* never reach the
+  scheduler). Answer with ``TokenOutput``s carrying **new** token ids only (deltas, in order).
+  For ``stream=True`` send one per decode step (or per few steps): each becomes an SSE chunk.
+  For ``stream=False`` they may be batched, but send the first token as soon as it exists,
+  since the time to first token is measured at its arrival.
+- Exactly one last ``TokenOutput`` per request with ``finished=True``, ``finish_reason`` in
+  ``stop | length | abort | error`` (``error`` with ``error`` set: HTTP 500), and ``usage``
+  set: ``prompt_tokens`` = ``len(input_ids)``, ``cached_device/host/storage`` = prompt tokens
+  served from L1/L2/L3 (their sum is ``cached_tokens``). ``completion_tokens`` is recomputed
+  here from the ids received. ``usage`` may also ride on earlier outputs; the latest wins.
+- A request the scheduler refuses: a finished ``TokenOutput`` with ``finish_reason="error"``
+  and ``error``, or an ``ErrorReply(error, ref=rid)``.
+- ``AbortRequest(rid)`` arrives when the client disconnected, a stop string matched, or the
+  server is shutting down: free the request's resources; sending more outputs for it is
+  harmless (they are dropped), and an abort of an unknown or finished rid must be ignored.
+- ``AdminRequest(rid, op, args)``: answer ``AdminReply(rid, ok, result, error)`` with the
+  same ``rid``; ``result`` must be JSON-representable (it is the HTTP body). ``ok=False``
+  with an ``error`` containing "busy" becomes 409, other errors 500. Ops: ``flush`` (empty
+  L1 and L2, keep L3), ``stats`` (per tier and component: used, capacity, hit tokens),
+  ``storage_status``, ``storage_attach`` (``args={"l3": <a resolved cache.l3 section>}``,
+  see ``validation.parse_storage_config``), ``storage_detach`` (only when idle, else a busy
+  error), ``storage_clear``; all with empty ``args`` except ``storage_attach``.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@
 the request's stop strings. Contract of ``push(ids) -> (text, stopped)``:
 
 - ``text`` is new text that is final: it will never be retracted. While stop strings are
-  set, the last ``max(len(stop)) - 1`` characters are held back, because they could be the
-  start of a stop string; text that ends in an incomplete UTF-8 sequence is held back by
-  ``DecodeStream``.
+  set, the longest end of the text that is the start of a stop string is held back (at
+  most ``max(len(stop)) - 1`` characters); text that ends in an incomplete UTF-8 sequence
+  is held back by ``DecodeStream``.
 - ``stopped`` is True once a stop string appeared; ``text`` then ends just before it (the
   stop string is not part of the output) and the request must be ended.
 - ``finish()`` returns whatever was held back, at the end of the request.
@@ -26,7 +26,6 @@ class OutputText:
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), incremental: bool = True) -> None:
         self._tok = tokenizer
         self._stop = tuple(s for s in stop if s)
-        self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._incremental = incremental or bool(self._stop)
         self._stream = DecodeStream(tokenizer) if self._incremental else None
         self._ids: list[int] = []
@@ -76,6 +75,16 @@ class OutputText:
         elif final:
             end = len(self._text)
         else:
-            end = max(start, len(self._text) - self._hold)
+            end = max(start, len(self._text) - self._partial_stop())
         self._emitted = end
         return self._text[start:end], self.stopped
+
+    def _partial_stop(self) -> int:
+        """The length of the longest end of the text that is a proper prefix of a stop string."""
+        best = 0
+        for s in self._stop:
+            for k in range(min(len(s) - 1, len(self._text)), best, -1):
+                if self._text.endswith(s[:k]):
+                    best = k
+                    break
+        return best

@@ -215,6 +215,8 @@ class UnifiedRadixCache:
         self._write_back_queue: dict[TreeNode, None] = {}
         self._ops: dict[int, TierOp] = {}
         self._op_ids = itertools.count(1)
+        self.evicted_device_tokens = 0  # monotonic: FULL tokens freed from L1 / L2 by eviction
+        self.evicted_host_tokens = 0
         self._empty = self.full.allocator.empty
         # what a match under an unknown salt returns as its node: locking it is a no-op
         self._void_root = TreeNode(None, array(KEY_TYPECODE), len(comps))
@@ -543,6 +545,7 @@ class UnifiedRadixCache:
                     res.swa_tokens = got * ps
                 else:
                     res.mamba_states = got
+        self.evicted_device_tokens += res.full_tokens
         return res
 
     def _full_evictable(self, node: TreeNode) -> bool:
@@ -655,6 +658,7 @@ class UnifiedRadixCache:
                 if parent.host_time > t:  # type: ignore[union-attr]
                     break  # newer: still ahead in the scan
                 node = parent  # type: ignore[assignment]
+        self.evicted_host_tokens += freed * self.page_size
         return freed * self.page_size
 
     @staticmethod

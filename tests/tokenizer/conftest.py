@@ -24,7 +24,8 @@ def metrics_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def served(tmp_path_factory: pytest.TempPathFactory, metrics_dir: Path) -> Iterator[tuple[TokenizerProcess, FakeScheduler]]:
-    tp = TokenizerProcess(tmp_path_factory.mktemp("tok"), pids={"scheduler": os.getpid()})
+    tp = TokenizerProcess(tmp_path_factory.mktemp("tok"), pids={"scheduler": os.getpid()},
+                          admin_timeout_s=1.0)
     fake = FakeScheduler(tp.endpoints)
     tp.start()
     yield tp, fake
@@ -39,7 +40,9 @@ def tok(served: tuple[TokenizerProcess, FakeScheduler]) -> TokenizerProcess:
 
 
 @pytest.fixture
-def fake(served: tuple[TokenizerProcess, FakeScheduler]) -> FakeScheduler:
+def fake(served: tuple[TokenizerProcess, FakeScheduler]) -> Iterator[FakeScheduler]:
     fake = served[1]
     fake.busy = False
-    return fake
+    fake.admin_mode = "normal"
+    yield fake
+    fake.admin_mode = "normal"

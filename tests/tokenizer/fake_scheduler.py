@@ -14,7 +14,8 @@ Behaviour, chosen by markers in the prompt text (prompts are byte-level token id
 - the final ``Usage``: ``prompt_tokens`` = prompt length, cached tokens device = n // 2,
   host = n // 4, storage = n // 8 (see ``expected_cached``).
 
-Admin ops answer canned results; ``storage_detach`` answers "busy" while ``busy`` is set.
+Admin ops answer canned results; ``storage_detach`` answers "busy" while ``busy`` is set;
+``admin_mode`` "silent" answers no admin op, "errorreply" answers each with an ``ErrorReply``.
 Everything received is kept in ``received``; aborted rids in ``aborts``.
 """
 
@@ -62,6 +63,7 @@ class FakeScheduler:
         self.received: list[protos.Message] = []
         self.aborts: set[str] = set()
         self.busy = False
+        self.admin_mode = "normal"
         self._active: dict[str, _Active] = {}
         self._stop = threading.Event()
         self._lock = threading.RLock()
@@ -166,7 +168,11 @@ class FakeScheduler:
             "storage_detach": {"detached": True},
             "storage_clear": {"cleared": 42},
         }
-        if msg.op == "storage_detach" and self.busy:
+        if self.admin_mode == "silent":
+            return
+        if self.admin_mode == "errorreply":
+            self.push.send(protos.ErrorReply("admin exploded", msg.rid))
+        elif msg.op == "storage_detach" and self.busy:
             self.push.send(protos.AdminReply(msg.rid, False, {}, "storage is busy: 2 operations in flight"))
         elif msg.op in results:
             self.push.send(protos.AdminReply(msg.rid, True, results[msg.op]))

@@ -8,7 +8,8 @@ import multiprocessing as mp
 import os
 import signal
 import socket
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ class TokenizerProcess:
     """The process, its endpoints, its log file, and a small HTTP client."""
 
     def __init__(self, tmp: Path, overrides: dict[str, Any] | None = None, pids: dict[str, int] | None = None,
-                 grace_s: float = 5.0) -> None:
+                 grace_s: float = 5.0, admin_timeout_s: float = 10.0) -> None:
         raw: dict[str, Any] = {"server": {"port": free_port()}, "logging": {"level": "info"},
                                "model": {"reference": {"preset": "tiny", "max_context": 512}},
                                "scheduler": {"max_new_tokens_limit": 256, "default_max_new_tokens": 16}}
@@ -62,17 +63,17 @@ class TokenizerProcess:
         self.ctx = zmq.Context()
         self.ready: PullSocket[protos.Message] = PullSocket(self.ctx, self.endpoints.address("launcher"), (protos.Ready,))
         self.args = TokenizerArgs(self.config, self.endpoints, self.endpoints.address("launcher"),
-                                  dict(pids or {}), grace_s=grace_s)
+                                  dict(pids or {}), grace_s=grace_s, admin_timeout_s=admin_timeout_s)
         self.proc: mp.process.BaseProcess | None = None
-
-    def with_config(self, **changes: Any) -> None:
-        self.args = replace(self.args, **changes)
 
     def start(self, timeout_s: float = 60.0) -> None:
         self.proc = mp.get_context("spawn").Process(target=_run_with_log, args=(self.args, str(self.log_path)),
                                                     daemon=True)
         self.proc.start()
-        msg = self.ready.recv(int(timeout_s * 1000))
+        deadline = time.monotonic() + timeout_s
+        msg = None
+        while msg is None and self.proc.is_alive() and time.monotonic() < deadline:
+            msg = self.ready.recv(200)
         if not (isinstance(msg, protos.Ready) and msg.process == "tokenizer" and msg.pid == self.proc.pid):
             raise RuntimeError(f"the tokenizer did not report ready: {msg!r}\n{self.log()}")
 

@@ -248,6 +248,19 @@ def test_detach_when_busy_is_409(tok: TokenizerProcess, fake) -> None:
     assert "busy" in r.json()["error"]["message"]
 
 
+def test_admin_failures(tok: TokenizerProcess, fake) -> None:
+    fake.admin_mode = "errorreply"
+    r = tok.get("/cache/stats")
+    assert r.status == 500 and "admin exploded" in r.json()["error"]["message"]
+    fake.admin_mode = "silent"
+    r = tok.post("/cache/flush")
+    assert r.status == 504 and "did not answer flush" in r.json()["error"]["message"]
+    fake.admin_mode = "normal"
+    r = tok.post("/cache/flush", {"everything": True})
+    assert r.status == 400 and "takes no body fields" in r.json()["error"]["message"]
+    assert tok.post("/cache/flush", {}).status == 200
+
+
 # --------------------------------------------------------------------------- validation
 
 
@@ -276,6 +289,7 @@ def test_detach_when_busy_is_409(tok: TokenizerProcess, fake) -> None:
     ("/generate", {"text": "a", "stream": "yes"}, "stream must be true or false"),
     ("/generate", {"input_ids": [1] * 512}, "the model's context is 512 tokens"),
     ("/generate", {"text": "a" * 600}, "the model's context is 512 tokens"),
+    ("/generate", {"text": "long " * 20_000}, "the model's context is 512 tokens"),  # parsed off the loop
     ("/generate", {"input_ids": [1] * 500, "sampling_params": {"max_new_tokens": 100}}, "exceeds the model's context"),
     ("/v1/completions", {"prompt": "a", "n": 2}, "n is not supported"),
     ("/v1/completions", {"prompt": "a", "logprobs": 3}, "logprobs"),

@@ -1,0 +1,45 @@
+"""Publishing the scheduler's state to the metrics layer (pools, queues, tier counters).
+
+Called by the scheduler loop a few times a second; counters are published as deltas of
+the monotonic counters the cache and the tier manager keep, so nothing is recorded twice.
+"""
+
+from __future__ import annotations
+
+from hicache.metrics import Metrics
+from hicache.scheduler.engine import Scheduler
+from hicache.scheduler.request import LOADING, PREFETCH, WAITING
+
+
+class SchedulerTelemetry:
+    def __init__(self, metrics: Metrics, sched: Scheduler) -> None:
+        self.metrics = metrics
+        self.sched = sched
+        self._last: dict[str, int] = {}
+
+    def _delta(self, key: str, value: int) -> int:
+        d = value - self._last.get(key, 0)
+        self._last[key] = value
+        return d
+
+    def publish(self) -> None:
+        m, s = self.metrics, self.sched
+        if not m.enabled:
+            return
+        ps = s.page_size
+        m.set_pool("device", "full", s.l1.used * ps, s.l1.capacity * ps)
+        host = s.cache.full.host_allocator
+        if host is not None:
+            m.set_pool("host", "full", host.used * ps, host.capacity * ps)
+        counts = {WAITING: 0, PREFETCH: 0, LOADING: 0}
+        for req in s.waiting:
+            counts[req.status] = counts.get(req.status, 0) + 1
+        for name, n in counts.items():
+            m.set_queue(name, n)
+        m.set_queue("running", len(s.running))
+        m.evicted("device", self._delta("evicted_device", s.cache.evicted_device_tokens))
+        m.evicted("host", self._delta("evicted_host", s.cache.evicted_host_tokens))
+        if s.tier is not None:
+            c = s.tier.counters
+            m.prefetched(self._delta("prefetch", c.prefetch_tokens))
+            m.backed_up(self._delta("backup", c.backup_tokens))
