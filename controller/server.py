@@ -45,11 +45,11 @@ import zmq
 import protos
 from controller.storage_io import StorageIO
 from controller.transfer import TransferRefused, make_transfer_engine
-from hicache.ipc import Endpoints, PullSocket, PushSocket
 from hicache.config import MetricsConfig
+from hicache.ipc import Endpoints, PullSocket, PushSocket
 from hicache.logging_setup import setup_logging
-from hicache.metrics import get_metrics, init_process_metrics
 from hicache.memory.pools import PoolLayout, attach_pools
+from hicache.metrics import get_metrics, init_process_metrics
 from hicache.proc import die_with_parent
 from storage_backends import create_backend
 

@@ -74,10 +74,10 @@ def scheduler_main(args: SchedulerArgs) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
 
+    from hicache.metrics import init_process_metrics
     from hicache.model.loader import load_model
     from hicache.model.runner import ModelRunner
     from hicache.scheduler.assembly import build_cache, kv_pools_over
-    from hicache.metrics import init_process_metrics
     from hicache.scheduler.engine import Scheduler
     from hicache.scheduler.telemetry import SchedulerTelemetry
     from hicache.text import load_tokenizer
