@@ -20,6 +20,7 @@ from typing import Any
 
 from hicache.memory.pools import SharedPools
 from storage_backends import PageLayout, StorageBackend, create_backend
+from storage_backends.keys import is_page_hash
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +54,14 @@ class StorageIO:
         return PageLayout(PAGED_LAYOUT_ID, comp.dtype, comp.l2_page_shape)
 
     def check(self, component: str, host_pages: list[int] | None, hashes: list[str]) -> None:
-        """Raise ValueError if the op's component, pages or lengths are wrong."""
+        """Raise ValueError if the op's component, pages, hashes or lengths are wrong."""
         if component not in self.pools.components:
             raise ValueError(f"unknown component {component!r}")
         if self.pools[component].layout.kind != "paged":
             raise ValueError(f"component {component!r} is not stored in L3")
+        bad = next((h for h in hashes if not is_page_hash(h)), None)
+        if bad is not None:
+            raise ValueError(f"not a page hash (64 lowercase hex characters): {bad!r:.80}")
         if host_pages is not None:
             if len(host_pages) != len(hashes):
                 raise ValueError(f"{len(hashes)} hashes but {len(host_pages)} host pages")

@@ -39,6 +39,10 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
+MIN_L1_STATE_SLOTS = 3
+"""A running request of a Mamba model holds up to three L1 state slots (its own state, the
+prompt-boundary snapshot and the latest page-boundary snapshot)."""
+
 
 # --------------------------------------------------------------------------- model
 
@@ -102,13 +106,22 @@ class TokenizerConfig:
 
 @dataclass(frozen=True)
 class L1Config:
+    """L1 (device) pools. ``tokens``: Full-attention KV capacity (SWA layers get as many
+    pages); ``state_slots``: Mamba state slots (models with mamba layers only; each running
+    request holds up to three: its own state and two snapshots)."""
+
     tokens: int = 65536
+    state_slots: int = 256
 
 
 @dataclass(frozen=True)
 class L2Config:
+    """L2 (host) pools. ``state_slots``: Mamba state slots in L2; 0 keeps Mamba states
+    L1-only (a node evicted from L1 then loses its state and is no match boundary)."""
+
     enabled: bool = True
     tokens: int = 262144
+    state_slots: int = 1024
 
 
 def default_l3_dir() -> str:
@@ -485,6 +498,10 @@ def validate(cfg: HicacheConfig) -> list[ConfigProblem]:
             bad("cache.l1.tokens", f"must be a multiple of cache.page_size ({c.page_size}), got {c.l1.tokens}")
         if c.l2.tokens % c.page_size:
             bad("cache.l2.tokens", f"must be a multiple of cache.page_size ({c.page_size}), got {c.l2.tokens}")
+    if c.l1.state_slots < MIN_L1_STATE_SLOTS:
+        bad("cache.l1.state_slots", f"must be >= {MIN_L1_STATE_SLOTS} (a running request of a Mamba model "
+            f"holds up to {MIN_L1_STATE_SLOTS}), got {c.l1.state_slots}")
+    non_negative("cache.l2.state_slots", c.l2.state_slots)
     if c.l2.enabled and 0 < c.l2.tokens < c.l1.tokens:
         bad("cache.l2.tokens", f"must be >= cache.l1.tokens ({c.l1.tokens}) when L2 is enabled")
     if c.l3.backend != "none" and not c.l2.enabled:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import islice
@@ -29,6 +31,7 @@ PageHash = str
 """A page hash: 64 lowercase hex characters."""
 
 _HEX_DIGITS = frozenset("0123456789abcdef")
+_LITTLE = sys.byteorder == "little"
 
 
 def _field(value: str) -> bytes:
@@ -82,6 +85,9 @@ def tokens_to_bytes(tokens: Sequence[int], count: int | None = None) -> bytes:
     Raises ValueError for an id outside [0, 2**32) or a non-integer id.
     """
     n = len(tokens) if count is None else count
+    if type(tokens) is array and tokens.typecode == "I" and tokens.itemsize == 4 and _LITTLE:
+        # The tree's keys: already uint32 (so in range), copied out in C.
+        return tokens[:n].tobytes() if n != len(tokens) else tokens.tobytes()
     try:
         return struct.pack(f"<{n}I", *(tokens if n == len(tokens) else islice(tokens, n)))
     except struct.error as exc:

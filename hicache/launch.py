@@ -21,6 +21,9 @@ scheduler or tokenizer exits  stop everything, exit 1 with the process and exit 
 SIGTERM / SIGINT              orderly stop (below), exit 0
 ============================  =========================================================
 
+A frame on the launcher's socket that does not decode, or is not a message it accepts, is
+logged and dropped; supervision goes on.
+
 Orderly stop: SIGTERM to the tokenizer (stops accepting, drains), then the scheduler
 (finishes or aborts running requests), then the controller (finishes queued L3 backups),
 each within ``STOP_TIMEOUT_S`` before SIGKILL; then the shared memory is unlinked and the
@@ -203,7 +206,7 @@ class Launcher:
         while time.monotonic() < deadline:
             if self.stop_signal is not None:
                 raise StartError(f"interrupted while starting the {child.name}")
-            msg = inbox.recv(200)
+            msg = _recv(inbox, 200)
             if isinstance(msg, protos.Ready) and msg.process == child.name:
                 return
             if isinstance(msg, protos.ProcessEvent) and msg.process == child.name and msg.event == "failed":
@@ -226,7 +229,7 @@ class Launcher:
         to_tokenizer: PushSocket[protos.Message] = PushSocket(ctx, endpoints.address("tokenizer"))
         try:
             while self.stop_signal is None:
-                msg = inbox.recv(200)
+                msg = _recv(inbox, 200)
                 if isinstance(msg, protos.ProcessEvent) and msg.event == "restart" and "controller" in self.children:
                     proc = self.children["controller"].proc
                     log.error("restarting the hung controller (pid %s): %s", proc.pid, msg.detail)
@@ -271,6 +274,17 @@ class Launcher:
                 log.error("the %s did not stop within %.0f s: killing it", name, STOP_TIMEOUT_S)
                 child.proc.kill()
                 child.proc.join(5)
+
+
+def _recv(inbox: Any, timeout_ms: int) -> Any:
+    """The next message on the launcher's inbox, or None; a bad frame is logged and dropped."""
+    import protos
+
+    try:
+        return inbox.recv(timeout_ms)
+    except protos.ProtocolError as exc:
+        log.warning("refused a frame on the launcher socket: %s", exc)
+        return None
 
 
 def vars_of(obj: Any) -> dict[str, Any]:

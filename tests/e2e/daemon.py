@@ -26,7 +26,9 @@ def free_port() -> int:
 
 
 class Daemon:
-    def __init__(self, tmp: Path, config: dict[str, Any], name: str = "d") -> None:
+    def __init__(self, tmp: Path, config: dict[str, Any], name: str = "d",
+                 env: dict[str, str] | None = None) -> None:
+        """``env``: extra environment variables for the daemon (on top of this process's)."""
         self.port = free_port()
         self.dir = tmp / name
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -35,12 +37,24 @@ class Daemon:
         self.config_path = self.dir / "hicache.yaml"
         self.config_path.write_text(yaml.safe_dump(cfg))
         self.log_path = self.dir / "daemon.log"
+        self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 180.0) -> None:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the daemon's lifetime
-        self.proc = subprocess.Popen([sys.executable, "-m", "hicache.cli", "serve", "--config", str(self.config_path)],
-                                     stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        self.launch()
+        self.wait_healthy(timeout_s)
+
+    def launch(self) -> None:
+        """Start the launcher process without waiting for it (see ``wait_healthy``)."""
+        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "hicache.cli", "serve", "--config", str(self.config_path)],
+                stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                env=None if self.env is None else {**os.environ, **self.env})
+
+    def wait_healthy(self, timeout_s: float = 180.0) -> None:
+        """Wait until ``/health`` says ok; raise (with the log) if the daemon exits or times out."""
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

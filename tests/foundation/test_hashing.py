@@ -100,3 +100,13 @@ def test_bad_parent_and_bad_namespace_are_refused() -> None:
 
 def test_extreme_token_ids_are_little_endian() -> None:
     assert tokens_to_bytes([1, 2**32 - 1]) == b"\x01\x00\x00\x00\xff\xff\xff\xff"
+
+
+def test_array_keys_hash_like_lists() -> None:
+    from array import array
+
+    tokens = [0, 1, 2**32 - 1, 7, 70000, 3, 9, 12, 5]
+    hasher = PageHasher(NS)
+    assert hasher.hash_pages(array("I", tokens)) == hasher.hash_pages(tokens)
+    assert tokens_to_bytes(array("I", tokens), 4) == tokens_to_bytes(tokens, 4)
+    assert tokens_to_bytes(array("q", tokens)) == tokens_to_bytes(tokens)  # other array kinds take the slow path

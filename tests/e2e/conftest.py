@@ -1,0 +1,177 @@
+"""Fixtures for the end-to-end failure tests: real ``redis-server`` processes, short private
+directories for unix sockets, and daemons that are always stopped.
+
+Every Redis server runs on a free loopback port in its own directory with persistence off
+and is killed by the fixture that started it; tests that need one are skipped, with the
+reason, only when ``redis-server`` is not installed. Every daemon made with ``daemons`` is
+stopped with SIGTERM at the end of its test (also when the test fails) and must exit 0,
+leaving no process and no shared-memory segment behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from daemon import Daemon, alive
+
+REDIS_SERVER = shutil.which("redis-server")
+NO_REDIS = "redis-server not installed (apt-get install redis-server)"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisProcess:
+    """One ``redis-server`` we started; ``kill`` / ``start`` keep the same port and directory."""
+
+    def __init__(self, workdir: Path, port: int) -> None:
+        self.workdir = workdir
+        self.port = port
+        self.proc: subprocess.Popen[bytes] | None = None
+        workdir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        if REDIS_SERVER is None:
+            raise RuntimeError(NO_REDIS)
+        args = [
+            REDIS_SERVER,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(self.workdir),
+            "--logfile", str(self.workdir / "redis.log"),
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2, socket_timeout=1)
+        deadline = time.monotonic() + 10
+        try:
+            while True:
+                try:
+                    if client.ping():
+                        return
+                except redis.RedisError:
+                    pass
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    log = (self.workdir / "redis.log").read_text(errors="replace")[-2000:]
+                    self.kill()
+                    raise RuntimeError(f"redis-server on port {self.port} did not start:\n{log}")
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=5)
+
+    def keys(self) -> int:
+        """How many keys the server holds now."""
+        with self.client() as c:
+            return int(c.dbsize())
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisProcess]:
+    """A private standalone server (the test may kill and restart it)."""
+    if REDIS_SERVER is None:
+        pytest.skip(NO_REDIS)
+    server = RedisProcess(tmp_path / "redis", free_port())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A private directory with a short path (unix socket paths must stay under ~100 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="hc", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def segments_of(launcher_pid: int) -> set[str]:
+    """The shared-memory segments created by the daemon whose launcher has this pid."""
+    if not os.path.isdir("/dev/shm"):
+        return set()
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"hicache-{launcher_pid}-")}
+
+
+def check_stopped_cleanly(d: Daemon, code: int, pids: dict[str, int]) -> None:
+    """Exit code 0, every child gone, no shared memory of this daemon left."""
+    assert d.proc is not None
+    assert code == 0, f"daemon {d.dir.name} exited with {code}:\n{d.log()}"
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = {n: p for n, p in pids.items() if alive(p)}
+    assert not left, f"processes left running after the stop: {left}\n{d.log()}"
+    leaked = segments_of(d.proc.pid)
+    assert not leaked, f"shared memory left behind: {sorted(leaked)}\n{d.log()}"
+
+
+DaemonFactory = Callable[..., Daemon]
+
+
+@pytest.fixture
+def daemons(tmp_path: Path) -> Iterator[DaemonFactory]:
+    """``daemons(config, name, start=True, env=None)``: a daemon stopped at the end of the test.
+
+    At teardown each one still running gets SIGTERM; then every one must have exited 0
+    with no process or shared-memory segment left (a test that stops a daemon itself
+    checks the same with ``check_stopped_cleanly``).
+    """
+    made: list[tuple[Daemon, dict[str, int]]] = []
+
+    def make(config: dict[str, Any], name: str = "d", start: bool = True, env: dict[str, str] | None = None) -> Daemon:
+        d = Daemon(tmp_path, config, name, env=env)
+        pids: dict[str, int] = {}
+        made.append((d, pids))
+        if start:
+            d.start()
+            pids.update(d.pids())
+        return d
+
+    yield make
+    problems: list[str] = []
+    for d, pids in made:
+        if d.proc is None:
+            continue
+        if d.proc.poll() is None:  # the pids now too (a restarted controller has a new one)
+            try:
+                pids.update({f"{n} (at stop)": p for n, p in d.pids().items()})
+            except (OSError, ValueError, KeyError):
+                pass
+        try:
+            code = d.stop()
+            check_stopped_cleanly(d, code, pids)
+        except (AssertionError, subprocess.TimeoutExpired) as exc:
+            problems.append(f"{d.dir.name}: {exc}")
+        finally:
+            d.kill_all()
+    assert not problems, "\n\n".join(problems)
