@@ -97,6 +97,16 @@ class PushSocket(Generic[M]):
         self.socket.close(linger=linger_ms)
 
 
+def _recv_typed(socket: zmq.Socket, accepts: tuple[type[Message], ...], timeout_ms: int | None) -> Message | None:
+    """The next message of an accepted type, or None if none arrived within ``timeout_ms``
+    (None = block). A bad frame is consumed and raises ProtocolError."""
+    if timeout_ms is not None and not socket.poll(timeout_ms):
+        return None
+    msg = decode(socket.recv(copy=True))
+    _check_type(msg, accepts)
+    return msg
+
+
 class PullSocket(Generic[M]):
     """Receives messages whose types are in ``accepts``; garbage raises ProtocolError."""
 
@@ -108,11 +118,7 @@ class PullSocket(Generic[M]):
 
     def recv(self, timeout_ms: int | None = None) -> M | None:
         """The next message, or None if none arrived within ``timeout_ms`` (None = block)."""
-        if timeout_ms is not None and not self.socket.poll(timeout_ms):
-            return None
-        msg = decode(self.socket.recv(copy=True))
-        _check_type(msg, self.accepts)
-        return msg  # type: ignore[return-value]
+        return _recv_typed(self.socket, self.accepts, timeout_ms)  # type: ignore[return-value]
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -133,11 +139,7 @@ class DealerSocket(Generic[M]):
         self.socket.send(encode(msg), copy=False)
 
     def recv(self, timeout_ms: int | None = None) -> M | None:
-        if timeout_ms is not None and not self.socket.poll(timeout_ms):
-            return None
-        msg = decode(self.socket.recv(copy=True))
-        _check_type(msg, self.accepts)
-        return msg  # type: ignore[return-value]
+        return _recv_typed(self.socket, self.accepts, timeout_ms)  # type: ignore[return-value]
 
     def close(self) -> None:
         self.socket.close(linger=0)
