@@ -151,22 +151,44 @@ class Launcher:
 
     # ------------------------------------------------------------------ setup
     def _layout(self) -> Any:
-        from hicache.memory.pools import PoolLayout, default_directory, new_instance_id, paged_layout
+        """The pools of every component the model needs: ``full`` (and ``swa``, with as many
+        pages) from ``cache.l1.tokens`` / ``cache.l2.tokens``; ``mamba`` state slots from
+        ``cache.l1.state_slots`` / ``cache.l2.state_slots``. No L2 pools when L2 is off.
+        Raises ValueError for a model the scheduler cannot serve."""
+        from hicache.memory.pools import (
+            PoolLayout,
+            default_directory,
+            new_instance_id,
+            paged_layout,
+            state_layout,
+        )
         from hicache.model.geometry import geometry_for
+        from hicache.scheduler.assembly import unsupported_reason
 
         cfg = self.cfg
         geometry = geometry_for(cfg.model)
-        if geometry.components != ("full",):
-            raise ValueError(f"model layers {sorted(set(geometry.layer_kinds))}: this build serves full-attention "
-                             "models only")
+        problem = unsupported_reason(geometry)
+        if problem:
+            raise ValueError(problem)
         full = geometry.full
-        assert full is not None
+        if full is None:  # unsupported_reason refuses such models; keeps the type checker informed
+            raise ValueError("the model has no full-attention layer")
         ps = cfg.cache.page_size
+        l1_pages = cfg.cache.l1.tokens // ps
         l2_pages = cfg.cache.l2.tokens // ps if cfg.cache.l2.enabled else 0
         inst = new_instance_id()
-        return PoolLayout(inst, default_directory(), (
-            paged_layout(inst, "full", ps, cfg.cache.l1.tokens // ps, l2_pages, full.num_layers,
-                         full.num_kv_heads, full.head_dim, full.dtype),))
+        comps = [paged_layout(inst, "full", ps, l1_pages, l2_pages, full.num_layers,
+                              full.num_kv_heads, full.head_dim, full.dtype)]
+        if geometry.swa is not None:
+            swa = geometry.swa
+            comps.append(paged_layout(inst, "swa", ps, l1_pages, l2_pages, swa.num_layers,
+                                      swa.num_kv_heads, swa.head_dim, swa.dtype))
+        if geometry.mamba is not None:
+            mamba = geometry.mamba
+            l2_slots = cfg.cache.l2.state_slots if cfg.cache.l2.enabled else 0
+            comps.append(state_layout(inst, "mamba", cfg.cache.l1.state_slots, l2_slots, mamba.num_layers,
+                                      (mamba.conv_shape, mamba.ssm_shape), mamba.dtype))
+        return PoolLayout(inst, default_directory(), tuple(comps))
 
     @staticmethod
     def _accepts() -> tuple:

@@ -1,19 +1,39 @@
 """Building the scheduler's parts from the config: model, KV pools view, allocators, tree.
 
 Shared by the scheduler process (pools in shared memory) and by tests (plain tensors).
+
+Components (``ModelGeometry.components``): ``("full",)``, ``("full", "swa")`` or
+``("full", "mamba")``. Every component gets its own L1 index allocator and, when L2 is on,
+its own L2 allocator:
+
+=========  ===============================  ==============================================
+component  L1 allocator                     L2 allocator (only when L2 is on)
+=========  ===============================  ==============================================
+full       ``l1_pages`` pages               ``l2_pages`` pages
+swa        ``swa_l1_pages`` (= ``l1_pages``)  ``swa_l2_pages`` (= ``l2_pages``)
+mamba      ``cache.l1.state_slots`` slots   ``cache.l2.state_slots`` slots (0: L1-only)
+=========  ===============================  ==============================================
+
+Only Full KV goes to L3 (the controller stores the first paged component, ``full``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from hicache.config import HicacheConfig
 from hicache.hashing import HashNamespace
 from hicache.memory.allocator import PageAllocator
+from hicache.memory.pools import SharedPools
+from hicache.model.geometry import ModelGeometry
 from hicache.model.loader import LoadedModel
 from hicache.model.pools import KVPools
 from hicache.tree.cache import UnifiedRadixCache
-from hicache.tree.components import FullComponent
+from hicache.tree.components import FullComponent, MambaComponent, SWAComponent, TreeComponent
+
+SUPPORTED_COMPONENTS = (("full",), ("full", "swa"), ("full", "mamba"))
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -25,17 +45,93 @@ def hash_namespace(cfg: HicacheConfig, model: LoadedModel) -> HashNamespace:
     return HashNamespace(model.identity, cfg.model.dtype, cfg.cache.page_size, "full")
 
 
-def build_cache(cfg: HicacheConfig, model: LoadedModel, l1_pages: int,
-                l2_pages: int | None) -> tuple[UnifiedRadixCache, PageAllocator, PageAllocator | None]:
-    """The tree with its L1 (and, when ``l2_pages``, L2) allocators for a full-attention model."""
+def unsupported_reason(geometry: ModelGeometry) -> str | None:
+    """None if the scheduler can serve a model of this geometry, else why not.
+
+    The tree holds Full KV plus at most one auxiliary component, so a model needs at least
+    one ``full`` layer and may add either ``swa`` or ``mamba`` layers, not both.
+    """
+    comps = geometry.components
+    if comps in SUPPORTED_COMPONENTS:
+        return None
+    kinds = ", ".join(sorted(set(geometry.layer_kinds)))
+    if "full" not in comps:
+        return f"model layers ({kinds}): at least one full-attention layer is required"
+    return (f"model layers ({kinds}): a model may combine full attention with either swa or mamba "
+            "layers, not both")
+
+
+def mamba_copier(conv: torch.Tensor, ssm: torch.Tensor) -> Callable[[int, int], None]:
+    """``copy_state(src, dst)`` for L1 Mamba tensors ``[layers, slots, *shape]``: copies the
+    conv and ssm state of slot ``src`` into slot ``dst`` for every mamba layer."""
+
+    def copy_state(src: int, dst: int) -> None:
+        if src == dst:
+            return
+        conv[:, dst].copy_(conv[:, src])
+        ssm[:, dst].copy_(ssm[:, src])
+
+    return copy_state
+
+
+def build_cache(cfg: HicacheConfig, model: LoadedModel, l1_pages: int, l2_pages: int | None, *,
+                pools: KVPools | None = None, swa_l1_pages: int | None = None,
+                swa_l2_pages: int | None = None, l1_state_slots: int | None = None,
+                l2_state_slots: int | None = None,
+                ) -> tuple[UnifiedRadixCache, PageAllocator, PageAllocator | None]:
+    """The tree with its allocators. Returns ``(cache, full L1 allocator, full L2 allocator)``;
+    the SWA / Mamba allocators are ``cache.swa.allocator`` / ``cache.mamba.allocator`` (and
+    their ``host_allocator``).
+
+    L2 is on when ``l2_pages`` is truthy; then SWA gets ``swa_l2_pages`` (default
+    ``l2_pages``) L2 pages and Mamba ``l2_state_slots`` (default ``cache.l2.state_slots``)
+    L2 slots, none (L1-only) when that is 0. A Mamba model needs ``pools`` (its
+    ``mamba_conv`` / ``mamba_ssm`` L1 tensors) for the copy-on-write of matched states.
+    Raises ValueError for a model the tree cannot hold (see ``unsupported_reason``).
+    """
+    geometry = model.geometry
+    problem = unsupported_reason(geometry)
+    if problem:
+        raise ValueError(problem)
     l1 = PageAllocator(l1_pages, "l1-full")
     l2 = PageAllocator(l2_pages, "l2-full") if l2_pages else None
-    cache = UnifiedRadixCache([FullComponent(l1, l2)], cfg.cache.page_size, hasher=hash_namespace(cfg, model),
+    components: list[TreeComponent] = [FullComponent(l1, l2)]
+    if geometry.swa is not None:
+        if geometry.sliding_window is None:
+            raise ValueError("a model with swa layers needs a sliding_window")
+        n1 = l1_pages if swa_l1_pages is None else swa_l1_pages
+        n2 = (l2_pages if swa_l2_pages is None else swa_l2_pages) if l2_pages else 0
+        components.append(SWAComponent(PageAllocator(n1, "l1-swa"), geometry.sliding_window,
+                                       PageAllocator(n2, "l2-swa") if n2 else None))
+    if geometry.mamba is not None:
+        if pools is None or pools.mamba_conv is None or pools.mamba_ssm is None:
+            raise ValueError("a model with mamba layers needs its L1 mamba_conv / mamba_ssm tensors (pools=)")
+        n1 = cfg.cache.l1.state_slots if l1_state_slots is None else l1_state_slots
+        n2 = (cfg.cache.l2.state_slots if l2_state_slots is None else l2_state_slots) if l2_pages else 0
+        if pools.num_state_slots < n1:
+            raise ValueError(f"the mamba L1 tensors hold {pools.num_state_slots} state slots, {n1} requested")
+        components.append(MambaComponent(PageAllocator(n1, "l1-mamba"),
+                                         PageAllocator(n2, "l2-mamba") if n2 else None,
+                                         mamba_copier(pools.mamba_conv, pools.mamba_ssm)))
+    cache = UnifiedRadixCache(components, cfg.cache.page_size, hasher=hash_namespace(cfg, model),
                               eviction_policy=cfg.cache.eviction, write_policy=cfg.cache.write_policy,
                               write_through_threshold=cfg.cache.write_through_threshold)
     return cache, l1, l2
 
 
-def kv_pools_over(full_kv: torch.Tensor, page_size: int) -> KVPools:
-    """The runner's view of an L1 Full-KV tensor ``[layers, 2, pages*ps, heads, dim]``."""
-    return KVPools(page_size=page_size, full_kv=full_kv)
+def kv_pools_over(full_kv: torch.Tensor, page_size: int, *, swa_kv: torch.Tensor | None = None,
+                  mamba_conv: torch.Tensor | None = None, mamba_ssm: torch.Tensor | None = None) -> KVPools:
+    """The runner's view of the L1 tensors: Full KV ``[layers, 2, pages*ps, heads, dim]``,
+    SWA KV alike, Mamba conv / ssm ``[layers, slots, *shape]`` (None where the model has no
+    such layers)."""
+    return KVPools(page_size=page_size, full_kv=full_kv, swa_kv=swa_kv, mamba_conv=mamba_conv, mamba_ssm=mamba_ssm)
+
+
+def kv_pools_from_shared(pools: SharedPools, page_size: int) -> KVPools:
+    """The runner's view of the L1 tensors of mapped shared pools (every component present)."""
+    comps = pools.components
+    swa = comps["swa"].l1[0] if "swa" in comps else None
+    conv = ssm = None
+    if "mamba" in comps:
+        conv, ssm = comps["mamba"].l1[0], comps["mamba"].l1[1]
+    return kv_pools_over(comps["full"].l1[0], page_size, swa_kv=swa, mamba_conv=conv, mamba_ssm=ssm)

@@ -23,8 +23,32 @@ Page accounting: a running request reserves, at admission, every L1 page it may 
 reserved``. Whatever a finished or aborted request holds goes back to the tree or the
 allocator in ``cache_finished_req``: nothing leaks (``check_integrity`` when idle proves it).
 
-Only full-attention models are served by this build; a model with SWA or Mamba layers is
-refused at construction with that reason.
+Models: Full attention, optionally with SWA or Mamba layers (``("full",)``,
+``("full", "swa")``, ``("full", "mamba")``); any other pattern (no full layer, or both swa
+and mamba) is refused at construction with the reason. For hybrid models:
+
+- matching uses the prompt without its last token, so the match ends at a boundary valid
+  for every component and is used as is (a truncated match would not be valid for SWA or
+  Mamba);
+- SWA: the request's SWA page table covers every page from 0 (``swa_start_page`` stays 0;
+  pages that fell out of the window are kept until the request finishes). Its first
+  ``prefix`` tokens' entries are the tree's pages (-1 for tombstones, which the runner
+  never reads); the rest are the request's own, allocated with its Full pages and
+  reserved alike (``reserved_swa_pages``). ``cache_finished_req`` gives them to the tree;
+- Mamba: at admission the request gets its own state slot, a copy of the matched node's
+  state (or a fresh one when nothing matched). Each forward that crosses a page boundary
+  snapshots the state at the last one into the request's ``boundary_slot``; the prefill
+  also snapshots at the prompt's last page boundary before its last token
+  (``prompt_boundary``) into ``prompt_slot``, inserted at once with
+  ``cache_unfinished_req(mamba_value=...)`` so a repeated prompt matches it. At finish
+  the boundary snapshot, when it is the state after the last full page of the computed
+  tokens, is handed to ``cache_finished_req``; the scheduler frees the request's own slot
+  and any other snapshot. A request reserves its three slots at admission
+  (``reserved_state_slots``).
+- L2: SWA pages and Mamba states move to and from L2 with their nodes' Full pages when
+  the tree has L2 allocators for them (``cache.l2.state_slots: 0`` keeps Mamba L1-only);
+  only Full KV goes to L3, so a prefix prefetched from L3 is a valid hybrid match only up
+  to the last boundary whose SWA / Mamba data is still in L1 or L2.
 """
 
 from __future__ import annotations
@@ -40,7 +64,7 @@ from typing import Any
 import torch
 
 import protos
-from hicache.config import HicacheConfig
+from hicache.config import MIN_L1_STATE_SLOTS, HicacheConfig
 from hicache.memory.allocator import PageAllocator
 from hicache.model.loader import LoadedModel
 from hicache.model.runner import ForwardItem, ModelRunner
@@ -49,7 +73,7 @@ from hicache.scheduler.queue_policy import order_waiting
 from hicache.scheduler.request import LOADING, PREFETCH, RUNNING, WAITING, Request
 from hicache.tier_manager import TierManager
 from hicache.tree.cache import MatchResult, RequestState, UnifiedRadixCache
-from hicache.tree.node import KEY_TYPECODE
+from hicache.tree.node import KEY_TYPECODE, ComponentType, TreeNode
 
 log = logging.getLogger("hicache.scheduler")
 
@@ -86,10 +110,14 @@ class Scheduler:
         eos_token_ids: tuple[int, ...] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if model.geometry.components != ("full",):
-            raise ValueError(
-                f"this build serves full-attention models only; model.reference.layers has "
-                f"{', '.join(sorted(set(model.geometry.layer_kinds)))} layers")
+        from hicache.scheduler.assembly import unsupported_reason
+
+        problem = unsupported_reason(model.geometry)
+        if problem:
+            raise ValueError(problem)
+        have = tuple(c.name for c in cache.components)
+        if have != model.geometry.components:
+            raise ValueError(f"the cache holds components {have}, the model needs {model.geometry.components}")
         self.cfg = cfg
         self.model = model
         self.runner = runner
@@ -107,6 +135,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.by_rid: dict[str, Request] = {}
         self.reserved_pages = 0
+        self.swa = cache.swa
+        self.mamba = cache.mamba
+        self.hybrid = bool(cache.aux)
+        self.reserved_swa_pages = 0
+        self.reserved_state_slots = 0
         self.counters = SchedulerCounters()
         self._rng = random.Random(0)
         self._match_len: dict[str, int] = {}
@@ -151,6 +184,11 @@ class Scheduler:
         need = -(-(len(msg.input_ids) + s.max_new_tokens) // self.page_size)
         if need > self.l1.capacity:
             raise RequestRejected(f"the request needs {need} L1 pages; L1 holds {self.l1.capacity}")
+        if self.swa is not None and need > self.swa.allocator.capacity:
+            raise RequestRejected(f"the request needs {need} L1 SWA pages; L1 holds {self.swa.allocator.capacity}")
+        if self.mamba is not None and self.mamba.allocator.capacity < MIN_L1_STATE_SLOTS:
+            raise RequestRejected(f"a request needs {MIN_L1_STATE_SLOTS} L1 state slots; L1 holds "
+                                  f"{self.mamba.allocator.capacity}")
         return Request(msg.rid, array(KEY_TYPECODE, msg.input_ids), params, resolve_seed(params), msg.stream,
                        msg.cache_salt, arrival=self.clock())
 
@@ -213,9 +251,23 @@ class Scheduler:
             "hit_tokens": {"device": self.counters.cached_device, "host": self.counters.cached_host,
                            "storage": self.counters.cached_storage},
         }
+        if self.swa is not None:
+            a = self.swa.allocator
+            out["l1"]["swa"] = {"used_tokens": a.used * ps, "capacity_tokens": a.capacity * ps,
+                                "cached_tokens": self.cache.total_size(ComponentType.SWA)}
+        if self.mamba is not None:
+            a = self.mamba.allocator
+            out["l1"]["mamba"] = {"used_slots": a.used, "capacity_slots": a.capacity,
+                                  "cached_states": self.cache.total_size(ComponentType.MAMBA)}
         host = self.cache.full.host_allocator
         if host is not None:
             out["l2"] = {"full": {"used_tokens": host.used * ps, "capacity_tokens": host.capacity * ps}}
+            for c in self.cache.aux:
+                h = c.host_allocator
+                if h is not None:
+                    unit = ps if c.paged else 1
+                    key = "tokens" if c.paged else "slots"
+                    out["l2"][c.name] = {f"used_{key}": h.used * unit, f"capacity_{key}": h.capacity * unit}
         if self.tier is not None:
             out["tiers"] = vars(self.tier.counters)
         return out
@@ -272,7 +324,9 @@ class Scheduler:
             if not req.prefetch.complete and tier is not None:
                 tier.cancel_prefetch(req.prefetch)
             req.status = WAITING
-        m = cache.match_prefix(req.input_ids, req.cache_salt)
+        # hybrid: match without the last prompt token, so the match is never truncated below
+        key = req.input_ids[:-1] if self.hybrid else req.input_ids
+        m = cache.match_prefix(key, req.cache_salt, cow_mamba=False)
         self._match_len[req.rid] = m.device_len + m.host_hit_length
         self._match_node[req.rid] = m.last_host_node
         if tier is not None and req.load is None:
@@ -298,17 +352,81 @@ class Scheduler:
         need = total_pages - prefix // ps
         lock = self.cache.inc_lock_ref(m.last_device_node)
         available = self.l1.free_count + self.cache.evictable_size() // ps - self.reserved_pages
-        if need > available:
+        slots = MIN_L1_STATE_SLOTS if self.mamba is not None else 0
+        if need > available or not self._aux_room(need, slots):
             self.cache.dec_lock_ref(lock)
             return False
-        req.tree = RequestState(req.input_ids, list(m.device_indices[: prefix // ps]), req.cache_salt, prefix,
-                                m.last_device_node, lock)
+        st = RequestState(req.input_ids, list(m.device_indices[: prefix // ps]), req.cache_salt, prefix,
+                          m.last_device_node, lock)
+        req.tree = st
         req.computed = prefix
         req.reserved_pages = need
         self.reserved_pages += need
+        if self.swa is not None:
+            st.swa_pages = self._tree_swa_pages(m.last_device_node, prefix // ps)
+            st.swa_start_page, st.swa_prefix_len = 0, prefix
+            req.reserved_swa_pages = need
+            self.reserved_swa_pages += need
+        if self.mamba is not None:
+            req.reserved_state_slots = slots
+            self.reserved_state_slots += slots
+            slot = self._take_slot(req)
+            if slot is None:  # reserved above, so only a broken invariant gets here
+                raise RuntimeError("no Mamba state slot although one was reserved")
+            if prefix > 0:
+                src = self.cache.data(m.last_device_node, ComponentType.MAMBA).value
+                if src is None:
+                    raise RuntimeError("the matched node has no Mamba state")
+                self.mamba.copy_state(src, slot)  # type: ignore[misc]
+            st.mamba_slot = slot
+            boundary = (req.prompt_len - 1) // ps * ps
+            req.prompt_boundary = boundary if boundary > prefix else 0
         req.status = RUNNING
         self._account_hits(req, prefix)
         return True
+
+    def _aux_room(self, pages: int, slots: int) -> bool:
+        """Whether SWA can still promise ``pages`` pages and Mamba ``slots`` slots (free or
+        evictable, less what running requests reserved)."""
+        ps = self.page_size
+        if self.swa is not None:
+            free = self.swa.allocator.free_count + self.cache.evictable_size(ComponentType.SWA) // ps
+            if pages > free - self.reserved_swa_pages:
+                return False
+        if self.mamba is not None:
+            free = self.mamba.allocator.free_count + self.cache.evictable_size(ComponentType.MAMBA)
+            if slots > free - self.reserved_state_slots:
+                return False
+        return True
+
+    def _tree_swa_pages(self, node: TreeNode, npages: int) -> list[int]:
+        """The tree's SWA pages of the path ending at ``node`` (``npages`` pages), -1 for a
+        tombstone's pages (outside the window of a valid match, never read)."""
+        runs: list[list[int]] = []
+        ps = self.page_size
+        while node.parent is not None:
+            v = self.cache.data(node, ComponentType.SWA).value
+            runs.append(list(v) if v is not None else [-1] * (len(node.key) // ps))
+            node = node.parent
+        out = [p for run in reversed(runs) for p in run]
+        if len(out) != npages:
+            raise RuntimeError(f"the matched path holds {len(out)} SWA pages, {npages} expected")
+        return out
+
+    def _take_slot(self, req: Request) -> int | None:
+        """One L1 Mamba state slot for ``req`` (evicting a cached state if needed), taken
+        from its reservation; None when none can be had."""
+        alloc = self.mamba.allocator  # type: ignore[union-attr]
+        got = alloc.alloc(1)
+        if got is None:
+            self.cache.evict(mamba_states=1)
+            got = alloc.alloc(1)
+        if got is None:
+            return None
+        if req.reserved_state_slots > 0:
+            req.reserved_state_slots -= 1
+            self.reserved_state_slots -= 1
+        return got[0]
 
     def _account_hits(self, req: Request, prefix: int) -> None:
         loaded = req.load.tokens if req.load is not None and req.load.ok else 0
@@ -339,7 +457,50 @@ class Scheduler:
         taken = min(need, req.reserved_pages)
         req.reserved_pages -= taken
         self.reserved_pages -= taken
+        return self._ensure_swa_pages(req, upto)
+
+    def _ensure_swa_pages(self, req: Request, upto: int) -> bool:
+        """SWA pages up to ``upto`` tokens (the table covers pages from 0, like Full's)."""
+        st = req.tree
+        if self.swa is None or st is None or st.swa_pages is None:
+            return True
+        need = -(-upto // self.page_size) - len(st.swa_pages)
+        if need <= 0:
+            return True
+        alloc = self.swa.allocator
+        pages = alloc.alloc(need)
+        if pages is None:
+            self.cache.evict(swa_tokens=(need - alloc.free_count) * self.page_size)
+            pages = alloc.alloc(need)
+        if pages is None:
+            return False
+        st.swa_pages.extend(pages)
+        taken = min(need, req.reserved_swa_pages)
+        req.reserved_swa_pages -= taken
+        self.reserved_swa_pages -= taken
         return True
+
+    def _snapshots(self, req: Request, start: int, end: int) -> list[tuple[int, int]] | None:
+        """Mamba snapshots for computing ``[start, end)``: the prompt boundary (once) and the
+        last page boundary in ``(start, end]``. None when no slot could be had."""
+        if self.mamba is None:
+            return []
+        out: list[tuple[int, int]] = []
+        pb = req.prompt_boundary
+        if pb and req.prompt_slot is None and start < pb <= end:
+            slot = self._take_slot(req)
+            if slot is None:
+                return None
+            req.prompt_slot = slot
+            out.append((pb, slot))
+        b = end // self.page_size * self.page_size
+        if b > start:
+            if req.boundary_slot is None:
+                req.boundary_slot = self._take_slot(req)
+                if req.boundary_slot is None:
+                    return None
+            out.append((b, req.boundary_slot))
+        return out
 
     def _forward(self) -> None:
         chunk_cap = self.cfg.scheduler.chunked_prefill_tokens
@@ -360,13 +521,29 @@ class Scheduler:
             if not self._ensure_pages(req, req.computed + len(tokens)):
                 self._finish(req, "error", "L1 is out of pages for this request")
                 continue
-            batch.append((req, ForwardItem(tokens, req.computed, req.tree.kv_pages, logits=logits)))
+            snaps = self._snapshots(req, req.computed, req.computed + len(tokens))
+            if snaps is None:
+                self._finish(req, "error", "L1 is out of Mamba state slots for this request")
+                continue
+            st = req.tree
+            batch.append((req, ForwardItem(tokens, req.computed, st.kv_pages,
+                                           st.swa_pages if st.swa_pages is not None else (),
+                                           st.mamba_slot, snaps, logits)))
         if not batch:
             return
         outputs = self.runner.forward([item for _r, item in batch])
         self.counters.forward_passes += 1
         for (req, item), out in zip(batch, outputs, strict=True):
             req.computed = item.end
+            for pos, slot in item.snapshots:
+                if slot == req.boundary_slot:
+                    req.boundary_pos = pos
+            if req.prompt_slot is not None and req.computed >= req.prompt_boundary:
+                # the prompt's state: a repeat of this prompt matches here
+                slot, req.prompt_slot = req.prompt_slot, None
+                self.cache.cache_unfinished_req(req.tree, committed_len=req.prompt_boundary,  # type: ignore[arg-type]
+                                                mamba_value=slot)
+                req.prompt_boundary = 0
             if out is None:
                 self.cache.cache_unfinished_req(req.tree, committed_len=req.computed)  # type: ignore[arg-type]
                 continue
@@ -386,6 +563,26 @@ class Scheduler:
             req.sent_tokens = len(req.output_ids)
 
     # ------------------------------------------------------------------ finishing
+    def _hand_over_state(self, req: Request) -> None:
+        """Before ``cache_finished_req``: its ``mamba_slot`` becomes the boundary snapshot
+        when that holds the state after the last full page of the computed tokens (the key
+        the tree inserts), else None; the request's own slot and every other snapshot are
+        freed here."""
+        st = req.tree
+        assert st is not None and self.mamba is not None  # the caller checks both
+        spare = [s for s in (st.mamba_slot, req.prompt_slot) if s is not None]
+        keep = None
+        aligned = req.computed // self.page_size * self.page_size
+        if req.boundary_slot is not None:
+            if aligned > 0 and req.boundary_pos == aligned:
+                keep = req.boundary_slot
+            else:
+                spare.append(req.boundary_slot)
+        req.prompt_slot = req.boundary_slot = None
+        st.mamba_slot = keep
+        if spare:
+            self.mamba.allocator.free(spare)
+
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         """Give back everything ``req`` holds and send its final output."""
         self.by_rid.pop(req.rid, None)
@@ -399,10 +596,16 @@ class Scheduler:
             self.tier.cancel_prefetch(req.prefetch)
         if req.tree is not None:
             req.tree.token_ids = req.all_tokens()
+            if self.mamba is not None:
+                self._hand_over_state(req)
             self.cache.cache_finished_req(req.tree, committed_len=req.computed)
             req.tree = None
         self.reserved_pages -= req.reserved_pages
         req.reserved_pages = 0
+        self.reserved_swa_pages -= req.reserved_swa_pages
+        req.reserved_swa_pages = 0
+        self.reserved_state_slots -= req.reserved_state_slots
+        req.reserved_state_slots = 0
         if reason == "error":
             self.counters.requests_error += 1
         elif reason != "abort":

@@ -77,7 +77,7 @@ def scheduler_main(args: SchedulerArgs) -> None:
     from hicache.metrics import init_process_metrics
     from hicache.model.loader import load_model
     from hicache.model.runner import ModelRunner
-    from hicache.scheduler.assembly import build_cache, kv_pools_over
+    from hicache.scheduler.assembly import build_cache, kv_pools_from_shared
     from hicache.scheduler.engine import Scheduler
     from hicache.scheduler.telemetry import SchedulerTelemetry
     from hicache.text import load_tokenizer
@@ -87,8 +87,17 @@ def scheduler_main(args: SchedulerArgs) -> None:
     model = load_model(cfg.model)
     full = args.layout.component("full")
     l2_pages = full.l2_pages if cfg.cache.l2.enabled else None
-    cache, l1, _l2 = build_cache(cfg, model, full.l1_pages, l2_pages)
-    runner = ModelRunner(model, kv_pools_over(pools["full"].l1[0], cfg.cache.page_size))
+    kv = kv_pools_from_shared(pools, cfg.cache.page_size)
+    sizes: dict[str, int] = {}
+    names = {c.name for c in args.layout.components}
+    if "swa" in names:
+        swa = args.layout.component("swa")
+        sizes.update(swa_l1_pages=swa.l1_pages, swa_l2_pages=swa.l2_pages)
+    if "mamba" in names:
+        mamba = args.layout.component("mamba")
+        sizes.update(l1_state_slots=mamba.l1_pages, l2_state_slots=mamba.l2_pages)
+    cache, l1, _l2 = build_cache(cfg, model, full.l1_pages, l2_pages, pools=kv, **sizes)
+    runner = ModelRunner(model, kv)
     eos = tuple(load_tokenizer(cfg.tokenizer, cfg.model).eos_token_ids)
 
     ctx = zmq.Context()
@@ -107,8 +116,9 @@ def scheduler_main(args: SchedulerArgs) -> None:
     telemetry = SchedulerTelemetry(init_process_metrics(cfg.metrics, "scheduler"), sched)
     last_publish = 0.0
     to_launcher.send(protos.Ready("scheduler", os.getpid()))
-    log.info("scheduler ready: model %s, page size %d, L1 %d pages, L2 %s pages, L3 %s",
-             cfg.model.kind, cfg.cache.page_size, full.l1_pages, l2_pages, cfg.cache.l3.backend)
+    log.info("scheduler ready: model %s (%s), page size %d, L1 %d pages, L2 %s pages, L3 %s",
+             cfg.model.kind, "+".join(model.geometry.components), cfg.cache.page_size, full.l1_pages, l2_pages,
+             cfg.cache.l3.backend)
 
     draining = False
     deadline = 0.0

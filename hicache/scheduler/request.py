@@ -12,8 +12,15 @@ running     admitted: holds a tree lock and L1 pages     finished or aborted
 ==========  ===========================================  ===================================
 
 A running request's ``state`` (``RequestState``) is what the tree sees: its token ids
-(prompt + output), its L1 pages, the tree-owned prefix length and its lock. ``computed`` is
-how many of those tokens have KV in the pages; the last sampled token never has KV yet.
+(prompt + output), its L1 pages (and SWA pages, Mamba state slot), the tree-owned prefix
+length and its lock. ``computed`` is how many of those tokens have KV in the pages; the
+last sampled token never has KV yet.
+
+Mamba models: besides its own state slot (``tree.mamba_slot``) a running request may hold
+two snapshot slots, both the scheduler's to give back: ``prompt_slot`` (the state after
+``prompt_boundary`` tokens, handed to the tree as soon as the prefill passes it) and
+``boundary_slot`` (the state after ``boundary_pos`` tokens, the latest page boundary its
+forward passes crossed; handed to the tree at finish when it is the last full page).
 """
 
 from __future__ import annotations
@@ -43,6 +50,12 @@ class Request:
     tree: RequestState | None = None
     computed: int = 0
     reserved_pages: int = 0
+    reserved_swa_pages: int = 0
+    reserved_state_slots: int = 0
+    prompt_boundary: int = 0
+    prompt_slot: int | None = None
+    boundary_slot: int | None = None
+    boundary_pos: int = 0
     cached_device: int = 0
     cached_host: int = 0
     cached_storage: int = 0

@@ -31,6 +31,11 @@ class SchedulerTelemetry:
         host = s.cache.full.host_allocator
         if host is not None:
             m.set_pool("host", "full", host.used * ps, host.capacity * ps)
+        swa = s.cache.swa
+        if swa is not None:
+            m.set_pool("device", "swa", swa.allocator.used * ps, swa.allocator.capacity * ps)
+            if swa.host_allocator is not None:
+                m.set_pool("host", "swa", swa.host_allocator.used * ps, swa.host_allocator.capacity * ps)
         counts = {WAITING: 0, PREFETCH: 0, LOADING: 0}
         for req in s.waiting:
             counts[req.status] = counts.get(req.status, 0) + 1

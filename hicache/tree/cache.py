@@ -703,22 +703,34 @@ class UnifiedRadixCache:
         req.mamba_slot = None
         return res
 
-    def cache_unfinished_req(self, req: RequestState, committed_len: int | None = None) -> None:
+    def cache_unfinished_req(self, req: RequestState, committed_len: int | None = None, *,
+                             mamba_value: int | None = None) -> None:
         """Chunked prefill: insert what is computed so far (FULL pages only), replace the
         request's duplicate pages by the tree's, and move its lock to the new deepest node.
 
-        SWA / Mamba data is inserted only by ``cache_finished_req`` (the chunk's nodes are
-        SWA tombstones until then, which the final insert recovers from the request's own
-        SWA pages); the request keeps every SWA page and its state slot meanwhile.
+        SWA data is inserted only by ``cache_finished_req`` (the chunk's nodes are SWA
+        tombstones until then, which the final insert recovers from the request's own SWA
+        pages); the request keeps every SWA page and its state slot meanwhile.
+        ``mamba_value``: a snapshot slot (not ``req.mamba_slot``) holding the Mamba state
+        after exactly the committed tokens, which must then be page-aligned; it is taken
+        over: kept on the end node, or freed here when that node already has a state or
+        nothing new is inserted.
         """
         ps = self.page_size
         n = self._committed(req, committed_len)
         aligned = n - n % ps
         npages = aligned // ps
+        if mamba_value is not None:
+            if self.mamba is None:
+                raise ValueError("cache_unfinished_req: mamba_value given, but the cache has no Mamba component")
+            if aligned != n:
+                raise ValueError(f"cache_unfinished_req: a Mamba state needs a page-aligned committed_len, got {n}")
         if npages == 0 or aligned <= req.prefix_len:
+            if mamba_value is not None:
+                self.mamba.allocator.free([mamba_value])  # type: ignore[union-attr]
             return
         res = self.insert(req.token_ids[:aligned], req.kv_pages[:npages], req.cache_salt,
-                          prev_prefix_len=req.prefix_len)
+                          prev_prefix_len=req.prefix_len, mamba_value=mamba_value)
         dup = req.kv_pages[req.prefix_len // ps:res.prefix_len // ps]
         if dup:
             self.full.allocator.free(dup)

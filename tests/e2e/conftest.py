@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -26,6 +27,7 @@ from daemon import Daemon, alive
 
 REDIS_SERVER = shutil.which("redis-server")
 NO_REDIS = "redis-server not installed (apt-get install redis-server)"
+STOP_TIMEOUT_S = 120.0
 
 
 def free_port() -> int:
@@ -159,18 +161,24 @@ def daemons(tmp_path: Path) -> Iterator[DaemonFactory]:
 
     yield make
     problems: list[str] = []
+    running = [(d, pids) for d, pids in made if d.proc is not None and d.proc.poll() is None]
+    for d, pids in running:  # the pids now too (a restarted controller has a new one)
+        try:
+            pids.update({f"{n} (at stop)": p for n, p in d.pids().items()})
+        except (OSError, ValueError, KeyError):
+            pass
+    for d, _pids in running:  # all at once: they stop in parallel
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGTERM)
     for d, pids in made:
         if d.proc is None:
             continue
-        if d.proc.poll() is None:  # the pids now too (a restarted controller has a new one)
-            try:
-                pids.update({f"{n} (at stop)": p for n, p in d.pids().items()})
-            except (OSError, ValueError, KeyError):
-                pass
         try:
-            code = d.stop()
+            code = d.proc.wait(STOP_TIMEOUT_S)
             check_stopped_cleanly(d, code, pids)
-        except (AssertionError, subprocess.TimeoutExpired) as exc:
+        except subprocess.TimeoutExpired:
+            problems.append(f"{d.dir.name}: no exit within {STOP_TIMEOUT_S:.0f} s of SIGTERM:\n{d.log()}")
+        except AssertionError as exc:
             problems.append(f"{d.dir.name}: {exc}")
         finally:
             d.kill_all()

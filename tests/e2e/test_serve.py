@@ -28,21 +28,27 @@ def _config(tmp: Path, **cache: object) -> dict:
     return base
 
 
+def _owned(d: Daemon) -> set[str]:
+    """The shared-memory segments of this daemon (named after its launcher's pid)."""
+    assert d.proc is not None
+    return _segments(f"hicache-{d.proc.pid}-")
+
+
 def _segments(prefix: str = "hicache-") -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)} if os.path.isdir("/dev/shm") else set()
 
 
 @pytest.fixture
 def daemon(tmp_path: Path):
-    before = _segments()
     d = Daemon(tmp_path, _config(tmp_path))
     d.start()
+    assert _owned(d), "the daemon's pools are not where expected"
     try:
         yield d
     finally:
         code = d.stop()
     assert code == 0, d.log()
-    leaked = _segments() - before
+    leaked = _owned(d)
     assert not leaked, f"shared memory left behind: {leaked}"
 
 
@@ -129,19 +135,18 @@ def test_controller_killed_during_traffic_is_restarted(daemon: Daemon) -> None:
 
 
 def test_sigterm_leaves_nothing_behind(tmp_path: Path) -> None:
-    before = _segments()
     d = Daemon(tmp_path, _config(tmp_path))
     d.start()
     pids = d.pids()
+    assert _owned(d)
     d.generate([5] * 40, 4)
     assert d.stop() == 0
     for name, pid in pids.items():
         assert not alive(pid), f"{name} (pid {pid}) still running"
-    assert _segments() == before
+    assert not _owned(d)
 
 
 def test_killed_launcher_leaves_no_orphans_and_next_start_cleans_up(tmp_path: Path) -> None:
-    before = _segments()
     d = Daemon(tmp_path, _config(tmp_path))
     d.start()
     pids = d.pids()
@@ -152,11 +157,12 @@ def test_killed_launcher_leaves_no_orphans_and_next_start_cleans_up(tmp_path: Pa
     while any(alive(p) for p in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(alive(p) for p in pids.values()), pids
-    assert _segments() - before  # the killed launcher could not unlink its pools ...
+    stale = _owned(d)
+    assert stale  # the killed launcher could not unlink its pools ...
     d2 = Daemon(tmp_path, _config(tmp_path), "next")
     d2.start()
     try:
-        mine = {n for n in _segments() if n.startswith(f"hicache-{d2.proc.pid}-")}  # type: ignore[union-attr]
-        assert _segments() - before == mine  # ... the next start removed them
+        assert not (stale & _segments())  # ... the next start removed them
+        assert _owned(d2)
     finally:
         assert d2.stop() == 0

@@ -106,6 +106,8 @@ class _Run:
         for c in workload.conversations:
             if c.turns:
                 self.ready.put_nowait((c.cid, 0))
+        if self.outstanding == 0:
+            self._settle(0)
 
     def _settle(self, n: int) -> None:
         self.outstanding -= n

@@ -252,7 +252,8 @@ def _output_lengths(path: str | Path, count: int) -> list[int | None]:
 
 
 def trace_workload(path: str | Path, *, block_tokens_n: int | None = None, limit: int | None = None,
-                   output_len: int | None = None, max_prompt_len: int | None = None, seed: int = 0,
+                   output_len: int | None = None, max_output_len: int | None = None,
+                   max_prompt_len: int | None = None, seed: int = 0,
                    tokens: TokenRange = TokenRange()) -> Workload:
     """Requests of a Mooncake-format trace, one single-turn conversation each.
 
@@ -261,7 +262,7 @@ def trace_workload(path: str | Path, *, block_tokens_n: int | None = None, limit
     prompt is its blocks' tokens, the last block cut so that the prompt has
     ``input_length * B / B_trace`` tokens when ``input_length`` is given, then cut to
     ``max_prompt_len``. It asks for ``output_len`` tokens, else the record's
-    ``output_length`` (at least 1). ``at_s`` is ``timestamp / 1000`` from the first record
+    ``output_length`` (at least 1, at most ``max_output_len`` when given). ``at_s`` is ``timestamp / 1000`` from the first record
     (the workload is ``timed`` when every record has one). ``limit`` keeps the first records.
 
     Raises ``TraceError`` naming ``path:line`` for a bad record, ``OSError`` if unreadable,
@@ -273,6 +274,8 @@ def trace_workload(path: str | Path, *, block_tokens_n: int | None = None, limit
         _positive("block_tokens", block_tokens_n)
     if output_len is not None:
         _positive("output_len", output_len)
+    if max_output_len is not None:
+        _positive("max_output_len", max_output_len)
     if max_prompt_len is not None:
         _positive("max_prompt_len", max_prompt_len)
     trace = load_trace(path)
@@ -307,9 +310,11 @@ def trace_workload(path: str | Path, *, block_tokens_n: int | None = None, limit
         if not prompt:  # a record without blocks still sends one token
             prompt = [tokens.low]
         want = output_len if output_len is not None else max(1, outs[i] or 1)
+        if output_len is None and max_output_len is not None:
+            want = min(want, max_output_len)
         at = (stamps[i] - t0) / 1000.0 if timed and stamps[i] is not None else None
         convs.append(Conversation(i, (Turn(tuple(prompt), want, at),)))
     return Workload("trace", tuple(convs), dict(
         trace=str(path), records=n, trace_block_size=trace_b, block_tokens=b, output_len=output_len,
-        max_prompt_len=max_prompt_len, truncated=truncated, seed=seed, token_range=[tokens.low, tokens.high - 1],
+        max_output_len=max_output_len, max_prompt_len=max_prompt_len, truncated=truncated, seed=seed, token_range=[tokens.low, tokens.high - 1],
         working_set_tokens=len(unique) * b), timed=timed)

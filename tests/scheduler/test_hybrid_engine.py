@@ -1,0 +1,214 @@
+"""The scheduler serving hybrid models in-process: Full + SWA and Full + Mamba.
+
+The oracle is the same as for full attention: a request's greedy output with the cache
+must equal its output on a cold cache, bit for bit. After every run the cache must be
+exact (``check_integrity(exact=True)``: every page and state slot of every component is
+either in the tree or free) and every reservation returned.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import protos
+from hicache.config import HicacheConfig, config_from_dict
+from hicache.model.geometry import geometry_for
+from hicache.model.loader import load_model
+from hicache.model.pools import allocate_pools
+from hicache.model.runner import ModelRunner
+from hicache.scheduler.assembly import build_cache, unsupported_reason
+from hicache.scheduler.engine import Scheduler
+from hicache.tree.node import ComponentType
+
+WINDOW = 16
+PATTERNS = {"swa": ("full", "swa"), "mamba": ("full", "mamba")}
+
+
+def _cfg(layers: tuple[str, ...], page_size: int, *, tokens: int | None = None, state_slots: int = 64,
+         **sched: object) -> HicacheConfig:
+    return config_from_dict({
+        "model": {"reference": {"preset": "tiny", "layers": list(layers), "sliding_window": WINDOW}},
+        "cache": {"page_size": page_size, "l1": {"tokens": tokens or 512 * page_size, "state_slots": state_slots},
+                  "l2": {"enabled": False}, "l3": {"backend": "none"}},
+        "scheduler": {"chunked_prefill_tokens": 8 * page_size, "max_prefill_tokens": 16 * page_size, **sched},
+    })
+
+
+class Rig:
+    """A scheduler over plain tensors, with every component's pools."""
+
+    def __init__(self, cfg: HicacheConfig) -> None:
+        self.cfg = cfg
+        self.model = load_model(cfg.model)
+        ps = cfg.cache.page_size
+        pages = cfg.cache.l1.tokens // ps
+        pools = allocate_pools(self.model.geometry, pages, ps, cfg.cache.l1.state_slots)
+        self.cache, self.l1, _ = build_cache(cfg, self.model, pages, None, pools=pools)
+        self.out: dict[str, list[protos.TokenOutput]] = {}
+        self.sched = Scheduler(cfg, self.model, ModelRunner(self.model, pools), self.cache, self.l1, self._emit)
+
+    def _emit(self, msg: protos.TokenizerMessage) -> None:
+        assert isinstance(msg, protos.TokenOutput)
+        self.out.setdefault(msg.rid, []).append(msg)
+
+    def run(self, reqs: list[protos.GenerateRequest], max_steps: int = 3000) -> None:
+        for r in reqs:
+            self.sched.submit(r)
+        for _ in range(max_steps):
+            if not self.sched.busy:
+                break
+            self.sched.step()
+        assert not self.sched.busy
+        self.assert_idle()
+
+    def assert_idle(self) -> None:
+        self.sched.check_idle()
+        self.cache.check_integrity(exact=True)
+        s = self.sched
+        assert (s.reserved_pages, s.reserved_swa_pages, s.reserved_state_slots) == (0, 0, 0)
+
+    def tokens(self, rid: str) -> list[int]:
+        return [t for m in self.out[rid] for t in m.token_ids]
+
+    def final(self, rid: str) -> protos.TokenOutput:
+        assert self.out[rid][-1].finished
+        return self.out[rid][-1]
+
+    def cached(self, rid: str) -> int:
+        usage = self.final(rid).usage
+        assert usage is not None
+        return usage.cached_device
+
+
+def _gen(rid: str, ids: list[int], n: int = 6) -> protos.GenerateRequest:
+    return protos.GenerateRequest(rid, ids, protos.SamplingParams(max_new_tokens=n, ignore_eos=True), False)
+
+
+def _cold(cfg: HicacheConfig, rid: str, ids: list[int], n: int = 6) -> list[int]:
+    rig = Rig(cfg)
+    rig.run([_gen(rid, ids, n)])
+    return rig.tokens(rid)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("kind", list(PATTERNS))
+def test_shared_and_repeated_prompts_equal_cold_outputs(kind: str, page_size: int) -> None:
+    cfg = _cfg(PATTERNS[kind], page_size)
+    rng = random.Random(page_size)
+    system = [rng.randrange(1, 500) for _ in range(40)]
+    prompts = {f"r{i}": system + [rng.randrange(1, 500) for _ in range(rng.randrange(3, 30))] for i in range(4)}
+    prompts["dup"] = list(prompts["r0"])
+    expected = {rid: _cold(cfg, rid, ids) for rid, ids in prompts.items() if rid != "dup"}
+    expected["dup"] = expected["r0"]
+    rig = Rig(cfg)
+    rig.run([_gen("r0", prompts["r0"])])  # warm the cache
+    rig.run([_gen(rid, ids) for rid, ids in prompts.items() if rid != "r0"])  # one batch, mixed hits
+    for rid in prompts:
+        assert rig.tokens(rid) == expected[rid], rid
+    # a repeated prompt matches up to its last page boundary before its last token
+    assert rig.cached("dup") == (len(prompts["dup"]) - 1) // page_size * page_size
+    if kind == "swa":  # every page boundary inside the shared prefix is valid for SWA
+        for rid in ("r1", "r2", "r3"):
+            assert rig.cached(rid) >= 40 // page_size * page_size, rid
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("kind", list(PATTERNS))
+def test_multi_turn_conversation_reuses_the_previous_turn(kind: str, page_size: int) -> None:
+    """Each turn's prompt is the previous prompt + its output + new text; the previous turn
+    is cached up to the last full page of its computed tokens (KV and state written while
+    decoding, past the sliding window)."""
+    cfg = _cfg(PATTERNS[kind], page_size)
+    rng = random.Random(10 + page_size)
+    rig = Rig(cfg)
+    prompt = [rng.randrange(1, 500) for _ in range(23)]
+    n_new = 20  # decodes past the window of 16
+    for turn in range(3):
+        rid = f"t{turn}"
+        rig.run([_gen(rid, prompt, n_new)])
+        assert rig.tokens(rid) == _cold(cfg, rid, prompt, n_new), turn
+        if turn:
+            assert rig.cached(rid) == (prev_computed // page_size) * page_size, turn
+        prev_computed = len(prompt) + n_new - 1  # tokens with KV when the turn finished
+        prompt = prompt + rig.tokens(rid) + [rng.randrange(1, 500) for _ in range(5 + turn)]
+
+
+@pytest.mark.parametrize("kind", list(PATTERNS))
+def test_chunked_prefill_equals_one_shot_and_is_reused(kind: str) -> None:
+    rng = random.Random(7)
+    prompt = [rng.randrange(1, 500) for _ in range(150)]
+    one_shot = Rig(_cfg(PATTERNS[kind], 4, chunked_prefill_tokens=256, max_prefill_tokens=256))
+    one_shot.run([_gen("s", prompt, 8)])
+    chunked = Rig(_cfg(PATTERNS[kind], 4, chunked_prefill_tokens=16, max_prefill_tokens=16))
+    chunked.run([_gen("s", prompt, 8)])
+    assert chunked.tokens("s") == one_shot.tokens("s")
+    chunked.run([_gen("again", prompt, 8), _gen("other", prompt[:60] + [3, 4, 5], 8)])
+    assert chunked.tokens("again") == one_shot.tokens("s")
+    assert chunked.cached("again") == 148
+    assert chunked.tokens("other") == _cold(_cfg(PATTERNS[kind], 4), "other", prompt[:60] + [3, 4, 5], 8)
+    if kind == "swa":
+        assert chunked.cached("other") == 60
+
+
+@pytest.mark.parametrize("kind", list(PATTERNS))
+def test_abort_mid_run_gives_everything_back(kind: str) -> None:
+    cfg = _cfg(PATTERNS[kind], 4, chunked_prefill_tokens=16, max_prefill_tokens=32)
+    rig = Rig(cfg)
+    prompt = list(range(1, 80))
+    rig.sched.submit(_gen("prefilling", prompt, 50))
+    rig.sched.submit(_gen("decoding", list(range(100, 130)), 50))
+    for _ in range(4):  # "prefilling" is mid-prefill, "decoding" has started decoding
+        rig.sched.step()
+    assert rig.sched.by_rid["prefilling"].prefilling
+    assert not rig.sched.by_rid["decoding"].prefilling
+    rig.sched.abort("prefilling")
+    rig.sched.abort("decoding")
+    assert rig.final("prefilling").finish_reason == "abort"
+    assert rig.final("decoding").finish_reason == "abort"
+    assert not rig.sched.busy
+    rig.assert_idle()
+    # what the aborted requests computed is reusable and correct
+    rig.run([_gen("after", prompt, 6)])
+    assert rig.tokens("after") == _cold(cfg, "after", prompt, 6)
+    assert rig.cached("after") > 0
+
+
+@pytest.mark.parametrize("kind", list(PATTERNS))
+def test_admission_queues_when_aux_memory_is_short(kind: str) -> None:
+    # mamba: 3 state slots = one running request at a time; swa: L1 for about one and a half
+    cfg = _cfg(PATTERNS[kind], 4, tokens=96 if kind == "swa" else 512, state_slots=3, chunked_prefill_tokens=32)
+    rig = Rig(cfg)
+    prompts = {f"q{i}": [i + 1] * 40 for i in range(4)}
+    rig.run([_gen(rid, ids, 20) for rid, ids in prompts.items()])
+    for rid, ids in prompts.items():
+        assert rig.final(rid).finish_reason == "length"
+        assert rig.tokens(rid) == _cold(_cfg(PATTERNS[kind], 4), rid, ids, 20), rid
+
+
+def test_mamba_match_gives_the_request_its_own_copy_of_the_state() -> None:
+    """Two identical prompts decoding side by side from one cached state: each mutates its
+    own copy, and the cached state stays intact for a third."""
+    cfg = _cfg(PATTERNS["mamba"], 4)
+    rig = Rig(cfg)
+    prompt = [random.Random(3).randrange(1, 500) for _ in range(33)]
+    rig.run([_gen("warm", prompt, 4)])
+    rig.run([_gen("a", prompt, 12), _gen("b", prompt, 12)])
+    rig.run([_gen("c", prompt, 12)])
+    want = _cold(cfg, "x", prompt, 12)
+    assert rig.tokens("a") == rig.tokens("b") == rig.tokens("c") == want
+    assert rig.cached("a") == rig.cached("b") == rig.cached("c") == 32
+    assert rig.cache.total_size(ComponentType.MAMBA) >= 2
+
+
+@pytest.mark.parametrize("layers", [("full", "swa", "full", "mamba"), ("swa",), ("mamba", "mamba")])
+def test_unsupported_patterns_are_refused_with_the_reason(layers: tuple[str, ...]) -> None:
+    cfg = _cfg(layers, 4)
+    reason = unsupported_reason(geometry_for(cfg.model))
+    assert reason is not None
+    assert ("not both" in reason) if "full" in layers else ("full-attention layer" in reason)
+    model = load_model(cfg.model)
+    pools = allocate_pools(model.geometry, 64, 4, 8)
+    with pytest.raises(ValueError, match="layers"):
+        build_cache(cfg, model, 64, None, pools=pools)
