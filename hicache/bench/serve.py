@@ -277,6 +277,8 @@ def _has_key(overrides: list[str], key: str) -> bool:
 def _run_url(args: argparse.Namespace, out: Path) -> int:
     import asyncio
 
+    if args.set_both or args.set_a or args.set_b or args.labels:
+        raise UsageError("--set, --set-a, --set-b and --labels apply to --compare only")
     url = args.url or DEFAULT_URL
     summary = asyncio.run(bench_once(url, url.split("//")[-1], args, {}))
     files = write_run(summary, out)

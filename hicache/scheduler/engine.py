@@ -337,7 +337,8 @@ class Scheduler:
                     if not ticket.ready(now):
                         req.status = PREFETCH
                         return False
-            if m.host_hit_length:
+            if m.host_hit_length and self._l1_room_pages() >= m.host_hit_length // self.page_size:
+                # (a load takes L1 pages: never out of what running requests have reserved)
                 ticket = tier.start_load_back(m)
                 if ticket is not None:
                     req.load = ticket
@@ -345,13 +346,17 @@ class Scheduler:
                     return False
         return self._admit(req, m)
 
+    def _l1_room_pages(self) -> int:
+        """L1 pages that are free or evictable and not reserved by running requests."""
+        return self.l1.free_count + self.cache.evictable_size() // self.page_size - self.reserved_pages
+
     def _admit(self, req: Request, m: MatchResult) -> bool:
         ps = self.page_size
         prefix = min(m.device_len, (req.prompt_len - 1) // ps * ps)  # at least one token to compute
         total_pages = -(-(req.prompt_len + req.params.max_new_tokens) // ps)
         need = total_pages - prefix // ps
         lock = self.cache.inc_lock_ref(m.last_device_node)
-        available = self.l1.free_count + self.cache.evictable_size() // ps - self.reserved_pages
+        available = self._l1_room_pages()
         slots = MIN_L1_STATE_SLOTS if self.mamba is not None else 0
         if need > available or not self._aux_room(need, slots):
             self.cache.dec_lock_ref(lock)
@@ -519,6 +524,10 @@ class Scheduler:
                 tokens = array(KEY_TYPECODE, [req.output_ids[-1]])
                 logits = "last"
             if not self._ensure_pages(req, req.computed + len(tokens)):
+                if self.tier is not None and self.tier.in_flight:
+                    # Pages locked by in-flight transfers free up when they finish: sit this
+                    # pass out rather than fail (the admission reservation covers us then).
+                    continue
                 self._finish(req, "error", "L1 is out of pages for this request")
                 continue
             snaps = self._snapshots(req, req.computed, req.computed + len(tokens))
@@ -558,7 +567,7 @@ class Scheduler:
         reason = finish_reason(req.output_ids, req.params, self.eos_token_ids)
         if reason is not None:
             self._finish(req, reason)
-        elif req.stream:
+        elif req.stream or req.sent_tokens == 0:  # non-streaming: the first token at once (TTFT)
             self.emit(protos.TokenOutput(req.rid, req.output_ids[req.sent_tokens:]))
             req.sent_tokens = len(req.output_ids)
 
@@ -612,6 +621,6 @@ class Scheduler:
             self.counters.requests_ok += 1
         usage = protos.Usage(req.prompt_len, len(req.output_ids), req.cached_device, req.cached_host,
                              req.cached_storage)
-        tokens = req.output_ids[req.sent_tokens:] if req.stream else list(req.output_ids)
+        tokens = req.output_ids[req.sent_tokens:]
         req.sent_tokens = len(req.output_ids)
         self.emit(protos.TokenOutput(req.rid, tokens, True, reason, usage, error))

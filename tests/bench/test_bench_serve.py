@@ -256,22 +256,24 @@ def test_unreachable_daemon_is_a_clear_error(tmp_path: Path, capsys: pytest.Capt
         asyncio.run(probe())
 
 
-def test_trace_at_its_own_times_against_a_daemon(daemon: ManagedDaemon, tmp_path: Path) -> None:
+def test_trace_at_its_own_times_against_a_daemon(daemon: ManagedDaemon, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": 100 * i, "input_length": 64, "output_length": 3,
                                          "hash_ids": [1, 2, 3 + i % 2, 10 + i]}) + "\n" for i in range(6)))
     out = tmp_path / "trace"
     rc = main(["bench", "serve", "--url", daemon.url, "--workload", "trace", "--trace", str(trace),
-               "--speed", "2", "--out", str(out), "--no-progress"])
+               "--speed", "0.5", "--out", str(out), "--no-progress"])
     assert rc == 0
     doc = _check_output(out)
-    assert doc["load"]["mode"] == "trace" and doc["load"]["speed"] == 2.0
+    assert doc["load"]["mode"] == "trace" and doc["load"]["speed"] == 0.5
     starts = sorted(r["start_s"] for r in doc["records"])
-    assert starts[-1] >= 0.25 - 0.05  # the last arrives at 500 ms / 2
-    assert doc["cache"]["responses"]["cached"] >= 5 * 32  # blocks 1 and 2 are shared by every record
+    assert starts[-1] >= 1.0 - 0.05  # the last record is at 500 ms, at half speed
+    assert doc["cache"]["responses"]["cached"] >= 3 * 32  # blocks 1 and 2 are shared by every record
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"hash_ids": [1]}\n{"hash_ids": [-1]}\n')
     rc = main(["bench", "serve", "--url", daemon.url, "--workload", "trace", "--trace", str(bad),
                "--out", str(tmp_path / "bad"), "--no-progress"])
     assert rc == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err

@@ -125,6 +125,7 @@ def test_multi_turn_conversation_reuses_the_previous_turn(kind: str, page_size: 
     rig = Rig(cfg)
     prompt = [rng.randrange(1, 500) for _ in range(23)]
     n_new = 20  # decodes past the window of 16
+    prev_computed = 0
     for turn in range(3):
         rid = f"t{turn}"
         rig.run([_gen(rid, prompt, n_new)])

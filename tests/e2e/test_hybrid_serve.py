@@ -1,0 +1,77 @@
+"""End to end with hybrid models: a real ``hicache serve`` of a Full + Mamba and of a
+Full + SWA reference model.
+
+Greedy outputs must be identical whether the prompt's prefix (Full KV and the Mamba state
+or SWA KV) came from L1, from L2 (both components loaded back by the controller) or was
+computed on a cold cache, and the hits must be reported.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+from daemon import Daemon
+
+PS = 4
+
+
+def _config(tmp: Path, layers: list[str]) -> dict:
+    return {
+        "model": {"reference": {"preset": "tiny", "layers": layers, "sliding_window": 16}},
+        "cache": {"page_size": PS, "l1": {"tokens": 256, "state_slots": 16},
+                  "l2": {"tokens": 4096, "state_slots": 64},
+                  "l3": {"backend": "file", "file": {"dir": str(tmp / "l3")}}},
+        "scheduler": {"chunked_prefill_tokens": 256, "max_prefill_tokens": 512},
+        "logging": {"level": "warning"},
+    }
+
+
+def _segments(prefix: str) -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)} if os.path.isdir("/dev/shm") else set()
+
+
+def _wait_for(d: Daemon, what: str, check, timeout_s: float = 20.0) -> dict:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = d.get("/cache/stats")
+        if check(stats):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout_s} s: {stats}\n{d.log()}")
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("aux", ["mamba", "swa"])
+def test_hybrid_model_reuses_its_prefix_from_l1_and_l2(tmp_path: Path, aux: str) -> None:
+    d = Daemon(tmp_path, _config(tmp_path, ["full", aux]))
+    d.start()
+    assert d.proc is not None
+    prefix = f"hicache-{d.proc.pid}-"
+    try:
+        rng = random.Random(5)
+        prompt = [rng.randrange(1, 250) for _ in range(99)]
+        first = d.generate(prompt)
+        again = d.generate(prompt)
+        assert again["output_ids"] == first["output_ids"]
+        boundary = (len(prompt) - 1) // PS * PS  # the prompt's last page boundary before its last token
+        assert again["meta_info"]["cached_tokens"] == boundary
+        assert again["meta_info"]["cached_tokens_details"]["device"] == boundary
+        used = "used_slots" if aux == "mamba" else "used_tokens"
+        stats = _wait_for(d, f"{aux} data written to L2", lambda s: s.get("l2", {}).get(aux, {}).get(used, 0) >= 2)
+        assert stats["l1"][aux]["cached_states" if aux == "mamba" else "cached_tokens"] >= 2
+        # other prompts push it out of L1 (64 pages, 27 per request); its L2 copy stays
+        for _ in range(4):
+            d.generate([rng.randrange(1, 250) for _ in range(99)])
+        third = d.generate(prompt)
+        assert third["output_ids"] == first["output_ids"]
+        details = third["meta_info"]["cached_tokens_details"]
+        assert details["host"] > 0, details
+        assert details["device"] + details["host"] == boundary, details
+    finally:
+        code = d.stop()
+    assert code == 0, d.log()
+    assert not _segments(prefix), "shared memory left behind"
