@@ -39,9 +39,13 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-MIN_L1_STATE_SLOTS = 3
-"""A running request of a Mamba model holds up to three L1 state slots (its own state, the
-prompt-boundary snapshot and the latest page-boundary snapshot)."""
+STATE_SLOTS_PER_REQUEST = 3
+"""A running request of a Mamba model holds up to three L1 state slots: its own state, the
+prompt-boundary snapshot and the latest page-boundary snapshot."""
+
+MIN_L1_STATE_SLOTS = STATE_SLOTS_PER_REQUEST + 1
+"""One more than a request holds: the cached state it matched stays locked while it runs,
+so a request can always be admitted once nothing else runs."""
 
 
 # --------------------------------------------------------------------------- model
@@ -108,7 +112,7 @@ class TokenizerConfig:
 class L1Config:
     """L1 (device) pools. ``tokens``: Full-attention KV capacity (SWA layers get as many
     pages); ``state_slots``: Mamba state slots (models with mamba layers only; each running
-    request holds up to three: its own state and two snapshots)."""
+    request holds up to three: its own state and two snapshots; at least four)."""
 
     tokens: int = 65536
     state_slots: int = 256
@@ -500,7 +504,7 @@ def validate(cfg: HicacheConfig) -> list[ConfigProblem]:
             bad("cache.l2.tokens", f"must be a multiple of cache.page_size ({c.page_size}), got {c.l2.tokens}")
     if c.l1.state_slots < MIN_L1_STATE_SLOTS:
         bad("cache.l1.state_slots", f"must be >= {MIN_L1_STATE_SLOTS} (a running request of a Mamba model "
-            f"holds up to {MIN_L1_STATE_SLOTS}), got {c.l1.state_slots}")
+            f"holds up to {STATE_SLOTS_PER_REQUEST} besides the cached state it matched), got {c.l1.state_slots}")
     non_negative("cache.l2.state_slots", c.l2.state_slots)
     if c.l2.enabled and 0 < c.l2.tokens < c.l1.tokens:
         bad("cache.l2.tokens", f"must be >= cache.l1.tokens ({c.l1.tokens}) when L2 is enabled")

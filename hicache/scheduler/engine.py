@@ -43,8 +43,9 @@ and mamba) is refused at construction with the reason. For hybrid models:
   ``cache_unfinished_req(mamba_value=...)`` so a repeated prompt matches it. At finish
   the boundary snapshot, when it is the state after the last full page of the computed
   tokens, is handed to ``cache_finished_req``; the scheduler frees the request's own slot
-  and any other snapshot. A request reserves its three slots at admission
-  (``reserved_state_slots``).
+  and any other snapshot. A request reserves its (up to three) slots at admission
+  (``reserved_state_slots``); a snapshot that still finds no slot is skipped (its state is
+  just not cached), never an error.
 - L2: SWA pages and Mamba states move to and from L2 with their nodes' Full pages when
   the tree has L2 allocators for them (``cache.l2.state_slots: 0`` keeps Mamba L1-only);
   only Full KV goes to L3, so a prefix prefetched from L3 is a valid hybrid match only up
@@ -64,7 +65,7 @@ from typing import Any
 import torch
 
 import protos
-from hicache.config import MIN_L1_STATE_SLOTS, HicacheConfig
+from hicache.config import STATE_SLOTS_PER_REQUEST, HicacheConfig
 from hicache.memory.allocator import PageAllocator
 from hicache.model.loader import LoadedModel
 from hicache.model.runner import ForwardItem, ModelRunner
@@ -186,9 +187,9 @@ class Scheduler:
             raise RequestRejected(f"the request needs {need} L1 pages; L1 holds {self.l1.capacity}")
         if self.swa is not None and need > self.swa.allocator.capacity:
             raise RequestRejected(f"the request needs {need} L1 SWA pages; L1 holds {self.swa.allocator.capacity}")
-        if self.mamba is not None and self.mamba.allocator.capacity < MIN_L1_STATE_SLOTS:
-            raise RequestRejected(f"a request needs {MIN_L1_STATE_SLOTS} L1 state slots; L1 holds "
-                                  f"{self.mamba.allocator.capacity}")
+        if self.mamba is not None and self.mamba.allocator.capacity <= STATE_SLOTS_PER_REQUEST:
+            raise RequestRejected(f"a request needs {STATE_SLOTS_PER_REQUEST} L1 state slots besides the state it "
+                                  f"matches; L1 holds {self.mamba.allocator.capacity}")
         return Request(msg.rid, array(KEY_TYPECODE, msg.input_ids), params, resolve_seed(params), msg.stream,
                        msg.cache_salt, arrival=self.clock())
 
@@ -357,7 +358,9 @@ class Scheduler:
         need = total_pages - prefix // ps
         lock = self.cache.inc_lock_ref(m.last_device_node)
         available = self._l1_room_pages()
-        slots = MIN_L1_STATE_SLOTS if self.mamba is not None else 0
+        slots = 0
+        if self.mamba is not None:  # its own state, the prompt snapshot (if still to take), a boundary one
+            slots = STATE_SLOTS_PER_REQUEST - (1 if (req.prompt_len - 1) // ps * ps <= prefix else 0)
         if need > available or not self._aux_room(need, slots):
             self.cache.dec_lock_ref(lock)
             return False
@@ -376,8 +379,9 @@ class Scheduler:
             req.reserved_state_slots = slots
             self.reserved_state_slots += slots
             slot = self._take_slot(req)
-            if slot is None:  # reserved above, so only a broken invariant gets here
-                raise RuntimeError("no Mamba state slot although one was reserved")
+            if slot is None:  # counted free or evictable, but not evictable now: queue
+                self._unadmit(req)
+                return False
             if prefix > 0:
                 src = self.cache.data(m.last_device_node, ComponentType.MAMBA).value
                 if src is None:
@@ -390,19 +394,53 @@ class Scheduler:
         self._account_hits(req, prefix)
         return True
 
+    def _unadmit(self, req: Request) -> None:
+        """Undo a half-done ``_admit``: give back the lock, reservations and slots."""
+        st = req.tree
+        if st is None:
+            return
+        if st.lock is not None:
+            self.cache.dec_lock_ref(st.lock)
+        if st.mamba_slot is not None:
+            self.mamba.allocator.free([st.mamba_slot])  # type: ignore[union-attr]
+        req.tree = None
+        req.computed = 0
+        req.prompt_boundary = 0
+        self.reserved_pages -= req.reserved_pages
+        self.reserved_swa_pages -= req.reserved_swa_pages
+        self.reserved_state_slots -= req.reserved_state_slots
+        req.reserved_pages = req.reserved_swa_pages = req.reserved_state_slots = 0
+
     def _aux_room(self, pages: int, slots: int) -> bool:
         """Whether SWA can still promise ``pages`` pages and Mamba ``slots`` slots (free or
-        evictable, less what running requests reserved)."""
+        evictable, less what running requests reserved). Aux data of nodes being loaded
+        back is unlocked but not evictable until the load finishes: it is not counted."""
         ps = self.page_size
+        loading = self._loading_aux()
         if self.swa is not None:
-            free = self.swa.allocator.free_count + self.cache.evictable_size(ComponentType.SWA) // ps
+            free = (self.swa.allocator.free_count + self.cache.evictable_size(ComponentType.SWA) // ps
+                    - loading.get(self.swa.name, 0))
             if pages > free - self.reserved_swa_pages:
                 return False
         if self.mamba is not None:
-            free = self.mamba.allocator.free_count + self.cache.evictable_size(ComponentType.MAMBA)
+            free = (self.mamba.allocator.free_count + self.cache.evictable_size(ComponentType.MAMBA)
+                    - loading.get(self.mamba.name, 0))
             if slots > free - self.reserved_state_slots:
                 return False
         return True
+
+    def _loading_aux(self) -> dict[str, int]:
+        """SWA pages / Mamba slots that load-backs in flight hold in L1, per component."""
+        out: dict[str, int] = {}
+        if self.tier is None:
+            return out
+        for op in self.cache.pending_ops():
+            if op.kind != "load":
+                continue
+            for name, (_src, dst) in op.transfers.items():
+                if name != "full":
+                    out[name] = out.get(name, 0) + len(dst)
+        return out
 
     def _tree_swa_pages(self, node: TreeNode, npages: int) -> list[int]:
         """The tree's SWA pages of the path ending at ``node`` (``npages`` pages), -1 for a
@@ -485,9 +523,10 @@ class Scheduler:
         self.reserved_swa_pages -= taken
         return True
 
-    def _snapshots(self, req: Request, start: int, end: int) -> list[tuple[int, int]] | None:
+    def _snapshots(self, req: Request, start: int, end: int) -> list[tuple[int, int]]:
         """Mamba snapshots for computing ``[start, end)``: the prompt boundary (once) and the
-        last page boundary in ``(start, end]``. None when no slot could be had."""
+        last page boundary in ``(start, end]``. A snapshot no slot can be had for (reserved,
+        but the evictable state was busy) is skipped: that state is then not cached."""
         if self.mamba is None:
             return []
         out: list[tuple[int, int]] = []
@@ -495,16 +534,16 @@ class Scheduler:
         if pb and req.prompt_slot is None and start < pb <= end:
             slot = self._take_slot(req)
             if slot is None:
-                return None
-            req.prompt_slot = slot
-            out.append((pb, slot))
+                req.prompt_boundary = 0
+            else:
+                req.prompt_slot = slot
+                out.append((pb, slot))
         b = end // self.page_size * self.page_size
         if b > start:
             if req.boundary_slot is None:
                 req.boundary_slot = self._take_slot(req)
-                if req.boundary_slot is None:
-                    return None
-            out.append((b, req.boundary_slot))
+            if req.boundary_slot is not None:
+                out.append((b, req.boundary_slot))
         return out
 
     def _forward(self) -> None:
@@ -524,16 +563,14 @@ class Scheduler:
                 tokens = array(KEY_TYPECODE, [req.output_ids[-1]])
                 logits = "last"
             if not self._ensure_pages(req, req.computed + len(tokens)):
-                if self.tier is not None and self.tier.in_flight:
-                    # Pages locked by in-flight transfers free up when they finish: sit this
+                if self.tier is not None and (self.tier.in_flight or self.cache.nodes_to_write_to_host(limit=1)):
+                    # Pages held by in-flight transfers, or queued for an L2 write before
+                    # eviction (write_back), free up once the controller is done: sit this
                     # pass out rather than fail (the admission reservation covers us then).
                     continue
                 self._finish(req, "error", "L1 is out of pages for this request")
                 continue
             snaps = self._snapshots(req, req.computed, req.computed + len(tokens))
-            if snaps is None:
-                self._finish(req, "error", "L1 is out of Mamba state slots for this request")
-                continue
             st = req.tree
             batch.append((req, ForwardItem(tokens, req.computed, st.kv_pages,
                                            st.swa_pages if st.swa_pages is not None else (),

@@ -130,7 +130,9 @@ def scheduler_main(args: SchedulerArgs) -> None:
                 draining, deadline = True, time.monotonic() + 30.0
                 log.info("stopping: finishing %d running requests", len(sched.running))
             busy = sched.busy or (tier is not None and tier.in_flight > 0)
-            timeout = 0 if sched.busy else 20
+            # Never spin: with nothing to compute, wait for a message (acks and requests are
+            # messages); waiting requests only need a short tick for prefetch deadlines.
+            timeout = 0 if sched.running else (5 if sched.waiting else 20)
             for _ in range(256):
                 try:
                     msg = inbox.recv(timeout)

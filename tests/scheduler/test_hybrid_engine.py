@@ -178,8 +178,8 @@ def test_abort_mid_run_gives_everything_back(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", list(PATTERNS))
 def test_admission_queues_when_aux_memory_is_short(kind: str) -> None:
-    # mamba: 3 state slots = one running request at a time; swa: L1 for about one and a half
-    cfg = _cfg(PATTERNS[kind], 4, tokens=96 if kind == "swa" else 512, state_slots=3, chunked_prefill_tokens=32)
+    # mamba: 4 state slots = one running request at a time; swa: L1 for about one and a half
+    cfg = _cfg(PATTERNS[kind], 4, tokens=96 if kind == "swa" else 512, state_slots=4, chunked_prefill_tokens=32)
     rig = Rig(cfg)
     prompts = {f"q{i}": [i + 1] * 40 for i in range(4)}
     rig.run([_gen(rid, ids, 20) for rid, ids in prompts.items()])
@@ -213,3 +213,85 @@ def test_unsupported_patterns_are_refused_with_the_reason(layers: tuple[str, ...
     pools = allocate_pools(model.geometry, 64, 4, 8)
     with pytest.raises(ValueError, match="layers"):
         build_cache(cfg, model, 64, None, pools=pools)
+
+
+class L2Rig(Rig):
+    """A scheduler over the daemon's shared-memory pools (every component, L1 and L2) with
+    the controller's copy engine run in-process: each ``WriteToHost`` / ``LoadToDevice`` is
+    executed and acknowledged on the next ``pump``, in order."""
+
+    def __init__(self, cfg: HicacheConfig) -> None:
+        from controller.transfer import CpuTransferEngine
+        from hicache.launch import Launcher
+        from hicache.memory.pools import create_pools
+        from hicache.scheduler.assembly import kv_pools_from_shared
+        from hicache.tier_manager import TierManager
+
+        self.cfg = cfg
+        self.model = load_model(cfg.model)
+        ps = cfg.cache.page_size
+        self.layout = Launcher(cfg)._layout()
+        self.shared = create_pools(self.layout)
+        kv = kv_pools_from_shared(self.shared, ps)
+        names = {c.name for c in self.layout.components}
+        sizes: dict[str, int] = {}
+        if "mamba" in names:
+            sizes = {"l2_state_slots": self.layout.component("mamba").l2_pages}
+        full = self.layout.component("full")
+        self.cache, self.l1, _ = build_cache(cfg, self.model, full.l1_pages, full.l2_pages, pools=kv, **sizes)
+        self.engine = CpuTransferEngine(self.shared)
+        self.inbox: list[protos.ControllerMessage] = []
+        self.tier = TierManager(self.cache, self.inbox.append, load_back_threshold=0)
+        self.out: dict[str, list[protos.TokenOutput]] = {}
+        self.sched = Scheduler(cfg, self.model, ModelRunner(self.model, kv), self.cache, self.l1, self._emit,
+                               tier=self.tier, controller_send=self.inbox.append)
+
+    def pump(self) -> None:
+        msgs, self.inbox[:] = list(self.inbox), []
+        for msg in msgs:
+            if isinstance(msg, (protos.WriteToHost, protos.LoadToDevice)):
+                self.engine.check(msg)
+                self.engine.run(msg)
+                self.sched.on_controller(protos.OpDone(msg.op_id, "ok"))
+
+    def run(self, reqs: list[protos.GenerateRequest], max_steps: int = 3000) -> None:
+        for r in reqs:
+            self.sched.submit(r)
+        for _ in range(max_steps):
+            if not self.sched.busy and not self.tier.in_flight:
+                break
+            self.sched.step()
+            self.pump()
+        assert not self.sched.busy and not self.tier.in_flight
+        self.assert_idle()
+
+    def close(self) -> None:
+        self.shared.close()
+        self.shared.unlink()
+
+
+@pytest.mark.parametrize("kind", list(PATTERNS))
+def test_prefix_evicted_to_l2_and_loaded_back_gives_the_same_output(kind: str) -> None:
+    cfg = config_from_dict({
+        "model": {"reference": {"preset": "tiny", "layers": list(PATTERNS[kind]), "sliding_window": WINDOW}},
+        "cache": {"page_size": 4, "l1": {"tokens": 256, "state_slots": 8}, "l2": {"tokens": 2048, "state_slots": 32},
+                  "l3": {"backend": "none"}, "load_back_threshold": 0},
+        "scheduler": {"chunked_prefill_tokens": 256, "max_prefill_tokens": 512},
+    })
+    rng = random.Random(21)
+    prompt = [rng.randrange(1, 500) for _ in range(99)]
+    others = [[rng.randrange(1, 500) for _ in range(99)] for _ in range(4)]
+    rig = L2Rig(cfg)
+    try:
+        rig.run([_gen("first", prompt, 8)])
+        for i, other in enumerate(others):  # 27 of 64 L1 pages each: "first" goes to L2
+            rig.run([_gen(f"o{i}", other, 8)])
+        rig.run([_gen("again", prompt, 8)])
+        assert rig.tokens("again") == rig.tokens("first") == _cold(_cfg(PATTERNS[kind], 4), "x", prompt, 8)
+        usage = rig.final("again").usage
+        assert usage is not None
+        assert usage.cached_host > 0
+        assert usage.cached_device + usage.cached_host == 96
+        assert rig.tier.counters.loads >= 1 and rig.tier.counters.writes >= 1
+    finally:
+        rig.close()
