@@ -68,11 +68,16 @@ class TierCounters:
 
 @dataclass
 class LoadTicket:
-    """A load-back the request waits for. ``ok`` is None while in flight."""
+    """A load-back the request waits for. ``ok`` is None while in flight.
+
+    ``on_done(ok)``, if set, runs right after the tree applied the acknowledgement (the
+    scheduler uses it to lock the freshly loaded prefix before anything can evict it).
+    """
 
     op_id: int
     tokens: int
     ok: bool | None = None
+    on_done: Callable[[bool], None] | None = None
 
     @property
     def done(self) -> bool:
@@ -323,6 +328,8 @@ class TierManager:
             assert p.tier_op is not None
             cache.finish_load_back(p.tier_op, ok)
             p.ticket.ok = ok
+            if p.ticket.on_done is not None:
+                p.ticket.on_done(ok)
             if ok:
                 self.counters.loads += 1
                 self.counters.loaded_tokens += p.ticket.tokens

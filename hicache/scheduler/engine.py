@@ -309,6 +309,13 @@ class Scheduler:
                 self.waiting.remove(req)
                 self.running.append(req)
                 budget -= min(req.prompt_len - req.computed, self.cfg.scheduler.chunked_prefill_tokens)
+        if not self.running and (self.tier is None or not self.tier.in_flight):
+            # Nothing runs and nothing moves: loaded prefixes held for waiting requests may be
+            # what keeps them all out. Let go of them; those requests may load again later.
+            for req in self.waiting:
+                if req.hold is not None:
+                    self._release_hold(req)
+                    req.load = None
 
     def _try_admit(self, req: Request) -> bool:
         """Move ``req`` along its tier states; True once it is admitted (status running)."""
@@ -338,18 +345,37 @@ class Scheduler:
                     if not ticket.ready(now):
                         req.status = PREFETCH
                         return False
-            if m.host_hit_length and self._l1_room_pages() >= m.host_hit_length // self.page_size:
+            if m.host_hit_length and m.host_hit_length >= max(tier.load_back_threshold, 1):
+                ticket = None
                 # (a load takes L1 pages: never out of what running requests have reserved)
-                ticket = tier.start_load_back(m)
+                if self._l1_room_pages() >= m.host_hit_length // self.page_size:
+                    ticket = tier.start_load_back(m)
                 if ticket is not None:
                     req.load = ticket
                     req.status = LOADING
+                    ticket.on_done = lambda ok, node=m.last_host_node: self._hold_loaded(req, node, ok)
+                    return False
+                if self.running or tier.in_flight:
+                    # No room yet: pages are held by running requests or pinned by transfers
+                    # (a node being written cannot be evicted, nor anything above it). Wait
+                    # for them rather than recompute what L2 holds.
                     return False
         return self._admit(req, m)
 
     def _l1_room_pages(self) -> int:
         """L1 pages that are free or evictable and not reserved by running requests."""
         return self.l1.free_count + self.cache.evictable_size() // self.page_size - self.reserved_pages
+
+    def _hold_loaded(self, req: Request, node: object, ok: bool) -> None:
+        """A load-back finished: lock what it loaded until ``req`` is admitted, so that other
+        requests' allocations cannot evict it first (its pages are LRU-old)."""
+        if ok and req.rid in self.by_rid and req.hold is None:
+            req.hold = self.cache.inc_lock_ref(node)  # type: ignore[arg-type]
+
+    def _release_hold(self, req: Request) -> None:
+        if req.hold is not None:
+            self.cache.dec_lock_ref(req.hold)
+            req.hold = None
 
     def _admit(self, req: Request, m: MatchResult) -> bool:
         ps = self.page_size
@@ -364,6 +390,7 @@ class Scheduler:
         if need > available or not self._aux_room(need, slots):
             self.cache.dec_lock_ref(lock)
             return False
+        self._release_hold(req)  # the admission lock covers the loaded prefix now
         st = RequestState(req.input_ids, list(m.device_indices[: prefix // ps]), req.cache_salt, prefix,
                           m.last_device_node, lock)
         req.tree = st
@@ -640,6 +667,7 @@ class Scheduler:
             self.running.remove(req)
         if req.prefetch is not None and not req.prefetch.complete and self.tier is not None:
             self.tier.cancel_prefetch(req.prefetch)
+        self._release_hold(req)
         if req.tree is not None:
             req.tree.token_ids = req.all_tokens()
             if self.mamba is not None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from hicache.model.sampling import SamplingParams
 from hicache.tier_manager import LoadTicket, PrefetchTicket
-from hicache.tree.cache import RequestState
+from hicache.tree.cache import LockToken, RequestState
 
 WAITING, PREFETCH, LOADING, RUNNING = "waiting", "prefetch", "loading", "running"
 
@@ -61,6 +61,7 @@ class Request:
     cached_storage: int = 0
     prefetch: PrefetchTicket | None = None
     load: LoadTicket | None = None
+    hold: LockToken | None = None  # the loaded prefix, locked from the load's ack to admission
     first_token_at: float | None = None
     sent_tokens: int = 0
 

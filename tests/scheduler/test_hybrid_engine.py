@@ -295,3 +295,46 @@ def test_prefix_evicted_to_l2_and_loaded_back_gives_the_same_output(kind: str) -
         assert rig.tier.counters.loads >= 1 and rig.tier.counters.writes >= 1
     finally:
         rig.close()
+
+
+class _L3AckRig(L2Rig):
+    """L2Rig whose controller also acknowledges backups (as stored) and L3 queries (no hits)."""
+
+    def pump(self) -> None:
+        msgs, self.inbox[:] = list(self.inbox), []
+        for msg in msgs:
+            if isinstance(msg, (protos.WriteToHost, protos.LoadToDevice)):
+                self.engine.check(msg)
+                self.engine.run(msg)
+                self.sched.on_controller(protos.OpDone(msg.op_id, "ok"))
+            elif isinstance(msg, protos.BackupToStorage):
+                self.sched.on_controller(protos.OpDone(msg.op_id, "ok", len(msg.hashes)))
+            elif isinstance(msg, protos.PrefetchQuery):
+                self.sched.on_controller(protos.PrefetchHits(msg.op_id, 0))
+
+
+def test_multi_turn_waits_for_pinned_pages_instead_of_recomputing_what_l2_holds() -> None:
+    """Regression: a load-back that could not get L1 pages *yet* (the only evictable leaf
+    was pinned by its L2 write) made the request recompute its whole history."""
+    cfg = config_from_dict({
+        "cache": {"page_size": 16, "l1": {"tokens": 1280}, "l2": {"tokens": 10240}, "l3": {"backend": "none"},
+                  "load_back_threshold": 16},
+    })
+    rig = _L3AckRig(cfg)
+    rig.tier.l3_enabled = True
+    rng = random.Random(5)
+    history: dict[int, list[int]] = {c: [] for c in range(4)}
+    try:
+        for rnd in range(4):
+            for c in range(4):
+                ids = history[c] + [rng.randrange(1, 250) for _ in range(192)]
+                rid = f"{rnd}-{c}"
+                rig.run([_gen(rid, ids, 2)])
+                history[c] = ids + rig.tokens(rid)
+                usage = rig.final(rid).usage
+                assert usage is not None
+                # everything but the new question (page-aligned) comes from L1 or L2
+                assert usage.cached_device + usage.cached_host == (len(ids) - 192) // 16 * 16, (rid, usage)
+        assert rig.tier.counters.loads >= 8
+    finally:
+        rig.close()
