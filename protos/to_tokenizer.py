@@ -16,13 +16,22 @@ class TokenizerMessage(Message):
 
 @dataclass(slots=True)
 class Usage:
-    """Token accounting of one request; the three ``cached_*`` add up to the cached prompt tokens."""
+    """Token accounting of one request; the three ``cached_*`` add up to the cached prompt tokens.
+
+    Where the time to the first token went, in the scheduler: ``queue_ms`` from arrival to
+    admission (it includes any L2 load-back or L3 prefetch wait), ``load_ms`` the load-back
+    alone (from sending it to its acknowledgement), ``prefill_ms`` from admission to the
+    first sampled token (the suffix prefill).
+    """
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_device: int = 0
     cached_host: int = 0
     cached_storage: int = 0
+    queue_ms: float = 0.0
+    load_ms: float = 0.0
+    prefill_ms: float = 0.0
 
     @property
     def cached_tokens(self) -> int:

@@ -353,6 +353,7 @@ class Scheduler:
                 if ticket is not None:
                     req.load = ticket
                     req.status = LOADING
+                    req.load_sent_at = now
                     ticket.on_done = lambda ok, node=m.last_host_node: self._hold_loaded(req, node, ok)
                     return False
                 if self.running or tier.in_flight:
@@ -366,9 +367,19 @@ class Scheduler:
         """L1 pages that are free or evictable and not reserved by running requests."""
         return self.l1.free_count + self.cache.evictable_size() // self.page_size - self.reserved_pages
 
+    @staticmethod
+    def _timings_ms(req: Request) -> tuple[float, float, float]:
+        """(queue, load, prefill) in ms for ``Usage``; 0 for a phase that did not happen."""
+        def ms(a: float | None, b: float | None) -> float:
+            return (b - a) * 1000.0 if a is not None and b is not None else 0.0
+
+        return (ms(req.arrival, req.admitted_at), ms(req.load_sent_at, req.load_done_at),
+                ms(req.admitted_at, req.first_token_at))
+
     def _hold_loaded(self, req: Request, node: object, ok: bool) -> None:
         """A load-back finished: lock what it loaded until ``req`` is admitted, so that other
         requests' allocations cannot evict it first (its pages are LRU-old)."""
+        req.load_done_at = self.clock()
         if ok and req.rid in self.by_rid and req.hold is None:
             req.hold = self.cache.inc_lock_ref(node)  # type: ignore[arg-type]
 
@@ -391,6 +402,7 @@ class Scheduler:
             self.cache.dec_lock_ref(lock)
             return False
         self._release_hold(req)  # the admission lock covers the loaded prefix now
+        req.admitted_at = self.clock()
         st = RequestState(req.input_ids, list(m.device_indices[: prefix // ps]), req.cache_salt, prefix,
                           m.last_device_node, lock)
         req.tree = st
@@ -685,7 +697,7 @@ class Scheduler:
         elif reason != "abort":
             self.counters.requests_ok += 1
         usage = protos.Usage(req.prompt_len, len(req.output_ids), req.cached_device, req.cached_host,
-                             req.cached_storage)
+                             req.cached_storage, *self._timings_ms(req))
         tokens = req.output_ids[req.sent_tokens:]
         req.sent_tokens = len(req.output_ids)
         self.emit(protos.TokenOutput(req.rid, tokens, True, reason, usage, error))

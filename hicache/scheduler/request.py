@@ -63,6 +63,9 @@ class Request:
     load: LoadTicket | None = None
     hold: LockToken | None = None  # the loaded prefix, locked from the load's ack to admission
     first_token_at: float | None = None
+    admitted_at: float | None = None
+    load_sent_at: float | None = None
+    load_done_at: float | None = None
     sent_tokens: int = 0
 
     @property

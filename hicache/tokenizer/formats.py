@@ -102,6 +102,8 @@ class GenerateFormat(ResponseFormat):
             "completion_tokens": u.completion_tokens,
             "cached_tokens": u.cached_tokens,
             "cached_tokens_details": cached_details(u),
+            "timings_ms": {"queue": round(u.queue_ms, 3), "load": round(u.load_ms, 3),
+                           "prefill": round(u.prefill_ms, 3)},
             "finish_reason": finish_reason,
         }
 

@@ -62,6 +62,7 @@ def test_cached_prefix_gives_the_same_output_and_reports_hits(daemon: Daemon, tm
         assert a["output_ids"] == b["output_ids"]
     assert first[1]["meta_info"]["cached_tokens"] >= 64
     assert again[0]["meta_info"]["cached_tokens_details"]["device"] >= 80
+    assert set(again[0]["meta_info"]["timings_ms"]) == {"queue", "load", "prefill"}
     cold = Daemon(tmp_path, _config(tmp_path / "cold", l2={"enabled": False}, l3={"backend": "none"}), "cold")
     cold.start()
     try:

@@ -148,3 +148,17 @@ def test_admission_queues_when_l1_is_full() -> None:
     rig.run(reqs)
     for i in range(4):
         assert rig.final(f"q{i}").finish_reason == "length"
+
+
+def test_usage_reports_where_the_time_to_first_token_went() -> None:
+    clock = [0.0]
+    rig = Rig(_cfg(4))
+    rig.sched.clock = lambda: clock[0]
+    rig.sched.submit(_gen("t", list(range(1, 40)), 2))
+    clock[0] = 0.25
+    rig.sched.step()  # admitted at 0.25 s; first prefill chunk (32 of 39 tokens)
+    clock[0] = 0.5
+    rig.run([])  # second chunk and the first token at 0.5 s
+    usage = rig.final("t").usage
+    assert usage is not None
+    assert usage.queue_ms == 250.0 and usage.load_ms == 0.0 and usage.prefill_ms == 250.0
