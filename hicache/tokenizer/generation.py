@@ -27,6 +27,7 @@ not send one), ``completion_tokens`` = the number of token ids returned to the c
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 
 import protos
@@ -43,14 +44,11 @@ class GenerationError(RuntimeError):
 
 
 def final_usage(req: PreparedRequest, latest: protos.Usage | None, completion_tokens: int) -> protos.Usage:
+    """The scheduler's latest usage, with the prompt length filled in if missing and the
+    completion count as this process received it."""
     u = latest or protos.Usage()
-    return protos.Usage(
-        prompt_tokens=u.prompt_tokens or len(req.input_ids),
-        completion_tokens=completion_tokens,
-        cached_device=u.cached_device,
-        cached_host=u.cached_host,
-        cached_storage=u.cached_storage,
-    )
+    return dataclasses.replace(u, prompt_tokens=u.prompt_tokens or len(req.input_ids),
+                               completion_tokens=completion_tokens)
 
 
 async def generate_steps(link: SchedulerLink, tokenizer: Tokenizer, req: PreparedRequest,

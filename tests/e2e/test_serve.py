@@ -63,6 +63,7 @@ def test_cached_prefix_gives_the_same_output_and_reports_hits(daemon: Daemon, tm
     assert first[1]["meta_info"]["cached_tokens"] >= 64
     assert again[0]["meta_info"]["cached_tokens_details"]["device"] >= 80
     assert set(again[0]["meta_info"]["timings_ms"]) == {"queue", "load", "prefill"}
+    assert again[0]["meta_info"]["timings_ms"]["prefill"] > 0  # the scheduler's figures reach the client
     cold = Daemon(tmp_path, _config(tmp_path / "cold", l2={"enabled": False}, l3={"backend": "none"}), "cold")
     cold.start()
     try:
