@@ -33,6 +33,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "transfer": ("hicache.bench.transfer", "L1<->L2 copies and backups through the controller"),
     "model": ("hicache.bench.model", "reference model prefill/decode against a KV page copy"),
     "serve": ("hicache.bench.serve", "drive a running daemon with realistic workloads"),
+    "ttft": ("hicache.bench.ttft", "time to first token of a long prompt from each tier vs cold"),
 }
 
 
