@@ -28,6 +28,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from storage_backends.keys import check_hashes
 from storage_backends.page_format import PageLayout
 from storage_backends.stats import StorageStats
 
@@ -113,6 +114,23 @@ class StorageBackend(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _read_targets(self, hashes: Sequence[str], into: Sequence[Buffer]) -> tuple[list[str], list[memoryview]]:
+        """Validate a ``batch_get``: the hashes, and one writable, contiguous buffer of exactly
+        the page size per hash; returns the hashes and flat byte views of the buffers."""
+        layout = self._require_layout()
+        checked = check_hashes(hashes)
+        if len(into) != len(checked):
+            raise ValueError(f"{len(checked)} hashes but {len(into)} buffers")
+        views = []
+        for buf in into:
+            mv = memoryview(buf)
+            if mv.readonly or mv.nbytes != layout.payload_size or not mv.contiguous:
+                raise ValueError(
+                    f"each buffer must be writable, contiguous and {layout.payload_size} bytes; got {mv.nbytes}"
+                )
+            views.append(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
+        return checked, views
 
     def _require_layout(self) -> PageLayout:
         if self.layout is None:

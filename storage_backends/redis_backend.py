@@ -269,17 +269,7 @@ class RedisBackend(StorageBackend):
 
     def batch_get(self, hashes: Sequence[str], into: Sequence[memoryview]) -> list[bool]:
         layout = self._require_layout()
-        hashes = check_hashes(hashes)
-        if len(into) != len(hashes):
-            raise ValueError(f"{len(hashes)} hashes but {len(into)} buffers")
-        views = []
-        for buf in into:
-            mv = memoryview(buf)
-            if mv.readonly or mv.nbytes != layout.payload_size or not mv.contiguous:
-                raise ValueError(
-                    f"each buffer must be writable, contiguous and {layout.payload_size} bytes; got {mv.nbytes}"
-                )
-            views.append(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
+        hashes, views = self._read_targets(hashes, into)
         n = len(hashes)
         out = [False] * n
         if not n:
