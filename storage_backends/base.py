@@ -132,6 +132,21 @@ class StorageBackend(ABC):
             views.append(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
         return checked, views
 
+    def _write_sources(self, hashes: Sequence[str], pages: Sequence[Buffer]) -> tuple[list[str], list[memoryview]]:
+        """Validate a ``batch_set``: the hashes, and one contiguous page of exactly the page
+        size per hash; returns the hashes and flat byte views of the pages (read only)."""
+        layout = self._require_layout()
+        checked = check_hashes(hashes)
+        if len(pages) != len(checked):
+            raise ValueError(f"{len(checked)} hashes but {len(pages)} pages")
+        views = []
+        for page in pages:
+            mv = memoryview(page)
+            if mv.nbytes != layout.payload_size or not mv.contiguous:
+                raise ValueError(f"each page must be contiguous and {layout.payload_size} bytes; got {mv.nbytes}")
+            views.append(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
+        return checked, views
+
     def _require_layout(self) -> PageLayout:
         if self.layout is None:
             raise ValueError(f"{type(self).__name__} was built without a PageLayout (administration only)")

@@ -237,15 +237,7 @@ class FileBackend(StorageBackend):
 
     def batch_set(self, hashes: Sequence[str], pages: Sequence[Buffer]) -> list[bool]:
         layout = self._require_layout()
-        hashes = check_hashes(hashes)
-        if len(pages) != len(hashes):
-            raise ValueError(f"{len(hashes)} hashes but {len(pages)} pages")
-        views = []
-        for page in pages:
-            mv = memoryview(page)
-            if mv.nbytes != layout.payload_size or not mv.contiguous:
-                raise ValueError(f"each page must be contiguous and {layout.payload_size} bytes; got {mv.nbytes}")
-            views.append(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
+        hashes, views = self._write_sources(hashes, pages)
         self._ensure_process()
         if not hashes:
             return []
