@@ -79,6 +79,12 @@ from hicache.tree.node import KEY_TYPECODE, ComponentType, TreeNode
 log = logging.getLogger("hicache.scheduler")
 
 
+LOAD_JOIN_WAIT_FRACTION = 0.1
+"""At most this fraction of a forward pass is spent waiting for load-backs to join it."""
+LOAD_JOIN_WAIT_MAX_S = 0.02
+"""And never more than this (a GPU step is short; a slow ack is not worth a long stall)."""
+
+
 class RequestRejected(ValueError):
     """A request that cannot be served as given (answered with finish_reason ``error``)."""
 
@@ -142,6 +148,7 @@ class Scheduler:
         self.reserved_swa_pages = 0
         self.reserved_state_slots = 0
         self.counters = SchedulerCounters()
+        self.forward_s_ewma = 0.0  # recent forward-pass duration (s), for load_join_wait_s
         self._rng = random.Random(0)
         self._match_len: dict[str, int] = {}
         self._match_node: dict[str, object] = {}
@@ -280,13 +287,44 @@ class Scheduler:
 
     def step(self) -> bool:
         """One scheduling pass and at most one forward pass; True if a forward ran."""
+        self.schedule()
+        return self.forward()
+
+    def schedule(self) -> None:
+        """Start the writes the write policy asks for, then admit what can be admitted."""
         if self.tier is not None:
             self.tier.issue_writes()
         self._schedule()
+
+    def forward(self) -> bool:
+        """One forward pass over the running requests; True if one ran."""
         if not self.running:
             return False
+        t0 = time.perf_counter()
         self._forward()
+        took = time.perf_counter() - t0
+        self.forward_s_ewma = took if self.forward_s_ewma == 0.0 else 0.8 * self.forward_s_ewma + 0.2 * took
         return True
+
+    def load_join_wait_s(self) -> float:
+        """How long the loop may wait for load-back acks before the next forward pass.
+
+        A request whose prefix is coming back from L2 is admitted only once its load is
+        acknowledged. If that ack lands just after a forward pass has started, the request
+        waits a whole pass (with a CPU model, 100 ms or more) for a copy that took a
+        millisecond. So when loads are in flight and requests are running, the loop waits
+        for those acks up to ``LOAD_JOIN_WAIT_FRACTION`` of a typical forward pass (capped at
+        ``LOAD_JOIN_WAIT_MAX_S``): the running requests lose at most that fraction of a step,
+        the loaded ones join this pass. 0 when there is nothing to wait for.
+        """
+        if not self.running or not any(r.status == LOADING for r in self.waiting):
+            return 0.0
+        return min(LOAD_JOIN_WAIT_MAX_S, LOAD_JOIN_WAIT_FRACTION * self.forward_s_ewma)
+
+    @property
+    def loads_pending(self) -> bool:
+        """True while a waiting request's load-back is still in flight."""
+        return any(r.status == LOADING and r.load is not None and not r.load.done for r in self.waiting)
 
     def check_idle(self) -> None:
         """The integrity check, run by the loop when nothing is running or in flight."""

@@ -13,7 +13,9 @@ controller   PUSH    page moves (``ResettablePush``: dropped when the controller
 launcher     PUSH    ready, and a restart request when the controller hangs
 ===========  ======  ==========================================================
 
-The loop blocks on the inbox only while there is nothing to compute. A frame that does not
+The loop blocks on the inbox only while there is nothing to compute, and, for at most a
+tenth of a forward pass (``Scheduler.load_join_wait_s``), while a load-back that could join
+the next forward pass is in flight. A frame that does not
 decode is logged and dropped; the loop goes on. SIGTERM or a ``Shutdown`` message stops
 admission (new requests are answered with an error), lets running requests finish within
 the grace period, aborts the rest, and exits 0.
@@ -124,6 +126,36 @@ def scheduler_main(args: SchedulerArgs) -> None:
     deadline = 0.0
     restart_asked = False
     last_idle_check = 0.0
+
+    def handle(msg: protos.Message) -> None:
+        """Dispatch one inbox message (requests, controller answers, process events)."""
+        nonlocal draining, deadline, restart_asked
+        if isinstance(msg, protos.Shutdown):
+            stop_requested[0] = True
+            if not draining:
+                draining, deadline = True, time.monotonic() + msg.grace_s
+        elif isinstance(msg, protos.GenerateRequest):
+            if draining:
+                to_tokenizer.send(protos.TokenOutput(msg.rid, [], True, "error", None,
+                                                     "the server is shutting down"))
+            else:
+                sched.submit(msg)
+        elif isinstance(msg, protos.AbortRequest):
+            sched.abort(msg.rid)
+        elif isinstance(msg, protos.AdminRequest):
+            sched.admin(msg)
+        elif isinstance(msg, protos.ProcessEvent):
+            if msg.process == "controller" and msg.event == "died" and tier is not None:
+                failed = tier.on_controller_lost()
+                if to_controller is not None:
+                    to_controller.reset()
+                restart_asked = False
+                log.warning("controller died (%s): %d in-flight ops failed back", msg.detail, failed)
+        elif isinstance(msg, protos.ErrorReply):
+            log.warning("a peer refused one of our frames: %s", msg.error)
+        else:
+            sched.on_controller(msg)
+
     try:
         while True:
             if stop_requested[0] and not draining:
@@ -142,32 +174,23 @@ def scheduler_main(args: SchedulerArgs) -> None:
                 if msg is None:
                     break
                 timeout = 0
-                if isinstance(msg, protos.Shutdown):
-                    stop_requested[0] = True
-                    if not draining:
-                        draining, deadline = True, time.monotonic() + msg.grace_s
-                elif isinstance(msg, protos.GenerateRequest):
-                    if draining:
-                        to_tokenizer.send(protos.TokenOutput(msg.rid, [], True, "error", None,
-                                                             "the server is shutting down"))
-                    else:
-                        sched.submit(msg)
-                elif isinstance(msg, protos.AbortRequest):
-                    sched.abort(msg.rid)
-                elif isinstance(msg, protos.AdminRequest):
-                    sched.admin(msg)
-                elif isinstance(msg, protos.ProcessEvent):
-                    if msg.process == "controller" and msg.event == "died" and tier is not None:
-                        failed = tier.on_controller_lost()
-                        if to_controller is not None:
-                            to_controller.reset()
-                        restart_asked = False
-                        log.warning("controller died (%s): %d in-flight ops failed back", msg.detail, failed)
-                elif isinstance(msg, protos.ErrorReply):
-                    log.warning("a peer refused one of our frames: %s", msg.error)
-                else:
-                    sched.on_controller(msg)
-            sched.step()
+                handle(msg)
+            sched.schedule()
+            wait_s = sched.load_join_wait_s()
+            if wait_s > 0.0:
+                # let load-backs that are about to finish join this forward pass
+                until = time.monotonic() + wait_s
+                while sched.loads_pending and (left := until - time.monotonic()) > 0:
+                    try:
+                        msg = inbox.recv(max(1, int(left * 1000)))
+                    except protos.ProtocolError as exc:
+                        log.warning("refused a frame: %s", exc)
+                        continue
+                    if msg is None:
+                        break
+                    handle(msg)
+                sched.schedule()
+            sched.forward()
             if tier is not None and not restart_asked and tier.oldest_op_age() > CONTROLLER_OP_TIMEOUT_S:
                 log.error("the controller has not answered for %.0f s: asking for a restart", tier.oldest_op_age())
                 to_launcher.send(protos.ProcessEvent("controller", "restart", 0, "ops unanswered"))

@@ -193,6 +193,13 @@ def _check_output(out: Path) -> dict:
     assert doc["cache"]["metrics_match"] is True
     assert {t: doc["cache"]["metrics"][t] for t in ("device", "host", "storage")} == \
         {t: resp[t] for t in ("device", "host", "storage")}
+    # the scheduler's TTFT breakdown came with every response and fits inside the client's TTFT
+    for name in ("queue", "load", "prefill"):
+        assert doc["server_timings_ms"][name]["count"] == doc["requests"]["completed"], name
+    for r in doc["records"]:
+        t = r["timings_ms"]
+        assert min(t.values()) >= 0.0
+        assert sum(t.values()) <= r["ttft_s"] * 1000 + 1.0
     tl = doc["timeline"]
     assert sum(tl["device"]) + sum(tl["host"]) + sum(tl["storage"]) == resp["cached"]
     for name in ("ttft_cdf.png", "tier_hits.png"):

@@ -338,3 +338,52 @@ def test_multi_turn_waits_for_pinned_pages_instead_of_recomputing_what_l2_holds(
         assert rig.tier.counters.loads >= 8
     finally:
         rig.close()
+
+
+def test_a_load_back_acknowledged_before_the_next_pass_joins_it() -> None:
+    """The loop may wait (``load_join_wait_s``) for a load-back in flight while others run;
+    once the ack is in, the next scheduling pass admits the request into that same forward."""
+    from hicache.scheduler.engine import LOAD_JOIN_WAIT_MAX_S
+    from hicache.scheduler.request import LOADING, RUNNING
+
+    cfg = config_from_dict({
+        "cache": {"page_size": 4, "l1": {"tokens": 256}, "l2": {"tokens": 2048}, "l3": {"backend": "none"},
+                  "load_back_threshold": 0},
+        "scheduler": {"chunked_prefill_tokens": 256, "max_prefill_tokens": 512},
+    })
+    rng = random.Random(8)
+    prompt = [rng.randrange(1, 500) for _ in range(99)]
+    rig = L2Rig(cfg)
+    try:
+        rig.run([_gen("first", prompt, 4)])
+        for i in range(4):  # push "first" out of L1 into L2
+            rig.run([_gen(f"o{i}", [rng.randrange(1, 500) for _ in range(99)], 4)])
+        sched = rig.sched
+        assert sched.load_join_wait_s() == 0.0  # nothing runs, nothing loads
+        sched.submit(_gen("long", [rng.randrange(1, 500) for _ in range(20)], 30))
+        sched.step()
+        rig.pump()
+        assert sched.forward_s_ewma > 0.0
+        sched.submit(_gen("again", prompt, 4))
+        sched.schedule()
+        again = sched.by_rid["again"]
+        assert again.status == LOADING and sched.loads_pending
+        wait = sched.load_join_wait_s()
+        assert 0.0 < wait <= LOAD_JOIN_WAIT_MAX_S
+        rig.pump()  # the controller acknowledges the load
+        assert not sched.loads_pending
+        sched.schedule()
+        assert again.status == RUNNING and again.computed < again.prompt_len
+        sched.forward()  # the loaded request is prefilled in this very pass
+        assert again.computed >= again.prompt_len and rig.tokens("again")
+        for _ in range(200):
+            if not sched.busy and not rig.tier.in_flight:
+                break
+            sched.step()
+            rig.pump()
+        rig.assert_idle()
+        assert rig.tokens("again") == rig.tokens("first")
+        usage = rig.final("again").usage
+        assert usage is not None and usage.cached_host > 0
+    finally:
+        rig.close()

@@ -44,8 +44,10 @@ class RequestRecord:
     """One request as measured. Times are seconds on the run's clock (0 = the run's start).
 
     ``cached_*`` are the response's ``meta_info.cached_tokens_details`` (prompt tokens
-    served from L1 ``device``, L2 ``host``, L3 ``storage``); ``output_ids`` are kept for the
-    next turn of a conversation and left out of the JSON.
+    served from L1 ``device``, L2 ``host``, L3 ``storage``); ``queue_ms`` / ``load_ms`` /
+    ``prefill_ms`` are the scheduler's TTFT breakdown from ``meta_info.timings_ms`` (None when
+    the daemon does not send it); ``output_ids`` are kept for the next turn of a
+    conversation and left out of the JSON.
     """
 
     cid: int
@@ -64,6 +66,9 @@ class RequestRecord:
     cached_host: int = 0
     cached_storage: int = 0
     cached_tokens: int = 0
+    queue_ms: float | None = None
+    load_ms: float | None = None
+    prefill_ms: float | None = None
     output_ids: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -79,6 +84,7 @@ class RequestRecord:
             "cached_tokens": self.cached_tokens,
             "cached_tokens_details": {"device": self.cached_device, "host": self.cached_host,
                                       "storage": self.cached_storage},
+            "timings_ms": {"queue": self.queue_ms, "load": self.load_ms, "prefill": self.prefill_ms},
         }
 
 
@@ -218,6 +224,11 @@ class HttpClient:
                         rec.cached_host = int(details.get("host", 0))
                         rec.cached_storage = int(details.get("storage", 0))
                         rec.cached_tokens = int(meta.get("cached_tokens", 0))
+                        timings = meta.get("timings_ms") or {}
+                        if timings:
+                            rec.queue_ms = float(timings.get("queue", 0.0))
+                            rec.load_ms = float(timings.get("load", 0.0))
+                            rec.prefill_ms = float(timings.get("prefill", 0.0))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
             rec.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             return rec

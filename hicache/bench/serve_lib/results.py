@@ -5,6 +5,9 @@ lists its top-level keys, ``LATENCY_KEYS`` / ``STAT_KEYS`` the latency block):
 
 - ``latency``: ``ttft_s``, ``itl_s``, ``e2e_s``, each ``{count, mean, p50, p90, p99, max}``
   over successful requests (None values when there are none);
+- ``server_timings_ms``: the scheduler's TTFT breakdown per request (``queue`` waiting for
+  admission, ``load`` bringing cached KV back to L1, ``prefill`` computing the rest), each
+  ``{count, mean, p50, p90, p99, max}`` over the requests whose response carried it;
 - ``throughput``: requests/s, input, output and total tokens/s over the run's wall time;
 - ``cache.responses``: prompt tokens per tier summed from the responses' ``meta_info``
   (``device`` L1, ``host`` L2, ``storage`` L3, ``cached`` their sum, ``prompt``,
@@ -34,8 +37,8 @@ from hicache.bench.serve_lib.workloads import Workload
 __all__ = ["FIELDS", "LATENCY_KEYS", "STAT_KEYS", "compare_figures", "compare_markdown", "markdown",
            "stats", "summarize"]
 
-FIELDS = ("label", "url", "model", "workload", "load", "duration_s", "requests", "latency", "throughput",
-          "tokens", "cache", "timeline", "records")
+FIELDS = ("label", "url", "model", "workload", "load", "duration_s", "requests", "latency",
+          "server_timings_ms", "throughput", "tokens", "cache", "timeline", "records")
 LATENCY_KEYS = ("ttft_s", "itl_s", "e2e_s")
 STAT_KEYS = ("count", "mean", "p50", "p90", "p99", "max")
 
@@ -107,6 +110,11 @@ def summarize(run: RunRecords, workload: Workload, load: LoadSpec, *, label: str
             "itl_s": stats([x for r in ok for x in r.itl_s]),
             "e2e_s": stats([r.e2e_s for r in ok if r.e2e_s is not None]),
         },
+        "server_timings_ms": {
+            "queue": stats([r.queue_ms for r in ok if r.queue_ms is not None]),
+            "load": stats([r.load_ms for r in ok if r.load_ms is not None]),
+            "prefill": stats([r.prefill_ms for r in ok if r.prefill_ms is not None]),
+        },
         "throughput": {
             "requests_per_s": len(ok) / dur if dur > 0 else None,
             "input_tokens_per_s": prompt / dur if dur > 0 else None,
@@ -153,6 +161,12 @@ def markdown(s: dict[str, Any], files: dict[str, str] | None = None) -> str:
         st = lat[key]
         lines.append(f"| {name} | {_ms(st['mean'])} | {_ms(st['p50'])} | {_ms(st['p90'])} | "
                      f"{_ms(st['p99'])} | {_ms(st['max'])} |")
+    timings = s["server_timings_ms"]
+    lines += ["", "| scheduler's TTFT breakdown (ms) | mean | p50 | p90 | p99 |", "|---|---|---|---|---|"]
+    for name in ("queue", "load", "prefill"):
+        st = timings[name]
+        lines.append(f"| {name} | {_num(st['mean'], 1)} | {_num(st['p50'], 1)} | {_num(st['p90'], 1)} | "
+                     f"{_num(st['p99'], 1)} |")
     lines += ["", "| throughput | |", "|---|---|",
               f"| requests/s | {_num(tp['requests_per_s'], 3)} |",
               f"| input tokens/s | {_num(tp['input_tokens_per_s'], 1)} |",
@@ -179,7 +193,8 @@ def markdown(s: dict[str, Any], files: dict[str, str] | None = None) -> str:
 
 def compare_figures(a: dict[str, Any], b: dict[str, Any]) -> list[Figure]:
     """Run B against run A (the reference): TTFT p50 (goal B/A <= 0.4), throughput in
-    requests/s (goal >= 2), and, without goals, TTFT p90, end-to-end p50, output tokens/s."""
+    requests/s (goal >= 2), and, without goals, TTFT p90, end-to-end p50, output tokens/s and
+    the p50 of the scheduler's queue / load / prefill times (where both runs report them)."""
     def lat(s: dict[str, Any], key: str, q: str) -> float:
         v = s["latency"][key][q]
         return float("nan") if v is None else v * 1000
@@ -188,7 +203,15 @@ def compare_figures(a: dict[str, Any], b: dict[str, Any]) -> list[Figure]:
         v = s["throughput"][key]
         return float("nan") if v is None else v
 
+    def timing(s: dict[str, Any], name: str) -> float | None:
+        return (s.get("server_timings_ms") or {}).get(name, {}).get("p50")
+
     la, lb = a["label"], b["label"]
+    breakdown = []
+    for name in ("queue", "load", "prefill"):
+        ta, tb = timing(a, name), timing(b, name)
+        if ta and tb is not None:  # a reference of 0 ms (no load-back in L1-only) has no ratio
+            breakdown.append(Figure(f"{name} p50 {lb}", "ms", tb, la, ta, higher_is_better=False))
     return [
         Figure(f"TTFT p50 {lb}", "ms", lat(b, "ttft_s", "p50"), la, lat(a, "ttft_s", "p50"),
                higher_is_better=False, goal=0.4),
@@ -197,6 +220,7 @@ def compare_figures(a: dict[str, Any], b: dict[str, Any]) -> list[Figure]:
                higher_is_better=False),
         Figure(f"e2e p50 {lb}", "ms", lat(b, "e2e_s", "p50"), la, lat(a, "e2e_s", "p50"), higher_is_better=False),
         Figure(f"output tokens/s {lb}", "tok/s", thr(b, "output_tokens_per_s"), la, thr(a, "output_tokens_per_s")),
+        *breakdown,
     ]
 
 
