@@ -10,8 +10,9 @@ Lifecycle of each kind of op (``op_id`` here is the controller op id this class 
 ==============  ===============================  ============================  ===========================
 op              started by                       on ``OpDone(ok)``             on failure / controller loss
 ==============  ===============================  ============================  ===========================
-write (d2h)     ``issue_writes`` (write policy)  ``finish_write(ok)``; then a  ``finish_write(fail)``: L2
-                                                 backup if L3 is attached      pages freed, node as before
+write (d2h)     ``issue_writes`` (write policy)  ``finish_write(ok)``; then an ``finish_write(fail)``: L2
+                                                 L3 backup of every written    pages freed, node as before
+                                                 node (a split gives several)
 load (h2d)      ``start_load_back`` (admission)  ``finish_load_back(ok)``;     ``finish_load_back(fail)``:
                                                  the ticket becomes ``done``   nodes L2-only again, the
                                                                                request recomputes
@@ -318,10 +319,11 @@ class TierManager:
         cache = self.cache
         if p.kind == "write":
             assert p.tier_op is not None
-            cache.finish_write(p.tier_op, ok)
+            written = cache.finish_write(p.tier_op, ok)
             if ok:
                 self.counters.writes += 1
-                self._start_backup(p.tier_op.node)
+                for node in written:  # every node of the write, also the parts of a split
+                    self._start_backup(node)
             else:
                 self.counters.writes_failed += 1
         elif p.kind == "load":

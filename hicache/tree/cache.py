@@ -837,8 +837,10 @@ class UnifiedRadixCache:
             raise ValueError(f"operation {op.op_id} is a {op.kind}, not a {kind}")
         op.done = True
 
-    def finish_write(self, op: TierOp, ok: bool) -> None:
-        """Apply the controller's acknowledgement of a ``start_write``."""
+    def finish_write(self, op: TierOp, ok: bool) -> list[TreeNode]:
+        """Apply the controller's acknowledgement of a ``start_write``. Returns the nodes that
+        now hold the written pages in L2, upper first (more than ``op.node`` when a split
+        happened while the write was in flight); empty when ``ok`` is False."""
         self._take_op(op, "write")
         core = self.core
         nodes = self._op_nodes(op.node, op.npages)
@@ -861,9 +863,11 @@ class UnifiedRadixCache:
                 k = self._npages(n)
                 core.set_host(n, c.slot, dst[start:start + k])
                 start += k
-        if ok:
-            for n in nodes:
-                self._write_back_queue.pop(n, None)
+        if not ok:
+            return []
+        for n in nodes:
+            self._write_back_queue.pop(n, None)
+        return list(reversed(nodes))
 
     def start_load_back(self, match: MatchResult) -> TierOp | None:
         """Allocate L1 pages for the L2-only tail of ``match`` (evicting L1 if needed) and

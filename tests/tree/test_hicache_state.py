@@ -50,7 +50,7 @@ def test_failed_write_leaves_node_as_before():
     op = cache.start_write(node)
     assert node.lock_ref == 1 and host.used == 6
     assert cache.evict(100).full_tokens == 0  # locked during the copy
-    cache.finish_write(op, ok=False)
+    assert cache.finish_write(op, ok=False) == []
     assert node.host_value is None and node.lock_ref == 0 and host.used == 0
     with pytest.raises(ValueError):
         cache.finish_write(op, ok=True)  # not in flight any more
@@ -105,8 +105,9 @@ def test_split_during_write_finishes_on_both_halves():
     op = cache.start_write(node)
     cache_seq(cache, dev, toks("abcxyz"))  # splits the node being written
     cache.check_integrity()
-    cache.finish_write(op, ok=True)
+    written = cache.finish_write(op, ok=True)
     upper = node.parent
+    assert written == [upper, node]  # what the tier layer backs up to L3: both halves
     assert upper.host_value + node.host_value == op.dst_pages
     assert upper.lock_ref == 0 and node.lock_ref == 0 and not upper.in_flight
     cache.check_integrity(exact=True)
