@@ -69,7 +69,8 @@ from hicache.config import STATE_SLOTS_PER_REQUEST, HicacheConfig
 from hicache.memory.allocator import PageAllocator
 from hicache.model.loader import LoadedModel
 from hicache.model.runner import ForwardItem, ModelRunner
-from hicache.model.sampling import SamplingParams, finish_reason, resolve_seed, sample_next
+from hicache.model.sampling import sample_next
+from hicache.model.sampling_params import SamplingParams, finish_reason, resolve_seed
 from hicache.scheduler.queue_policy import order_waiting
 from hicache.scheduler.request import LOADING, PREFETCH, RUNNING, WAITING, Request
 from hicache.tier_manager import TierManager

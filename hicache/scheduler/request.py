@@ -29,7 +29,7 @@ import time
 from array import array
 from dataclasses import dataclass, field
 
-from hicache.model.sampling import SamplingParams
+from hicache.model.sampling_params import SamplingParams
 from hicache.tier_manager import LoadTicket, PrefetchTicket
 from hicache.tree.cache import LockToken, RequestState
 

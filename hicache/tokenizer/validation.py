@@ -23,7 +23,7 @@ from typing import Any
 
 import protos
 from hicache.config import ConfigError, HicacheConfig, config_from_dict, to_dict
-from hicache.model.sampling import SamplingParams as CheckedSampling
+from hicache.model.sampling_params import SamplingParams as CheckedSampling
 from hicache.model.spec import spec_for
 from hicache.text import Tokenizer, TokenizerError
 

@@ -11,7 +11,8 @@ from hicache.config import ModelConfig, ReferenceModelConfig
 from hicache.model.loader import LoadedModel, load_model
 from hicache.model.pools import allocate_pools
 from hicache.model.runner import ForwardItem, ModelRunner
-from hicache.model.sampling import SamplingParams, resolve_seed, sample_next
+from hicache.model.sampling import sample_next
+from hicache.model.sampling_params import SamplingParams, resolve_seed
 
 _MODELS: dict[tuple, LoadedModel] = {}
 

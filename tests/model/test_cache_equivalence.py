@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from hicache.model.sampling import SamplingParams
+from hicache.model.sampling_params import SamplingParams
 from tests.model.conftest import Driver, Req, tiny_model
 
 PATTERNS = {

@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.model.sampling import SamplingParams, finish_reason, sample_next
+from hicache.model.sampling import sample_next
+from hicache.model.sampling_params import SamplingParams, finish_reason
 
 
 @pytest.mark.parametrize(

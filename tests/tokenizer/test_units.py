@@ -250,3 +250,17 @@ def test_late_multiprocess_dir_still_shared(tmp_path: Path) -> None:
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, str(d))
     assert registry.get_sample_value("hicache_process_restarts_total", {"process": "controller"}) == 1
+
+
+def test_the_tokenizer_process_does_not_import_torch() -> None:
+    """Importing torch costs the tokenizer about a second at start and ~300 MiB; nothing it
+    does needs it (sampling parameters are checked by ``hicache.model.sampling_params``)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import hicache.tokenizer.process, hicache.tokenizer.http_api, hicache.tokenizer.scheduler_link\n"
+            "import hicache.tokenizer.validation, hicache.text, hicache.metrics\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout[:300]
