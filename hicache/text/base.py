@@ -48,27 +48,37 @@ class DecodeStream:
     """Incremental detokenization for streaming: ``push(id)`` returns the newly complete text.
 
     Text is held back while it ends in an incomplete UTF-8 sequence (U+FFFD), so a multi-byte
-    character split across tokens is emitted once, whole.
+    character split across tokens is emitted once, whole. Each push decodes only a short
+    window (the tokens since the last emitted piece, plus the piece before them for context:
+    decoders that drop or add a space at the start of a text do so in both decodes that are
+    compared), so a long output costs linear, not quadratic, time. The pieces joined, plus
+    ``flush()``, equal ``decode(all ids)`` for tokenizers whose decoding of a longer run
+    extends that of a shorter one (byte-level BPE, WordPiece, SentencePiece).
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = []
-        self._emitted = ""
+        self._prefix = 0  # window start: the first id of the last emitted piece
+        self._read = 0  # ids before this were emitted
+
+    def _window(self) -> tuple[str, str]:
+        ids = self._ids
+        before = self._tok.decode(ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        now = self._tok.decode(ids[self._prefix :], skip_special_tokens=self._skip)
+        return before, now
 
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
-        text = self._tok.decode(self._ids, skip_special_tokens=self._skip)
-        if text.endswith("\ufffd") or not text.startswith(self._emitted):
+        before, now = self._window()
+        if now.endswith("\ufffd") or len(now) <= len(before) or not now.startswith(before):
             return ""
-        new = text[len(self._emitted) :]
-        self._emitted = text
-        return new
+        self._prefix, self._read = self._read, len(self._ids)
+        return now[len(before) :]
 
     def flush(self) -> str:
         """Whatever remains (including a trailing replacement character) at the end."""
-        text = self._tok.decode(self._ids, skip_special_tokens=self._skip)
-        new = text[len(self._emitted) :] if text.startswith(self._emitted) else ""
-        self._emitted = text
-        return new
+        before, now = self._window()
+        self._prefix = self._read = len(self._ids)
+        return now[len(before) :] if now.startswith(before) else ""

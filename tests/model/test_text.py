@@ -76,3 +76,28 @@ def test_hf_tokenizer_errors(tmp_path: Path) -> None:
     tok = load_tokenizer(TokenizerConfig(path=str(tmp_path / "t2")))
     with pytest.raises(TokenizerError, match="no system role"):
         tok.apply_chat_template([{"role": "user", "content": "hello"}])
+
+
+def test_decode_stream_pieces_add_up_to_the_whole_decode(tmp_path: Path) -> None:
+    """Streaming decodes a short window per token; joined, the pieces are the one-shot decode
+    (byte-level with multi-byte characters split across tokens, and a WordPiece decoder that
+    puts spaces between words but not before the first)."""
+    import random
+
+    rng = random.Random(3)
+    byte_tok = ByteTokenizer()
+    for _ in range(50):
+        text = "".join(rng.choice(["a", "é", "✓", " ", "😀", "z"]) for _ in range(rng.randrange(1, 30)))
+        ids = byte_tok.encode(text)
+        stream = DecodeStream(byte_tok)
+        assert "".join(stream.push(i) for i in ids) + stream.flush() == byte_tok.decode(ids) == text
+    # a stream cut in the middle of a character gives the replacement character at flush
+    stream = DecodeStream(byte_tok)
+    assert stream.push("é".encode()[0]) == "" and stream.flush() == byte_tok.decode(["é".encode()[0]])
+
+    _write_hf_tokenizer(tmp_path / "hf", None)
+    hf = load_tokenizer(TokenizerConfig(path=str(tmp_path / "hf")))
+    for _ in range(30):
+        ids = [rng.choice([3, 4, 5, 6, 1]) for _ in range(rng.randrange(1, 40))]
+        stream = DecodeStream(hf)
+        assert "".join(stream.push(i) for i in ids) + stream.flush() == hf.decode(ids, skip_special_tokens=True)
