@@ -769,7 +769,8 @@ class UnifiedRadixCache:
         ``write_through``: every L1 node without an L2 copy; ``write_through_selective``:
         those with ``hit_count >= write_through_threshold``; ``write_back``: those L1
         eviction queued. Nodes with a transfer in flight are left out. The write-through
-        policies scan the FULL L1 order (O(nodes)); call it once per scheduler iteration.
+        policies look only at the nodes not yet in L2 (``TreeCore.unwritten``), not at all
+        of L1.
         """
         if not self.hicache:
             return []
@@ -777,8 +778,7 @@ class UnifiedRadixCache:
             cands = [n for n in self._write_back_queue if n.parent is not None]
         else:
             thr = self.write_through_threshold if self.write_policy == "write_through_selective" else 0
-            cands = [n for n in self.core.dev_lru[0].candidates()
-                     if n.data[0].host_value is None and not n.in_flight and n.hit_count >= thr]
+            cands = [n for n in self.core.unwritten if not n.in_flight and n.hit_count >= thr]
         cands = [n for n in cands if n.data[0].host_value is None and n.data[0].value is not None
                  and not n.in_flight and not n.loading]
         cands.sort(key=self._depth)

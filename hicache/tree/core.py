@@ -57,6 +57,10 @@ class TreeCore:
         self.host_prot = [0] * n_components
         self.tick = 0
         self.node_count = 0
+        # nodes whose component-0 (FULL) data is in L1 but not in L2, in the order they got
+        # there: what the write-through policies copy to L2 (kept by set/clear_value,
+        # set/clear_host and split, so finding them never scans L1)
+        self.unwritten: dict[TreeNode, None] = {}
 
     # ------------------------------------------------------------------ structure
     def root(self, salt: str, create: bool) -> TreeNode | None:
@@ -154,6 +158,8 @@ class TreeCore:
                 self._insert_before(self.dev_lru[i], upper_cd.dlink, lower_cd.dlink)
             if upper_cd.host_value is not None:
                 self._insert_before(self.host_lru[i], upper_cd.hlink, lower_cd.hlink)
+        if node in self.unwritten:
+            self.unwritten[upper] = None
         return upper
 
     @staticmethod
@@ -201,6 +207,8 @@ class TreeCore:
         if i == 0:
             self.tick += 1
             node.last_access_time = self.tick
+            if cd.host_value is None:
+                self.unwritten[node] = None
 
     def clear_value(self, node: TreeNode, i: int) -> Any:
         cd = node.data[i]
@@ -213,6 +221,8 @@ class TreeCore:
             self.dev_prot[i] -= u
         self.dev_lru[i].remove(cd.dlink)
         cd.value = None
+        if i == 0:
+            self.unwritten.pop(node, None)
         return value
 
     def set_host(self, node: TreeNode, i: int, host_value: Any) -> None:
@@ -228,6 +238,7 @@ class TreeCore:
         if i == 0:
             self.tick += 1
             node.host_time = self.tick
+            self.unwritten.pop(node, None)
 
     def clear_host(self, node: TreeNode, i: int) -> Any:
         cd = node.data[i]
@@ -240,6 +251,8 @@ class TreeCore:
             self.host_prot[i] -= u
         self.host_lru[i].remove(cd.hlink)
         cd.host_value = None
+        if i == 0 and cd.value is not None:
+            self.unwritten[node] = None
         return hv
 
     def lock(self, node: TreeNode, i: int) -> None:
