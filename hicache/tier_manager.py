@@ -233,7 +233,7 @@ class TierManager:
         if rest_pages <= 0 or rest_pages * ps < max(self.prefetch_cfg.threshold_tokens, 1):
             return None
         parent = self.cache.last_page_hash(match.last_host_node) if match.last_host_node.parent else None
-        hasher = self.cache._hasher_for(cache_salt)
+        hasher = self.cache.hasher_for(cache_salt)
         hashes = hasher.hash_pages(token_ids[start : start + rest_pages * ps], parent)
         cfg = self.prefetch_cfg
         deadline = None

@@ -241,7 +241,7 @@ class TieredSimulator:
             return 0
         node = m.last_host_node  # type: ignore[attr-defined]
         parent = cache.last_page_hash(node) if node.parent is not None else None
-        hashes = cache._hasher_for("").hash_pages(key[start * ps:npages * ps], parent)
+        hashes = cache.hasher_for("").hash_pages(key[start * ps:npages * ps], parent)
         n = self.l3.consecutive(hashes)  # type: ignore[union-attr]
         if n == 0 or n * self.cfg.page_tokens < max(self.cfg.prefetch_threshold, 1):
             return 0

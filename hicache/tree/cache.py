@@ -249,7 +249,8 @@ class UnifiedRadixCache:
             raise RuntimeError("in-flight operation does not end on a node boundary")
         return out
 
-    def _hasher_for(self, salt: str) -> PageHasher:
+    def hasher_for(self, salt: str) -> PageHasher:
+        """The page hasher of ``salt``'s namespace (the chain of DESIGN §6); one per salt, kept."""
         if self._hasher is None:
             raise RuntimeError("page hashes need a hasher (pass hasher= to UnifiedRadixCache)")
         h = self._hashers.get(salt)
@@ -1062,7 +1063,7 @@ class UnifiedRadixCache:
             chain.append(n)
             n = n.parent
         parent_hash = n.hash_value[-1] if n.parent is not None and n.hash_value else None
-        hasher = self._hasher_for(self._salt_of(node))
+        hasher = self.hasher_for(self._salt_of(node))
         for x in reversed(chain):
             x.hash_value = hasher.hash_pages(x.key, parent_hash)
             parent_hash = x.hash_value[-1]
