@@ -24,18 +24,19 @@ doing the same ``SET`` / ``GET`` on the same cluster.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
+
+from hicache.local_redis import started, started_cluster
 
 DEFAULT_SIZES = "64K,256K,1M"
 
@@ -70,118 +71,9 @@ class Row:
     ratio: float
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _free_cluster_port() -> int:
-    """A free loopback port whose cluster bus port (+10000) is free too."""
-    for _ in range(100):
-        port = _free_port()
-        if port + 10000 > 65535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair for a cluster node")
-
-
-class _PrivateRedis:
-    """A throw-away redis-server on loopback, killed by ``stop``."""
-
-    def __init__(self, extra: list[str] | None = None, port: int | None = None) -> None:
-        self.dir = tempfile.mkdtemp(prefix="hicache-bench-redis-")
-        self.port = port or _free_port()
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise RuntimeError("redis-server not installed")
-        self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir, *(extra or [])],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        import redis
-
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.RedisError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError("private redis-server did not start") from None
-                time.sleep(0.05)
-        client.close()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-class _PrivateCluster:
-    """A throw-away 3-master Redis Cluster on loopback (no replicas), killed by ``stop``."""
-
-    def __init__(self, masters: int = 3) -> None:
-        cli = shutil.which("redis-cli")
-        if cli is None:
-            raise RuntimeError("redis-cli not installed")
-        args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
-        self.nodes: list[_PrivateRedis] = []
-        try:
-            for _ in range(masters):
-                self.nodes.append(_PrivateRedis(args, _free_cluster_port()))
-            created = subprocess.run(
-                [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
-                 "--cluster-replicas", "0", "--cluster-yes"],
-                capture_output=True, timeout=60, check=False,
-            )  # fmt: skip
-            if created.returncode != 0:
-                raise RuntimeError(f"redis-cli --cluster create failed: {created.stderr.decode(errors='replace')}")
-            self._wait_ok(30.0)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _wait_ok(self, timeout: float) -> None:
-        import redis
-
-        deadline = time.monotonic() + timeout
-        while True:
-            states = []
-            for n in self.nodes:
-                client = redis.Redis(port=n.port, socket_timeout=2)
-                try:
-                    states.append(client.cluster("info").get("cluster_state"))
-                except redis.RedisError:
-                    states.append(None)
-                finally:
-                    client.close()
-            if all(s == "ok" for s in states):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"private cluster did not become ready: {states}")
-            time.sleep(0.05)
-
-    @property
-    def url(self) -> str:
-        return self.nodes[0].url
-
-    def stop(self) -> None:
-        for n in self.nodes:
-            n.stop()
+def _private_dir(stack: contextlib.ExitStack, prefix: str) -> Path:
+    """A temporary directory removed when ``stack`` closes."""
+    return Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True)))
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -307,27 +199,28 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not sizes or args.reps < 1:
         print(f"error: bad --backends {sorted(unknown)} / --sizes / --reps", file=sys.stderr)
         return 2
-    private: _PrivateRedis | None = None
-    url = args.redis_url
-    if "redis" in backends and url is None:
-        try:
-            private = _PrivateRedis()
-            url = private.url
-        except RuntimeError as exc:
-            print(f"skipping redis: {exc} (pass --redis-url)", file=sys.stderr)
-            backends.remove("redis")
-    cluster: _PrivateCluster | None = None
-    cluster_url = args.cluster_url
-    if "redis-cluster" in backends and cluster_url is None:
-        try:
-            cluster = _PrivateCluster()
-            cluster_url = cluster.url
-        except RuntimeError as exc:
-            print(f"skipping redis-cluster: {exc} (pass --cluster-url)", file=sys.stderr)
-            backends.remove("redis-cluster")
-    root = args.dir or tempfile.mkdtemp(prefix="hicache-bench-file-")
     rows: list[Row] = []
-    try:
+    # Private servers are killed, then their directories removed, when ``servers`` closes.
+    with contextlib.ExitStack() as servers:
+        url = args.redis_url
+        if "redis" in backends and url is None:
+            try:
+                url = servers.enter_context(started(_private_dir(servers, "hicache-bench-redis-"))).url
+            except RuntimeError as exc:
+                print(f"skipping redis: {exc} (pass --redis-url)", file=sys.stderr)
+                backends.remove("redis")
+        cluster_url = args.cluster_url
+        if "redis-cluster" in backends and cluster_url is None:
+            try:
+                cluster_url = servers.enter_context(
+                    started_cluster(_private_dir(servers, "hicache-bench-cluster-"))
+                )[0].url
+            except RuntimeError as exc:
+                print(f"skipping redis-cluster: {exc} (pass --cluster-url)", file=sys.stderr)
+                backends.remove("redis-cluster")
+        root = args.dir or servers.enter_context(
+            tempfile.TemporaryDirectory(prefix="hicache-bench-file-", ignore_cleanup_errors=True)
+        )
         for size in sizes:
             n = max(4, int(args.batch_mb * 2**20) // size)
             gb = size * n / 1e9
@@ -347,13 +240,6 @@ def run(args: argparse.Namespace) -> int:
                     rows.append(Row(backend, op, size, n, g, ref, r, g / r))
                     print(f"  {backend:13} {op:5} {size // 1024:>5} KiB  {g:6.2f} GB/s  ref {r:6.2f} GB/s  x{g / r:.2f}",
                           file=sys.stderr, flush=True)  # fmt: skip
-    finally:
-        if private is not None:
-            private.stop()
-        if cluster is not None:
-            cluster.stop()
-        if args.dir is None:
-            shutil.rmtree(root, ignore_errors=True)
     _print_table(rows)
     if args.json:
         with open(args.json, "w") as f:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -22,76 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 from daemon import Daemon, alive
 
-REDIS_SERVER = shutil.which("redis-server")
+from hicache.local_redis import RedisProcess, find_redis_server, started
+
+REDIS_SERVER = find_redis_server()
 NO_REDIS = "redis-server not installed (apt-get install redis-server)"
 STOP_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisProcess:
-    """One ``redis-server`` we started; ``kill`` / ``start`` keep the same port and directory."""
-
-    def __init__(self, workdir: Path, port: int) -> None:
-        self.workdir = workdir
-        self.port = port
-        self.proc: subprocess.Popen[bytes] | None = None
-        workdir.mkdir(parents=True, exist_ok=True)
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        if REDIS_SERVER is None:
-            raise RuntimeError(NO_REDIS)
-        args = [
-            REDIS_SERVER,
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", str(self.workdir),
-            "--logfile", str(self.workdir / "redis.log"),
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2, socket_timeout=1)
-        deadline = time.monotonic() + 10
-        try:
-            while True:
-                try:
-                    if client.ping():
-                        return
-                except redis.RedisError:
-                    pass
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    log = (self.workdir / "redis.log").read_text(errors="replace")[-2000:]
-                    self.kill()
-                    raise RuntimeError(f"redis-server on port {self.port} did not start:\n{log}")
-                time.sleep(0.02)
-        finally:
-            client.close()
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.proc = None
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=5)
-
-    def keys(self) -> int:
-        """How many keys the server holds now."""
-        with self.client() as c:
-            return int(c.dbsize())
 
 
 @pytest.fixture
@@ -99,12 +35,8 @@ def redis_server(tmp_path: Path) -> Iterator[RedisProcess]:
     """A private standalone server (the test may kill and restart it)."""
     if REDIS_SERVER is None:
         pytest.skip(NO_REDIS)
-    server = RedisProcess(tmp_path / "redis", free_port())
-    server.start()
-    try:
+    with started(tmp_path / "redis") as server:
         yield server
-    finally:
-        server.kill()
 
 
 @pytest.fixture

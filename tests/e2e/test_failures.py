@@ -22,11 +22,12 @@ from typing import Any
 
 import msgpack
 import zmq
-from conftest import DaemonFactory, RedisProcess, check_stopped_cleanly, segments_of
+from conftest import DaemonFactory, check_stopped_cleanly, segments_of
 from daemon import Daemon, alive
 from prometheus_client.parser import text_string_to_metric_families
 
 import protos
+from hicache.local_redis import RedisProcess
 
 PAGE = 4
 VOCAB = 512  # the tiny reference model's vocabulary

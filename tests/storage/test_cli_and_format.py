@@ -15,6 +15,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from hicache.cli import main
+from hicache.local_redis import RedisProcess
 from hicache.storage_settings import L3_BACKENDS, storage_settings_from_config
 from storage_backends import FileSettings, PageFormatError, PageLayout, RedisSettings, StorageConfigError
 from storage_backends.page_format import (
@@ -24,7 +25,7 @@ from storage_backends.page_format import (
     verify_object,
 )
 from storage_backends.resilience import CircuitBreaker, ConstantBackoff, ExponentialJitterBackoff
-from tests.storage.conftest import LAYOUT, RedisProcess, random_hashes, random_pages
+from tests.storage.conftest import LAYOUT, random_hashes, random_pages
 
 
 def _fill(store: Path, n: int = 5) -> list[str]:

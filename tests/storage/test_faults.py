@@ -14,17 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from hicache.local_redis import RedisProcess, wait_cluster_ok
 from storage_backends import FileSettings, PageLayout, RedisSettings, ResilienceSettings, create_backend
 from storage_backends.file_backend import FileBackend
 from storage_backends.page_format import HEADER_SIZE, encode_header
-from tests.storage.conftest import (
-    LAYOUT,
-    RedisProcess,
-    buffers,
-    random_hashes,
-    random_pages,
-    wait_cluster_ok,
-)
+from tests.storage.conftest import LAYOUT, buffers, random_hashes, random_pages
 
 QUICK = ResilienceSettings(timeout_s=0.5, failure_threshold=2, probe_base_s=0.05, probe_cap_s=0.3)
 
