@@ -40,11 +40,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import zmq
 
 import protos
 from controller.storage_io import StorageIO
-from controller.transfer import TransferRefused, make_transfer_engine
+from controller.transfer import CopyPlan, TransferRefused, make_transfer_engine
 from hicache.config import MetricsConfig
 from hicache.ipc import Endpoints, PullSocket, PushSocket
 from hicache.logging_setup import setup_logging
@@ -57,6 +58,19 @@ log = logging.getLogger("hicache.controller")
 
 INLINE_COPY_BYTES = 4 * 1024 * 1024
 """Copies up to this size run on the main loop when no other copy is queued (saves a thread hop)."""
+
+COPY_THREADS = 1
+"""torch intra-op (OpenMP) threads of the controller process: the threads inside one ``copy_``.
+
+One, measured with ``hicache bench transfer`` on the 2-core development machine. The
+controller shares the cores with other processes that run torch (the model runner; in the
+benchmark, the benchmark process). With torch's default of one thread per core, a copy big
+enough for torch to split (a run of 64-token pages) left OpenMP workers of both processes
+competing for the two cores, and copies of 0.5-4 MiB stalled for a scheduler tick (~4 ms,
+0.13 GB/s instead of 3-9 GB/s) in both processes. With one thread those stalls are gone;
+16-token pages (128 KiB runs, below torch's split size) copy at the same speed either way.
+Alone on the machine, two threads copy multi-page 64-token runs up to ~1.5x faster: a host
+with cores to spare may raise this."""
 
 ACCEPTS = (
     protos.WriteToHost, protos.LoadToDevice, protos.BackupToStorage, protos.PrefetchQuery,
@@ -77,9 +91,10 @@ class ControllerArgs:
     log_level: str = "info"
     log_json: bool = False
     metrics_enabled: bool = True
+    copy_threads: int = COPY_THREADS  # torch intra-op threads of the controller process
 
 
-@dataclass
+@dataclass(slots=True)
 class _Op:
     op_id: int
     kind: str  # "copy" | "l3"
@@ -115,16 +130,24 @@ class ControllerServer:
         self.pending_admin: list[protos.StorageAdmin] = []
         self.stopping = False
         self._last_health = 0.0
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            protos.WriteToHost: self._start_copy, protos.LoadToDevice: self._start_copy,
+            protos.BackupToStorage: self._start_l3, protos.PrefetchFetch: self._start_l3,
+            protos.PrefetchQuery: self._start_l3,
+        }
 
     # -- answering -----------------------------------------------------------------
 
-    def _answer_from_worker(self, msg: protos.Message) -> None:
-        """Worker threads answer through their own inproc socket; the main loop forwards."""
+    def _answer_from_worker(self, op_id: int, msg: protos.Message) -> None:
+        """Worker threads answer through their own inproc socket; the main loop forwards.
+
+        Two frames: the op id (ASCII digits, so the main loop need not decode the answer to
+        know which op ended) and the encoded answer, which is forwarded as is."""
         sock = getattr(self._local, "sock", None)
         if sock is None:
             sock = self._local.sock = self.ctx.socket(zmq.PUSH)
             sock.connect(self._done_addr)
-        sock.send(protos.encode(msg))
+        sock.send_multipart((b"%d" % op_id, protos.encode(msg)))
 
     def _reject(self, op_id: int, reason: str) -> None:
         log.warning("op %d rejected: %s", op_id, reason)
@@ -133,53 +156,67 @@ class ControllerServer:
     # -- dispatch ------------------------------------------------------------------
 
     def handle(self, msg: protos.Message) -> None:
-        if isinstance(msg, protos.Shutdown):
+        start = self._handlers.get(type(msg))
+        if start is not None:
+            op_id = msg.op_id  # type: ignore[attr-defined]
+            if op_id in self.ops:
+                self._reject(op_id, f"duplicate op id {op_id}: an op with this id is still running")
+                return
+            start(msg)
+        elif isinstance(msg, protos.Shutdown):
             log.info("shutdown requested: %s", msg.reason)
             self.stopping = True
-            return
-        if isinstance(msg, protos.Cancel):
+        elif isinstance(msg, protos.Cancel):
             op = self.ops.get(msg.op_id)
             if op is not None and not op.started:
                 op.cancelled = True
-            return
-        if isinstance(msg, protos.StorageAdmin):
+        elif isinstance(msg, protos.StorageAdmin):
             self.pending_admin.append(msg)
-            return
-        op_id = msg.op_id  # type: ignore[attr-defined]
-        if op_id in self.ops:
-            self._reject(op_id, f"duplicate op id {op_id}: an op with this id is still running")
-            return
-        if isinstance(msg, protos.WriteToHost | protos.LoadToDevice):
-            self._start_copy(msg)
-        elif isinstance(msg, protos.BackupToStorage | protos.PrefetchFetch | protos.PrefetchQuery):
-            self._start_l3(msg)
 
     def _start_copy(self, msg: protos.WriteToHost | protos.LoadToDevice) -> None:
         try:
-            self.engine.check(msg)
+            plan = self.engine.prepare(msg)
         except TransferRefused as exc:
             self._reject(msg.op_id, str(exc))
             return
-        op = self.ops[msg.op_id] = _Op(msg.op_id, "copy")
-        if self.copies_queued == 0 and self.engine.nbytes(msg) <= INLINE_COPY_BYTES:
-            self.outbox.send(self._copy(op, msg))
-            del self.ops[msg.op_id]
+        op = _Op(msg.op_id, "copy")
+        direction = "d2h" if type(msg) is protos.WriteToHost else "h2d"
+        if self.copies_queued == 0 and plan.nbytes <= INLINE_COPY_BYTES:
+            # Runs to completion before the loop reads another message, so no Cancel or
+            # duplicate can see it: it needs no entry in ``ops``.
+            answer, seconds = self._copy(op, plan)
+            self.outbox.send(answer)
+            self._record_copy(direction, seconds, plan)
             return
+        self.ops[msg.op_id] = op
         self.copies_queued += 1
-        self.copy_pool.submit(self._run_and_answer, op, lambda: self._copy(op, msg))
+        self.copy_pool.submit(self._copy_and_answer, op, plan, direction)
 
-    def _copy(self, op: _Op, msg: protos.WriteToHost | protos.LoadToDevice) -> protos.OpDone:
+    def _copy(self, op: _Op, plan: CopyPlan) -> tuple[protos.OpDone, float | None]:
+        """Execute a planned copy unless it was cancelled: the answer, and the seconds the copy
+        took when it succeeded (None otherwise)."""
         if op.cancelled:
-            return protos.OpDone(op.op_id, "cancelled")
+            return protos.OpDone(op.op_id, "cancelled"), None
         op.started = True
-        direction = "d2h" if isinstance(msg, protos.WriteToHost) else "h2d"
+        start = time.perf_counter()
         try:
-            with get_metrics().transfer(direction, self.engine.nbytes(msg)):
-                result = self.engine.run(msg)
+            self.engine.execute(plan)
         except Exception as exc:  # a copy that fails is reported, never lost
             log.exception("copy op %d failed", op.op_id)
-            return protos.OpDone(op.op_id, "error", 0, f"{type(exc).__name__}: {exc}")
-        return protos.OpDone(op.op_id, "ok", result.pages)
+            return protos.OpDone(op.op_id, "error", 0, f"{type(exc).__name__}: {exc}"), None
+        return protos.OpDone(op.op_id, "ok", plan.pages), time.perf_counter() - start
+
+    @staticmethod
+    def _record_copy(direction: str, seconds: float | None, plan: CopyPlan) -> None:
+        """Metrics of a finished copy; called after its answer left, off the op's round trip."""
+        if seconds is not None:
+            get_metrics().transfer_done(direction, seconds, plan.nbytes)
+
+    def _copy_and_answer(self, op: _Op, plan: CopyPlan, direction: str) -> None:
+        """Copy-thread body of a queued copy."""
+        answer, seconds = self._copy(op, plan)
+        self._answer_from_worker(op.op_id, answer)
+        self._record_copy(direction, seconds, plan)
 
     def _start_l3(self, msg: protos.BackupToStorage | protos.PrefetchFetch | protos.PrefetchQuery) -> None:
         try:
@@ -223,21 +260,18 @@ class ControllerServer:
             answer = work()
         except Exception as exc:  # pragma: no cover - work() already catches
             answer = protos.OpDone(op.op_id, "error", 0, f"{type(exc).__name__}: {exc}")
-        self._answer_from_worker(answer)
+        self._answer_from_worker(op.op_id, answer)
 
     def _forward_done(self) -> None:
-        while True:
-            try:
-                frame = self.done.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            op = self.ops.pop(protos.decode(frame).op_id, None)  # type: ignore[attr-defined]
-            if op is not None:
-                if op.kind == "copy":
-                    self.copies_queued -= 1
-                else:
-                    self.l3_running -= 1
-            self.outbox.socket.send(frame)
+        """Forward one worker answer (the poller said one is queued) and retire its op."""
+        op_id, frame = self.done.recv_multipart(zmq.NOBLOCK)
+        op = self.ops.pop(int(op_id), None)
+        if op is not None:
+            if op.kind == "copy":
+                self.copies_queued -= 1
+            else:
+                self.l3_running -= 1
+        self.outbox.socket.send(frame)
 
     def _run_admin(self) -> None:
         while self.pending_admin and self.l3_running == 0:
@@ -264,30 +298,41 @@ class ControllerServer:
     # -- the loop ------------------------------------------------------------------
 
     def serve(self) -> None:
+        """Run until stopped and every op is answered.
+
+        One ``zmq_poll`` over the inbox and the workers' answers per round, then at most one
+        message from each ready socket: a ready socket always holds a message, so no read
+        comes back empty (an empty non-blocking read costs more than a poll), and neither
+        stream can starve the other.
+        """
+        inbox, done = self.inbox.socket, self.done
         poller = zmq.Poller()
-        poller.register(self.inbox.socket, zmq.POLLIN)
-        poller.register(self.done, zmq.POLLIN)
+        poller.register(inbox, zmq.POLLIN)
+        poller.register(done, zmq.POLLIN)
         while not (self.stopping and not self.ops):
-            events = dict(poller.poll(100))
-            if self.done in events:
-                self._forward_done()
-            if self.inbox.socket in events and not self.stopping:
-                for _ in range(64):
-                    try:
-                        msg = self.inbox.recv(0)
-                    except protos.ProtocolError as exc:
-                        log.warning("refused a frame: %s", exc)
-                        self.outbox.send(protos.ErrorReply(str(exc)))
-                        continue
-                    if msg is None:
-                        break
-                    self.handle(msg)
+            if self.stopping and inbox in poller:  # no more reading: stop waking up for it
+                poller.unregister(inbox)
+            for sock, _event in poller.poll(100):
+                if sock is done:
+                    self._forward_done()
+                elif not self.stopping:
+                    self._receive()
             if self.pending_admin:
                 self._run_admin()
             now = time.monotonic()
             if now - self._last_health > 1.0:
                 self._last_health = now
                 get_metrics().set_storage_up(self.storage.backend is not None and self.storage.status()[0])
+
+    def _receive(self) -> None:
+        try:
+            msg = self.inbox.recv_ready()
+        except protos.ProtocolError as exc:
+            log.warning("refused a frame: %s", exc)
+            self.outbox.send(protos.ErrorReply(str(exc)))
+            return
+        if msg is not None:
+            self.handle(msg)
 
     def close(self) -> None:
         self.copy_pool.shutdown(wait=True)
@@ -323,6 +368,7 @@ def controller_main(args: ControllerArgs) -> None:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; Ctrl-C reaches the group
     die_with_parent()
+    torch.set_num_threads(max(1, args.copy_threads))
     init_process_metrics(MetricsConfig(enabled=args.metrics_enabled), "controller")
     ctx = zmq.Context()
     try:

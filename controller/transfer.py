@@ -2,8 +2,17 @@
 
 The engine checks an op completely before touching memory (known components, equal source
 and destination lengths, every index in range, no destination page twice), so a refused op
-changes nothing. It copies with ``hicache.memory.pools`` primitives, which run without the
-GIL for the bulk of the bytes.
+changes nothing. ``prepare`` does the checks and turns the op into a ``CopyPlan`` (view
+pairs from ``hicache.memory.pools``, one per run of consecutive pages and tensor; no bytes
+move); ``execute`` copies it with one ``copy_`` per pair, which runs without the GIL for the
+bulk of the bytes.
+
+Threads: ``execute`` copies on the calling thread. Cutting a plan into two shares copied
+by two threads at once was measured on the 2-core development machine (0.5-16 MiB batches
+of scattered pages, page sizes 16 and 64): the hand-off to the second thread cost 20-60 us
+per op, more than it saved up to 4 MiB, and at 16 MiB it gained at most ~10%, so there is
+no such split. The threads torch uses inside one ``copy_`` are the controller process's
+setting (``controller.server.COPY_THREADS``).
 
 Choosing the engine happens once, in ``make_transfer_engine``: the loop that calls it never
 branches on the device.
@@ -13,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hicache.memory.pools import SharedPools
+from hicache.memory.pools import CopyPair, SharedPools
 from protos import LoadToDevice, WriteToHost
 
 
@@ -27,49 +36,76 @@ class CopyResult:
     bytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class CopyPlan:
+    """A checked op as view pairs: ``dst.copy_(src)`` for each pair executes it.
+
+    ``pages`` counts pages over all components (what ``OpDone.pages_done`` reports),
+    ``nbytes`` the bytes that move."""
+
+    pairs: list[CopyPair]
+    pages: int
+    nbytes: int
+
+
 class CpuTransferEngine:
-    """Copies between L1 and L2 pools that both live in host shared memory."""
+    """Copies between L1 and L2 pools that both live in host shared memory. Stateless
+    between calls: safe to use from several threads."""
 
     device = "cpu"
 
     def __init__(self, pools: SharedPools) -> None:
         self.pools = pools
 
-    def check(self, msg: WriteToHost | LoadToDevice) -> None:
-        """Raise TransferRefused with the reason if ``msg`` cannot be executed as given."""
-        if set(msg.device_pages) != set(msg.host_pages):
+    def prepare(self, msg: WriteToHost | LoadToDevice) -> CopyPlan:
+        """Check ``msg`` completely, then plan it; raise TransferRefused with the reason if it
+        cannot be executed as given. Touches no memory."""
+        device_pages, host_pages = msg.device_pages, msg.host_pages
+        if device_pages.keys() != host_pages.keys():  # key views compare as sets, without building one
             raise TransferRefused(
-                f"components differ: device {sorted(msg.device_pages)} vs host {sorted(msg.host_pages)}")
-        for name, dev in msg.device_pages.items():
-            if name not in self.pools.components:
+                f"components differ: device {sorted(device_pages)} vs host {sorted(host_pages)}")
+        to_host = isinstance(msg, WriteToHost)
+        components = self.pools.components
+        for name, dev in device_pages.items():
+            comp = components.get(name)
+            if comp is None:
                 raise TransferRefused(f"unknown component {name!r}")
-            comp = self.pools[name]
-            host = msg.host_pages[name]
+            host = host_pages[name]
             if len(dev) != len(host):
                 raise TransferRefused(f"{name}: {len(dev)} device pages but {len(host)} host pages")
-            for tier, pages in (("l1", dev), ("l2", host)):
-                problem = comp.pages_problem(tier, pages)
-                if problem:
-                    raise TransferRefused(problem)
-            dst = host if isinstance(msg, WriteToHost) else dev
-            if len(set(dst)) != len(dst):
+            problem = comp.pages_problem("l1", dev) or comp.pages_problem("l2", host)
+            if problem:
+                raise TransferRefused(problem)
+            dst = host if to_host else dev
+            if len(dst) > 1 and len(set(dst)) != len(dst):  # one page cannot repeat: no set needed
                 raise TransferRefused(f"{name}: a destination page appears twice")
+        pairs: list[CopyPair] = []
+        pages = nbytes = 0
+        for name, dev in device_pages.items():
+            comp = components[name]
+            host = host_pages[name]
+            pairs += comp.plan_l1_to_l2(dev, host) if to_host else comp.plan_l2_to_l1(host, dev)
+            pages += len(dev)
+            nbytes += len(dev) * comp.layout.l2_page_bytes
+        return CopyPlan(pairs, pages, nbytes)
+
+    def check(self, msg: WriteToHost | LoadToDevice) -> None:
+        """Raise TransferRefused with the reason if ``msg`` cannot be executed as given."""
+        self.prepare(msg)
 
     def nbytes(self, msg: WriteToHost | LoadToDevice) -> int:
         return sum(len(pages) * self.pools[name].layout.l2_page_bytes for name, pages in msg.host_pages.items())
 
+    def execute(self, plan: CopyPlan) -> None:
+        """Copy every pair of a plan made by ``prepare``; returns when every byte has moved."""
+        for dst, src in plan.pairs:
+            dst.copy_(src)
+
     def run(self, msg: WriteToHost | LoadToDevice) -> CopyResult:
-        """Execute a checked op. Returns pages and bytes moved over all components."""
-        pages = 0
-        for name, dev in msg.device_pages.items():
-            comp = self.pools[name]
-            host = msg.host_pages[name]
-            if isinstance(msg, WriteToHost):
-                comp.copy_l1_to_l2(dev, host)
-            else:
-                comp.copy_l2_to_l1(host, dev)
-            pages += len(dev)
-        return CopyResult(pages, self.nbytes(msg))
+        """Check and execute an op. Returns pages and bytes moved over all components."""
+        plan = self.prepare(msg)
+        self.execute(plan)
+        return CopyResult(plan.pages, plan.nbytes)
 
 
 def make_transfer_engine(pools: SharedPools, device: str) -> CpuTransferEngine:

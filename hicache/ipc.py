@@ -97,10 +97,19 @@ class PushSocket(Generic[M]):
         self.socket.close(linger=linger_ms)
 
 
-def _recv_typed(socket: zmq.Socket, accepts: tuple[type[Message], ...], timeout_ms: int | None) -> Message | None:
+def _poller_for(socket: zmq.Socket) -> zmq.Poller:
+    """A poller watching ``socket`` for input (made once per wrapper: ``Socket.poll`` builds a
+    new ``Poller`` on every call)."""
+    poller = zmq.Poller()
+    poller.register(socket, zmq.POLLIN)
+    return poller
+
+
+def _recv_typed(socket: zmq.Socket, poller: zmq.Poller, accepts: tuple[type[Message], ...],
+                timeout_ms: int | None) -> Message | None:
     """The next message of an accepted type, or None if none arrived within ``timeout_ms``
     (None = block). A bad frame is consumed and raises ProtocolError."""
-    if timeout_ms is not None and not socket.poll(timeout_ms):
+    if timeout_ms is not None and not poller.poll(timeout_ms):
         return None
     msg = decode(socket.recv(copy=True))
     _check_type(msg, accepts)
@@ -114,11 +123,25 @@ class PullSocket(Generic[M]):
         self.socket = ctx.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.accepts = accepts
+        self._poller = _poller_for(self.socket)
         (self.socket.bind if bind else self.socket.connect)(address)
 
     def recv(self, timeout_ms: int | None = None) -> M | None:
         """The next message, or None if none arrived within ``timeout_ms`` (None = block)."""
-        return _recv_typed(self.socket, self.accepts, timeout_ms)  # type: ignore[return-value]
+        return _recv_typed(self.socket, self._poller, self.accepts, timeout_ms)  # type: ignore[return-value]
+
+    def recv_ready(self) -> M | None:
+        """The next message if one is queued now, else None; never waits.
+
+        For a caller whose own poller just reported this socket readable: unlike ``recv(0)``
+        it does not poll again. A bad frame is consumed and raises ProtocolError."""
+        try:
+            frame = self.socket.recv(zmq.NOBLOCK, copy=True)
+        except zmq.Again:
+            return None
+        msg = decode(frame)
+        _check_type(msg, self.accepts)
+        return msg  # type: ignore[return-value]
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -133,13 +156,14 @@ class DealerSocket(Generic[M]):
         if identity:
             self.socket.setsockopt(zmq.IDENTITY, identity)
         self.accepts = accepts
+        self._poller = _poller_for(self.socket)
         self.socket.connect(address)
 
     def send(self, msg: Message) -> None:
         self.socket.send(encode(msg), copy=False)
 
     def recv(self, timeout_ms: int | None = None) -> M | None:
-        return _recv_typed(self.socket, self.accepts, timeout_ms)  # type: ignore[return-value]
+        return _recv_typed(self.socket, self._poller, self.accepts, timeout_ms)  # type: ignore[return-value]
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -156,10 +180,11 @@ class RouterSocket(Generic[M]):
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.accepts = accepts
+        self._poller = _poller_for(self.socket)
         self.socket.bind(address)
 
     def recv(self, timeout_ms: int | None = None) -> tuple[bytes, M] | None:
-        if timeout_ms is not None and not self.socket.poll(timeout_ms):
+        if timeout_ms is not None and not self._poller.poll(timeout_ms):
             return None
         frames = self.socket.recv_multipart(copy=True)
         if len(frames) != 2:

@@ -23,8 +23,8 @@ tokenizer              requests_total, ttft, e2e and inter-token latency, prompt
                        and cached tokens — all through ``Metrics.track_request``
 scheduler              pool used/capacity (``set_pool``), queue depths (``set_queue``),
                        evictions (``evicted``), prefetch and backup tokens
-controller             transfers (``transfer`` context manager, ``transfer_bytes``), storage errors
-                       (``storage_op`` / ``storage_error``), ``set_storage_up``
+controller             transfers (``transfer`` context manager, ``transfer_done``, ``transfer_bytes``),
+                       storage errors (``storage_op`` / ``storage_error``), ``set_storage_up``
 launcher               process restarts (``process_restarted``)
 =====================  =====================================================================
 
@@ -244,6 +244,7 @@ class Metrics:
         self.registry = registry
         self.enabled = registry is not None
         self._m: dict[str, Any] = {}
+        self._children: dict[tuple[str, str], Any] = {}
         for spec in SPECS:
             self._m[spec.name] = self._make(spec) if registry is not None else _Noop()
         if self.enabled:  # zero-valued series for the fixed label sets, so dashboards see them at once
@@ -251,6 +252,17 @@ class Metrics:
                 self._m["hicache_cached_tokens_total"].labels(tier=tier)
             for status in REQUEST_STATUSES:
                 self._m["hicache_requests_total"].labels(status=status)
+
+    def _child(self, name: str, value: str) -> Any:
+        """The series of one-label metric ``name`` for label value ``value``, looked up once.
+
+        prometheus-client's ``labels(...)`` takes a lock and builds a key on every call; the
+        hot paths (one transfer per controller op) reuse the child instead. Callers pass only
+        checked values, so the cache stays as small as the label set."""
+        child = self._children.get((name, value))
+        if child is None:
+            child = self._children[(name, value)] = self._m[name].labels(value)
+        return child
 
     def _make(self, spec: MetricSpec) -> Any:
         from prometheus_client import Counter, Gauge, Histogram
@@ -317,14 +329,21 @@ class Metrics:
         record = TransferRecord(nbytes)
         start = time.perf_counter()
         yield record
-        self._m["hicache_transfer_seconds"].labels(direction=direction).observe(time.perf_counter() - start)
-        self.transfer_bytes(direction, record.nbytes)
+        self.transfer_done(direction, time.perf_counter() - start, record.nbytes)
+
+    def transfer_done(self, direction: str, seconds: float, nbytes: int) -> None:
+        """Record one finished transfer that the caller timed itself: what ``transfer`` records
+        when its block completes, without a context manager (for per-op hot paths)."""
+        _check("direction", direction, DIRECTIONS)
+        self._child("hicache_transfer_seconds", direction).observe(seconds)
+        if nbytes:
+            self._child("hicache_transfer_bytes_total", direction).inc(nbytes)
 
     def transfer_bytes(self, direction: str, nbytes: int) -> None:
         """Count bytes moved without timing them (prefer ``transfer``, which does both)."""
         _check("direction", direction, DIRECTIONS)
         if nbytes:
-            self._m["hicache_transfer_bytes_total"].labels(direction=direction).inc(nbytes)
+            self._child("hicache_transfer_bytes_total", direction).inc(nbytes)
 
     @contextmanager
     def storage_op(self, op: str) -> Iterator[None]:

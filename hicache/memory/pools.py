@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import secrets
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 import torch
@@ -33,6 +34,9 @@ import torch
 from hicache.memory.shm import SharedSegment, TensorSpec, shm_dir
 
 Tier = Literal["l1", "l2"]
+
+CopyPair = tuple[torch.Tensor, torch.Tensor]
+"""``(dst, src)``: two views of equal shape; ``dst.copy_(src)`` moves the bytes."""
 
 
 @dataclass(frozen=True)
@@ -47,9 +51,11 @@ class ComponentLayout:
     l1: tuple[TensorSpec, ...]
     l2: tuple[TensorSpec, ...]
 
-    @property
+    @cached_property
     def l2_page_bytes(self) -> int:
-        """Bytes of one page (or state slot) over all of the component's tensors, in either tier."""
+        """Bytes of one page (or state slot) over all of the component's tensors, in either tier.
+
+        Computed once per layout object (the copy path asks for it on every op)."""
         return sum(spec.nbytes for spec in self.l1) // self.l1_pages
 
     @property
@@ -139,7 +145,8 @@ class MappedComponent:
 
     ``l1_paged[i]`` is L1 tensor ``i`` viewed with the page index on axis ``l1_axis``
     (``[layers, 2, pages, ps, heads, dim]`` for paged, the tensor itself for state);
-    L2 tensors have the page index on axis 0.
+    ``l1_page_major[i]`` is the same view with the page axis moved to the front, the
+    order L2 tensors have (page index on axis 0).
     """
 
     layout: ComponentLayout
@@ -148,6 +155,7 @@ class MappedComponent:
     l2_segments: list[SharedSegment]
     l1_paged: list[torch.Tensor] = field(init=False)
     l1_axis: int = field(init=False)
+    l1_page_major: list[torch.Tensor] = field(init=False)
 
     def __post_init__(self) -> None:
         if self.layout.kind == "paged":
@@ -157,6 +165,7 @@ class MappedComponent:
         else:
             self.l1_paged = list(self.l1)
             self.l1_axis = 1
+        self.l1_page_major = [t.movedim(self.l1_axis, 0) for t in self.l1_paged]
 
     def pages_problem(self, tier: Tier, pages: list[int]) -> str | None:
         """None if every index is a valid page of ``tier``, else the reason."""
@@ -168,17 +177,30 @@ class MappedComponent:
 
     def copy_l1_to_l2(self, l1_pages: list[int], l2_pages: list[int]) -> None:
         """L2[l2_pages[i]] = L1[l1_pages[i]] for every tensor of the component."""
-        axis = self.l1_axis
-        for (src_start, dst_start, n) in page_runs(l1_pages, l2_pages):
-            for src, dst in zip(self.l1_paged, self.l2, strict=True):
-                dst[dst_start : dst_start + n].copy_(src.narrow(axis, src_start, n).movedim(axis, 0))
+        for dst, src in self.plan_l1_to_l2(l1_pages, l2_pages):
+            dst.copy_(src)
 
     def copy_l2_to_l1(self, l2_pages: list[int], l1_pages: list[int]) -> None:
         """L1[l1_pages[i]] = L2[l2_pages[i]] for every tensor of the component."""
-        axis = self.l1_axis
-        for (src_start, dst_start, n) in page_runs(l2_pages, l1_pages):
-            for src, dst in zip(self.l2, self.l1_paged, strict=True):
-                dst.narrow(axis, dst_start, n).copy_(src[src_start : src_start + n].movedim(0, axis))
+        for dst, src in self.plan_l2_to_l1(l2_pages, l1_pages):
+            dst.copy_(src)
+
+    def plan_l1_to_l2(self, l1_pages: list[int], l2_pages: list[int]) -> list[CopyPair]:
+        """The ``(dst, src)`` view pairs whose ``dst.copy_(src)`` does ``copy_l1_to_l2``.
+
+        One pair per run of consecutive pages (``page_runs``) and tensor, both views with the
+        page index on axis 0 and the same shape. Makes views only (one slice per side, of
+        views made once in ``__post_init__``): no bytes move and no index is checked here.
+        """
+        return [(dst[dst_start : dst_start + n], src[src_start : src_start + n])
+                for (src_start, dst_start, n) in page_runs(l1_pages, l2_pages)
+                for src, dst in zip(self.l1_page_major, self.l2, strict=True)]
+
+    def plan_l2_to_l1(self, l2_pages: list[int], l1_pages: list[int]) -> list[CopyPair]:
+        """The ``(dst, src)`` view pairs of ``copy_l2_to_l1``; see ``plan_l1_to_l2``."""
+        return [(dst[dst_start : dst_start + n], src[src_start : src_start + n])
+                for (src_start, dst_start, n) in page_runs(l2_pages, l1_pages)
+                for src, dst in zip(self.l2, self.l1_page_major, strict=True)]
 
     def host_page_view(self, page: int) -> memoryview:
         """The bytes of L2 page ``page`` (paged components), viewed in place: writable, no copy."""
@@ -196,6 +218,8 @@ def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     """
     if len(src) != len(dst):
         raise ValueError(f"{len(src)} source pages but {len(dst)} destination pages")
+    if len(src) == 1:
+        return [(src[0], dst[0], 1)]
     runs: list[tuple[int, int, int]] = []
     i, n = 0, len(src)
     while i < n:
