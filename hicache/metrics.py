@@ -22,7 +22,8 @@ process                metrics
 tokenizer              requests_total, ttft, e2e and inter-token latency, prompt, generation
                        and cached tokens — all through ``Metrics.track_request``
 scheduler              pool used/capacity (``set_pool``), queue depths (``set_queue``),
-                       evictions (``evicted``), prefetch and backup tokens
+                       evictions (``evicted``), prefetch and backup tokens, time a forward
+                       pass waited for load-backs (``load_join_waited``)
 controller             transfers (``transfer`` context manager, ``transfer_done``, ``transfer_bytes``),
                        storage errors (``storage_op`` / ``storage_error``), ``set_storage_up``
 launcher               process restarts (``process_restarted``)
@@ -115,6 +116,8 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("hicache_storage_errors_total", "counter", "Failed storage (L3) operations", ("op",)),
     MetricSpec("hicache_storage_up", "gauge", "1 while the storage (L3) backend is attached and healthy, else 0"),
     MetricSpec("hicache_queue_requests", "gauge", "Requests in a scheduler queue", ("queue",)),
+    MetricSpec("hicache_load_join_wait_seconds_total", "counter",
+               "Time the scheduler held a forward pass for load-backs about to finish, so they could join it"),
     MetricSpec("hicache_process_restarts_total", "counter", "Restarts of a daemon process", ("process",)),
 )
 
@@ -316,6 +319,10 @@ class Metrics:
     def backed_up(self, tokens: int) -> None:
         if tokens:
             self._m["hicache_backup_tokens_total"].inc(tokens)
+
+    def load_join_waited(self, seconds: float) -> None:
+        if seconds > 0.0:
+            self._m["hicache_load_join_wait_seconds_total"].inc(seconds)
 
     # ---- controller
 

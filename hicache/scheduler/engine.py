@@ -101,6 +101,7 @@ class SchedulerCounters:
     cached_host: int = 0
     cached_storage: int = 0
     forward_passes: int = 0
+    load_join_wait_s: float = 0.0  # time forward passes were held for load-backs (the loop adds it)
 
 
 class Scheduler:

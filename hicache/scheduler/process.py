@@ -179,7 +179,8 @@ def scheduler_main(args: SchedulerArgs) -> None:
             wait_s = sched.load_join_wait_s()
             if wait_s > 0.0:
                 # let load-backs that are about to finish join this forward pass
-                until = time.monotonic() + wait_s
+                began = time.monotonic()
+                until = began + wait_s
                 while sched.loads_pending and (left := until - time.monotonic()) > 0:
                     try:
                         msg = inbox.recv(max(1, int(left * 1000)))
@@ -189,6 +190,7 @@ def scheduler_main(args: SchedulerArgs) -> None:
                     if msg is None:
                         break
                     handle(msg)
+                sched.counters.load_join_wait_s += time.monotonic() - began
                 sched.schedule()
             sched.forward()
             if tier is not None and not restart_asked and tier.oldest_op_age() > CONTROLLER_OP_TIMEOUT_S:

@@ -16,6 +16,7 @@ class SchedulerTelemetry:
         self.metrics = metrics
         self.sched = sched
         self._last: dict[str, int] = {}
+        self._waited = 0.0  # load_join_wait_s already published
 
     def _delta(self, key: str, value: int) -> int:
         d = value - self._last.get(key, 0)
@@ -44,6 +45,9 @@ class SchedulerTelemetry:
         m.set_queue("running", len(s.running))
         m.evicted("device", self._delta("evicted_device", s.cache.evicted_device_tokens))
         m.evicted("host", self._delta("evicted_host", s.cache.evicted_host_tokens))
+        waited = s.counters.load_join_wait_s
+        m.load_join_waited(waited - self._waited)
+        self._waited = waited
         if s.tier is not None:
             c = s.tier.counters
             m.prefetched(self._delta("prefetch", c.prefetch_tokens))

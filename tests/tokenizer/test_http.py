@@ -425,6 +425,7 @@ def _record_elsewhere(path: str) -> None:
     m.evicted("host", 64)
     m.prefetched(128)
     m.backed_up(256)
+    m.load_join_waited(0.25)
     with m.transfer("h2d", 4096):
         pass
     m.set_storage_up(True)
@@ -476,6 +477,7 @@ def test_metrics_exposition_spans_processes(tok: TokenizerProcess, metrics_dir: 
     assert _value(fams, "hicache_evicted_tokens", "hicache_evicted_tokens_total", tier="host") == 64
     assert _value(fams, "hicache_prefetch_tokens", "hicache_prefetch_tokens_total") == 128
     assert _value(fams, "hicache_backup_tokens", "hicache_backup_tokens_total") == 256
+    assert _value(fams, "hicache_load_join_wait_seconds", "hicache_load_join_wait_seconds_total") == 0.25
     assert _value(fams, "hicache_storage_up", "hicache_storage_up") == 1
     assert _value(fams, "hicache_storage_errors", "hicache_storage_errors_total", op="get") == 2
     assert _value(fams, "hicache_process_restarts", "hicache_process_restarts_total", process="controller") == 1
