@@ -8,11 +8,7 @@ import pytest
 
 import protos
 from hicache.config import HicacheConfig, config_from_dict
-from hicache.model.loader import load_model
-from hicache.model.pools import allocate_pools
-from hicache.model.runner import ModelRunner
-from hicache.scheduler.assembly import build_cache, kv_pools_over
-from hicache.scheduler.engine import Scheduler
+from tests.scheduler.rigs import Rig, gen
 
 
 def _cfg(page_size: int, **sched: object) -> HicacheConfig:
@@ -21,44 +17,6 @@ def _cfg(page_size: int, **sched: object) -> HicacheConfig:
                   "l3": {"backend": "none"}},
         "scheduler": {"chunked_prefill_tokens": 8 * page_size, "max_prefill_tokens": 16 * page_size, **sched},
     })
-
-
-class Rig:
-    def __init__(self, cfg: HicacheConfig) -> None:
-        self.cfg = cfg
-        self.model = load_model(cfg.model)
-        pages = cfg.cache.l1.tokens // cfg.cache.page_size
-        pools = allocate_pools(self.model.geometry, pages, cfg.cache.page_size)
-        self.cache, self.l1, _ = build_cache(cfg, self.model, pages, None)
-        self.out: dict[str, list[protos.TokenOutput]] = {}
-        runner = ModelRunner(self.model, kv_pools_over(pools.full_kv, cfg.cache.page_size))  # type: ignore[arg-type]
-        self.sched = Scheduler(cfg, self.model, runner, self.cache, self.l1, self._emit)
-
-    def _emit(self, msg: protos.TokenizerMessage) -> None:
-        assert isinstance(msg, protos.TokenOutput)
-        self.out.setdefault(msg.rid, []).append(msg)
-
-    def run(self, reqs: list[protos.GenerateRequest], max_steps: int = 2000) -> None:
-        for r in reqs:
-            self.sched.submit(r)
-        for _ in range(max_steps):
-            if not self.sched.busy:
-                break
-            self.sched.step()
-        assert not self.sched.busy
-        self.sched.check_idle()
-        self.cache.check_integrity(exact=True)
-
-    def tokens(self, rid: str) -> list[int]:
-        return [t for m in self.out[rid] for t in m.token_ids]
-
-    def final(self, rid: str) -> protos.TokenOutput:
-        assert self.out[rid][-1].finished
-        return self.out[rid][-1]
-
-
-def _gen(rid: str, ids: list[int], n: int = 6, stream: bool = False, **kw: object) -> protos.GenerateRequest:
-    return protos.GenerateRequest(rid, ids, protos.SamplingParams(max_new_tokens=n, ignore_eos=True, **kw), stream)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -70,11 +28,11 @@ def test_outputs_with_cache_equal_outputs_without(page_size: int) -> None:
     expected = {}
     for rid, ids in prompts.items():  # each alone, on a cold cache
         rig = Rig(_cfg(page_size))
-        rig.run([_gen(rid, ids)])
+        rig.run([gen(rid, ids)])
         expected[rid] = rig.tokens(rid)
     shared = Rig(_cfg(page_size))
-    shared.run([_gen("r0", prompts["r0"])])  # warm the cache
-    shared.run([_gen(rid, ids) for rid, ids in prompts.items() if rid != "r0"])
+    shared.run([gen("r0", prompts["r0"])])  # warm the cache
+    shared.run([gen(rid, ids) for rid, ids in prompts.items() if rid != "r0"])
     for rid in prompts:
         assert shared.tokens(rid) == expected[rid], rid
     assert shared.final("dup").usage.cached_device >= (len(prompts["dup"]) - 1) // page_size * page_size
@@ -84,12 +42,12 @@ def test_outputs_with_cache_equal_outputs_without(page_size: int) -> None:
 def test_seed_split_bug_end_to_end() -> None:
     rig = Rig(_cfg(1))
     enc = lambda s: list(s.encode())  # noqa: E731 - byte-level token ids
-    rig.run([_gen("a", enc("Hello_L.A.!"), 3)])
-    rig.run([_gen("b", enc("Hello_L.A.!world"), 3)])
-    rig.run([_gen("c", enc("Hello_world"), 3)])
+    rig.run([gen("a", enc("Hello_L.A.!"), 3)])
+    rig.run([gen("b", enc("Hello_L.A.!world"), 3)])
+    rig.run([gen("c", enc("Hello_world"), 3)])
     assert rig.final("c").usage.cached_device == 6
     cold = Rig(_cfg(1))
-    cold.run([_gen("c", enc("Hello_world"), 3)])
+    cold.run([gen("c", enc("Hello_world"), 3)])
     assert rig.tokens("c") == cold.tokens("c")
 
 
@@ -97,14 +55,14 @@ def test_streaming_chunked_prefill_and_sampling_are_deterministic() -> None:
     rng = random.Random(7)
     long_prompt = [rng.randrange(1, 500) for _ in range(150)]
     a, b = Rig(_cfg(4)), Rig(_cfg(4, chunked_prefill_tokens=16, max_prefill_tokens=16))
-    req = _gen("s", long_prompt, 10, stream=True, temperature=0.8, top_k=20, seed=3)
+    req = gen("s", long_prompt, 10, stream=True, temperature=0.8, top_k=20, seed=3)
     a.run([req])
     b.run([req])
     assert a.tokens("s") == b.tokens("s") and len(a.tokens("s")) == 10
     assert len(b.out["s"]) == 10  # one message per token; the last one is final
     assert b.final("s").usage.completion_tokens == 10
     # chunked prefill cached its chunks as it went: a repeat hits nearly all of the prompt
-    b.run([_gen("s2", long_prompt, 2)])
+    b.run([gen("s2", long_prompt, 2)])
     assert b.final("s2").usage.cached_device == 148
 
 
@@ -123,13 +81,13 @@ def test_bad_requests_get_an_error_and_nothing_else_changes(kwargs: dict, needle
     rig.run([protos.GenerateRequest(**base)])  # type: ignore[arg-type]
     final = rig.final("bad")
     assert final.finish_reason == "error" and final.error and needle in final.error
-    rig.run([_gen("ok", [1, 2, 3, 4, 5], 2)])
+    rig.run([gen("ok", [1, 2, 3, 4, 5], 2)])
     assert rig.final("ok").finish_reason == "length"
 
 
 def test_abort_frees_everything() -> None:
     rig = Rig(_cfg(4))
-    rig.sched.submit(_gen("x", list(range(1, 60)), 50))
+    rig.sched.submit(gen("x", list(range(1, 60)), 50))
     rig.sched.step()
     rig.sched.step()
     rig.sched.abort("x")
@@ -144,7 +102,7 @@ def test_admission_queues_when_l1_is_full() -> None:
                                       "l3": {"backend": "none"}},
                             "scheduler": {"chunked_prefill_tokens": 32}})
     rig = Rig(cfg)
-    reqs = [_gen(f"q{i}", [i + 1] * 40, 20) for i in range(4)]  # each needs 15 of 24 pages
+    reqs = [gen(f"q{i}", [i + 1] * 40, 20) for i in range(4)]  # each needs 15 of 24 pages
     rig.run(reqs)
     for i in range(4):
         assert rig.final(f"q{i}").finish_reason == "length"
@@ -154,7 +112,7 @@ def test_usage_reports_where_the_time_to_first_token_went() -> None:
     clock = [0.0]
     rig = Rig(_cfg(4))
     rig.sched.clock = lambda: clock[0]
-    rig.sched.submit(_gen("t", list(range(1, 40)), 2))
+    rig.sched.submit(gen("t", list(range(1, 40)), 2))
     clock[0] = 0.25
     rig.sched.step()  # admitted at 0.25 s; first prefill chunk (32 of 39 tokens)
     clock[0] = 0.5

@@ -12,15 +12,13 @@ import random
 
 import pytest
 
-import protos
 from hicache.config import HicacheConfig, config_from_dict
 from hicache.model.geometry import geometry_for
 from hicache.model.loader import load_model
 from hicache.model.pools import allocate_pools
-from hicache.model.runner import ModelRunner
 from hicache.scheduler.assembly import build_cache, unsupported_reason
-from hicache.scheduler.engine import Scheduler
 from hicache.tree.node import ComponentType
+from tests.scheduler.rigs import L2Rig, L3AckRig, Rig, cold_tokens, gen
 
 WINDOW = 16
 PATTERNS = {"swa": ("full", "swa"), "mamba": ("full", "mamba")}
@@ -36,62 +34,6 @@ def _cfg(layers: tuple[str, ...], page_size: int, *, tokens: int | None = None, 
     })
 
 
-class Rig:
-    """A scheduler over plain tensors, with every component's pools."""
-
-    def __init__(self, cfg: HicacheConfig) -> None:
-        self.cfg = cfg
-        self.model = load_model(cfg.model)
-        ps = cfg.cache.page_size
-        pages = cfg.cache.l1.tokens // ps
-        pools = allocate_pools(self.model.geometry, pages, ps, cfg.cache.l1.state_slots)
-        self.cache, self.l1, _ = build_cache(cfg, self.model, pages, None, pools=pools)
-        self.out: dict[str, list[protos.TokenOutput]] = {}
-        self.sched = Scheduler(cfg, self.model, ModelRunner(self.model, pools), self.cache, self.l1, self._emit)
-
-    def _emit(self, msg: protos.TokenizerMessage) -> None:
-        assert isinstance(msg, protos.TokenOutput)
-        self.out.setdefault(msg.rid, []).append(msg)
-
-    def run(self, reqs: list[protos.GenerateRequest], max_steps: int = 3000) -> None:
-        for r in reqs:
-            self.sched.submit(r)
-        for _ in range(max_steps):
-            if not self.sched.busy:
-                break
-            self.sched.step()
-        assert not self.sched.busy
-        self.assert_idle()
-
-    def assert_idle(self) -> None:
-        self.sched.check_idle()
-        self.cache.check_integrity(exact=True)
-        s = self.sched
-        assert (s.reserved_pages, s.reserved_swa_pages, s.reserved_state_slots) == (0, 0, 0)
-
-    def tokens(self, rid: str) -> list[int]:
-        return [t for m in self.out[rid] for t in m.token_ids]
-
-    def final(self, rid: str) -> protos.TokenOutput:
-        assert self.out[rid][-1].finished
-        return self.out[rid][-1]
-
-    def cached(self, rid: str) -> int:
-        usage = self.final(rid).usage
-        assert usage is not None
-        return usage.cached_device
-
-
-def _gen(rid: str, ids: list[int], n: int = 6) -> protos.GenerateRequest:
-    return protos.GenerateRequest(rid, ids, protos.SamplingParams(max_new_tokens=n, ignore_eos=True), False)
-
-
-def _cold(cfg: HicacheConfig, rid: str, ids: list[int], n: int = 6) -> list[int]:
-    rig = Rig(cfg)
-    rig.run([_gen(rid, ids, n)])
-    return rig.tokens(rid)
-
-
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("kind", list(PATTERNS))
 def test_shared_and_repeated_prompts_equal_cold_outputs(kind: str, page_size: int) -> None:
@@ -100,11 +42,11 @@ def test_shared_and_repeated_prompts_equal_cold_outputs(kind: str, page_size: in
     system = [rng.randrange(1, 500) for _ in range(40)]
     prompts = {f"r{i}": system + [rng.randrange(1, 500) for _ in range(rng.randrange(3, 30))] for i in range(4)}
     prompts["dup"] = list(prompts["r0"])
-    expected = {rid: _cold(cfg, rid, ids) for rid, ids in prompts.items() if rid != "dup"}
+    expected = {rid: cold_tokens(cfg, rid, ids) for rid, ids in prompts.items() if rid != "dup"}
     expected["dup"] = expected["r0"]
     rig = Rig(cfg)
-    rig.run([_gen("r0", prompts["r0"])])  # warm the cache
-    rig.run([_gen(rid, ids) for rid, ids in prompts.items() if rid != "r0"])  # one batch, mixed hits
+    rig.run([gen("r0", prompts["r0"])])  # warm the cache
+    rig.run([gen(rid, ids) for rid, ids in prompts.items() if rid != "r0"])  # one batch, mixed hits
     for rid in prompts:
         assert rig.tokens(rid) == expected[rid], rid
     # a repeated prompt matches up to its last page boundary before its last token
@@ -128,8 +70,8 @@ def test_multi_turn_conversation_reuses_the_previous_turn(kind: str, page_size: 
     prev_computed = 0
     for turn in range(3):
         rid = f"t{turn}"
-        rig.run([_gen(rid, prompt, n_new)])
-        assert rig.tokens(rid) == _cold(cfg, rid, prompt, n_new), turn
+        rig.run([gen(rid, prompt, n_new)])
+        assert rig.tokens(rid) == cold_tokens(cfg, rid, prompt, n_new), turn
         if turn:
             assert rig.cached(rid) == (prev_computed // page_size) * page_size, turn
         prev_computed = len(prompt) + n_new - 1  # tokens with KV when the turn finished
@@ -141,14 +83,14 @@ def test_chunked_prefill_equals_one_shot_and_is_reused(kind: str) -> None:
     rng = random.Random(7)
     prompt = [rng.randrange(1, 500) for _ in range(150)]
     one_shot = Rig(_cfg(PATTERNS[kind], 4, chunked_prefill_tokens=256, max_prefill_tokens=256))
-    one_shot.run([_gen("s", prompt, 8)])
+    one_shot.run([gen("s", prompt, 8)])
     chunked = Rig(_cfg(PATTERNS[kind], 4, chunked_prefill_tokens=16, max_prefill_tokens=16))
-    chunked.run([_gen("s", prompt, 8)])
+    chunked.run([gen("s", prompt, 8)])
     assert chunked.tokens("s") == one_shot.tokens("s")
-    chunked.run([_gen("again", prompt, 8), _gen("other", prompt[:60] + [3, 4, 5], 8)])
+    chunked.run([gen("again", prompt, 8), gen("other", prompt[:60] + [3, 4, 5], 8)])
     assert chunked.tokens("again") == one_shot.tokens("s")
     assert chunked.cached("again") == 148
-    assert chunked.tokens("other") == _cold(_cfg(PATTERNS[kind], 4), "other", prompt[:60] + [3, 4, 5], 8)
+    assert chunked.tokens("other") == cold_tokens(_cfg(PATTERNS[kind], 4), "other", prompt[:60] + [3, 4, 5], 8)
     if kind == "swa":
         assert chunked.cached("other") == 60
 
@@ -158,8 +100,8 @@ def test_abort_mid_run_gives_everything_back(kind: str) -> None:
     cfg = _cfg(PATTERNS[kind], 4, chunked_prefill_tokens=16, max_prefill_tokens=32)
     rig = Rig(cfg)
     prompt = list(range(1, 80))
-    rig.sched.submit(_gen("prefilling", prompt, 50))
-    rig.sched.submit(_gen("decoding", list(range(100, 130)), 50))
+    rig.sched.submit(gen("prefilling", prompt, 50))
+    rig.sched.submit(gen("decoding", list(range(100, 130)), 50))
     for _ in range(4):  # "prefilling" is mid-prefill, "decoding" has started decoding
         rig.sched.step()
     assert rig.sched.by_rid["prefilling"].prefilling
@@ -171,8 +113,8 @@ def test_abort_mid_run_gives_everything_back(kind: str) -> None:
     assert not rig.sched.busy
     rig.assert_idle()
     # what the aborted requests computed is reusable and correct
-    rig.run([_gen("after", prompt, 6)])
-    assert rig.tokens("after") == _cold(cfg, "after", prompt, 6)
+    rig.run([gen("after", prompt, 6)])
+    assert rig.tokens("after") == cold_tokens(cfg, "after", prompt, 6)
     assert rig.cached("after") > 0
 
 
@@ -182,10 +124,10 @@ def test_admission_queues_when_aux_memory_is_short(kind: str) -> None:
     cfg = _cfg(PATTERNS[kind], 4, tokens=96 if kind == "swa" else 512, state_slots=4, chunked_prefill_tokens=32)
     rig = Rig(cfg)
     prompts = {f"q{i}": [i + 1] * 40 for i in range(4)}
-    rig.run([_gen(rid, ids, 20) for rid, ids in prompts.items()])
+    rig.run([gen(rid, ids, 20) for rid, ids in prompts.items()])
     for rid, ids in prompts.items():
         assert rig.final(rid).finish_reason == "length"
-        assert rig.tokens(rid) == _cold(_cfg(PATTERNS[kind], 4), rid, ids, 20), rid
+        assert rig.tokens(rid) == cold_tokens(_cfg(PATTERNS[kind], 4), rid, ids, 20), rid
 
 
 def test_mamba_match_gives_the_request_its_own_copy_of_the_state() -> None:
@@ -194,10 +136,10 @@ def test_mamba_match_gives_the_request_its_own_copy_of_the_state() -> None:
     cfg = _cfg(PATTERNS["mamba"], 4)
     rig = Rig(cfg)
     prompt = [random.Random(3).randrange(1, 500) for _ in range(33)]
-    rig.run([_gen("warm", prompt, 4)])
-    rig.run([_gen("a", prompt, 12), _gen("b", prompt, 12)])
-    rig.run([_gen("c", prompt, 12)])
-    want = _cold(cfg, "x", prompt, 12)
+    rig.run([gen("warm", prompt, 4)])
+    rig.run([gen("a", prompt, 12), gen("b", prompt, 12)])
+    rig.run([gen("c", prompt, 12)])
+    want = cold_tokens(cfg, "x", prompt, 12)
     assert rig.tokens("a") == rig.tokens("b") == rig.tokens("c") == want
     assert rig.cached("a") == rig.cached("b") == rig.cached("c") == 32
     assert rig.cache.total_size(ComponentType.MAMBA) >= 2
@@ -215,61 +157,6 @@ def test_unsupported_patterns_are_refused_with_the_reason(layers: tuple[str, ...
         build_cache(cfg, model, 64, None, pools=pools)
 
 
-class L2Rig(Rig):
-    """A scheduler over the daemon's shared-memory pools (every component, L1 and L2) with
-    the controller's copy engine run in-process: each ``WriteToHost`` / ``LoadToDevice`` is
-    executed and acknowledged on the next ``pump``, in order."""
-
-    def __init__(self, cfg: HicacheConfig) -> None:
-        from controller.transfer import CpuTransferEngine
-        from hicache.launch import Launcher
-        from hicache.memory.pools import create_pools
-        from hicache.scheduler.assembly import kv_pools_from_shared
-        from hicache.tier_manager import TierManager
-
-        self.cfg = cfg
-        self.model = load_model(cfg.model)
-        ps = cfg.cache.page_size
-        self.layout = Launcher(cfg)._layout()
-        self.shared = create_pools(self.layout)
-        kv = kv_pools_from_shared(self.shared, ps)
-        names = {c.name for c in self.layout.components}
-        sizes: dict[str, int] = {}
-        if "mamba" in names:
-            sizes = {"l2_state_slots": self.layout.component("mamba").l2_pages}
-        full = self.layout.component("full")
-        self.cache, self.l1, _ = build_cache(cfg, self.model, full.l1_pages, full.l2_pages, pools=kv, **sizes)
-        self.engine = CpuTransferEngine(self.shared)
-        self.inbox: list[protos.ControllerMessage] = []
-        self.tier = TierManager(self.cache, self.inbox.append, load_back_threshold=0)
-        self.out: dict[str, list[protos.TokenOutput]] = {}
-        self.sched = Scheduler(cfg, self.model, ModelRunner(self.model, kv), self.cache, self.l1, self._emit,
-                               tier=self.tier, controller_send=self.inbox.append)
-
-    def pump(self) -> None:
-        msgs, self.inbox[:] = list(self.inbox), []
-        for msg in msgs:
-            if isinstance(msg, (protos.WriteToHost, protos.LoadToDevice)):
-                self.engine.check(msg)
-                self.engine.run(msg)
-                self.sched.on_controller(protos.OpDone(msg.op_id, "ok"))
-
-    def run(self, reqs: list[protos.GenerateRequest], max_steps: int = 3000) -> None:
-        for r in reqs:
-            self.sched.submit(r)
-        for _ in range(max_steps):
-            if not self.sched.busy and not self.tier.in_flight:
-                break
-            self.sched.step()
-            self.pump()
-        assert not self.sched.busy and not self.tier.in_flight
-        self.assert_idle()
-
-    def close(self) -> None:
-        self.shared.close()
-        self.shared.unlink()
-
-
 @pytest.mark.parametrize("kind", list(PATTERNS))
 def test_prefix_evicted_to_l2_and_loaded_back_gives_the_same_output(kind: str) -> None:
     cfg = config_from_dict({
@@ -283,11 +170,11 @@ def test_prefix_evicted_to_l2_and_loaded_back_gives_the_same_output(kind: str) -
     others = [[rng.randrange(1, 500) for _ in range(99)] for _ in range(4)]
     rig = L2Rig(cfg)
     try:
-        rig.run([_gen("first", prompt, 8)])
+        rig.run([gen("first", prompt, 8)])
         for i, other in enumerate(others):  # 27 of 64 L1 pages each: "first" goes to L2
-            rig.run([_gen(f"o{i}", other, 8)])
-        rig.run([_gen("again", prompt, 8)])
-        assert rig.tokens("again") == rig.tokens("first") == _cold(_cfg(PATTERNS[kind], 4), "x", prompt, 8)
+            rig.run([gen(f"o{i}", other, 8)])
+        rig.run([gen("again", prompt, 8)])
+        assert rig.tokens("again") == rig.tokens("first") == cold_tokens(_cfg(PATTERNS[kind], 4), "x", prompt, 8)
         usage = rig.final("again").usage
         assert usage is not None
         assert usage.cached_host > 0
@@ -297,22 +184,6 @@ def test_prefix_evicted_to_l2_and_loaded_back_gives_the_same_output(kind: str) -
         rig.close()
 
 
-class _L3AckRig(L2Rig):
-    """L2Rig whose controller also acknowledges backups (as stored) and L3 queries (no hits)."""
-
-    def pump(self) -> None:
-        msgs, self.inbox[:] = list(self.inbox), []
-        for msg in msgs:
-            if isinstance(msg, (protos.WriteToHost, protos.LoadToDevice)):
-                self.engine.check(msg)
-                self.engine.run(msg)
-                self.sched.on_controller(protos.OpDone(msg.op_id, "ok"))
-            elif isinstance(msg, protos.BackupToStorage):
-                self.sched.on_controller(protos.OpDone(msg.op_id, "ok", len(msg.hashes)))
-            elif isinstance(msg, protos.PrefetchQuery):
-                self.sched.on_controller(protos.PrefetchHits(msg.op_id, 0))
-
-
 def test_multi_turn_waits_for_pinned_pages_instead_of_recomputing_what_l2_holds() -> None:
     """Regression: a load-back that could not get L1 pages *yet* (the only evictable leaf
     was pinned by its L2 write) made the request recompute its whole history."""
@@ -320,7 +191,7 @@ def test_multi_turn_waits_for_pinned_pages_instead_of_recomputing_what_l2_holds(
         "cache": {"page_size": 16, "l1": {"tokens": 1280}, "l2": {"tokens": 10240}, "l3": {"backend": "none"},
                   "load_back_threshold": 16},
     })
-    rig = _L3AckRig(cfg)
+    rig = L3AckRig(cfg)
     rig.tier.l3_enabled = True
     rng = random.Random(5)
     history: dict[int, list[int]] = {c: [] for c in range(4)}
@@ -329,7 +200,7 @@ def test_multi_turn_waits_for_pinned_pages_instead_of_recomputing_what_l2_holds(
             for c in range(4):
                 ids = history[c] + [rng.randrange(1, 250) for _ in range(192)]
                 rid = f"{rnd}-{c}"
-                rig.run([_gen(rid, ids, 2)])
+                rig.run([gen(rid, ids, 2)])
                 history[c] = ids + rig.tokens(rid)
                 usage = rig.final(rid).usage
                 assert usage is not None
@@ -355,16 +226,16 @@ def test_a_load_back_acknowledged_before_the_next_pass_joins_it() -> None:
     prompt = [rng.randrange(1, 500) for _ in range(99)]
     rig = L2Rig(cfg)
     try:
-        rig.run([_gen("first", prompt, 4)])
+        rig.run([gen("first", prompt, 4)])
         for i in range(4):  # push "first" out of L1 into L2
-            rig.run([_gen(f"o{i}", [rng.randrange(1, 500) for _ in range(99)], 4)])
+            rig.run([gen(f"o{i}", [rng.randrange(1, 500) for _ in range(99)], 4)])
         sched = rig.sched
         assert sched.load_join_wait_s() == 0.0  # nothing runs, nothing loads
-        sched.submit(_gen("long", [rng.randrange(1, 500) for _ in range(20)], 30))
+        sched.submit(gen("long", [rng.randrange(1, 500) for _ in range(20)], 30))
         sched.step()
         rig.pump()
         assert sched.forward_s_ewma > 0.0
-        sched.submit(_gen("again", prompt, 4))
+        sched.submit(gen("again", prompt, 4))
         sched.schedule()
         again = sched.by_rid["again"]
         assert again.status == LOADING and sched.loads_pending

@@ -1,0 +1,147 @@
+"""Scheduler test rigs: a ``Scheduler`` driven in-process, with its outputs collected.
+
+``Rig`` runs the scheduler over plain tensors (every component's pools, no L2). ``L2Rig``
+runs it over the daemon's shared-memory pools with the controller's copy engine executed
+in-process (each copy acknowledged on the next ``pump``); ``L3AckRig`` also acknowledges
+backups (as stored) and L3 queries (no hits). Every ``run`` ends by checking that the
+scheduler is idle and the tree exact (no leak, no stray reservation).
+"""
+
+from __future__ import annotations
+
+import protos
+from hicache.config import HicacheConfig
+from hicache.model.loader import load_model
+from hicache.model.pools import allocate_pools
+from hicache.model.runner import ModelRunner
+from hicache.scheduler.assembly import build_cache
+from hicache.scheduler.engine import Scheduler
+
+
+class Rig:
+    """A scheduler over plain tensors, with every component's pools."""
+
+    def __init__(self, cfg: HicacheConfig) -> None:
+        self.cfg = cfg
+        self.model = load_model(cfg.model)
+        ps = cfg.cache.page_size
+        pages = cfg.cache.l1.tokens // ps
+        pools = allocate_pools(self.model.geometry, pages, ps, cfg.cache.l1.state_slots)
+        self.cache, self.l1, _ = build_cache(cfg, self.model, pages, None, pools=pools)
+        self.out: dict[str, list[protos.TokenOutput]] = {}
+        self.sched = Scheduler(cfg, self.model, ModelRunner(self.model, pools), self.cache, self.l1, self._emit)
+
+    def _emit(self, msg: protos.TokenizerMessage) -> None:
+        assert isinstance(msg, protos.TokenOutput)
+        self.out.setdefault(msg.rid, []).append(msg)
+
+    def run(self, reqs: list[protos.GenerateRequest], max_steps: int = 3000) -> None:
+        for r in reqs:
+            self.sched.submit(r)
+        for _ in range(max_steps):
+            if not self.sched.busy:
+                break
+            self.sched.step()
+        assert not self.sched.busy
+        self.assert_idle()
+
+    def assert_idle(self) -> None:
+        self.sched.check_idle()
+        self.cache.check_integrity(exact=True)
+        s = self.sched
+        assert (s.reserved_pages, s.reserved_swa_pages, s.reserved_state_slots) == (0, 0, 0)
+
+    def tokens(self, rid: str) -> list[int]:
+        return [t for m in self.out[rid] for t in m.token_ids]
+
+    def final(self, rid: str) -> protos.TokenOutput:
+        assert self.out[rid][-1].finished
+        return self.out[rid][-1]
+
+    def cached(self, rid: str) -> int:
+        usage = self.final(rid).usage
+        assert usage is not None
+        return usage.cached_device
+
+
+def gen(rid: str, ids: list[int], n: int = 6, stream: bool = False, **sampling: object) -> protos.GenerateRequest:
+    """A request for ``n`` tokens that ignores end-of-sequence (so it always makes ``n``)."""
+    return protos.GenerateRequest(rid, ids, protos.SamplingParams(max_new_tokens=n, ignore_eos=True, **sampling),
+                                  stream)
+
+
+def cold_tokens(cfg: HicacheConfig, rid: str, ids: list[int], n: int = 6) -> list[int]:
+    rig = Rig(cfg)
+    rig.run([gen(rid, ids, n)])
+    return rig.tokens(rid)
+
+
+class L2Rig(Rig):
+    """A scheduler over the daemon's shared-memory pools (every component, L1 and L2) with
+    the controller's copy engine run in-process: each ``WriteToHost`` / ``LoadToDevice`` is
+    executed and acknowledged on the next ``pump``, in order."""
+
+    def __init__(self, cfg: HicacheConfig) -> None:
+        from controller.transfer import CpuTransferEngine
+        from hicache.launch import Launcher
+        from hicache.memory.pools import create_pools
+        from hicache.scheduler.assembly import kv_pools_from_shared
+        from hicache.tier_manager import TierManager
+
+        self.cfg = cfg
+        self.model = load_model(cfg.model)
+        ps = cfg.cache.page_size
+        self.layout = Launcher(cfg)._layout()
+        self.shared = create_pools(self.layout)
+        kv = kv_pools_from_shared(self.shared, ps)
+        names = {c.name for c in self.layout.components}
+        sizes: dict[str, int] = {}
+        if "mamba" in names:
+            sizes = {"l2_state_slots": self.layout.component("mamba").l2_pages}
+        full = self.layout.component("full")
+        self.cache, self.l1, _ = build_cache(cfg, self.model, full.l1_pages, full.l2_pages, pools=kv, **sizes)
+        self.engine = CpuTransferEngine(self.shared)
+        self.inbox: list[protos.ControllerMessage] = []
+        self.tier = TierManager(self.cache, self.inbox.append, load_back_threshold=0)
+        self.out: dict[str, list[protos.TokenOutput]] = {}
+        self.sched = Scheduler(cfg, self.model, ModelRunner(self.model, kv), self.cache, self.l1, self._emit,
+                               tier=self.tier, controller_send=self.inbox.append)
+
+    def pump(self) -> None:
+        msgs, self.inbox[:] = list(self.inbox), []
+        for msg in msgs:
+            if isinstance(msg, (protos.WriteToHost, protos.LoadToDevice)):
+                self.engine.check(msg)
+                self.engine.run(msg)
+                self.sched.on_controller(protos.OpDone(msg.op_id, "ok"))
+
+    def run(self, reqs: list[protos.GenerateRequest], max_steps: int = 3000) -> None:
+        for r in reqs:
+            self.sched.submit(r)
+        for _ in range(max_steps):
+            if not self.sched.busy and not self.tier.in_flight:
+                break
+            self.sched.step()
+            self.pump()
+        assert not self.sched.busy and not self.tier.in_flight
+        self.assert_idle()
+
+    def close(self) -> None:
+        self.shared.close()
+        self.shared.unlink()
+
+
+class L3AckRig(L2Rig):
+    """L2Rig whose controller also acknowledges backups (as stored) and L3 queries (no hits)."""
+
+    def pump(self) -> None:
+        msgs, self.inbox[:] = list(self.inbox), []
+        for msg in msgs:
+            if isinstance(msg, (protos.WriteToHost, protos.LoadToDevice)):
+                self.engine.check(msg)
+                self.engine.run(msg)
+                self.sched.on_controller(protos.OpDone(msg.op_id, "ok"))
+            elif isinstance(msg, protos.BackupToStorage):
+                self.sched.on_controller(protos.OpDone(msg.op_id, "ok", len(msg.hashes)))
+            elif isinstance(msg, protos.PrefetchQuery):
+                self.sched.on_controller(protos.PrefetchHits(msg.op_id, 0))
