@@ -108,12 +108,16 @@ class L2Rig(Rig):
                                tier=self.tier, controller_send=self.inbox.append)
 
     def pump(self) -> None:
+        """Execute and acknowledge every message sent since the last pump, in order."""
         msgs, self.inbox[:] = list(self.inbox), []
         for msg in msgs:
-            if isinstance(msg, (protos.WriteToHost, protos.LoadToDevice)):
-                self.engine.check(msg)
-                self.engine.run(msg)
-                self.sched.on_controller(protos.OpDone(msg.op_id, "ok"))
+            self.answer(msg)
+
+    def answer(self, msg: protos.ControllerMessage) -> None:
+        """The controller's part: copies are executed (``run`` checks them first) and acked."""
+        if isinstance(msg, (protos.WriteToHost, protos.LoadToDevice)):
+            self.engine.run(msg)
+            self.sched.on_controller(protos.OpDone(msg.op_id, "ok"))
 
     def run(self, reqs: list[protos.GenerateRequest], max_steps: int = 3000) -> None:
         for r in reqs:
@@ -134,14 +138,10 @@ class L2Rig(Rig):
 class L3AckRig(L2Rig):
     """L2Rig whose controller also acknowledges backups (as stored) and L3 queries (no hits)."""
 
-    def pump(self) -> None:
-        msgs, self.inbox[:] = list(self.inbox), []
-        for msg in msgs:
-            if isinstance(msg, (protos.WriteToHost, protos.LoadToDevice)):
-                self.engine.check(msg)
-                self.engine.run(msg)
-                self.sched.on_controller(protos.OpDone(msg.op_id, "ok"))
-            elif isinstance(msg, protos.BackupToStorage):
-                self.sched.on_controller(protos.OpDone(msg.op_id, "ok", len(msg.hashes)))
-            elif isinstance(msg, protos.PrefetchQuery):
-                self.sched.on_controller(protos.PrefetchHits(msg.op_id, 0))
+    def answer(self, msg: protos.ControllerMessage) -> None:
+        if isinstance(msg, protos.BackupToStorage):
+            self.sched.on_controller(protos.OpDone(msg.op_id, "ok", len(msg.hashes)))
+        elif isinstance(msg, protos.PrefetchQuery):
+            self.sched.on_controller(protos.PrefetchHits(msg.op_id, 0))
+        else:
+            super().answer(msg)
