@@ -18,6 +18,10 @@ controller exits / is killed  tell the scheduler (``ProcessEvent died``: it fail
                               the restart, spawn a new controller on the same pools
 scheduler asks ``restart``    SIGKILL the hung controller (then as above)
 scheduler or tokenizer exits  stop everything, exit 1 with the process and exit code
+scheduler, tokenizer or       a child exits 0 only when it was told to stop: the signal
+controller exits 0            went to the whole process group (systemd's default
+                              ``KillMode=control-group``, ``timeout``, Ctrl-C): orderly
+                              stop of the others, exit 0 (a controller is not restarted)
 SIGTERM / SIGINT              orderly stop (below), exit 0
 ============================  =========================================================
 
@@ -147,6 +151,10 @@ class Launcher:
                 pools.unlink()
             if not cfg.ipc.dir:
                 shutil.rmtree(runtime, ignore_errors=True)
+            # Stopped: a late SIGTERM / SIGINT (sent to the whole group, or a second Ctrl-C)
+            # must not turn this exit into a death by signal while the interpreter shuts down.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         return code
 
     # ------------------------------------------------------------------ setup
@@ -252,11 +260,18 @@ class Launcher:
         try:
             while self.stop_signal is None:
                 msg = _recv(inbox, 200)
+                if self.stop_signal is not None:
+                    break  # a signal arrived while waiting: children may be stopping already
                 if isinstance(msg, protos.ProcessEvent) and msg.event == "restart" and "controller" in self.children:
                     proc = self.children["controller"].proc
                     log.error("restarting the hung controller (pid %s): %s", proc.pid, msg.detail)
                     os.kill(proc.pid, signal.SIGKILL)
                     proc.join(10)
+                stopped = self._stopped_cleanly()
+                if stopped is not None:
+                    log.info("the %s stopped (exit 0): the stop signal reached the process group; stopping "
+                             "hicache", stopped)
+                    return 0
                 for name in ("scheduler", "tokenizer"):
                     proc = self.children[name].proc
                     if not proc.is_alive():
@@ -284,6 +299,15 @@ class Launcher:
         finally:
             to_scheduler.close()
             to_tokenizer.close(linger_ms=500)
+
+    def _stopped_cleanly(self) -> str | None:
+        """The name of a child that has exited with code 0, if any. A child exits 0 only after a
+        SIGTERM or a ``Shutdown``; when the launcher did not send it, the signal was sent to
+        the whole process group, and the launcher is being stopped too."""
+        for name, child in self.children.items():
+            if child.proc is not None and not child.proc.is_alive() and child.proc.exitcode == 0:
+                return name
+        return None
 
     def _stop_all(self) -> None:
         for name in ("tokenizer", "scheduler", "controller"):

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import pytest
 import zmq
 from conftest import DaemonFactory, check_stopped_cleanly, segments_of
 from daemon import Daemon, alive
@@ -413,3 +414,27 @@ def test_sigterm_during_traffic(daemons: DaemonFactory, short_dir: Path, tmp_pat
     left = sorted(str(p) for p in runtime_parent.rglob("*"))
     assert not left, f"runtime directory not removed: {left}"
     assert not segments_of(d.proc.pid)
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.5])
+def test_sigterm_to_the_whole_process_group(daemons: DaemonFactory, tmp_path: Path, delay_s: float) -> None:
+    """systemd (``KillMode=control-group``), ``timeout`` and a terminal's Ctrl-C signal every
+    process of the group at once: the children start stopping on their own, with the
+    launcher. That is an orderly stop (exit 0, nothing left), not a crash, and a controller
+    that stopped is not restarted. ``delay_s``: the launcher gets the signal that much after
+    its children (a child already gone when it looks)."""
+    cfg = _config(tmp_path, {"backend": "file", "file": {"dir": str(tmp_path / "l3")}})
+    d = daemons(cfg)
+    assert d.proc is not None
+    status, body = d.request("POST", "/generate", {"input_ids": _prompt(random.Random(3), 64),
+                                                     "sampling_params": {"max_new_tokens": 4}})
+    assert status == 200, body
+    pids = d.pids()
+    for pid in pids.values():
+        os.kill(pid, signal.SIGTERM)
+    time.sleep(delay_s)
+    d.proc.send_signal(signal.SIGTERM)
+    code = d.proc.wait(90)
+    check_stopped_cleanly(d, code, pids)
+    log = d.log()
+    assert "exited unexpectedly" not in log and "restarting it" not in log, log
