@@ -110,6 +110,10 @@ class Launcher:
         except ValueError as exc:
             print(f"hicache: {exc}", file=sys.stderr)
             return 2
+        problem = _port_problem(cfg.server.host, cfg.server.port)
+        if problem:  # say so now, not after the controller and the scheduler have started
+            print(f"hicache: cannot listen on {cfg.server.host}:{cfg.server.port}: {problem}", file=sys.stderr)
+            return 1
         runtime = Path(cfg.ipc.dir) if cfg.ipc.dir else make_runtime_dir()
         runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
         endpoints = Endpoints(cfg.ipc.transport, str(runtime), cfg.ipc.tcp_host, cfg.ipc.tcp_base_port)
@@ -320,6 +324,26 @@ class Launcher:
                 log.error("the %s did not stop within %.0f s: killing it", name, STOP_TIMEOUT_S)
                 child.proc.kill()
                 child.proc.join(5)
+
+
+def _port_problem(host: str, port: int) -> str | None:
+    """Why the HTTP server could not listen on ``host:port`` now (e.g. another daemon holds
+    it), or None. A bind test with ``SO_REUSEADDR``, as the server binds; the tokenizer's own
+    bind still reports a port taken between this check and its start."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return str(exc)
+    family, kind, proto, _name, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 
 
 def _recv(inbox: Any, timeout_ms: int) -> Any:

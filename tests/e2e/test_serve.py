@@ -168,3 +168,27 @@ def test_killed_launcher_leaves_no_orphans_and_next_start_cleans_up(tmp_path: Pa
         assert _owned(d2)
     finally:
         assert d2.stop() == 0
+
+
+def test_a_port_in_use_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """Another server holds the HTTP port: a clear error and exit 1 at once, before any
+    process or shared-memory pool exists (not seconds later, from the tokenizer)."""
+    import socket
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    try:
+        d = Daemon(tmp_path, _config(tmp_path))
+        cfg_text = d.config_path.read_text().replace(f"port: {d.port}", f"port: {holder.getsockname()[1]}")
+        d.config_path.write_text(cfg_text)
+        before = _segments()
+        d.launch()
+        assert d.proc is not None
+        code = d.proc.wait(60)
+        assert code == 1, d.log()
+        assert f"cannot listen on 127.0.0.1:{holder.getsockname()[1]}" in d.log()
+        assert "controller ready" not in d.log()  # no process was started
+        assert _segments() == before
+    finally:
+        holder.close()
