@@ -89,13 +89,6 @@ class CpuTransferEngine:
             nbytes += len(dev) * comp.layout.l2_page_bytes
         return CopyPlan(pairs, pages, nbytes)
 
-    def check(self, msg: WriteToHost | LoadToDevice) -> None:
-        """Raise TransferRefused with the reason if ``msg`` cannot be executed as given."""
-        self.prepare(msg)
-
-    def nbytes(self, msg: WriteToHost | LoadToDevice) -> int:
-        return sum(len(pages) * self.pools[name].layout.l2_page_bytes for name, pages in msg.host_pages.items())
-
     def execute(self, plan: CopyPlan) -> None:
         """Copy every pair of a plan made by ``prepare``; returns when every byte has moved."""
         for dst, src in plan.pairs:

@@ -100,23 +100,6 @@ def is_page_hash(value: object) -> bool:
     return isinstance(value, str) and len(value) == HASH_HEX_LEN and _HEX_DIGITS.issuperset(value)
 
 
-def chain_page_hashes(
-    tokens: Sequence[int], page_size: int, parent: bytes
-) -> list[bytes]:
-    """Raw 32-byte digests for every *full* page of ``tokens``, chained from ``parent``.
-
-    A trailing partial page gets no hash (it is never cached).
-    """
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-    full = len(tokens) - len(tokens) % page_size
-    data = tokens_to_bytes(tokens, full)
-    step = 4 * page_size
-    sha256 = hashlib.sha256
-    prev = parent
-    return [(prev := sha256(prev + data[off : off + step]).digest()) for off in range(0, len(data), step)]
-
-
 class PageHasher:
     """Computes page hashes within one namespace.
 

@@ -34,8 +34,3 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
     if os.getppid() == 1:
         os.kill(os.getpid(), sig)
     return True
-
-
-def orphaned(original_parent: int) -> bool:
-    """True once the process that started us is gone."""
-    return os.getppid() != original_parent

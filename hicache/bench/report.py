@@ -36,18 +36,6 @@ class Figure:
         return self.ratio >= self.goal if self.higher_is_better else self.ratio <= self.goal
 
 
-def median_rate(run_once: Callable[[], int], repeats: int, warmup: int = 1) -> float:
-    """Median of ``items / seconds`` over ``repeats`` runs; ``run_once`` returns its item count."""
-    for _ in range(warmup):
-        run_once()
-    rates = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        n = run_once()
-        rates.append(n / (time.perf_counter() - t0))
-    return statistics.median(rates)
-
-
 def interleaved_rates(
     runs: Sequence[Callable[[], int]], repeats: int, warmup: int = 1
 ) -> list[float]:

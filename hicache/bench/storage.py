@@ -86,6 +86,16 @@ def _hashes(n: int) -> list[str]:
     return [os.urandom(32).hex() for _ in range(n)]
 
 
+def _time_backend(be: Any, n: int, pages: list[bytes], into: list[memoryview],
+                  writes: list[float], reads: list[float]) -> None:
+    """One timed ``batch_set`` and ``batch_get`` of ``n`` fresh pages through ``be`` (appended
+    to ``writes`` / ``reads``); the pages are deleted afterwards."""
+    hs = _hashes(n)
+    writes.append(_timed(lambda: _check(be.batch_set(hs, pages))))
+    reads.append(_timed(lambda: _check(be.batch_get(hs, into))))
+    be.delete(hs)
+
+
 def _bench_file(root: str, size: int, n: int, reps: int) -> tuple[list[float], ...]:
     from storage_backends import FileSettings, PageLayout, create_backend
 
@@ -101,10 +111,7 @@ def _bench_file(root: str, size: int, n: int, reps: int) -> tuple[list[float], .
     rr: list[float] = []
     try:
         for _ in range(reps):
-            hs = _hashes(n)
-            bw.append(_timed(lambda hs=hs: _check(be.batch_set(hs, pages))))
-            br.append(_timed(lambda hs=hs: _check(be.batch_get(hs, into))))
-            be.delete(hs)
+            _time_backend(be, n, pages, into, bw, br)
 
             paths = [os.path.join(raw_root, h[:2], h + ".page") for h in _hashes(n)]
             for p in paths:
@@ -154,10 +161,7 @@ def _bench_redis(url: str, size: int, n: int, reps: int, cluster: bool = False) 
     rr: list[float] = []
     try:
         for _ in range(reps):
-            hs = _hashes(n)
-            bw.append(_timed(lambda hs=hs: _check(be.batch_set(hs, pages))))
-            br.append(_timed(lambda hs=hs: _check(be.batch_get(hs, into))))
-            be.delete(hs)
+            _time_backend(be, n, pages, into, bw, br)
 
             keys = [f"{prefix}-raw:{h}" for h in _hashes(n)]
 

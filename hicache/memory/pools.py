@@ -59,10 +59,6 @@ class ComponentLayout:
         return sum(spec.nbytes for spec in self.l1) // self.l1_pages
 
     @property
-    def l1_page_axis(self) -> int:
-        return 2 if self.kind == "paged" else 1
-
-    @property
     def l2_page_shape(self) -> tuple[int, ...]:
         """Shape of one L2 page (paged components: ``[layers, 2, ps, heads, dim]``)."""
         layers, two, _slots, heads, dim = self.l1[0].shape
@@ -175,18 +171,8 @@ class MappedComponent:
             return f"{self.layout.name} {tier} page {bad} is out of range [0, {limit})"
         return None
 
-    def copy_l1_to_l2(self, l1_pages: list[int], l2_pages: list[int]) -> None:
-        """L2[l2_pages[i]] = L1[l1_pages[i]] for every tensor of the component."""
-        for dst, src in self.plan_l1_to_l2(l1_pages, l2_pages):
-            dst.copy_(src)
-
-    def copy_l2_to_l1(self, l2_pages: list[int], l1_pages: list[int]) -> None:
-        """L1[l1_pages[i]] = L2[l2_pages[i]] for every tensor of the component."""
-        for dst, src in self.plan_l2_to_l1(l2_pages, l1_pages):
-            dst.copy_(src)
-
     def plan_l1_to_l2(self, l1_pages: list[int], l2_pages: list[int]) -> list[CopyPair]:
-        """The ``(dst, src)`` view pairs whose ``dst.copy_(src)`` does ``copy_l1_to_l2``.
+        """The ``(dst, src)`` view pairs whose ``dst.copy_(src)`` sets L2[l2_pages[i]] = L1[l1_pages[i]].
 
         One pair per run of consecutive pages (``page_runs``) and tensor, both views with the
         page index on axis 0 and the same shape. Makes views only (one slice per side, of
@@ -197,7 +183,7 @@ class MappedComponent:
                 for src, dst in zip(self.l1_page_major, self.l2, strict=True)]
 
     def plan_l2_to_l1(self, l2_pages: list[int], l1_pages: list[int]) -> list[CopyPair]:
-        """The ``(dst, src)`` view pairs of ``copy_l2_to_l1``; see ``plan_l1_to_l2``."""
+        """The pairs that set L1[l1_pages[i]] = L2[l2_pages[i]]; see ``plan_l1_to_l2``."""
         return [(dst[dst_start : dst_start + n], src[src_start : src_start + n])
                 for (src_start, dst_start, n) in page_runs(l2_pages, l1_pages)
                 for src, dst in zip(self.l2, self.l1_page_major, strict=True)]

@@ -135,19 +135,3 @@ class SharedSegment:
             os.unlink(os.path.join(self.directory, self.name))
         except FileNotFoundError:
             pass
-
-
-def unlink_segments(prefix: str, directory: str | None = None) -> list[str]:
-    """Remove every segment whose name starts with ``prefix`` (cleanup after a crash)."""
-    if not prefix or not _NAME.match(prefix):
-        raise ValueError(f"bad segment prefix {prefix!r}")
-    d = directory or shm_dir()
-    removed = []
-    for entry in os.listdir(d):
-        if entry.startswith(prefix):
-            try:
-                os.unlink(os.path.join(d, entry))
-                removed.append(entry)
-            except FileNotFoundError:
-                pass
-    return removed

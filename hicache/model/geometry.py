@@ -65,16 +65,6 @@ class MambaGeometry:
     ssm_shape: tuple[int, ...]
     dtype: str = MAMBA_STATE_DTYPE
 
-    @property
-    def bytes_per_slot(self) -> int:
-        conv = 1
-        for n in self.conv_shape:
-            conv *= n
-        ssm = 1
-        for n in self.ssm_shape:
-            ssm *= n
-        return self.num_layers * (conv + ssm) * DTYPE_BYTES[self.dtype]
-
     def conv_l1_shape(self, num_state_slots: int) -> tuple[int, ...]:
         return (self.num_layers, num_state_slots, *self.conv_shape)
 

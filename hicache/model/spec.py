@@ -99,10 +99,6 @@ class DecoderSpec:
     def num_layers(self) -> int:
         return len(self.layer_kinds)
 
-    @property
-    def group_size(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
     def count(self, kind: str) -> int:
         return sum(1 for k in self.layer_kinds if k == kind)
 

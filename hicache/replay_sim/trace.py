@@ -56,12 +56,6 @@ class Trace:
     def total_blocks(self) -> int:
         return sum(len(b) for b in self.blocks)
 
-    def unique_blocks(self) -> int:
-        seen: set[int] = set()
-        for ids in self.blocks:
-            seen.update(ids)
-        return len(seen)
-
     def longest(self) -> int:
         return max((len(b) for b in self.blocks), default=0)
 
@@ -148,8 +142,3 @@ def page_keys(trace: Trace, pages_per_block: int) -> list[array]:
             key.extend(range(b * k, b * k + k))
         out.append(key)
     return out
-
-
-def token_keys(trace: Trace, block_size: int) -> list[array]:
-    """One key per request of real synthetic tokens: block ``b`` is ``b*B .. b*B+B-1``."""
-    return page_keys(trace, block_size)

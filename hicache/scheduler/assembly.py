@@ -36,10 +36,6 @@ from hicache.tree.components import FullComponent, MambaComponent, SWAComponent,
 SUPPORTED_COMPONENTS = (("full",), ("full", "swa"), ("full", "mamba"))
 
 
-def pages_for(tokens: int, page_size: int) -> int:
-    return tokens // page_size
-
-
 def hash_namespace(cfg: HicacheConfig, model: LoadedModel) -> HashNamespace:
     """The page-hash namespace of this daemon's Full KV (salts derive from it per request)."""
     return HashNamespace(model.identity, cfg.model.dtype, cfg.cache.page_size, "full")

@@ -156,6 +156,19 @@ def scheduler_main(args: SchedulerArgs) -> None:
         else:
             sched.on_controller(msg)
 
+    def receive(timeout_ms: int) -> bool:
+        """Handle the next inbox message, waiting up to ``timeout_ms``; False if none came.
+        A frame that does not decode is logged and dropped (and counts as one that came)."""
+        try:
+            msg = inbox.recv(timeout_ms)
+        except protos.ProtocolError as exc:
+            log.warning("refused a frame: %s", exc)
+            return True
+        if msg is None:
+            return False
+        handle(msg)
+        return True
+
     try:
         while True:
             if stop_requested[0] and not draining:
@@ -166,15 +179,9 @@ def scheduler_main(args: SchedulerArgs) -> None:
             # messages); waiting requests only need a short tick for prefetch deadlines.
             timeout = 0 if sched.running else (5 if sched.waiting else 20)
             for _ in range(256):
-                try:
-                    msg = inbox.recv(timeout)
-                except protos.ProtocolError as exc:
-                    log.warning("refused a frame: %s", exc)
-                    continue
-                if msg is None:
+                if not receive(timeout):
                     break
                 timeout = 0
-                handle(msg)
             sched.schedule()
             wait_s = sched.load_join_wait_s()
             if wait_s > 0.0:
@@ -182,14 +189,8 @@ def scheduler_main(args: SchedulerArgs) -> None:
                 began = time.monotonic()
                 until = began + wait_s
                 while sched.loads_pending and (left := until - time.monotonic()) > 0:
-                    try:
-                        msg = inbox.recv(max(1, int(left * 1000)))
-                    except protos.ProtocolError as exc:
-                        log.warning("refused a frame: %s", exc)
-                        continue
-                    if msg is None:
+                    if not receive(max(1, int(left * 1000))):
                         break
-                    handle(msg)
                 sched.counters.load_join_wait_s += time.monotonic() - began
                 sched.schedule()
             sched.forward()

@@ -6,20 +6,23 @@ the monotonic counters the cache and the tier manager keep, so nothing is record
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 from hicache.metrics import Metrics
 from hicache.scheduler.engine import Scheduler
 from hicache.scheduler.request import LOADING, PREFETCH, WAITING
+
+N = TypeVar("N", int, float)
 
 
 class SchedulerTelemetry:
     def __init__(self, metrics: Metrics, sched: Scheduler) -> None:
         self.metrics = metrics
         self.sched = sched
-        self._last: dict[str, int] = {}
-        self._waited = 0.0  # load_join_wait_s already published
+        self._last: dict[str, Any] = {}  # the last published value of each counter (int or float)
 
-    def _delta(self, key: str, value: int) -> int:
-        d = value - self._last.get(key, 0)
+    def _delta(self, key: str, value: N) -> N:
+        d: N = value - self._last.get(key, 0)
         self._last[key] = value
         return d
 
@@ -45,9 +48,7 @@ class SchedulerTelemetry:
         m.set_queue("running", len(s.running))
         m.evicted("device", self._delta("evicted_device", s.cache.evicted_device_tokens))
         m.evicted("host", self._delta("evicted_host", s.cache.evicted_host_tokens))
-        waited = s.counters.load_join_wait_s
-        m.load_join_waited(waited - self._waited)
-        self._waited = waited
+        m.load_join_waited(self._delta("load_join_wait", s.counters.load_join_wait_s))
         if s.tier is not None:
             c = s.tier.counters
             m.prefetched(self._delta("prefetch", c.prefetch_tokens))

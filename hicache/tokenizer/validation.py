@@ -265,15 +265,7 @@ def parse_generate(data: dict[str, Any], rid: str, tokenizer: Tokenizer, limits:
     text = f.get_str("text")
     input_ids = _encode(tokenizer, text) if text is not None else list(f.int_list("input_ids"))
     sp = _Fields(data.get("sampling_params") or {}, _GENERATE_SAMPLING, "sampling_params.")
-    s = _Sampling(
-        max_new_tokens=sp.get_int("max_new_tokens"),
-        temperature=_or(sp.get_number("temperature"), 0.0),
-        top_p=_or(sp.get_number("top_p"), 1.0),
-        top_k=_or(sp.get_int("top_k"), 0),
-        seed=sp.get_int("seed"),
-        stop_token_ids=tuple(sp.int_list("stop_token_ids")),
-        ignore_eos=sp.get_bool("ignore_eos"),
-    )
+    s = _sampling(sp, "max_new_tokens", default_temperature=0.0)
     return _finish(rid, input_ids, s, limits, stop=sp.stop_strings("stop"), stream=f.get_bool("stream"),
                    cache_salt=f.get_str("cache_salt", "", MAX_CACHE_SALT_LENGTH) or "",
                    field="sampling_params.max_new_tokens")
@@ -281,6 +273,20 @@ def parse_generate(data: dict[str, Any], rid: str, tokenizer: Tokenizer, limits:
 
 def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
+
+
+def _sampling(f: _Fields, max_tokens_field: str, *, default_temperature: float) -> _Sampling:
+    """The sampling fields every route shares, read from ``f`` (in this order, so the first
+    bad one is the one reported)."""
+    return _Sampling(
+        max_new_tokens=f.get_int(max_tokens_field),
+        temperature=_or(f.get_number("temperature"), default_temperature),
+        top_p=_or(f.get_number("top_p"), 1.0),
+        top_k=_or(f.get_int("top_k"), 0),
+        seed=f.get_int("seed"),
+        stop_token_ids=tuple(f.int_list("stop_token_ids")),
+        ignore_eos=f.get_bool("ignore_eos"),
+    )
 
 
 # --------------------------------------------------------------------------- OpenAI routes
@@ -305,15 +311,7 @@ def _openai_sampling(f: _Fields, max_tokens_field: str = "max_tokens") -> _Sampl
     f.neutral("presence_penalty", lambda v: v == 0, "penalties are not implemented")
     f.neutral("frequency_penalty", lambda v: v == 0, "penalties are not implemented")
     f.neutral("logit_bias", lambda v: v == {}, "logit_bias is not implemented")
-    return _Sampling(
-        max_new_tokens=f.get_int(max_tokens_field),
-        temperature=_or(f.get_number("temperature"), 1.0),
-        top_p=_or(f.get_number("top_p"), 1.0),
-        top_k=_or(f.get_int("top_k"), 0),
-        seed=f.get_int("seed"),
-        stop_token_ids=tuple(f.int_list("stop_token_ids")),
-        ignore_eos=f.get_bool("ignore_eos"),
-    )
+    return _sampling(f, max_tokens_field, default_temperature=1.0)
 
 
 def _stream_options(f: _Fields) -> tuple[bool, bool]:
