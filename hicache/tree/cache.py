@@ -776,12 +776,12 @@ class UnifiedRadixCache:
         if not self.hicache:
             return []
         if self.write_policy == "write_back":
-            cands = [n for n in self._write_back_queue if n.parent is not None]
-        else:
+            cands = [n for n in self._write_back_queue
+                     if n.parent is not None and n.data[0].host_value is None and n.data[0].value is not None
+                     and not n.in_flight and not n.loading]
+        else:  # unwritten: in L1, not in L2 (by construction)
             thr = self.write_through_threshold if self.write_policy == "write_through_selective" else 0
-            cands = [n for n in self.core.unwritten if not n.in_flight and n.hit_count >= thr]
-        cands = [n for n in cands if n.data[0].host_value is None and n.data[0].value is not None
-                 and not n.in_flight and not n.loading]
+            cands = [n for n in self.core.unwritten if not n.in_flight and not n.loading and n.hit_count >= thr]
         cands.sort(key=self._depth)
         return cands if limit is None else cands[:limit]
 
