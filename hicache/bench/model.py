@@ -74,7 +74,11 @@ def run(args: argparse.Namespace) -> int:
     pools = allocate_pools(geo, num_pages, ps, slots)
     runner = ModelRunner(model, pools)
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, spec.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
+    # one token sequence for both parts: the prefill prompt is its start, each decode sequence
+    # its first decode_context tokens and then one token per step (so neither may run past it)
+    tokens = torch.randint(0, spec.vocab_size, (max(args.prompt_tokens, args.decode_context + args.decode_steps),),
+                           generator=gen).tolist()
+    prompt = tokens[: args.prompt_tokens]
     pages = list(range(prompt_pages))
     geo_full, geo_swa = geo.full is not None, geo.swa is not None
 
@@ -92,10 +96,10 @@ def run(args: argparse.Namespace) -> int:
     tables = [list(range(base + i * seq_pages, base + (i + 1) * seq_pages)) for i in range(args.decode_batch)]
     ctx = args.decode_context
     for i, table in enumerate(tables):
-        runner.forward([item(prompt[:ctx], 0, table, i + 1 if slots else None)])
+        runner.forward([item(tokens[:ctx], 0, table, i + 1 if slots else None)])
     step_times = []
     for step in range(args.decode_steps):
-        batch = [item([prompt[ctx + step]], ctx + step, t, i + 1 if slots else None) for i, t in enumerate(tables)]
+        batch = [item([tokens[ctx + step]], ctx + step, t, i + 1 if slots else None) for i, t in enumerate(tables)]
         t0 = time.perf_counter()
         runner.forward(batch)
         step_times.append(time.perf_counter() - t0)
