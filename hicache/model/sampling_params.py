@@ -1,8 +1,37 @@
 """Sampling parameters and stop conditions: what a request asks for, without torch.
 
-``SamplingParams`` validates itself (a ValueError naming the parameter). The tokenizer
-process checks requests with it; the sampling itself (``hicache.model.sampling``) is the
-scheduler's and needs torch, which this module does not import.
+``SamplingParams`` validates itself (a ``SamplingParamError``, a ValueError whose ``field``
+names the parameter). The tokenizer process checks requests with it and the scheduler checks
+them again; the sampling itself (``hicache.model.sampling``) is the scheduler's and needs
+torch, which this module does not import.
+
+Accepted values (everything else is refused, so that ``sample_next`` is never asked for a
+value it cannot honour; bools never count as numbers, NaN and infinities are refused):
+
+- ``temperature``: ``0`` (greedy) or a float in ``[MIN_TEMPERATURE, MAX_TEMPERATURE]``.
+  The model emits float32 logits, ``|x| <= 3.4e38``. Dividing them by ``t`` in float32 is
+  what cannot be honoured: ``t = 1e-300`` (or any value below the smallest float32, 1.4e-45)
+  rounds to ``0`` and ``x / 0`` is inf/NaN; a subnormal or small ``t`` overflows ``x / t``
+  to inf for large logits (``t = 0.1`` already for ``|x| > 3.4e37``), and softmax of inf is
+  NaN. ``sample_next`` therefore works in float64 and divides ``x - max(x)`` (in
+  ``[-6.8e38, 0]`` for every finite float32 logit) by ``t``: with ``t >= MIN_TEMPERATURE``
+  every score is a finite float64 (at most ``6.8e38 / 0.01 = 6.8e40`` in magnitude, far from
+  the float64 limit 1.8e308) and the best one is exactly ``0``, so softmax neither
+  overflows nor produces NaN, whatever the logits. ``MIN_TEMPERATURE`` is 0.01, the floor
+  vLLM silently clamps to (refused here instead, so that a client learns it): at 0.01 a
+  logit gap of 1 is already a probability ratio of ``e**100``, so anything lower is greedy
+  in all but name, and greedy is asked for with ``0``. ``MAX_TEMPERATURE`` is 100: there
+  the distribution is already close to uniform noise for any real model, and a larger
+  value is a mistake rather than a wish;
+- ``top_p``: a float in ``(0, 1]`` (``1`` = off). Any positive value is honoured: the
+  most likely token is always kept;
+- ``top_k``: an integer in ``[0, MAX_TOP_K]`` (``0`` = off); ``check_vocab`` also refuses
+  one above the vocabulary, and ``sample_next`` clamps to the vocabulary in any case;
+- ``seed``: ``None`` or an integer in ``[0, 2**63)`` (a signed 64-bit integer on the wire);
+- ``max_new_tokens``: an integer in ``[1, MAX_NEW_TOKENS]`` (the scheduler's configured
+  limit is lower and checked where it is known);
+- ``stop_token_ids``: integers in ``[0, 2**31)`` (``check_vocab`` bounds them by the
+  vocabulary).
 """
 
 from __future__ import annotations
@@ -12,12 +41,66 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+MIN_TEMPERATURE = 0.01
+"""The smallest positive temperature (see the module docstring for why)."""
+MAX_TEMPERATURE = 100.0
+"""The largest temperature."""
+MAX_TOP_K = 2**31 - 1
+"""The largest ``top_k`` (before the vocabulary check)."""
+MAX_NEW_TOKENS = 2**31 - 1
+"""The largest ``max_new_tokens`` (before the scheduler's own, lower limit)."""
+MAX_SEED = 2**63 - 1
+"""The largest seed."""
+MAX_TOKEN_ID = 2**31 - 1
+"""The largest token id (before the vocabulary check)."""
+
+
+class SamplingParamError(ValueError):
+    """A sampling parameter out of its accepted range. ``field`` is the parameter's name
+    (``temperature``, ``top_p`` ...); the message starts with it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field} {message}")
+        self.field = field
+        self.detail = message
+        """The message without the field name (for callers that spell the field differently)."""
+
+
+def shown(value: object, limit: int = 40) -> str:
+    """``repr(value)`` for an error message, cut to about ``limit`` characters (a request may
+    carry a 4,000-digit integer or a list of thousands)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer beyond the interpreter's digit limit for str()
+        return "an integer too large to print"
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _finite_float(v: object) -> float | None:
+    """``v`` as a finite float, or None when it is not a number (bools are not), is NaN or
+    infinite, or is an integer too large for a float."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """``top_k`` 0 = off; ``top_p`` 1.0 = off; ``seed`` None = a fresh random seed per request
     (so not reproducible). ``stop_token_ids`` end generation and are included in the output;
-    ``ignore_eos`` drops the model's own end-of-sequence ids from the stop set."""
+    ``ignore_eos`` drops the model's own end-of-sequence ids from the stop set.
+
+    Construction refuses every value outside the ranges of the module docstring with a
+    ``SamplingParamError`` naming the parameter; ``temperature`` and ``top_p`` are stored as
+    floats (an integer ``1`` becomes ``1.0``, ``-0.0`` becomes ``0.0``)."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -28,41 +111,46 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        def is_int(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_num(v: object) -> bool:
-            return isinstance(v, int | float) and not isinstance(v, bool)
-
-        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not is_num(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if not _is_int(self.max_new_tokens) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise SamplingParamError(
+                "max_new_tokens", f"must be an integer in [1, {MAX_NEW_TOKENS}], got {shown(self.max_new_tokens)}")
+        t = _finite_float(self.temperature)
+        if t is None or not (t == 0.0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
+            raise SamplingParamError(
+                "temperature", f"must be 0 (greedy) or a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
+                f"got {shown(self.temperature)}")
+        object.__setattr__(self, "temperature", t + 0.0)  # -0.0 -> 0.0
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise SamplingParamError(
+                "top_k", f"must be an integer in [0, {MAX_TOP_K}] (0 disables it), got {shown(self.top_k)}")
+        p = _finite_float(self.top_p)
+        if p is None or not 0.0 < p <= 1.0:
+            raise SamplingParamError("top_p", f"must be a number in (0, 1], got {shown(self.top_p)}")
+        object.__setattr__(self, "top_p", p)
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise SamplingParamError("seed", f"must be an integer in [0, 2**63), got {shown(self.seed)}")
         stops = self.stop_token_ids
-        if not isinstance(stops, tuple | list) or not all(is_int(t) and t >= 0 for t in stops):
-            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {stops!r}")
+        if not isinstance(stops, tuple | list) or not all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in stops):
+            raise SamplingParamError(
+                "stop_token_ids", f"must be a list of integers in [0, {MAX_TOKEN_ID}], got {shown(stops)}")
         if isinstance(stops, list):
             object.__setattr__(self, "stop_token_ids", tuple(stops))
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+            raise SamplingParamError("ignore_eos", f"must be true or false, got {shown(self.ignore_eos)}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise ValueError if a stop token id cannot exist in a vocabulary of ``vocab_size``."""
+        """Raise ``SamplingParamError`` if a stop token id cannot exist in a vocabulary of
+        ``vocab_size``, or ``top_k`` exceeds it."""
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})")
+            raise SamplingParamError("stop_token_ids",
+                                     f"holds {shown(bad[0])}, outside the vocabulary [0, {vocab_size})")
         if self.top_k > vocab_size:
-            raise ValueError(f"top_k must be <= the vocabulary size {vocab_size}, got {self.top_k}")
+            raise SamplingParamError("top_k", f"must be <= the vocabulary size {vocab_size}, got {shown(self.top_k)}")
 
 
 def resolve_seed(params: SamplingParams) -> int:

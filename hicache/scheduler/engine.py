@@ -18,6 +18,17 @@ One step:
 4. sample, emit tokens, and finish requests (``cache_finished_req`` gives their pages to
    the tree, which frees duplicates; the lock is released).
 
+Fault isolation: an exception while serving one request (admitting it, preparing its part
+of a forward pass, sampling or appending its token) fails that request alone, in
+``_fail_request``: its client gets a final ``TokenOutput`` with finish_reason ``error`` and
+the exception as the message, whatever it held goes back to the tree or the allocators as
+for an abort, and the scheduler goes on with the others. An exception in the batched
+forward pass itself (model code) fails every request of that batch the same way; the
+requests not in it, and later ones, are served as usual. An unexpected exception while
+checking a submitted request answers it with an error too. Only the exceptions of the
+scheduler's own bookkeeping outside any one request (tier writes, the integrity check)
+still propagate.
+
 Page accounting: a running request reserves, at admission, every L1 page it may still need
 (``reserved_pages``) and allocates them as it goes; admission counts ``free + evictable -
 reserved``. Whatever a finished or aborted request holds goes back to the tree or the
@@ -58,7 +69,8 @@ import logging
 import random
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,7 +86,7 @@ from hicache.model.sampling_params import SamplingParams, finish_reason, resolve
 from hicache.scheduler.queue_policy import order_waiting
 from hicache.scheduler.request import LOADING, PREFETCH, RUNNING, WAITING, Request
 from hicache.tier_manager import TierManager
-from hicache.tree.cache import MatchResult, RequestState, UnifiedRadixCache
+from hicache.tree.cache import LockToken, MatchResult, RequestState, UnifiedRadixCache
 from hicache.tree.node import KEY_TYPECODE, ComponentType, TreeNode
 
 log = logging.getLogger("hicache.scheduler")
@@ -88,6 +100,11 @@ LOAD_JOIN_WAIT_MAX_S = 0.02
 
 class RequestRejected(ValueError):
     """A request that cannot be served as given (answered with finish_reason ``error``)."""
+
+
+def _internal_error(during: str, exc: BaseException) -> str:
+    """The message a client gets for a request that failed on an exception."""
+    return f"internal error while {during}: {type(exc).__name__}: {exc}"
 
 
 @dataclass
@@ -159,12 +176,18 @@ class Scheduler:
 
     # ------------------------------------------------------------------ input
     def submit(self, msg: protos.GenerateRequest) -> None:
-        """Queue a request, or answer it at once with an error naming the problem."""
+        """Queue a request, or answer it at once with an error naming the problem (also when
+        checking it raised something unexpected: that is logged and the request refused)."""
         try:
             req = self._validate(msg)
-        except RequestRejected as exc:
+        except Exception as exc:
+            if isinstance(exc, RequestRejected):
+                error = str(exc)
+            else:
+                log.exception("request %s: checking it failed", msg.rid)
+                error = _internal_error("checking the request", exc)
             self.counters.requests_error += 1
-            self.emit(protos.TokenOutput(msg.rid, [], True, "error", protos.Usage(len(msg.input_ids)), str(exc)))
+            self.emit(protos.TokenOutput(msg.rid, [], True, "error", protos.Usage(len(msg.input_ids)), error))
             return
         self.by_rid[req.rid] = req
         self.waiting.append(req)
@@ -207,7 +230,8 @@ class Scheduler:
         if req is None:
             return
         self.counters.requests_aborted += 1
-        self._finish(req, "abort")
+        with self._request_scope(req, "aborting the request"):
+            self._finish(req, "abort")
 
     # ------------------------------------------------------------------ admin
     def admin(self, msg: protos.AdminRequest) -> None:
@@ -345,7 +369,10 @@ class Scheduler:
         for req in order:
             if len(self.running) >= self.cfg.scheduler.max_running_requests or budget <= 0:
                 break
-            if self._try_admit(req):
+            admitted = False
+            with self._request_scope(req, "admitting the request"):
+                admitted = self._try_admit(req)
+            if admitted:
                 self.waiting.remove(req)
                 self.running.append(req)
                 budget -= min(req.prompt_len - req.computed, self.cfg.scheduler.chunked_prefill_tokens)
@@ -441,6 +468,21 @@ class Scheduler:
         if need > available or not self._aux_room(need, slots):
             self.cache.dec_lock_ref(lock)
             return False
+        try:
+            return self._admit_locked(req, m, prefix, need, slots, lock)
+        except Exception:
+            # give back the lock (held by req.tree once that is set) and the reservations
+            if req.tree is None:
+                self.cache.dec_lock_ref(lock)
+            else:
+                self._unadmit(req)
+            raise
+
+    def _admit_locked(self, req: Request, m: MatchResult, prefix: int, need: int, slots: int,
+                      lock: LockToken) -> bool:
+        """The rest of ``_admit`` once the match is locked and the room is there; on an
+        exception ``_admit`` undoes what this did."""
+        ps = self.page_size
         self._release_hold(req)  # the admission lock covers the loaded prefix now
         req.admitted_at = self.clock()
         st = RequestState(req.input_ids, list(m.device_indices[: prefix // ps]), req.cache_salt, prefix,
@@ -461,12 +503,12 @@ class Scheduler:
             if slot is None:  # counted free or evictable, but not evictable now: queue
                 self._unadmit(req)
                 return False
+            st.mamba_slot = slot  # before the copy: ``_unadmit`` frees it if that fails
             if prefix > 0:
                 src = self.cache.data(m.last_device_node, ComponentType.MAMBA).value
                 if src is None:
                     raise RuntimeError("the matched node has no Mamba state")
                 self.mamba.copy_state(src, slot)  # type: ignore[misc]
-            st.mamba_slot = slot
             boundary = (req.prompt_len - 1) // ps * ps
             req.prompt_boundary = boundary if boundary > prefix else 0
         req.status = RUNNING
@@ -630,49 +672,68 @@ class Scheduler:
         budget = self.cfg.scheduler.max_prefill_tokens
         batch: list[tuple[Request, ForwardItem]] = []
         for req in list(self.running):
-            assert req.tree is not None
-            if req.prefilling:
-                n = min(req.prompt_len - req.computed, chunk_cap, max(budget, 0))
-                if n <= 0:
+            with self._request_scope(req, "preparing its forward pass"):
+                assert req.tree is not None
+                if req.prefilling:
+                    n = min(req.prompt_len - req.computed, chunk_cap, max(budget, 0))
+                    if n <= 0:
+                        continue
+                    budget -= n
+                    tokens = req.input_ids[req.computed : req.computed + n]
+                    logits = "last" if req.computed + n == req.prompt_len else "none"
+                else:
+                    tokens = array(KEY_TYPECODE, [req.output_ids[-1]])
+                    logits = "last"
+                if not self._ensure_pages(req, req.computed + len(tokens)):
+                    if self.tier is not None and (self.tier.in_flight or self.cache.nodes_to_write_to_host(limit=1)):
+                        # Pages held by in-flight transfers, or queued for an L2 write before
+                        # eviction (write_back), free up once the controller is done: sit this
+                        # pass out rather than fail (the admission reservation covers us then).
+                        continue
+                    self._finish(req, "error", "L1 is out of pages for this request")
                     continue
-                budget -= n
-                tokens = req.input_ids[req.computed : req.computed + n]
-                logits = "last" if req.computed + n == req.prompt_len else "none"
-            else:
-                tokens = array(KEY_TYPECODE, [req.output_ids[-1]])
-                logits = "last"
-            if not self._ensure_pages(req, req.computed + len(tokens)):
-                if self.tier is not None and (self.tier.in_flight or self.cache.nodes_to_write_to_host(limit=1)):
-                    # Pages held by in-flight transfers, or queued for an L2 write before
-                    # eviction (write_back), free up once the controller is done: sit this
-                    # pass out rather than fail (the admission reservation covers us then).
-                    continue
-                self._finish(req, "error", "L1 is out of pages for this request")
-                continue
-            snaps = self._snapshots(req, req.computed, req.computed + len(tokens))
-            st = req.tree
-            batch.append((req, ForwardItem(tokens, req.computed, st.kv_pages,
-                                           st.swa_pages if st.swa_pages is not None else (),
-                                           st.mamba_slot, snaps, logits)))
+                snaps = self._snapshots(req, req.computed, req.computed + len(tokens))
+                st = req.tree
+                batch.append((req, ForwardItem(tokens, req.computed, st.kv_pages,
+                                               st.swa_pages if st.swa_pages is not None else (),
+                                               st.mamba_slot, snaps, logits)))
         if not batch:
             return
-        outputs = self.runner.forward([item for _r, item in batch])
+        try:
+            outputs = list(self.runner.forward([item for _r, item in batch]))
+            if len(outputs) != len(batch):
+                raise RuntimeError(f"the model runner returned {len(outputs)} outputs for {len(batch)} requests")
+        except Exception as exc:
+            log.exception("the forward pass over %d requests failed", len(batch))
+            for req, item in batch:
+                if item.snapshots:
+                    # the failed pass may have written the snapshot slots: never hand one over
+                    req.boundary_pos = -1
+                self._fail_request(req, exc, "running the forward pass", logged=True)
+            return
         self.counters.forward_passes += 1
         for (req, item), out in zip(batch, outputs, strict=True):
-            req.computed = item.end
-            for pos, slot in item.snapshots:
-                if slot == req.boundary_slot:
-                    req.boundary_pos = pos
-            if req.prompt_slot is not None and req.computed >= req.prompt_boundary:
-                # the prompt's state: a repeat of this prompt matches here
-                slot, req.prompt_slot = req.prompt_slot, None
-                self.cache.cache_unfinished_req(req.tree, committed_len=req.prompt_boundary,  # type: ignore[arg-type]
-                                                mamba_value=slot)
-                req.prompt_boundary = 0
-            if out is None:
-                self.cache.cache_unfinished_req(req.tree, committed_len=req.computed)  # type: ignore[arg-type]
-                continue
-            self._append_token(req, out)
+            with self._request_scope(req, "caching what its forward pass computed"):
+                self._advance(req, item, prefill_chunk=out is None)
+            if out is not None and not req.finished:
+                with self._request_scope(req, "sampling its next token"):
+                    self._append_token(req, out)
+
+    def _advance(self, req: Request, item: ForwardItem, *, prefill_chunk: bool) -> None:
+        """After a forward pass: ``req`` has computed ``item``; hand the tree what is new (the
+        prompt's Mamba state once passed; a prefill chunk without logits is cached)."""
+        req.computed = item.end
+        for pos, slot in item.snapshots:
+            if slot == req.boundary_slot:
+                req.boundary_pos = pos
+        if req.prompt_slot is not None and req.computed >= req.prompt_boundary:
+            # the prompt's state: a repeat of this prompt matches here
+            slot, req.prompt_slot = req.prompt_slot, None
+            self.cache.cache_unfinished_req(req.tree, committed_len=req.prompt_boundary,  # type: ignore[arg-type]
+                                            mamba_value=slot)
+            req.prompt_boundary = 0
+        if prefill_chunk:
+            self.cache.cache_unfinished_req(req.tree, committed_len=req.computed)  # type: ignore[arg-type]
 
     def _append_token(self, req: Request, logits: torch.Tensor) -> None:
         token = sample_next(logits, req.params, req.seed, len(req.output_ids))
@@ -708,6 +769,46 @@ class Scheduler:
         if spare:
             self.mamba.allocator.free(spare)
 
+    @contextmanager
+    def _request_scope(self, req: Request, during: str) -> Iterator[None]:
+        """Run a piece of ``req``'s own work: an exception in it fails ``req`` alone
+        (``_fail_request``) and goes no further; the caller carries on with the others."""
+        try:
+            yield
+        except Exception as exc:
+            self._fail_request(req, exc, during)
+
+    def _fail_request(self, req: Request, exc: BaseException, during: str, *, logged: bool = False) -> None:
+        """The one place an exception while serving ``req`` becomes a failed request.
+
+        ``req`` is finished with reason ``error`` and the message ``internal error while
+        <during>: <exception>``, which its client receives; everything it holds goes back to
+        the tree or the allocators (``_finish``, as for an abort), so nothing leaks. A
+        request whose final output already went out is left as it is. Should giving back
+        fail as well (now, or in the ``_finish`` the exception came from), the request is
+        still forgotten and answered, so that it cannot fail every step again; what it held
+        is then lost, and that is logged.
+        """
+        if not logged:
+            log.error("request %s failed while %s", req.rid, during, exc_info=exc)
+        if req.finished:
+            return
+        error = _internal_error(during, exc)
+        if self.by_rid.get(req.rid) is req:  # else a ``_finish`` of it was under way and failed
+            try:
+                self._finish(req, "error", error)
+                return
+            except Exception:
+                log.exception("request %s: giving back what it held failed", req.rid)
+        log.error("request %s is dropped; what it held may be lost", req.rid)
+        self.by_rid.pop(req.rid, None)
+        for queue in (self.waiting, self.running):
+            if req in queue:
+                queue.remove(req)
+        req.tree = None
+        req.finished = True
+        self.emit(protos.TokenOutput(req.rid, [], True, "error", protos.Usage(req.prompt_len), error))
+
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         """Give back everything ``req`` holds and send its final output."""
         self.by_rid.pop(req.rid, None)
@@ -740,4 +841,5 @@ class Scheduler:
                              req.cached_storage, *self._timings_ms(req))
         tokens = req.output_ids[req.sent_tokens:]
         req.sent_tokens = len(req.output_ids)
+        req.finished = True
         self.emit(protos.TokenOutput(req.rid, tokens, True, reason, usage, error))

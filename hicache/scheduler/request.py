@@ -8,8 +8,12 @@ state       meaning                                      leaves it when
 waiting     queued; re-matched on every scheduling pass  admitted, or an L2/L3 tier op starts
 prefetch    L3 pages are being fetched into L2           the ticket is ready (per policy)
 loading     its L2-only prefix is being loaded into L1    the load is acknowledged
-running     admitted: holds a tree lock and L1 pages     finished or aborted
+running     admitted: holds a tree lock and L1 pages     finished, aborted or failed
 ==========  ===========================================  ===================================
+
+A request leaves every state by ``Scheduler._finish`` (also when serving it raised: see
+``Scheduler._fail_request``), which gives back what it holds and emits its final output
+(``finished``).
 
 A running request's ``state`` (``RequestState``) is what the tree sees: its token ids
 (prompt + output), its L1 pages (and SWA pages, Mamba state slot), the tree-owned prefix
@@ -67,6 +71,8 @@ class Request:
     load_sent_at: float | None = None
     load_done_at: float | None = None
     sent_tokens: int = 0
+    finished: bool = False
+    """Its final output has been emitted (by ``Scheduler._finish`` or ``_fail_request``)."""
 
     @property
     def prompt_len(self) -> int:

@@ -3,9 +3,15 @@
 The three generation routes share the checks of ``_finish``: the prompt is non-empty, every
 token id is in ``[0, vocab_size)`` of the model, the prompt leaves room in the model's
 context, ``max_new_tokens`` is in ``[1, scheduler.max_new_tokens_limit]`` and fits the
-context, and the sampling parameters pass ``hicache.model.sampling.SamplingParams``. When a
-request does not say how many tokens to generate, it gets
-``min(scheduler.default_max_new_tokens, room left in the context)``.
+context, and the sampling parameters pass ``hicache.model.sampling_params.SamplingParams``
+(its module docstring lists the accepted ranges: temperature 0 or in [0.01, 100], top_p in
+(0, 1], top_k in [0, vocabulary size], seed in [0, 2**63), and why). Every refusal is a 400
+whose message starts with the field as the route spells it (``sampling_params.temperature``
+for ``/generate``, ``temperature`` for the OpenAI routes). Numbers are JSON numbers: NaN,
+infinities (also ``1e999``, which JSON parsers read as infinity), booleans and integers too
+large for a float are refused, never converted. When a request does not say how many
+tokens to generate, it gets ``min(scheduler.default_max_new_tokens, room left in the
+context)``.
 
 Unknown fields are refused (a typo must not silently change behaviour). OpenAI fields this
 server does not implement are accepted only with their neutral value (``n: 1``,
@@ -23,6 +29,7 @@ from typing import Any
 
 import protos
 from hicache.config import ConfigError, HicacheConfig, config_from_dict, to_dict
+from hicache.model.sampling_params import SamplingParamError, shown
 from hicache.model.sampling_params import SamplingParams as CheckedSampling
 from hicache.model.spec import spec_for
 from hicache.text import Tokenizer, TokenizerError
@@ -142,9 +149,15 @@ class _Fields:
         v = self.data.get(name)
         if v is None:
             return None
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        if isinstance(v, bool) or not isinstance(v, int | float):
             raise self._bad(name, "a number")
-        return float(v)
+        try:
+            f = float(v)
+        except OverflowError:  # an integer beyond the float range
+            raise RequestError(f"{self.where}{name} must be a finite number, got an integer too large") from None
+        if not math.isfinite(f):
+            raise RequestError(f"{self.where}{name} must be a finite number, got {f}")
+        return f
 
     def get_bool(self, name: str, default: bool = False) -> bool:
         v = self.data.get(name)
@@ -211,11 +224,14 @@ class _Sampling:
 def check_token_ids(ids: Sequence[int], vocab_size: int, what: str = "input_ids") -> None:
     for i, t in enumerate(ids):
         if not 0 <= t < vocab_size:
-            raise RequestError(f"{what}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
+            raise RequestError(f"{what}[{i}] = {shown(t)} is outside the vocabulary [0, {vocab_size})")
 
 
 def _finish(rid: str, input_ids: list[int], s: _Sampling, limits: ModelLimits, *, stop: tuple[str, ...],
-            stream: bool, cache_salt: str, include_usage: bool = False, field: str = "max_new_tokens") -> PreparedRequest:
+            stream: bool, cache_salt: str, include_usage: bool = False, field: str = "max_new_tokens",
+            where: str = "") -> PreparedRequest:
+    """The checks every route shares. ``field`` is the route's name for the token budget,
+    ``where`` the prefix of its sampling fields (``sampling_params.`` or nothing)."""
     n = len(input_ids)
     if n == 0:
         raise RequestError("the prompt is empty")
@@ -227,9 +243,9 @@ def _finish(rid: str, input_ids: list[int], s: _Sampling, limits: ModelLimits, *
     if max_new is None:
         max_new = min(limits.default_max_new_tokens, room)
     elif max_new < 1:
-        raise RequestError(f"{field} must be >= 1, got {max_new}")
+        raise RequestError(f"{field} must be >= 1, got {shown(max_new)}")
     elif max_new > limits.max_new_tokens_limit:
-        raise RequestError(f"{field} must be <= {limits.max_new_tokens_limit}, got {max_new}")
+        raise RequestError(f"{field} must be <= {limits.max_new_tokens_limit}, got {shown(max_new)}")
     elif max_new > room:
         raise RequestError(
             f"the prompt ({n} tokens) plus {field} ({max_new}) exceeds the model's context of "
@@ -237,8 +253,9 @@ def _finish(rid: str, input_ids: list[int], s: _Sampling, limits: ModelLimits, *
     try:
         checked = CheckedSampling(max_new, s.temperature, s.top_k, s.top_p, s.seed, s.stop_token_ids, s.ignore_eos)
         checked.check_vocab(limits.vocab_size)
-    except ValueError as exc:
-        raise RequestError(str(exc)) from None
+    except SamplingParamError as exc:
+        name = field if exc.field == "max_new_tokens" else where + exc.field
+        raise RequestError(f"{name} {exc.detail}") from None
     sampling = protos.SamplingParams(
         max_new_tokens=checked.max_new_tokens, temperature=float(checked.temperature), top_p=float(checked.top_p),
         top_k=checked.top_k, seed=checked.seed, stop_token_ids=list(checked.stop_token_ids),
@@ -268,7 +285,7 @@ def parse_generate(data: dict[str, Any], rid: str, tokenizer: Tokenizer, limits:
     s = _sampling(sp, "max_new_tokens", default_temperature=0.0)
     return _finish(rid, input_ids, s, limits, stop=sp.stop_strings("stop"), stream=f.get_bool("stream"),
                    cache_salt=f.get_str("cache_salt", "", MAX_CACHE_SALT_LENGTH) or "",
-                   field="sampling_params.max_new_tokens")
+                   field="sampling_params.max_new_tokens", where="sampling_params.")
 
 
 def _or(value: Any, default: Any) -> Any:
