@@ -36,6 +36,9 @@ EvictionPolicy = Literal["lru", "lfu", "slru", "s3fifo"]
 SchedulePolicy = Literal["lpm", "fcfs", "dfs-weight", "random"]
 Transport = Literal["ipc", "tcp"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+EngineKind = Literal["builtin", "vllm"]
+KVDType = Literal["auto", "float32", "bfloat16", "float16"]
+KVLayout = Literal["LBHNC"]
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -218,6 +221,30 @@ class IpcConfig:
 
 
 @dataclass(frozen=True)
+class EngineConfig:
+    """Who computes the KV (README "Engine mode").
+
+    ``builtin``: the scheduler runs its own model worker (``model``). ``vllm``: the daemon is
+    the L2 + L3 tier beside vLLM engines, which load ``hicache.connectors.vllm``; the
+    scheduler process runs the cache server (no model) and engines reach it on
+    ``{ipc.dir}/engine.sock`` (ipc) or ``tcp_base_port + 4`` (tcp). ``model``: the local
+    checkpoint directory the engines serve (its ``config.json`` gives the page geometry, its
+    weights the identity that namespaces page hashes); ``kv_dtype``: the engines' KV dtype
+    (``auto``: the checkpoint's dtype); ``kv_layout``: the engines' per-block byte order
+    (vLLM's CPU backend: ``LBHNC``). A session whose engine sends nothing for ``lease_ttl_s``
+    loses its leases. ``lookup_timeout_ms``: how long a connector waits for an answer before
+    it counts the lookup as a miss (and backs off).
+    """
+
+    kind: EngineKind = "builtin"
+    model: str | None = None
+    kv_dtype: KVDType = "auto"
+    kv_layout: KVLayout = "LBHNC"
+    lease_ttl_s: float = 10.0
+    lookup_timeout_ms: int = 200
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     enabled: bool = True
 
@@ -231,6 +258,7 @@ class LoggingConfig:
 @dataclass(frozen=True)
 class HicacheConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     device: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -506,7 +534,7 @@ def validate(cfg: HicacheConfig) -> list[ConfigProblem]:
         bad("cache.l1.state_slots", f"must be >= {MIN_L1_STATE_SLOTS} (a running request of a Mamba model "
             f"holds up to {STATE_SLOTS_PER_REQUEST} besides the cached state it matched), got {c.l1.state_slots}")
     non_negative("cache.l2.state_slots", c.l2.state_slots)
-    if c.l2.enabled and 0 < c.l2.tokens < c.l1.tokens:
+    if c.l2.enabled and 0 < c.l2.tokens < c.l1.tokens and cfg.engine.kind == "builtin":
         bad("cache.l2.tokens", f"must be >= cache.l1.tokens ({c.l1.tokens}) when L2 is enabled")
     if c.l3.backend != "none" and not c.l2.enabled:
         bad("cache.l3.backend", "an L3 backend needs cache.l2.enabled: true (L3 is read into and written from L2)")
@@ -562,6 +590,20 @@ def validate(cfg: HicacheConfig) -> list[ConfigProblem]:
         bad("ipc.tcp_base_port", f"must be in 0..65527, got {cfg.ipc.tcp_base_port}")
     if cfg.ipc.curve and cfg.ipc.transport != "tcp":
         bad("ipc.curve", "CURVE applies to ipc.transport: tcp only")
+    e = cfg.engine
+    positive("engine.lease_ttl_s", e.lease_ttl_s)
+    positive("engine.lookup_timeout_ms", e.lookup_timeout_ms)
+    if e.kind == "vllm":
+        if not e.model:
+            bad("engine.model", "is required when engine.kind is vllm (the checkpoint directory the engines serve)")
+        elif not (Path(e.model) / "config.json").is_file():
+            bad("engine.model", f"must be a local checkpoint directory with a config.json, got {e.model!r}")
+        if not c.l2.enabled:
+            bad("cache.l2.enabled", "engine mode keeps the engines' KV in L2: it must be true")
+        if cfg.ipc.transport == "ipc" and not cfg.ipc.dir:
+            bad("ipc.dir", "engine mode needs a fixed runtime directory: engines find the daemon's socket there")
+        if dev not in ("auto", "cpu"):
+            bad("device", "engine mode copies between the engine's KV and L2 on the CPU only in this build")
     return out
 
 

@@ -30,5 +30,14 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"hicache: {exc}", file=sys.stderr)
         return 2
+    if cfg.engine.kind != "builtin":
+        # engine mode: the checks ``serve`` makes of the engines' model and the L2 size
+        from hicache.launch import engine_layout
+
+        try:
+            engine_layout(cfg)
+        except ValueError as exc:
+            print(f"hicache: invalid configuration: {exc}", file=sys.stderr)
+            return 2
     sys.stdout.write(dump_yaml(cfg))
     return 0

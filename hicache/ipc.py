@@ -24,7 +24,8 @@ from protos import Message, ProtocolError, decode, encode
 
 M = TypeVar("M", bound=Message)
 
-ENDPOINT_NAMES = ("scheduler", "tokenizer", "controller", "launcher")
+ENDPOINT_NAMES = ("scheduler", "tokenizer", "controller", "launcher", "engine")
+"""``engine``: the cache server's ROUTER for engine connectors (engine mode only)."""
 
 
 def make_runtime_dir(base: str | None = None) -> Path:

@@ -178,6 +178,8 @@ class Launcher:
         from hicache.scheduler.assembly import unsupported_reason
 
         cfg = self.cfg
+        if cfg.engine.kind != "builtin":
+            return engine_layout(cfg)
         geometry = geometry_for(cfg.model)
         problem = unsupported_reason(geometry)
         if problem:
@@ -222,7 +224,13 @@ class Launcher:
             self.children["controller"] = _Child("controller", controller_main, ControllerArgs(
                 layout, endpoints, storage, ready, "cpu", log_level=cfg.logging.level, log_json=cfg.logging.json,
                 metrics_enabled=cfg.metrics.enabled))
-        self.children["scheduler"] = _Child("scheduler", scheduler_main, SchedulerArgs(cfg, layout, endpoints, ready))
+        if cfg.engine.kind == "builtin":
+            target = scheduler_main
+        else:  # engine mode: the scheduler process is the cache server
+            from hicache.engine_server.process import cache_server_main
+
+            target = cache_server_main
+        self.children["scheduler"] = _Child("scheduler", target, SchedulerArgs(cfg, layout, endpoints, ready))
         self.children["tokenizer"] = _Child("tokenizer", tokenizer_main, TokenizerArgs(cfg, endpoints, ready))
 
     def _spawn(self, child: _Child) -> None:
@@ -324,6 +332,31 @@ class Launcher:
                 log.error("the %s did not stop within %.0f s: killing it", name, STOP_TIMEOUT_S)
                 child.proc.kill()
                 child.proc.join(5)
+
+
+def engine_layout(cfg: Any) -> Any:
+    """Engine mode: L2 pages of the engines' KV geometry (``engine.*``), no L1 (it is the
+    engines' own). Raises ValueError when the engine model cannot be served or L2 does not
+    fit in the host's available memory."""
+    import psutil
+
+    from hicache.engine_server.geometry import EngineModelError, geometry_from_config
+    from hicache.memory.pools import PoolLayout, default_directory, new_instance_id, paged_layout
+
+    try:
+        g = geometry_from_config(cfg)
+    except EngineModelError as exc:
+        raise ValueError(f"engine.model: {exc}") from exc
+    l2_pages = cfg.cache.l2.tokens // cfg.cache.page_size
+    need = l2_pages * g.page_bytes
+    avail = psutil.virtual_memory().available
+    if need > avail:
+        raise ValueError(f"cache.l2.tokens: L2 needs {need / 2**30:.1f} GiB for this model, "
+                         f"but only {avail / 2**30:.1f} GiB is available")
+    inst = new_instance_id()
+    full = paged_layout(inst, "full", cfg.cache.page_size, 0, l2_pages, g.num_layers, g.num_kv_heads, g.head_dim,
+                        g.kv_dtype)
+    return PoolLayout(inst, default_directory(), (full,))
 
 
 def _port_problem(host: str, port: int) -> str | None:

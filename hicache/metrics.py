@@ -324,6 +324,17 @@ class Metrics:
         if seconds > 0.0:
             self._m["hicache_load_join_wait_seconds_total"].inc(seconds)
 
+    def engine_loaded(self, tier: str, tokens: int) -> None:
+        """Engine mode: prompt tokens an engine loaded from the cache, by tier (``host`` or
+        ``storage``): the engine-mode half of ``hicache_cached_tokens_total``."""
+        _check("tier", tier, TIERS)
+        if tokens:
+            self._m["hicache_cached_tokens_total"].labels(tier=tier).inc(tokens)
+
+    def transfer_engine(self, direction: str, nbytes: int) -> None:
+        """Engine mode: bytes an engine copied between its KV and L2 (``h2d`` loads, ``d2h`` saves)."""
+        self.transfer_bytes(direction, nbytes)
+
     # ---- controller
 
     @contextmanager

@@ -209,7 +209,8 @@ class TierManager:
         return ticket
 
     # ------------------------------------------------------------------ L2 -> L3
-    def _start_backup(self, node: TreeNode) -> None:
+    def back_up(self, node: TreeNode) -> None:
+        """Write ``node``'s L2 pages to L3 (no-op with L3 off or no L2 copy)."""
         if not self.l3_enabled:
             return
         op = self.cache.start_backup(node)
@@ -323,7 +324,7 @@ class TierManager:
             if ok:
                 self.counters.writes += 1
                 for node in written:  # every node of the write, also the parts of a split
-                    self._start_backup(node)
+                    self.back_up(node)
             else:
                 self.counters.writes_failed += 1
         elif p.kind == "load":

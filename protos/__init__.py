@@ -1,7 +1,8 @@
 """The wire protocol between hicache's processes (DESIGN §8).
 
 Messages are grouped by the process that receives them: ``to_scheduler``, ``to_tokenizer``,
-``to_controller``, plus ``lifecycle`` (launcher <-> all). ``encode`` / ``decode`` are the
+``to_controller``, ``to_cache_server`` (engine connectors -> the cache server of engine
+mode) and ``to_engine`` (its answers), plus ``lifecycle`` (launcher <-> all). ``encode`` / ``decode`` are the
 only way in and out of bytes; every decoding problem is a ``ProtocolError``.
 
 This package depends on the standard library and msgpack only (no torch, no zmq).
@@ -12,6 +13,15 @@ from __future__ import annotations
 from protos.base import MAX_FRAME_BYTES, PROTOCOL_VERSION, Message, ProtocolError
 from protos.codec import MESSAGE_TYPES, decode, encode
 from protos.lifecycle import ErrorReply, LifecycleMessage, ProcessEvent, Ready, Shutdown
+from protos.to_cache_server import (
+    CacheServerMessage,
+    Commit,
+    EngineRegister,
+    Heartbeat,
+    Lookup,
+    Release,
+    Reserve,
+)
 from protos.to_controller import (
     BackupToStorage,
     Cancel,
@@ -22,6 +32,7 @@ from protos.to_controller import (
     StorageAdmin,
     WriteToHost,
 )
+from protos.to_engine import EngineError, EngineMessage, EngineRegistered, LookupResult, ReserveResult
 from protos.to_scheduler import (
     AbortRequest,
     AdminRequest,
@@ -42,4 +53,6 @@ __all__ = [
     "AbortRequest", "AdminRequest", "GenerateRequest", "OpDone", "PrefetchHits", "SamplingParams",
     "SchedulerMessage", "StorageStatus",
     "AdminReply", "TokenOutput", "TokenizerMessage", "Usage",
+    "CacheServerMessage", "Commit", "EngineRegister", "Heartbeat", "Lookup", "Release", "Reserve",
+    "EngineError", "EngineMessage", "EngineRegistered", "LookupResult", "ReserveResult",
 ]

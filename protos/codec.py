@@ -22,6 +22,7 @@ import msgpack
 
 from protos.base import MAX_FRAME_BYTES, PROTOCOL_VERSION, Message, ProtocolError
 from protos.lifecycle import ErrorReply, ProcessEvent, Ready, Shutdown
+from protos.to_cache_server import Commit, EngineRegister, Heartbeat, Lookup, Release, Reserve
 from protos.to_controller import (
     BackupToStorage,
     Cancel,
@@ -31,6 +32,7 @@ from protos.to_controller import (
     StorageAdmin,
     WriteToHost,
 )
+from protos.to_engine import EngineError, EngineRegistered, LookupResult, ReserveResult
 from protos.to_scheduler import (
     AbortRequest,
     AdminRequest,
@@ -46,6 +48,8 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     TokenOutput, AdminReply,
     WriteToHost, LoadToDevice, BackupToStorage, PrefetchQuery, PrefetchFetch, Cancel, StorageAdmin,
     Ready, Shutdown, ErrorReply, ProcessEvent,
+    EngineRegister, Lookup, Reserve, Commit, Release, Heartbeat,
+    EngineRegistered, LookupResult, ReserveResult, EngineError,
 )
 
 # A checker validates one decoded value and returns it (converted where needed, e.g. int ->

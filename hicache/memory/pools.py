@@ -56,24 +56,29 @@ class ComponentLayout:
         """Bytes of one page (or state slot) over all of the component's tensors, in either tier.
 
         Computed once per layout object (the copy path asks for it on every op)."""
-        return sum(spec.nbytes for spec in self.l1) // self.l1_pages
+        if self.l1_pages:
+            return sum(spec.nbytes for spec in self.l1) // self.l1_pages
+        return sum(spec.nbytes for spec in self.l2) // self.l2_pages
 
     @property
     def l2_page_shape(self) -> tuple[int, ...]:
         """Shape of one L2 page (paged components: ``[layers, 2, ps, heads, dim]``)."""
+        if not self.l1:
+            return self.l2[0].shape[1:]
         layers, two, _slots, heads, dim = self.l1[0].shape
         return (layers, two, self.page_size, heads, dim)
 
     @property
     def dtype(self) -> str:
-        return self.l1[0].dtype
+        return (self.l1 or self.l2)[0].dtype
 
 
 @dataclass(frozen=True)
 class PoolLayout:
     """Everything a process needs to map the pools; picklable, so it travels as a spawn argument.
 
-    A component with ``l2_pages == 0`` has no L2 tensors (L2 disabled)."""
+    A component with ``l2_pages == 0`` has no L2 tensors (L2 disabled); one with
+    ``l1_pages == 0`` has no L1 tensors (engine mode: L1 is the engine's own KV)."""
 
     instance: str
     directory: str
@@ -124,7 +129,8 @@ def paged_layout(instance: str, name: str, page_size: int, l1_pages: int, l2_pag
                  num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> ComponentLayout:
     l1 = TensorSpec(f"{instance}-{name}-l1-0", (num_layers, 2, l1_pages * page_size, num_kv_heads, head_dim), dtype)
     l2 = TensorSpec(f"{instance}-{name}-l2-0", (l2_pages, num_layers, 2, page_size, num_kv_heads, head_dim), dtype)
-    return ComponentLayout(name, "paged", page_size, l1_pages, l2_pages, (l1,), (l2,) if l2_pages else ())
+    return ComponentLayout(name, "paged", page_size, l1_pages, l2_pages, (l1,) if l1_pages else (),
+                           (l2,) if l2_pages else ())
 
 
 def state_layout(instance: str, name: str, l1_slots: int, l2_slots: int, num_layers: int,

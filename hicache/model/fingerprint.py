@@ -25,8 +25,8 @@ IDENTITY_VERSION = b"hicache-model-identity-v1"
 def model_identity(model: ModelConfig) -> str:
     """64 hex characters naming the model (config + weights) for the page-hash namespace."""
     h = hashlib.sha256(IDENTITY_VERSION)
-    spec = spec_for(model)
     if model.kind == "reference":
+        spec = spec_for(model)
         h.update(b"reference\0")
         h.update(spec.to_json().encode())
         h.update(f"\0seed={model.reference.seed}".encode())

@@ -1018,6 +1018,18 @@ class UnifiedRadixCache:
         for n in nodes:
             self.core.host_unlock(n, 0)
 
+    def host_prefix_pages(self, node: TreeNode) -> list[int]:
+        """The FULL L2 pages of the key from its root down to ``node``, in key order; every
+        node on the way must have an L2 copy (as ``match_prefix``'s ``last_host_node`` path has)."""
+        runs = []
+        while node.parent is not None:
+            hv = node.data[0].host_value
+            if hv is None:
+                raise ValueError(f"host_prefix_pages: {node!r} has no L2 copy")
+            runs.append(hv)
+            node = node.parent
+        return [p for run in reversed(runs) for p in run]
+
     def insert_host(self, key: Sequence[int], host_pages: Sequence[int], cache_salt: str = "",
                     *, start_page: int = 0) -> InsertResult:
         """Insert prefetched pages as L2-only nodes: ``host_pages`` are the FULL L2 pages of

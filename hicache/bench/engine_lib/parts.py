@@ -1,0 +1,402 @@
+"""The vLLM parts of ``bench engine``: ``ttft``, ``multiturn`` and ``peers``.
+
+Each part starts its own engines (``EngineProcess``: vLLM in a child process) one after the
+other, never two at once, so they do not share the CPUs. Times are the driver's
+``elapsed_s``: the wall time of one ``LLM.generate`` call inside the engine process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hicache.bench.engine_lib.engine_proc import EngineProcess, VllmError
+from hicache.bench.engine_lib.hicache_side import EngineDaemon, write_engine_config
+from hicache.bench.report import Figure
+
+LMCACHE_VERSION = "0.5.6"
+LMCACHE_IMPORT_EXTRAS = ("aiofile", "caio", "aiofiles", "nvtx")
+"""Pure-Python modules LMCache imports at start that are not otherwise installed here."""
+
+
+@dataclass
+class Bench:
+    """What every part needs: where to work, the model, and how to report progress.
+
+    ``dtype`` is passed to vLLM explicitly: on the CPU, ``auto`` runs a float32 checkpoint
+    in bfloat16."""
+
+    workdir: Path
+    model: str
+    block_size: int
+    kv_bytes_per_token: int
+    vocab: int
+    dtype: str
+    progress: Callable[[str], None]
+    engine_env: dict[str, str] = field(default_factory=dict)
+    logs: list[str] = field(default_factory=list)
+
+    def log_path(self, name: str) -> Path:
+        path = self.workdir / "logs" / f"{name}.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.logs.append(str(path))
+        return path
+
+    def prompts(self, n: int, length: int, seed: int) -> list[list[int]]:
+        rng = random.Random(seed)
+        return [[rng.randrange(1, self.vocab) for _ in range(length)] for _ in range(n)]
+
+    def engine(self, name: str, **kw: Any) -> EngineProcess:
+        self.progress(f"starting vLLM ({name})")
+        eng = EngineProcess(self.model, self.log_path(name), block_size=self.block_size, dtype=self.dtype,
+                            env=self.engine_env, **kw)
+        self.progress(f"vLLM ({name}) started in {eng.start_s:.0f} s")
+        return eng
+
+    def daemon(self, name: str, l2_tokens: int) -> EngineDaemon:
+        base = self.workdir / name
+        if base.exists():
+            shutil.rmtree(base)
+        cfg = write_engine_config(base / "hicache.yaml", model=self.model, page_size=self.block_size,
+                                  l2_tokens=l2_tokens, l3_dir=base / "l3", ipc_dir=base / "run")
+        d = EngineDaemon(cfg, self.log_path(f"{name}-daemon"))
+        d.start()
+        return d
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+# ---------------------------------------------------------------------- ttft
+
+
+def run_ttft(b: Bench, *, prompt_tokens: int, repeats: int) -> tuple[list[Figure], dict[str, Any]]:
+    """TTFT of a ``prompt_tokens`` prompt (``max_tokens=1``), ``repeats`` different prompts.
+
+    Engine A (vLLM alone, its prefix caching on): ``cold`` (first request) and ``vllm_hit``
+    (the same prompt again: vLLM's own prefix cache, the floor). Engine B (vLLM + hicache,
+    vLLM's prefix caching off, so every hit comes from hicache): ``hicache_miss`` (first
+    request: computed and saved to L2), ``l2`` (again: loaded from L2), then the daemon is
+    restarted (L2 empty, the file L3 kept) and ``l3`` (prefetched from L3 into L2, loaded).
+    Every case must return the cold output token.
+    """
+    prompts = b.prompts(repeats, prompt_tokens, seed=1)
+    max_len = _round_up(prompt_tokens + b.block_size, b.block_size)
+    blocks = max(64, 2 * repeats * max_len // b.block_size + 16)
+    times: dict[str, list[float]] = {k: [] for k in ("cold", "vllm_hit", "hicache_miss", "l2", "l3")}
+    cached: dict[str, list[int]] = {k: [] for k in times}
+    outputs: dict[str, list[list[int]]] = {k: [] for k in times}
+
+    def one(eng: EngineProcess, case: str, ids: list[int], rep: int) -> None:
+        r = eng.generate([ids], 1, timeout_s=1800)
+        times[case].append(float(r["elapsed_s"]))
+        cached[case].append(int(r["cached"][0]))
+        outputs[case].append(list(r["outputs"][0]))
+        b.progress(f"ttft {case:12s} prompt {rep}: {r['elapsed_s'] * 1000:9.1f} ms, cached {r['cached'][0]}")
+
+    eng = b.engine("ttft-vllm", prefix_caching=True, max_model_len=max_len, num_blocks=blocks)
+    try:
+        for rep, ids in enumerate(prompts):
+            one(eng, "cold", ids, rep)
+            one(eng, "vllm_hit", ids, rep)
+    finally:
+        eng.stop()
+    l2_tokens = _round_up(2 * repeats * max_len + 4096, b.block_size)
+    daemon = b.daemon("ttft-hicache", l2_tokens)
+    restarted = False
+    try:
+        eng = b.engine("ttft-hicache", prefix_caching=False, max_model_len=max_len, num_blocks=blocks,
+                       hicache_config=str(daemon.config))
+        try:
+            for rep, ids in enumerate(prompts):
+                one(eng, "hicache_miss", ids, rep)
+                one(eng, "l2", ids, rep)
+            backed_up = daemon.wait_backups()
+            stats_before = daemon.stats()
+            b.progress(f"ttft: L3 backups {'complete' if backed_up else 'NOT complete'}; restarting the daemon")
+            daemon.restart()
+            restarted = True
+            for rep, ids in enumerate(prompts):
+                one(eng, "l3", ids, rep)
+            stats_after = daemon.stats()
+        finally:
+            eng.stop()
+    finally:
+        daemon.stop()
+    same = all(outputs[c] == outputs["cold"] for c in outputs)
+    cold = _median(times["cold"]) * 1000
+    hit = _median(times["vllm_hit"]) * 1000
+    l2 = _median(times["l2"]) * 1000
+    l3 = _median(times["l3"]) * 1000
+    miss = _median(times["hicache_miss"]) * 1000
+    n = prompt_tokens
+    figures = [
+        Figure(f"TTFT vLLM own prefix hit ({n} tok)", "ms", hit, "vLLM cold", cold, higher_is_better=False),
+        Figure(f"TTFT hicache L2 hit ({n} tok)", "ms", l2, "vLLM cold", cold, higher_is_better=False, goal=0.1),
+        Figure(f"TTFT hicache L2 hit ({n} tok)", "ms", l2, "vLLM own prefix hit", hit, higher_is_better=False,
+               goal=1.5),
+        Figure(f"TTFT hicache L3 hit ({n} tok)", "ms", l3, "vLLM cold", cold, higher_is_better=False),
+        Figure(f"TTFT hicache L3 hit ({n} tok)", "ms", l3, "vLLM own prefix hit", hit, higher_is_better=False),
+        Figure(f"TTFT hicache miss + save ({n} tok)", "ms", miss, "vLLM cold", cold, higher_is_better=False),
+    ]
+    extra = {"prompt_tokens": n, "repeats": repeats, "times_s": times, "cached_tokens": cached,
+             "same_output_tokens": same, "daemon_restarted": restarted,
+             "daemon_stats_before_restart": stats_before.get("engine"),
+             "daemon_stats_after_restart": {"engine": stats_after.get("engine"), "tiers": stats_after.get("tiers")}}
+    return figures, extra
+
+
+# ---------------------------------------------------------------------- multiturn
+
+
+@dataclass
+class ChatShape:
+    conversations: int
+    rounds: int
+    question_tokens: int
+    answer_tokens: int
+
+    @property
+    def final_tokens(self) -> int:
+        """Tokens of one conversation after its last answer."""
+        return self.rounds * (self.question_tokens + self.answer_tokens)
+
+
+def chat_kv_blocks(b: Bench, shape: ChatShape, kv_space_gib: float | None) -> tuple[int, int, int]:
+    """(vLLM KV blocks, working-set blocks, max_model_len) for the multi-turn part: by
+    default a third of the working set, at least ``max_model_len`` and a block more."""
+    max_len = _round_up(shape.final_tokens + b.block_size, b.block_size)
+    working = shape.conversations * _round_up(shape.final_tokens, b.block_size) // b.block_size
+    block_bytes = b.kv_bytes_per_token * b.block_size
+    if kv_space_gib is not None:
+        blocks = int(kv_space_gib * (1 << 30)) // block_bytes
+    else:
+        blocks = working // 3
+    blocks = max(blocks, max_len // b.block_size + 1)
+    return blocks, working, max_len
+
+
+def _chat_run(b: Bench, name: str, shape: ChatShape, blocks: int, max_len: int,
+              hicache_config: str | None) -> dict[str, Any]:
+    """One multi-turn run: per round, a ``max_tokens=1`` probe of each conversation's prompt
+    alone (its TTFT), then every conversation's prompt in one ``generate`` for the answer."""
+    questions = [b.prompts(shape.rounds, shape.question_tokens, seed=100 + c) for c in range(shape.conversations)]
+    history: list[list[int]] = [[] for _ in range(shape.conversations)]
+    out: dict[str, Any] = {"ttft_s": [], "probe_cached": [], "round_s": [], "round_tokens": [],
+                           "answer_cached": [], "answers": [], "probe_tokens": []}
+    eng = b.engine(name, prefix_caching=True, max_model_len=max_len, num_blocks=blocks,
+                   max_num_seqs=max(16, shape.conversations), hicache_config=hicache_config)
+    try:
+        for r in range(shape.rounds):
+            prompts = [history[c] + questions[c][r] for c in range(shape.conversations)]
+            for p in prompts:
+                res = eng.generate([p], 1, timeout_s=1800)
+                out["ttft_s"].append(float(res["elapsed_s"]))
+                out["probe_cached"].append(int(res["cached"][0]))
+                out["probe_tokens"].append(list(res["outputs"][0]))
+            res = eng.generate(prompts, shape.answer_tokens, timeout_s=1800)
+            answers = [list(o) for o in res["outputs"]]
+            out["round_s"].append(float(res["elapsed_s"]))
+            out["round_tokens"].append(sum(len(p) for p in prompts) + sum(len(a) for a in answers))
+            out["answer_cached"].append([int(x) for x in res["cached"]])
+            out["answers"].append(answers)
+            ttft_round = out["ttft_s"][-shape.conversations:]
+            b.progress(f"multiturn {name}: round {r + 1}/{shape.rounds}: answers {res['elapsed_s']:.2f} s, "
+                       f"TTFT p50 {_median(ttft_round) * 1000:.0f} ms, hit tokens "
+                       f"{sum(out['answer_cached'][-1])}/{sum(len(p) for p in prompts)}")
+            history = [prompts[c] + answers[c] for c in range(shape.conversations)]
+    finally:
+        eng.stop()
+    return out
+
+
+def run_multiturn(b: Bench, shape: ChatShape, kv_space_gib: float | None) -> tuple[list[Figure], dict[str, Any]]:
+    """vLLM alone against vLLM + hicache (prefix caching on in both) on a multi-turn chat
+    whose working set is larger than vLLM's KV space (see ``_chat_run`` for what runs)."""
+    blocks, working, max_len = chat_kv_blocks(b, shape, kv_space_gib)
+    block_bytes = b.kv_bytes_per_token * b.block_size
+    b.progress(f"multiturn: working set {working} blocks ({working * block_bytes / (1 << 20):.1f} MiB), "
+               f"vLLM KV space {blocks} blocks ({blocks * block_bytes / (1 << 20):.1f} MiB)")
+    alone = _chat_run(b, "chat-vllm", shape, blocks, max_len, None)
+    l2_tokens = _round_up(4 * working * b.block_size + 4096, b.block_size)
+    daemon = b.daemon("chat-hicache", l2_tokens)
+    try:
+        with_hc = _chat_run(b, "chat-hicache", shape, blocks, max_len, str(daemon.config))
+        stats = daemon.stats()
+    finally:
+        daemon.stop()
+
+    def tput(run: dict[str, Any]) -> float:
+        return sum(run["round_tokens"]) / sum(run["round_s"])
+
+    same_answers = alone["answers"] == with_hc["answers"]
+    same_probes = alone["probe_tokens"] == with_hc["probe_tokens"]
+    first_diff = None
+    if not same_answers:
+        for r, (x, y) in enumerate(zip(alone["answers"], with_hc["answers"], strict=True)):
+            diffs = [c for c in range(len(x)) if x[c] != y[c]]
+            if diffs:
+                first_diff = {"round": r, "conversations": diffs}
+                break
+    hits = {name: {"answer_hit_tokens": sum(sum(x) for x in run["answer_cached"]),
+                   "probe_hit_tokens": sum(run["probe_cached"]),
+                   "answer_prompt_tokens": sum(run["round_tokens"]) - shape.conversations * shape.rounds
+                   * shape.answer_tokens}
+            for name, run in (("vllm", alone), ("hicache", with_hc))}
+    c, r = shape.conversations, shape.rounds
+    figures = [
+        Figure(f"chat throughput ({c} conv x {r} rounds)", "tok/s", tput(with_hc), "vLLM alone", tput(alone),
+               goal=2.0),
+        Figure("chat TTFT p50 (1-token probe)", "ms", _median(with_hc["ttft_s"]) * 1000, "vLLM alone",
+               _median(alone["ttft_s"]) * 1000, higher_is_better=False, goal=0.4),
+        Figure("chat round latency p50 (answers)", "ms", _median(with_hc["round_s"]) * 1000, "vLLM alone",
+               _median(alone["round_s"]) * 1000, higher_is_better=False),
+        Figure("chat answer hit tokens", "tok", hits["hicache"]["answer_hit_tokens"], "vLLM alone",
+               hits["vllm"]["answer_hit_tokens"]),
+        Figure("chat probe hit tokens", "tok", hits["hicache"]["probe_hit_tokens"], "vLLM alone",
+               hits["vllm"]["probe_hit_tokens"]),
+    ]
+    extra = {"shape": vars(shape), "kv_blocks": blocks, "working_set_blocks": working, "max_model_len": max_len,
+             "kv_space_mib": blocks * block_bytes / (1 << 20),
+             "working_set_mib": working * block_bytes / (1 << 20), "hits": hits,
+             "same_answer_tokens": same_answers, "same_probe_tokens": same_probes, "first_difference": first_diff,
+             "vllm": {k: v for k, v in alone.items() if k not in ("answers", "probe_tokens")},
+             "hicache": {k: v for k, v in with_hc.items() if k not in ("answers", "probe_tokens")},
+             "daemon_stats": {"engine": stats.get("engine"), "tiers": stats.get("tiers")}}
+    return figures, extra
+
+
+# ---------------------------------------------------------------------- peers
+
+
+def _refusal(text: str) -> str:
+    """The most telling error line of an engine's log."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for pat in (r"(\w+Error|Exception): .+", r"(?i)not supported.*", r"(?i)error.*"):
+        hits = [m.group(0) for ln in lines if (m := re.search(pat, ln))]
+        if hits:
+            return hits[-1][:600]
+    return (lines[-1] if lines else "(empty log)")[:600]
+
+
+def _lmcache_site(b: Bench) -> tuple[str | None, str]:
+    """A directory to put on PYTHONPATH so LMCache imports, and what was done to get it."""
+    if importlib.util.find_spec("lmcache") is not None:
+        return "", "installed in this environment"
+    site = b.workdir / "lmcache-site"
+    if (site / "lmcache").is_dir():
+        return str(site), f"installed earlier into {site}"
+    # Isolated: into a private directory and without dependencies, so this environment's torch
+    # and vLLM stay as they are; only the pure-Python modules it imports at start are added.
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site),
+           f"lmcache=={LMCACHE_VERSION}", *LMCACHE_IMPORT_EXTRAS]
+    b.progress(f"peers: {' '.join(cmd[2:])}")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"pip install lmcache=={LMCACHE_VERSION} failed: {exc}"
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return None, f"pip install lmcache=={LMCACHE_VERSION} failed: {' | '.join(tail)}"
+    return str(site), f"installed (no dependencies) into {site} with {', '.join(LMCACHE_IMPORT_EXTRAS)}"
+
+
+def run_peers(b: Bench, *, prompt_tokens: int, repeats: int) -> dict[str, Any]:
+    """What vLLM on the CPU offers without hicache: vLLM's ``OffloadingConnector`` (started,
+    its refusal reported) and LMCache's ``LMCacheConnectorV1`` (installed if possible; if the
+    engine starts, TTFT of a repeated prompt against its first request, vLLM's own prefix
+    caching off so only LMCache could serve the repeat)."""
+    max_len = _round_up(prompt_tokens + b.block_size, b.block_size)
+    blocks = max(64, 4 * max_len // b.block_size)
+    out: dict[str, Any] = {}
+    offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}}
+    t0 = time.perf_counter()
+    try:
+        eng = b.engine("peer-offloading", prefix_caching=True, max_model_len=max_len, num_blocks=blocks,
+                       kv_transfer=offload)
+    except VllmError as exc:
+        log = b.workdir / "logs" / "peer-offloading.log"
+        text = log.read_text(errors="replace") if log.is_file() else str(exc)
+        out["offloading"] = {"started": False, "refusal": _refusal(text), "after_s": time.perf_counter() - t0}
+    else:
+        res = eng.generate(b.prompts(1, 64, seed=7), 1)
+        eng.stop()
+        out["offloading"] = {"started": True, "note": "vLLM started with OffloadingConnector on the CPU",
+                             "smoke_cached": res["cached"]}
+    b.progress(f"peers: OffloadingConnector: {out['offloading']}")
+
+    site, how = _lmcache_site(b)
+    lm: dict[str, Any] = {"version": LMCACHE_VERSION, "install": how}
+    out["lmcache"] = lm
+    if site is None:
+        b.progress(f"peers: LMCache: {how}")
+        return out
+    env = {"LMCACHE_CHUNK_SIZE": str(b.block_size * 8), "LMCACHE_LOCAL_CPU": "True",
+           "LMCACHE_MAX_LOCAL_CPU_SIZE": "2", "LMCACHE_USE_EXPERIMENTAL": "True"}
+    if site:
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (site, os.environ.get("PYTHONPATH", "")) if x)
+    lm["env"] = env
+    saved = dict(b.engine_env)
+    b.engine_env.update(env)
+    try:
+        eng = b.engine("peer-lmcache", prefix_caching=False, max_model_len=max_len, num_blocks=blocks,
+                       kv_transfer={"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})
+    except VllmError as exc:
+        log = b.workdir / "logs" / "peer-lmcache.log"
+        text = log.read_text(errors="replace") if log.is_file() else str(exc)
+        lm.update(started=False, refusal=_refusal(text))
+        b.progress(f"peers: LMCache: vLLM did not start: {lm['refusal']}")
+        return out
+    finally:
+        b.engine_env.clear()
+        b.engine_env.update(saved)
+    try:
+        first: list[float] = []
+        again: list[float] = []
+        cached: list[int] = []
+        same = True
+        for rep, ids in enumerate(b.prompts(repeats, prompt_tokens, seed=11)):
+            r1 = eng.generate([ids], 1, timeout_s=1800)
+            time.sleep(0.5)
+            r2 = eng.generate([ids], 1, timeout_s=1800)
+            first.append(float(r1["elapsed_s"]))
+            again.append(float(r2["elapsed_s"]))
+            cached.append(int(r2["cached"][0]))
+            same = same and r1["outputs"] == r2["outputs"]
+            b.progress(f"peers: LMCache prompt {rep}: first {r1['elapsed_s'] * 1000:.0f} ms, repeat "
+                       f"{r2['elapsed_s'] * 1000:.0f} ms, repeat cached {r2['cached'][0]}")
+        log_text = eng.log_tail(400)
+    finally:
+        eng.stop()
+    warnings = sorted({_refusal(ln) for ln in log_text.splitlines()
+                       if re.search(r"(?i)lmcache.*(error|warn|fail|not supported)", ln)})[:5]
+    lm.update(started=True, first_s=first, repeat_s=again, repeat_cached=cached, same_output_tokens=same,
+              repeat_over_first=_median(again) / _median(first) if first else math.nan, log_warnings=warnings)
+    return out
+
+
+def kv_bytes_per_token(model_dir: str, dtype_bytes: int) -> int:
+    """K and V bytes of one token over all layers, from the checkpoint's ``config.json``."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    return int(cfg["num_hidden_layers"] * kv_heads * head_dim * 2 * dtype_bytes)

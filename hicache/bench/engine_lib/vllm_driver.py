@@ -1,0 +1,226 @@
+"""A vLLM engine in a child process, driven over its stdin/stdout: tests and ``bench engine``.
+
+``python -m hicache.bench.engine_lib.vllm_driver --model DIR [--hicache-config YAML] ...``
+starts ``vllm.LLM`` (with ``HiCacheConnector`` when ``--hicache-config`` is given), prints
+``{"ready": true, "start_s": ...}`` and then answers one JSON line per JSON request line:
+
+* ``{"op": "generate", "prompts": [[ids...]], "max_tokens": N, "cache_salt": S|null}``
+  -> ``{"outputs": [[ids...]], "cached": [n...], "elapsed_s": t}`` (greedy; ``cached`` is
+  vLLM's ``num_cached_tokens``: its own prefix hit plus what the connector loaded);
+* ``{"op": "reset_prefix_cache"}`` -> ``{"ok": bool}`` (drops vLLM's own prefix cache);
+* ``{"op": "exit"}`` -> exits.
+
+``VllmProcess`` is the parent side. Nothing here is imported by the daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _connector_config(hicache_config: str) -> dict[str, Any]:
+    return {"kv_connector": "HiCacheConnector", "kv_connector_module_path": "hicache.connectors.vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": {"hicache_config": hicache_config}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--hicache-config", default=None)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--prefix-caching", action="store_true", help="keep vLLM's own prefix cache on")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    args = p.parse_args(argv)
+    # Only answers go to the parent's pipe: vLLM and its engine-core child print to fd 1.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    from vllm import LLM, SamplingParams
+
+    kw: dict[str, Any] = {}
+    if args.hicache_config:
+        kw["kv_transfer_config"] = _connector_config(args.hicache_config)
+    if args.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    began = time.perf_counter()
+    llm = LLM(model=args.model, skip_tokenizer_init=True, block_size=args.block_size, dtype=args.dtype,
+              max_model_len=args.max_model_len, enforce_eager=True, enable_prefix_caching=args.prefix_caching,
+              max_num_seqs=args.max_num_seqs, **kw)
+
+    def answer(obj: dict[str, Any]) -> None:
+        out.write(json.dumps(obj) + "\n")
+        out.flush()
+
+    answer({"ready": True, "start_s": time.perf_counter() - began})
+    for line in sys.stdin:
+        req = json.loads(line)
+        op = req.get("op")
+        if op == "exit":
+            break
+        if op == "reset_prefix_cache":
+            answer({"ok": bool(llm.reset_prefix_cache())})
+            continue
+        if op != "generate":
+            answer({"error": f"unknown op {op!r}"})
+            continue
+        salt = req.get("cache_salt")
+        prompts = [{"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})} for ids in req["prompts"]]
+        params = SamplingParams(max_tokens=int(req.get("max_tokens", 8)), temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        results = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        answer({"outputs": [list(r.outputs[0].token_ids) for r in results],
+                "cached": [int(r.num_cached_tokens or 0) for r in results], "elapsed_s": elapsed})
+    return 0
+
+
+class VllmError(RuntimeError):
+    """The engine process failed to start or to answer; the message carries its log's tail."""
+
+
+class VllmProcess:
+    """The parent side: start the driver, send requests, read answers, stop it.
+
+    ``env`` is added to the child's environment (``VLLM_CPU_KVCACHE_SPACE`` and the like);
+    the child's stderr goes to ``log_path``.
+    """
+
+    def __init__(self, model: str, log_path: str | Path, *, hicache_config: str | None = None,
+                 block_size: int = 32, max_model_len: int = 2048, dtype: str = "auto", prefix_caching: bool = False,
+                 max_num_seqs: int = 16, max_num_batched_tokens: int | None = None,
+                 env: dict[str, str] | None = None, start_timeout_s: float = 300.0) -> None:
+        cmd = [sys.executable, "-m", "hicache.bench.engine_lib.vllm_driver", "--model", model,
+               "--block-size", str(block_size), "--max-model-len", str(max_model_len), "--dtype", dtype,
+               "--max-num-seqs", str(max_num_seqs)]
+        if hicache_config:
+            cmd += ["--hicache-config", hicache_config]
+        if prefix_caching:
+            cmd.append("--prefix-caching")
+        if max_num_batched_tokens:
+            cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+        self.log_path = Path(log_path)
+        child_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+                     "VLLM_LOGGING_LEVEL": "WARNING", **(env or {})}
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                     env=child_env, text=True, start_new_session=True)
+        ready = self._read(start_timeout_s)
+        if not ready.get("ready"):
+            raise VllmError(f"vLLM did not start: {ready}")
+        self.start_s = float(ready["start_s"])
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _read(self, timeout_s: float) -> dict[str, Any]:
+        import selectors
+
+        assert self.proc.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if sel.select(timeout=1.0):
+                line = self.proc.stdout.readline()
+                if line:
+                    return json.loads(line)
+            if self.proc.poll() is not None:
+                break
+        raise VllmError(f"vLLM (pid {self.proc.pid}) gave no answer (exit code {self.proc.poll()}); "
+                        f"log tail:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def request(self, obj: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout_s)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 8, cache_salt: str | None = None,
+                 timeout_s: float = 300.0) -> dict[str, Any]:
+        return self.request({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
+                             "cache_salt": cache_salt}, timeout_s)
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.request({"op": "reset_prefix_cache"}).get("ok"))
+
+    def kill(self) -> None:
+        """SIGKILL the whole engine (its engine-core child too)."""
+        import signal
+
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(30)
+        self._log.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.request({"op": "exit"}, timeout_s=0.1)
+            except (VllmError, OSError, ValueError):
+                pass
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc.poll() is None:
+            self.kill()
+            return
+        import signal
+
+        try:  # the engine core may outlive the driver for a moment
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._log.close()
+
+
+def save_random_model(out_dir: str | Path, *, arch: str = "llama", layers: int = 2, hidden: int = 128,
+                      heads: int = 4, kv_heads: int = 2, head_dim: int = 32, vocab: int = 1024,
+                      intermediate: int = 256, dtype: str = "bfloat16", seed: int = 0) -> Path:
+    """Save a small Llama / Qwen2 checkpoint with random weights (nothing is downloaded)."""
+    import torch
+    import transformers
+
+    out = Path(out_dir)
+    if (out / "config.json").is_file():
+        return out
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=8192,
+                  torch_dtype=dtype)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(head_dim=head_dim, **common)
+        cls = transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        if hidden // heads != head_dim:
+            raise ValueError("qwen2 derives head_dim from hidden_size / num_attention_heads")
+        cfg = transformers.Qwen2Config(**common)
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        raise ValueError(f"unknown arch {arch!r}")
+    torch.manual_seed(seed)
+    model = cls(cfg).to(getattr(torch, dtype))
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,202 @@
+"""The engine side of the cache-server protocol, without vLLM: sockets, timeouts, sessions.
+
+``EngineClient`` is one DEALER connection for one thread. ``call`` sends a request and
+waits at most ``timeout_ms`` for the answer with the same ``req``; the engine must never
+wait long on hicache, so a timeout (or a daemon that is not there) returns None, and the
+client then stays *down* for a backoff (``BACKOFF_S``, doubling up to ``MAX_BACKOFF_S``):
+calls during it return None at once instead of waiting again. Answers that arrive late are
+dropped when the next call reads past them. ZeroMQ reconnects by itself when the daemon
+comes back (``IMMEDIATE``: nothing is queued for a daemon that is not connected).
+
+``CacheSession`` is the registered session of one engine: it registers lazily (and again
+after ``unknown_session``: the daemon restarted), and a heartbeat thread with its own socket
+keeps the session's leases alive while the engine is idle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import zmq
+
+import protos
+
+log = logging.getLogger("hicache.connector")
+
+BACKOFF_S = 0.5
+MAX_BACKOFF_S = 8.0
+SEND_WAIT_MS = 20
+"""How long a fire-and-forget send waits for a connection to the daemon before it gives up."""
+
+ANSWERS = (protos.EngineRegistered, protos.LookupResult, protos.ReserveResult, protos.EngineError)
+
+
+class RegistrationRefused(RuntimeError):
+    """The daemon serves other KV pages than this engine's (the message says which fields)."""
+
+
+class EngineClient:
+    """One DEALER socket to the cache server; not thread-safe (one per thread)."""
+
+    def __init__(self, address: str, timeout_ms: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.address = address
+        self.timeout_ms = timeout_ms
+        self.clock = clock
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        self._sock.setsockopt(zmq.SNDHWM, 10000)
+        self._sock.connect(address)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._req = 0
+        self._down_until = 0.0
+        self._backoff = BACKOFF_S
+        self.timeouts = 0  # monotonic, for the connector's stats
+
+    @property
+    def down(self) -> bool:
+        return self.clock() < self._down_until
+
+    def next_req(self) -> int:
+        self._req += 1
+        return self._req
+
+    def _mark_down(self) -> None:
+        self.timeouts += 1
+        self._down_until = self.clock() + self._backoff
+        self._backoff = min(self._backoff * 2, MAX_BACKOFF_S)
+
+    def send(self, msg: protos.Message, wait_ms: int = SEND_WAIT_MS) -> bool:
+        """Fire and forget; False when it could not be queued within ``wait_ms`` (the daemon
+        is not connected: a fresh socket, or one reconnecting after a daemon restart)."""
+        frame = protos.encode(msg)
+        try:
+            self._sock.send(frame, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            pass
+        if not self._sock.poll(wait_ms, zmq.POLLOUT):
+            return False
+        try:
+            self._sock.send(frame, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
+
+    def call(self, msg: protos.Message, timeout_ms: int | None = None) -> protos.Message | None:
+        """Send ``msg`` (its ``req`` set by ``next_req``) and return the answer with its ``req``,
+        or None: down, not connected, or no answer in time (then down for a backoff)."""
+        if self.down:
+            return None
+        if not self.send(msg, self.timeout_ms if timeout_ms is None else timeout_ms):
+            self._mark_down()
+            return None
+        want = msg.req  # type: ignore[attr-defined]
+        deadline = self.clock() + (self.timeout_ms if timeout_ms is None else timeout_ms) / 1000
+        while (left := deadline - self.clock()) > 0:
+            if not self._poller.poll(max(1, int(left * 1000))):
+                break
+            try:
+                answer = protos.decode(self._sock.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                continue
+            except protos.ProtocolError as exc:
+                log.warning("hicache sent a frame this connector cannot read: %s", exc)
+                continue
+            if isinstance(answer, ANSWERS) and answer.req == want:
+                self._backoff = BACKOFF_S
+                return answer
+        self._mark_down()
+        return None
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class CacheSession:
+    """The engine's session with the cache server (the scheduler half of a connector).
+
+    ``register`` is the ``EngineRegister`` to send (its ``req`` is replaced per call).
+    ``registered`` holds the daemon's answer while the session is open. Raises
+    ``RegistrationRefused`` from ``ensure`` when the daemon refuses this engine.
+    """
+
+    def __init__(self, address: str, timeout_ms: int, register: protos.EngineRegister) -> None:
+        self.client = EngineClient(address, timeout_ms)
+        self.address = address
+        self.register_msg = register
+        self.registered: protos.EngineRegistered | None = None
+        self._lock = threading.Lock()  # guards ``registered`` against the heartbeat thread
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+
+    def ensure(self, timeout_ms: int | None = None) -> protos.EngineRegistered | None:
+        """The open session, registering first if needed; None while the daemon is unreachable."""
+        if self.registered is not None:
+            return self.registered
+        msg = replace(self.register_msg, req=self.client.next_req())
+        answer = self.client.call(msg, timeout_ms)
+        if isinstance(answer, protos.EngineError):
+            raise RegistrationRefused(answer.reason)
+        if not isinstance(answer, protos.EngineRegistered):
+            return None
+        with self._lock:
+            self.registered = answer
+        log.info("hicache: registered with the daemon at %s (session %d, L2 %d pages of %d bytes)", self.address,
+                 answer.session, answer.l2_pages, answer.page_bytes)
+        self._start_heartbeat(answer.lease_ttl_s)
+        return answer
+
+    def call(self, make: Callable[[int, int], protos.Message]) -> protos.Message | None:
+        """``make(req, session)`` built and sent within the session; re-registers once when
+        the daemon no longer knows the session. None when no answer could be had."""
+        for _ in range(2):
+            reg = self.ensure()
+            if reg is None:
+                return None
+            answer = self.client.call(make(self.client.next_req(), reg.session))
+            if isinstance(answer, protos.EngineError) and answer.code == "unknown_session":
+                with self._lock:
+                    self.registered = None
+                continue
+            return answer
+        return None
+
+    def send(self, msg: protos.Message) -> bool:
+        return self.client.send(msg)
+
+    def _start_heartbeat(self, ttl_s: float) -> None:
+        if self._beat is not None:
+            return
+        self._beat = threading.Thread(target=self._heartbeat, args=(max(ttl_s / 4, 0.05),),
+                                      name="hicache-heartbeat", daemon=True)
+        self._beat.start()
+
+    def _heartbeat(self, period_s: float) -> None:
+        client = EngineClient(self.address, self.client.timeout_ms)
+        try:
+            while not self._stop.wait(period_s):
+                with self._lock:
+                    reg = self.registered
+                if reg is not None:
+                    client.send(protos.Heartbeat(reg.session))
+        finally:
+            client.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join(timeout=2)
+        self.client.close()
+
+
+def engine_name() -> str:
+    """A name for this engine process in the daemon's logs and stats."""
+    return f"{os.uname().nodename}:{os.getpid()}"

@@ -1,0 +1,127 @@
+"""Copies between an engine's KV blocks and hicache's L2 pages, in the engine's process.
+
+The engine's KV is one tensor per attention layer, ``[num_blocks, *block]`` with the block
+index first (vLLM's CPU layout ``LBHNC``: a block is ``[num_kv_heads, block_size,
+2 * head_dim]``), each block contiguous. An L2 page holds one block of every layer, layer
+after layer: viewed here as ``[l2_pages, num_layers, block_elems]`` over the shared-memory
+segment the daemon named at registration. Copies go run by run (consecutive blocks to
+consecutive pages in one strided copy per layer; ``hicache.memory.pools.page_runs``).
+
+Only CPU KV tensors are copied. A CUDA KV cache needs pinned L2 and a side stream with
+events; that path has not run on a GPU yet, so it is refused with that reason
+(``kv_problem``) rather than enabled untested.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hicache.memory.pools import page_runs
+from hicache.memory.shm import TORCH_DTYPES, SharedSegment, TensorSpec
+
+CUDA_REFUSAL = ("a CUDA KV cache is not supported yet: its copy path (pinned L2, a side stream with events) "
+                "has not run on a GPU; run vLLM on the CPU, or without hicache")
+
+
+@dataclass(frozen=True)
+class PoolRef:
+    """Where the L2 pool of one daemon run lives (from ``EngineRegistered``)."""
+
+    instance: str
+    segment: str
+    directory: str
+    pages: int
+    page_bytes: int
+
+
+def kv_problem(layers: list[torch.Tensor], num_blocks: int, layer_block_bytes: int, dtype: torch.dtype) -> str | None:
+    """None if these per-layer KV tensors can be copied block by block, else why not."""
+    if not layers:
+        return "the engine registered no KV tensors"
+    for i, t in enumerate(layers):
+        if t.device.type != "cpu":
+            return CUDA_REFUSAL if t.device.type == "cuda" else f"KV tensors on {t.device} are not supported"
+        if t.dtype != dtype:
+            return f"layer {i}: KV dtype {t.dtype}, the engine's spec says {dtype}"
+        if t.dim() < 2 or t.shape[0] != num_blocks:
+            return (f"layer {i}: KV shape {tuple(t.shape)} does not have the {num_blocks} blocks on its first axis "
+                    "(a layout with the block index first is required)")
+        if not t.is_contiguous():
+            return f"layer {i}: the KV tensor is not contiguous (strides {t.stride()})"
+        if t[0].numel() * t.element_size() != layer_block_bytes:
+            return (f"layer {i}: a block holds {t[0].numel() * t.element_size()} bytes, "
+                    f"the geometry says {layer_block_bytes}")
+    return None
+
+
+class BlockCopier:
+    """Block <-> page copies for one engine's KV tensors (``layers``, in layer order).
+
+    ``attach`` maps the L2 pool of a daemon run (again when the run changes); ``load`` and
+    ``save`` raise on bad indices or an unmapped pool, and the caller turns that into load
+    errors (vLLM recomputes) or a failed commit (the reservation is freed).
+    """
+
+    def __init__(self, layers: list[torch.Tensor]) -> None:
+        self.layers = [t.view(t.shape[0], -1) for t in layers]
+        self.num_blocks = layers[0].shape[0]
+        self.block_elems = self.layers[0].shape[1]
+        self.dtype = layers[0].dtype
+        self.pool: PoolRef | None = None
+        self._segment: SharedSegment | None = None
+        self._pages: torch.Tensor | None = None
+
+    def attach(self, pool: PoolRef) -> None:
+        """Map ``pool`` unless it is the one mapped already. Raises when the segment is gone or
+        its size does not match this engine's pages."""
+        if self.pool == pool:
+            return
+        per_page = len(self.layers) * self.block_elems * torch.empty((), dtype=self.dtype).element_size()
+        if pool.page_bytes != per_page:
+            raise ValueError(f"the daemon's L2 pages hold {pool.page_bytes} bytes, this engine's {per_page}")
+        seg = SharedSegment.attach(pool.segment, pool.directory)
+        if seg.size < pool.pages * pool.page_bytes:
+            seg.close()
+            raise ValueError(f"segment {pool.segment} holds {seg.size} bytes, {pool.pages} pages need more")
+        dtype_name = next(k for k, v in TORCH_DTYPES.items() if v == self.dtype)
+        pages = seg.tensor(TensorSpec(pool.segment, (pool.pages, len(self.layers), self.block_elems), dtype_name))
+        self.detach()
+        self._segment, self._pages, self.pool = seg, pages, pool
+
+    def detach(self) -> None:
+        self._pages = None
+        if self._segment is not None:
+            try:
+                self._segment.close()
+            except BufferError:
+                pass  # a view is still alive; the mapping goes with the process
+        self._segment, self.pool = None, None
+
+    def _check(self, blocks: list[int], pages: list[int]) -> torch.Tensor:
+        if self._pages is None:
+            raise RuntimeError("no L2 pool is mapped")
+        if len(blocks) != len(pages):
+            raise ValueError(f"{len(blocks)} blocks but {len(pages)} pages")
+        if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):
+            raise ValueError(f"block index out of range [0, {self.num_blocks})")
+        if pages and (min(pages) < 0 or max(pages) >= self._pages.shape[0]):
+            raise ValueError(f"L2 page index out of range [0, {self._pages.shape[0]})")
+        return self._pages
+
+    def load(self, pages: list[int], blocks: list[int]) -> int:
+        """Copy L2 ``pages[i]`` into block ``blocks[i]`` of every layer; returns bytes copied."""
+        l2 = self._check(blocks, pages)
+        for p, b, n in page_runs(pages, blocks):
+            for i, layer in enumerate(self.layers):
+                layer[b : b + n].copy_(l2[p : p + n, i])
+        return len(pages) * l2[0].numel() * l2.element_size()
+
+    def save(self, blocks: list[int], pages: list[int]) -> int:
+        """Copy block ``blocks[i]`` of every layer into L2 ``pages[i]``; returns bytes copied."""
+        l2 = self._check(blocks, pages)
+        for b, p, n in page_runs(blocks, pages):
+            for i, layer in enumerate(self.layers):
+                l2[p : p + n, i].copy_(layer[b : b + n])
+        return len(pages) * l2[0].numel() * l2.element_size()

@@ -1,0 +1,425 @@
+"""``HiCacheConnector``: hicache as vLLM's L2 + L3, loaded by module path (README "Engine mode").
+
+vLLM loads it with ``--kv-transfer-config '{"kv_connector": "HiCacheConnector",
+"kv_connector_module_path": "hicache.connectors.vllm", "kv_role": "kv_both",
+"kv_connector_extra_config": {"hicache_config": "/path/to/hicache.yaml"}}'`` (the daemon's
+own YAML: it says where the daemon's socket is). This module imports vLLM; nothing else in
+hicache imports this module, so the daemon runs without vLLM installed.
+
+Both halves, one class (vLLM makes one instance per role):
+
+* **Scheduler half** (vLLM's engine core). ``get_num_new_matched_tokens`` asks the daemon
+  for the L2 pages of the prompt beyond vLLM's own hit (page-aligned, leaving the last token
+  to compute); the answer comes with a lease that keeps those pages locked. While the daemon
+  prefetches the prompt's next pages from L3 it answers *pending*, and the connector returns
+  None, so vLLM asks again on a later step (the prefetch policy bounds the wait).
+  ``update_state_after_alloc`` turns a hit into a load plan (L2 page -> vLLM block);
+  ``build_connector_meta`` adds, for every scheduled request, the blocks that become full in
+  this step and that the daemon does not hold yet, with L2 pages it reserved for them.
+  ``request_finished`` never delays freeing: saves complete inside the step that computed
+  them. ``get_external_cache_hit_sources`` reports L2 hits as ``host`` and prefetched L3 hits
+  as ``disk``.
+* **Worker half** (vLLM's worker). ``register_kv_caches`` checks the KV layout (CPU, block
+  index first, contiguous blocks); ``start_load_kv`` copies the planned loads before the
+  forward pass (so ``wait_for_layer_load`` has nothing to wait for) and releases each lease;
+  a load that fails reports its blocks through ``get_block_ids_with_load_errors`` and vLLM
+  recomputes them. ``wait_for_save`` copies the step's new full blocks into their reserved
+  pages and commits them.
+
+Refused at start, with the reason: tensor or pipeline parallelism, a vLLM version other than
+the supported ones, a KV cache with more than one group or not full attention, a CUDA KV
+cache (its copy path has not run on a GPU), and an engine whose model or KV geometry differs
+from what the daemon serves. A daemon that is absent or slow costs hits, never correctness:
+lookups time out (``engine.lookup_timeout_ms``) as misses and the connector backs off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+import protos
+from hicache.connectors.engine_client import CacheSession, EngineClient, RegistrationRefused, engine_name
+from hicache.connectors.kv_copy import CUDA_REFUSAL, BlockCopier, PoolRef, kv_problem
+from hicache.engine_server.geometry import EngineKVGeometry, engine_identity
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("hicache.connector")
+
+REFUSED_RETRY_S = 30.0
+"""After the daemon refused this engine, how long the connector serves without hicache
+before it registers again (the operator may have restarted the daemon with another config)."""
+
+SUPPORTED_VLLM = ("0.32.",)
+"""vLLM versions whose connector API this module was written and tested against."""
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class ConnectorRefused(RuntimeError):
+    """This vLLM setup cannot use hicache; the message says why."""
+
+
+# ---------------------------------------------------------------------- metadata
+
+
+@dataclass
+class LoadPlan:
+    """Copy L2 ``pages[i]`` into vLLM block ``blocks[i]``, then release ``lease``."""
+
+    rid: str
+    lease: int
+    pages: list[int]
+    blocks: list[int]
+
+
+@dataclass
+class SavePlan:
+    """Copy vLLM block ``blocks[i]`` into L2 ``pages[i]``, then commit ``lease``."""
+
+    rid: str
+    lease: int
+    pages: list[int]
+    blocks: list[int]
+
+
+@dataclass
+class HiCacheConnectorMetadata(KVConnectorMetadata):
+    """What the worker half does in one step (built by the scheduler half)."""
+
+    session: int = 0
+    pool: PoolRef | None = None
+    loads: list[LoadPlan] = field(default_factory=list)
+    saves: list[SavePlan] = field(default_factory=list)
+
+
+@dataclass
+class _Hit:
+    """A lookup answer held for one request until vLLM allocates its blocks."""
+
+    lease: int
+    pages: list[int]
+    storage_pages: int
+    first_page: int  # vLLM's own hit, in pages: the load starts there
+
+
+@dataclass
+class _Tracked:
+    """The scheduler half's view of one request."""
+
+    request: Request
+    block_ids: list[int] = field(default_factory=list)
+    saved_pages: int = 0  # pages [0, saved_pages) are in the daemon or planned for saving
+    hit: _Hit | None = None
+    loaded_tokens: int = 0
+    loaded_storage_tokens: int = 0
+
+
+# ---------------------------------------------------------------------- the connector
+
+
+def _load_hicache_config(extra: dict[str, Any]) -> Any:
+    from hicache.config import ConfigError, load_config
+
+    path = extra.get("hicache_config")
+    if not path:
+        raise ConnectorRefused('kv_connector_extra_config needs "hicache_config": the path of the daemon\'s YAML')
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        raise ConnectorRefused(f"{path}: {exc}") from exc
+
+
+def engine_address(cfg: Any) -> str:
+    """The daemon's engine socket, from its config (``ipc.dir`` or ``ipc.tcp_*``)."""
+    from hicache.ipc import Endpoints
+
+    return Endpoints(cfg.ipc.transport, cfg.ipc.dir, cfg.ipc.tcp_host, cfg.ipc.tcp_base_port).address("engine")
+
+
+class HiCacheConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._check_setup(vllm_config, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.hicache = _load_hicache_config(extra)
+        if self.hicache.engine.kind != "vllm":
+            raise ConnectorRefused(f"{extra['hicache_config']}: engine.kind is {self.hicache.engine.kind!r}; "
+                                   "the daemon must run in engine mode (engine.kind: vllm)")
+        group = kv_cache_config.kv_cache_groups[0]
+        spec = group.kv_cache_spec
+        self.layer_names = list(group.layer_names)
+        self.block_size = spec.block_size
+        self.num_blocks = kv_cache_config.num_blocks
+        dtype = _DTYPE_NAMES.get(spec.dtype)
+        if dtype is None:
+            raise ConnectorRefused(f"KV dtype {spec.dtype} is not supported (supported: {', '.join(_DTYPE_NAMES.values())})")
+        self.kv_dtype = spec.dtype
+        layout = kv_cache_config.kv_cache_layout
+        model = vllm_config.model_config.model
+        self.geometry = EngineKVGeometry(engine_identity(model, dtype, layout), dtype, spec.block_size,
+                                         len(self.layer_names), spec.num_kv_heads, spec.head_size, layout)
+        self.address = engine_address(self.hicache)
+        timeout = self.hicache.engine.lookup_timeout_ms
+        if role == KVConnectorRole.SCHEDULER:
+            g = self.geometry
+            self.session: CacheSession | None = CacheSession(self.address, timeout, protos.EngineRegister(
+                0, engine_name(), os.getpid(), g.model_identity, g.kv_dtype, g.block_size, g.num_layers,
+                g.num_kv_heads, g.head_dim, g.kv_layout, g.page_bytes))
+            self._requests: dict[str, _Tracked] = {}
+            self._loads: list[LoadPlan] = []
+            self._refused_until = 0.0
+            try:
+                if self.session.ensure(timeout_ms=max(timeout, 2000)) is None:
+                    log.warning("hicache: the daemon at %s is not answering; serving without it until it does",
+                                self.address)
+            except RegistrationRefused as exc:
+                raise ConnectorRefused(f"the hicache daemon at {self.address} refused this engine: {exc}") from exc
+        else:
+            self.session = None
+            self.worker_client = EngineClient(self.address, timeout)
+            self.copier: BlockCopier | None = None
+            self._load_errors: set[int] = set()
+
+    @staticmethod
+    def _check_setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+        if not vllm.__version__.startswith(SUPPORTED_VLLM):
+            raise ConnectorRefused(f"vLLM {vllm.__version__} is not supported (supported: "
+                                   f"{', '.join(v + 'x' for v in SUPPORTED_VLLM)})")
+        par = vllm_config.parallel_config
+        if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
+            raise ConnectorRefused("tensor and pipeline parallelism are not supported (tensor_parallel_size "
+                                   f"{par.tensor_parallel_size}, pipeline_parallel_size {par.pipeline_parallel_size})")
+        if vllm_config.device_config.device_type == "cuda":
+            raise ConnectorRefused(CUDA_REFUSAL)
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1 or type(groups[0].kv_cache_spec).__name__ != "FullAttentionSpec":
+            kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
+            raise ConnectorRefused(f"only one full-attention KV cache group is supported, got: {kinds}")
+        if kv_cache_config.kv_cache_layout != "LBHNC":
+            raise ConnectorRefused(f"KV cache layout {kv_cache_config.kv_cache_layout!r} is not supported "
+                                   "(supported: LBHNC, vLLM's CPU layout)")
+
+    # ================================================================== scheduler half
+    def _open(self) -> protos.EngineRegistered | None:
+        """The session, or None when hicache is unreachable or refused this engine (then
+        registration is tried again only after ``REFUSED_RETRY_S``)."""
+        if self.session is None or time.monotonic() < self._refused_until:
+            return None
+        try:
+            return self.session.ensure()
+        except RegistrationRefused as exc:
+            self._refuse(exc)
+            return None
+
+    def _refuse(self, exc: RegistrationRefused) -> None:
+        self._refused_until = time.monotonic() + REFUSED_RETRY_S
+        log.error("hicache: the daemon refused this engine (%s); serving without hicache", exc)
+
+    def _call(self, make: Any) -> protos.Message | None:
+        """A request within the session (see ``CacheSession.call``); None without an answer."""
+        if self._open() is None:
+            return None
+        try:
+            return self.session.call(make)  # type: ignore[union-attr]
+        except RegistrationRefused as exc:  # the daemon restarted as one that serves other pages
+            self._refuse(exc)
+            return None
+
+    def _release(self, hit: _Hit | None, loaded_pages: int = 0) -> None:
+        reg = self.session.registered if self.session is not None else None
+        if hit is not None and hit.lease and reg is not None:
+            self.session.send(protos.Release(reg.session, hit.lease, loaded_pages))  # type: ignore[union-attr]
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        rid = request.request_id
+        tracked = self._requests.get(rid)
+        if tracked is None:
+            tracked = self._requests[rid] = _Tracked(request)
+        self._release(tracked.hit)
+        tracked.hit = None
+        bs = self.block_size
+        tokens = request.prompt_token_ids or []
+        usable = (len(tokens) - 1) // bs * bs  # vLLM computes at least the last prompt token
+        if usable <= num_computed_tokens:
+            return 0, False
+        salt = request.cache_salt or ""
+        answer = self._call(lambda req, session: protos.Lookup(req, session, rid, list(tokens[:usable]), salt))
+        if not isinstance(answer, protos.LookupResult):
+            if isinstance(answer, protos.EngineError):
+                log.warning("hicache lookup refused: %s", answer.reason)
+            return 0, False
+        if answer.pending:
+            return None, False
+        hit = _Hit(answer.lease, list(answer.host_pages), answer.storage_pages, num_computed_tokens // bs)
+        tracked.saved_pages = max(tracked.saved_pages, len(hit.pages))
+        external = len(hit.pages) * bs - num_computed_tokens
+        if external <= 0:
+            self._release(hit)
+            return 0, False
+        tracked.hit = hit
+        return external, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        tracked = self._requests.get(request.request_id)
+        if tracked is None:
+            return
+        tracked.block_ids = list(blocks.get_block_ids()[0])
+        hit, tracked.hit = tracked.hit, None
+        if hit is None:
+            return
+        n = num_external_tokens // self.block_size
+        if n <= 0:
+            self._release(hit)
+            return
+        first = hit.first_page
+        pages = hit.pages[first : first + n]
+        self._loads.append(LoadPlan(request.request_id, hit.lease, pages, tracked.block_ids[first : first + len(pages)]))
+        tracked.loaded_tokens = len(pages) * self.block_size
+        from_storage = max(0, min(len(pages), hit.storage_pages - first))
+        tracked.loaded_storage_tokens = from_storage * self.block_size
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        if num_external_tokens <= 0:
+            return {}
+        tracked = self._requests.get(request.request_id)
+        disk = min(num_external_tokens, tracked.loaded_storage_tokens) if tracked is not None else 0
+        out = {CacheHitSource.HOST: num_external_tokens - disk, CacheHitSource.DISK: disk}
+        return {k: v for k, v in out.items() if v}
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        reg = self.session.registered if self.session is not None else None
+        meta = HiCacheConnectorMetadata()
+        if reg is not None:
+            meta.session = reg.session
+            meta.pool = PoolRef(reg.instance, reg.l2_segment, reg.l2_directory, reg.l2_pages, reg.page_bytes)
+        meta.loads, self._loads = self._loads, []
+        if reg is None:
+            return meta
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._requests.get(new.req_id)
+            if tracked is not None:
+                tracked.block_ids = list(new.block_ids[0])
+                self._plan_save(tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            tracked = self._requests.get(rid)
+            if tracked is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                tracked.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                tracked.block_ids.extend(new_blocks[0])
+            self._plan_save(tracked, cached.num_computed_tokens[i] + scheduled.get(rid, 0), meta)
+        return meta
+
+    def _plan_save(self, tracked: _Tracked, computed_after_step: int, meta: HiCacheConnectorMetadata) -> None:
+        """Reserve L2 pages for the blocks that are full once this step ran, beyond
+        ``saved_pages``; a failed or short reservation is not retried (a later miss)."""
+        bs = self.block_size
+        tokens = tracked.request.all_token_ids
+        full = min(computed_after_step, len(tokens), len(tracked.block_ids) * bs) // bs
+        start = tracked.saved_pages
+        if full <= start:
+            return
+        tracked.saved_pages = full
+        rid = tracked.request.request_id
+        salt = tracked.request.cache_salt or ""
+        prefix = list(tokens[: full * bs])
+        answer = self._call(lambda req, session: protos.Reserve(req, session, rid, prefix, start, salt))
+        if not isinstance(answer, protos.ReserveResult) or not answer.host_pages:
+            return
+        first = answer.start_page
+        blocks = tracked.block_ids[first : first + len(answer.host_pages)]
+        meta.saves.append(SavePlan(rid, answer.lease, list(answer.host_pages), blocks))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        tracked = self._requests.pop(request.request_id, None)
+        if tracked is not None:
+            self._release(tracked.hit)
+        return False, None
+
+    # ================================================================== worker half
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        missing = [n for n in self.layer_names if n not in kv_caches]
+        if missing:
+            raise ConnectorRefused(f"vLLM registered no KV tensor for layers {missing}")
+        layers = [kv_caches[n] for n in self.layer_names]
+        problem = kv_problem(layers, self.num_blocks, self.geometry.layer_block_bytes, self.kv_dtype)
+        if problem:
+            raise ConnectorRefused(f"hicache cannot copy this KV cache: {problem}")
+        self.copier = BlockCopier(layers)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HiCacheConnectorMetadata)
+        for plan in meta.loads:
+            loaded = 0
+            try:
+                self._attach(meta)
+                self.copier.load(plan.pages, plan.blocks)  # type: ignore[union-attr]
+                loaded = len(plan.pages)
+            except Exception as exc:  # vLLM recomputes what could not be loaded
+                log.warning("hicache: loading %d blocks of %s failed (%s): vLLM recomputes them",
+                            len(plan.blocks), plan.rid, exc)
+                self._load_errors.update(plan.blocks)
+            self.worker_client.send(protos.Release(meta.session, plan.lease, loaded))
+
+    def _attach(self, meta: HiCacheConnectorMetadata) -> None:
+        if self.copier is None:
+            raise RuntimeError("register_kv_caches was not called")
+        if meta.pool is None:
+            raise RuntimeError("no L2 pool is known")
+        self.copier.attach(meta.pool)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # every load completed in start_load_kv, before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # saves are copied in wait_for_save, once every layer has been computed
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HiCacheConnectorMetadata)
+        for plan in meta.saves:
+            ok = False
+            try:
+                self._attach(meta)
+                self.copier.save(plan.blocks, plan.pages)  # type: ignore[union-attr]
+                ok = True
+            except Exception as exc:
+                log.warning("hicache: saving %d blocks of %s failed: %s", len(plan.blocks), plan.rid, exc)
+            self.worker_client.send(protos.Commit(meta.session, plan.lease, ok))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self.session is not None:
+            self.session.close()
+        elif getattr(self, "worker_client", None) is not None:
+            self.worker_client.close()

@@ -1,0 +1,132 @@
+"""What one KV page of an engine is: the model it belongs to and its byte geometry.
+
+Both sides compute it: the daemon from ``engine.*`` in its config (``geometry_from_config``)
+and the connector from what vLLM tells it; the daemon refuses an engine whose geometry
+differs in any field (``EngineKVGeometry.mismatch``), so a page is only ever read by an
+engine whose KV has exactly the layout it was written in.
+
+The identity that namespaces page hashes covers the checkpoint (config + weights, as for
+the builtin model: ``hicache.model.fingerprint``), the KV dtype and the engine's per-block
+byte layout, so two engines with another model, dtype or layout never share a page, in L2
+or in L3.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+ENGINE_IDENTITY_VERSION = b"hicache-engine-identity-v1"
+
+KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class EngineModelError(ValueError):
+    """The engine's model cannot be served in engine mode; the message says why."""
+
+
+@dataclass(frozen=True)
+class EngineKVGeometry:
+    """One KV page: ``block_size`` tokens of every one of ``num_layers`` attention layers.
+
+    ``kv_layout`` names the byte order of one layer's block (vLLM's CPU backend: ``LBHNC``,
+    a block is ``[num_kv_heads, block_size, 2 * head_dim]``: K then V per token row).
+    """
+
+    model_identity: str
+    kv_dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_layout: str
+
+    @property
+    def layer_block_bytes(self) -> int:
+        """Bytes of one layer's block (K and V)."""
+        return self.num_kv_heads * self.block_size * 2 * self.head_dim * KV_DTYPE_BYTES[self.kv_dtype]
+
+    @property
+    def page_bytes(self) -> int:
+        return self.num_layers * self.layer_block_bytes
+
+    def mismatch(self, other: EngineKVGeometry) -> str | None:
+        """None if ``other`` describes the same pages, else which fields differ (daemon vs engine)."""
+        diffs = [f"{f.name}: daemon {getattr(self, f.name)!r}, engine {getattr(other, f.name)!r}"
+                 for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+        return "; ".join(diffs) if diffs else None
+
+
+def read_hf_config(model_dir: str) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise EngineModelError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise EngineModelError(f"{path}: not a JSON object")
+    return raw
+
+
+def checkpoint_dtype(raw: dict[str, Any]) -> str:
+    """The dtype a checkpoint's config names (``torch_dtype``, or ``dtype`` in newer files)."""
+    name = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+    if name not in KV_DTYPE_BYTES:
+        raise EngineModelError(f"config.json dtype {name!r} is not one of {', '.join(KV_DTYPE_BYTES)}")
+    return str(name)
+
+
+def attention_shape(raw: dict[str, Any], where: str = "config.json") -> tuple[int, int, int]:
+    """``(num_layers, num_kv_heads, head_dim)`` of a full-attention decoder's config.
+
+    Models with sliding-window or non-attention layers are refused: engine mode keeps
+    full-attention KV only in this build."""
+
+    def need(name: str) -> int:
+        value = raw.get(name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise EngineModelError(f"{where}: {name} must be a positive integer, got {value!r}")
+        return value
+
+    layers = need("num_hidden_layers")
+    heads = need("num_attention_heads")
+    kv_heads = raw.get("num_key_value_heads") or heads
+    head_dim = raw.get("head_dim") or need("hidden_size") // heads
+    types = raw.get("layer_types")
+    if isinstance(types, list) and any(t != "full_attention" for t in types):
+        raise EngineModelError(f"{where}: layer_types {sorted(set(types))}: engine mode serves full-attention "
+                               "models only")
+    if raw.get("sliding_window") and (raw.get("use_sliding_window", True)):
+        raise EngineModelError(f"{where}: sliding_window is set: engine mode serves full-attention models only")
+    return layers, int(kv_heads), int(head_dim)
+
+
+def engine_identity(model_dir: str, kv_dtype: str, kv_layout: str) -> str:
+    """64 hex characters naming (checkpoint, KV dtype, KV layout)."""
+    from hicache.config import ModelConfig
+    from hicache.model.fingerprint import model_identity
+
+    try:
+        weights = model_identity(ModelConfig(kind="hf", path=model_dir, dtype=kv_dtype))  # type: ignore[arg-type]
+    except (OSError, ValueError) as exc:
+        raise EngineModelError(f"cannot fingerprint the checkpoint {model_dir}: {exc}") from exc
+    h = hashlib.sha256(ENGINE_IDENTITY_VERSION)
+    for part in (weights, kv_dtype, kv_layout):
+        h.update(len(part).to_bytes(4, "little") + part.encode())
+    return h.hexdigest()
+
+
+def geometry_from_config(cfg: Any) -> EngineKVGeometry:
+    """The geometry the daemon serves, from ``engine.*`` and ``cache.page_size`` of a
+    ``HicacheConfig``. Raises EngineModelError naming the problem."""
+    e = cfg.engine
+    if not e.model:
+        raise EngineModelError("engine.model is not set")
+    raw = read_hf_config(e.model)
+    dtype = checkpoint_dtype(raw) if e.kv_dtype == "auto" else e.kv_dtype
+    layers, kv_heads, head_dim = attention_shape(raw, f"{e.model}/config.json")
+    return EngineKVGeometry(engine_identity(e.model, dtype, e.kv_layout), dtype, cfg.cache.page_size, layers,
+                            kv_heads, head_dim, e.kv_layout)

@@ -1,0 +1,70 @@
+"""Messages an engine's connector receives from the cache server (answers to
+``protos.to_cache_server`` requests; ``req`` is the request's number)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protos.base import Message, message
+
+
+class EngineMessage(Message):
+    """Base of everything the cache server answers an engine."""
+
+    __slots__ = ()
+
+
+@message("engine_registered")
+@dataclass(slots=True)
+class EngineRegistered(EngineMessage):
+    """The session is open. The L2 pool is one shared-memory segment ``l2_segment`` in
+    ``l2_directory`` holding ``l2_pages`` pages of ``page_bytes`` bytes each (page ``i`` at
+    byte ``i * page_bytes``); ``instance`` names this daemon run (a new one after a restart).
+    Leases of the session expire ``lease_ttl_s`` after the last message it sent."""
+
+    req: int
+    session: int
+    instance: str
+    l2_segment: str
+    l2_directory: str
+    l2_pages: int
+    page_bytes: int
+    lease_ttl_s: float
+
+
+@message("engine_lookup_result")
+@dataclass(slots=True)
+class LookupResult(EngineMessage):
+    """``host_pages[i]`` is the L2 page holding page ``i`` of the looked-up tokens, locked
+    under ``lease`` (0: nothing locked). ``storage_pages`` of them arrived from L3 for this
+    lookup. ``pending``: a prefetch from L3 is in flight; ask again (nothing is locked)."""
+
+    req: int
+    lease: int = 0
+    host_pages: list[int] = field(default_factory=list)
+    storage_pages: int = 0
+    pending: bool = False
+
+
+@message("engine_reserve_result")
+@dataclass(slots=True)
+class ReserveResult(EngineMessage):
+    """Save pages ``start_page ..`` into ``host_pages`` (in order), then ``Commit(lease)``.
+    ``start_page`` may be later than asked (the server held those pages already); no
+    ``host_pages`` (lease 0): nothing to save."""
+
+    req: int
+    lease: int = 0
+    start_page: int = 0
+    host_pages: list[int] = field(default_factory=list)
+
+
+@message("engine_error")
+@dataclass(slots=True)
+class EngineError(EngineMessage):
+    """Request ``req`` was refused. ``code``: ``refused`` (registration does not match what
+    the daemon serves), ``unknown_session`` (register again), ``bad_request``, ``busy``."""
+
+    req: int
+    code: str
+    reason: str

