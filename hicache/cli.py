@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "model": ("hicache.bench.model", "reference model prefill/decode against a KV page copy"),
     "serve": ("hicache.bench.serve", "drive a running daemon with realistic workloads"),
     "ttft": ("hicache.bench.ttft", "time to first token of a long prompt from each tier vs cold"),
+    "engine": ("hicache.bench.engine", "vLLM with hicache beside it against vLLM alone"),
 }
 
 

@@ -43,6 +43,8 @@ EXPIRE_INTERVAL_S = 0.25
 IDLE_CHECK_INTERVAL_S = 1.0
 METRICS_INTERVAL_S = 0.5
 POLL_MS = 50
+DEFER_FRACTION = 0.5
+"""A lookup waits for its prefetch at most this fraction of the engines' lookup timeout."""
 
 ENGINE_ACCEPTS = (protos.EngineRegister, protos.Lookup, protos.Reserve, protos.Commit, protos.Release,
                   protos.Heartbeat)
@@ -69,7 +71,8 @@ def build_cache_server(args: SchedulerArgs, pools: Any, controller_send: Any) ->
                        l3_enabled=cfg.cache.l3.backend != "none")
     pool = L2PoolInfo(args.layout.instance, full.l2[0].segment, args.layout.directory, full.l2_pages,
                       full.l2_page_bytes)
-    return CacheServer(cache, tier, geometry, pool, cfg.engine.lease_ttl_s)
+    return CacheServer(cache, tier, geometry, pool, cfg.engine.lease_ttl_s,
+                       defer_s=cfg.engine.lookup_timeout_ms / 1000 * DEFER_FRACTION)
 
 
 def cache_server_main(args: SchedulerArgs) -> None:
@@ -110,7 +113,7 @@ def cache_server_main(args: SchedulerArgs) -> None:
     restart_asked = False
     try:
         while not stop[0]:
-            ready = dict(poller.poll(POLL_MS))
+            ready = dict(poller.poll(1 if server.deferred else POLL_MS))
             if engines.socket in ready:
                 for _ in range(256):
                     if not _serve_engine(engines, server):
@@ -130,6 +133,8 @@ def cache_server_main(args: SchedulerArgs) -> None:
                             log.warning("controller died (%s): %d in-flight ops failed back", msg.detail, failed)
                     elif not isinstance(msg, protos.ErrorReply):
                         admin.handle(msg)
+            for peer, answer in server.deliver():  # lookups that waited for a prefetch
+                engines.send(peer, answer)
             now = time.monotonic()
             if now - last["expire"] > EXPIRE_INTERVAL_S:
                 server.expire()
@@ -172,7 +177,7 @@ def _serve_engine(engines: RouterSocket[protos.Message], server: Any) -> bool:
         return False
     peer, msg = got
     try:
-        answer = server.handle(msg)
+        answer = server.handle(msg, peer)
     except Exception as exc:  # a bug must cost this request, not the daemon
         log.exception("engine request %s failed", type(msg).__name__)
         answer = protos.EngineError(getattr(msg, "req", 0), "bad_request", f"{type(exc).__name__}: {exc}")

@@ -54,6 +54,18 @@ class L2PoolInfo:
 
 
 @dataclass
+class _Query:
+    """A lookup whose answer waits for a prefetch: who asked (``peer``, ``req``) and until when."""
+
+    peer: bytes
+    req: int
+    session: int
+    key: array
+    cache_salt: str
+    deadline: float
+
+
+@dataclass
 class EngineCounters:
     """Monotonic counters for stats and metrics (pages unless the name says otherwise)."""
 
@@ -75,11 +87,13 @@ class CacheServer:
     """Answers engine connectors over one ``UnifiedRadixCache`` with L2 only.
 
     ``tier``: the tier manager (L3 backups and prefetches), None without a controller.
-    ``clock``: monotonic seconds (tests pass their own).
+    ``defer_s``: how long a lookup's answer may wait for its prefetch (less than the
+    engines' lookup timeout). ``clock``: monotonic seconds (tests pass their own).
     """
 
     def __init__(self, cache: UnifiedRadixCache, tier: TierManager | None, geometry: EngineKVGeometry,
-                 pool: L2PoolInfo, lease_ttl_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+                 pool: L2PoolInfo, lease_ttl_s: float, *, defer_s: float = 0.05,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if cache.full.host_allocator is None:
             raise ValueError("the cache server needs a tree with an L2 allocator")
         if cache.page_size != geometry.block_size:
@@ -93,11 +107,12 @@ class CacheServer:
         self.counters = EngineCounters()
         self._prefetches: dict[tuple[int, str], PrefetchTicket] = {}
         self._prefetched: OrderedDict[tuple[int, str], None] = OrderedDict()
+        self._deferred: dict[tuple[int, str], _Query] = {}
+        self.defer_s = defer_s
         self.exact_checks = 0
         self.integrity_error: str | None = None
         self._handlers: dict[type, Callable[[Any], protos.Message | None]] = {
             protos.EngineRegister: self.register,
-            protos.Lookup: self.lookup,
             protos.Reserve: self.reserve,
             protos.Commit: self.commit,
             protos.Release: self.release,
@@ -109,8 +124,11 @@ class CacheServer:
         return self.cache.full.host_allocator
 
     # ------------------------------------------------------------------ dispatch
-    def handle(self, msg: protos.Message) -> protos.Message | None:
-        """The answer to one engine message (None for fire-and-forget ones)."""
+    def handle(self, msg: protos.Message, peer: bytes = b"") -> protos.Message | None:
+        """The answer to one engine message from ``peer``: None for fire-and-forget ones and
+        for a deferred lookup (``deliver`` sends its answer later)."""
+        if isinstance(msg, protos.Lookup):
+            return self.lookup(msg, peer)
         handler = self._handlers.get(type(msg))
         if handler is None:
             return protos.EngineError(getattr(msg, "req", 0), "bad_request",
@@ -120,6 +138,16 @@ class CacheServer:
     def _session_error(self, req: int, session: int) -> protos.EngineError:
         return protos.EngineError(req, "unknown_session",
                                   f"session {session} is not open (the daemon restarted or the session expired)")
+
+    def _request_key(self, msg: protos.Lookup | protos.Reserve) -> array | protos.EngineError:
+        """Renew the request's session and return its tokens as a key, or the error to answer."""
+        if self.leases.touch(msg.session, self.clock()) is None:
+            return self._session_error(msg.req, msg.session)
+        try:
+            return _key(msg.token_ids)
+        except ValueError as exc:
+            self.counters.bad_requests += 1
+            return protos.EngineError(msg.req, "bad_request", str(exc))
 
     # ------------------------------------------------------------------ register
     def register(self, msg: protos.EngineRegister) -> protos.Message:
@@ -139,46 +167,76 @@ class CacheServer:
                                        p.page_bytes, self.leases.ttl_s)
 
     # ------------------------------------------------------------------ lookup
-    def lookup(self, msg: protos.Lookup) -> protos.Message:
-        if self.leases.touch(msg.session, self.clock()) is None:
-            return self._session_error(msg.req, msg.session)
-        try:
-            key = _key(msg.token_ids)
-        except ValueError as exc:
-            self.counters.bad_requests += 1
-            return protos.EngineError(msg.req, "bad_request", str(exc))
+    def lookup(self, msg: protos.Lookup, peer: bytes = b"") -> protos.Message | None:
+        """The L2 hit of ``msg.token_ids``, locked under a lease. When L3 may hold the pages
+        after it, a prefetch starts and the answer is *deferred* (None here): ``deliver``
+        sends it, to ``peer``, once the prefetch is done or ``defer_s`` has passed (then as
+        ``pending``: the engine asks again, and that lookup is deferred in turn)."""
+        key = self._request_key(msg)
+        if isinstance(key, protos.EngineError):
+            return key
         self.counters.lookups += 1
         slot = (msg.session, msg.rid)
-        storage_pages = 0
-        ticket = self._prefetches.get(slot)
-        if ticket is not None:
-            if not ticket.ready(self.clock()):
-                return protos.LookupResult(msg.req, pending=True)
-            del self._prefetches[slot]
-            self.tier.cancel_prefetch(ticket)  # type: ignore[union-attr]
-            storage_pages = ticket.arrived_tokens // self.cache.page_size
-        match = self.cache.match_prefix(key, msg.cache_salt)
-        if (ticket is None and msg.prefetch and self.tier is not None and slot not in self._prefetched
-                and self._may_prefetch(len(key), match.host_hit_length)):
-            self._remember_prefetched(slot)
-            ticket = self.tier.start_prefetch(msg.rid, key, match, msg.cache_salt)
-            if ticket is not None and ticket.policy != "best_effort":
-                self._prefetches[slot] = ticket
-                return protos.LookupResult(msg.req, pending=True)
+        query = _Query(peer, msg.req, msg.session, key, msg.cache_salt, self.clock() + self.defer_s)
+        if slot in self._prefetches:
+            return self._defer(slot, query)
+        if msg.prefetch and self.tier is not None and self.tier.l3_enabled and slot not in self._prefetched:
+            match = self.cache.match_prefix(key, msg.cache_salt)
+            if len(key) > match.host_hit_length:
+                self._remember_prefetched(slot)
+                ticket = self.tier.start_prefetch(msg.rid, key, match, msg.cache_salt)
+                if ticket is not None and ticket.policy != "best_effort":
+                    self._prefetches[slot] = ticket
+                    return self._defer(slot, query)
+        return self._answer(query, 0)
+
+    def _defer(self, slot: tuple[int, str], query: _Query) -> protos.Message | None:
+        ticket = self._prefetches[slot]
+        if ticket.ready(self.clock()):
+            return self._finish_prefetch(slot, query)
+        self._deferred[slot] = query  # a newer ask replaces an older one (its engine gave up)
+        return None
+
+    def _finish_prefetch(self, slot: tuple[int, str], query: _Query) -> protos.Message:
+        ticket = self._prefetches.pop(slot)
+        self.tier.cancel_prefetch(ticket)  # type: ignore[union-attr]
+        return self._answer(query, ticket.arrived_tokens // self.cache.page_size)
+
+    def deliver(self) -> list[tuple[bytes, protos.Message]]:
+        """The deferred lookup answers due now: ``(peer, answer)`` pairs to send."""
+        if not self._deferred:
+            return []
+        now = self.clock()
+        out: list[tuple[bytes, protos.Message]] = []
+        for slot, query in list(self._deferred.items()):
+            ticket = self._prefetches.get(slot)
+            if ticket is not None and ticket.ready(now):
+                out.append((query.peer, self._finish_prefetch(slot, query)))
+            elif ticket is None or now >= query.deadline:
+                out.append((query.peer, protos.LookupResult(query.req, pending=ticket is not None)))
+            else:
+                continue
+            del self._deferred[slot]
+        return out
+
+    @property
+    def deferred(self) -> int:
+        return len(self._deferred)
+
+    def _answer(self, query: _Query, storage_pages: int) -> protos.Message:
+        """The L2 hit of the query's key now, locked under a lease (none for no hit)."""
+        match = self.cache.match_prefix(query.key, query.cache_salt)
         if match.host_hit_length == 0:
-            return protos.LookupResult(msg.req)
+            return protos.LookupResult(query.req)
         node = match.last_host_node
         pages = self.cache.host_prefix_pages(node)
         npages = self.cache.protect_host(node)
         storage_pages = min(storage_pages, len(pages))
-        lease = self.leases.add(Lease(0, LeaseKind.LOOKUP, msg.session, self.clock(), node=node, npages=npages,
+        lease = self.leases.add(Lease(0, LeaseKind.LOOKUP, query.session, self.clock(), node=node, npages=npages,
                                       storage_pages=storage_pages))
         self.counters.lookup_hit_pages += len(pages)
         self.counters.lookup_storage_pages += storage_pages
-        return protos.LookupResult(msg.req, lease.lease_id, pages, storage_pages)
-
-    def _may_prefetch(self, ntokens: int, hit_tokens: int) -> bool:
-        return self.tier is not None and self.tier.l3_enabled and ntokens > hit_tokens
+        return protos.LookupResult(query.req, lease.lease_id, pages, storage_pages)
 
     def _remember_prefetched(self, slot: tuple[int, str]) -> None:
         self._prefetched[slot] = None
@@ -187,13 +245,9 @@ class CacheServer:
 
     # ------------------------------------------------------------------ save
     def reserve(self, msg: protos.Reserve) -> protos.Message:
-        if self.leases.touch(msg.session, self.clock()) is None:
-            return self._session_error(msg.req, msg.session)
-        try:
-            key = _key(msg.token_ids)
-        except ValueError as exc:
-            self.counters.bad_requests += 1
-            return protos.EngineError(msg.req, "bad_request", str(exc))
+        key = self._request_key(msg)
+        if isinstance(key, protos.EngineError):
+            return key
         ps = self.cache.page_size
         end = len(key) // ps
         if msg.start_page < 0:
@@ -270,6 +324,7 @@ class CacheServer:
         live = self.leases.sessions
         for slot in [s for s in self._prefetches if s[0] not in live]:
             self.tier.cancel_prefetch(self._prefetches.pop(slot))  # type: ignore[union-attr]
+            self._deferred.pop(slot, None)
         if ended:
             log.warning("expired %d leases of engines that stopped answering", len(ended))
         return len(ended)

@@ -82,6 +82,16 @@ class Engines:
             v.stop()
 
 
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    """The module's vLLM engines, stopped when the module is done."""
+    e = Engines(tmp_path_factory.mktemp("vllm-logs"))
+    try:
+        yield e
+    finally:
+        e.stop_all()
+
+
 def expected_hit(prompt_len: int, block: int) -> int:
     """Tokens an engine can load of a prompt whose every full block is cached: vLLM computes at
     least the last prompt token, so the hit ends at the last block boundary before it."""

@@ -271,3 +271,63 @@ def test_random_engines_never_get_another_prefixes_pages(seed: int) -> None:
         server.handle(protos.Release(e.session, lease, 0))
     server.check_idle()
     assert server.integrity_error is None and server.exact_checks == 1
+
+
+def make_tiered_server(defer_s: float = 0.05) -> tuple[CacheServer, Clock, list[protos.Message]]:
+    """A server whose tier manager sends to a list (the test plays the controller)."""
+    from hicache.config import PrefetchConfig
+    from hicache.tier_manager import TierManager
+
+    server, clock = make_server()
+    sent: list[protos.Message] = []
+    tier = TierManager(server.cache, sent.append, prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=PS),
+                       l3_enabled=True, clock=clock)
+    server.tier = tier
+    server.defer_s = defer_s
+    return server, clock, sent
+
+
+def test_a_lookup_waits_for_its_prefetch_and_counts_what_came_from_l3() -> None:
+    server, clock, sent = make_tiered_server()
+    eng = FakeEngine(server, {})
+    tokens = list(range(1, 6 * PS + 1))
+    eng.save(tokens[: 2 * PS])  # L2 holds two pages; L3 (the test) will hold three more
+    assert server.handle(protos.Lookup(50, eng.session, "r", tokens), b"peer-1") is None  # deferred
+    query = sent[-1]
+    assert isinstance(query, protos.PrefetchQuery) and len(query.hashes) == 4
+    assert server.deliver() == []  # not done, not late
+    server.tier.on_message(protos.PrefetchHits(query.op_id, 3))
+    fetch = sent[-1]
+    assert isinstance(fetch, protos.PrefetchFetch) and len(fetch.host_pages) == 3
+    for i, page in enumerate(fetch.host_pages):  # the "controller" reads L3 into L2
+        eng.l2[page] = content(tokens, 2 + i)
+    server.tier.on_message(protos.OpDone(fetch.op_id, "ok", 3))
+    [(peer, answer)] = server.deliver()
+    assert peer == b"peer-1" and isinstance(answer, protos.LookupResult) and answer.req == 50
+    assert len(answer.host_pages) == 5 and answer.storage_pages == 3
+    for i, page in enumerate(answer.host_pages):
+        assert eng.l2[page] == content(tokens, i)
+    server.handle(protos.Release(eng.session, answer.lease, 5))
+    assert server.counters.loaded_storage_pages == 3 and server.counters.loaded_host_pages == 2
+    # the same request asking again is not prefetched a second time
+    again = server.handle(protos.Lookup(51, eng.session, "r", tokens), b"peer-1")
+    assert isinstance(again, protos.LookupResult) and len(again.host_pages) == 5
+    server.handle(protos.Release(eng.session, again.lease, 0))
+    server.check_idle()
+    assert server.integrity_error is None
+
+
+def test_a_slow_prefetch_answers_pending_in_time_and_the_next_ask_gets_the_hit() -> None:
+    server, clock, sent = make_tiered_server(defer_s=0.05)
+    eng = FakeEngine(server, {})
+    tokens = list(range(1, 3 * PS + 1))
+    assert server.handle(protos.Lookup(60, eng.session, "s", tokens), b"p") is None
+    query = sent[-1]
+    clock.t += 0.06  # the controller is slow: answer before the engine's timeout
+    [(_, late)] = server.deliver()
+    assert isinstance(late, protos.LookupResult) and late.pending and not late.lease
+    assert server.handle(protos.Lookup(61, eng.session, "s", tokens), b"p") is None  # asked again: waits
+    server.tier.on_message(protos.PrefetchHits(query.op_id, 0))  # L3 has nothing
+    [(_, answer)] = server.deliver()
+    assert isinstance(answer, protos.LookupResult) and answer.req == 61 and not answer.pending
+    assert not answer.host_pages and not server.deferred

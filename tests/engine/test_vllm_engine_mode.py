@@ -50,15 +50,6 @@ def llama(checkpoints: dict[str, Path]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
-    e = Engines(tmp_path_factory.mktemp("vllm-logs"))
-    try:
-        yield e
-    finally:
-        e.stop_all()
-
-
-@pytest.fixture(scope="module")
 def reference(llama: Path, engines: Engines) -> dict[tuple[int, ...], list[int]]:
     """Greedy outputs of vLLM alone (no connector) for every prompt of this module."""
     alone = engines.start(llama, "alone")

@@ -34,15 +34,6 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProc
         yield server
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
-    e = Engines(tmp_path_factory.mktemp("vllm-logs"))
-    try:
-        yield e
-    finally:
-        e.stop_all()
-
-
 def test_redis_l3_qwen2_fp32_block_64_and_a_daemon_of_another_model(
         checkpoints: dict[str, Path], engines: Engines, redis_server: RedisProcess, tmp_path: Path) -> None:
     qwen = checkpoints["qwen2-fp32"]

@@ -1,6 +1,6 @@
 """The vLLM parts of ``bench engine``: ``ttft``, ``multiturn`` and ``peers``.
 
-Each part starts its own engines (``EngineProcess``: vLLM in a child process) one after the
+Each part starts its own engines (``VllmProcess``: vLLM in a child process) one after the
 other, never two at once, so they do not share the CPUs. Times are the driver's
 ``elapsed_s``: the wall time of one ``LLM.generate`` call inside the engine process.
 """
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hicache.bench.engine_lib.engine_proc import EngineProcess, VllmError
 from hicache.bench.engine_lib.hicache_side import EngineDaemon, write_engine_config
+from hicache.bench.engine_lib.vllm_driver import VllmError, VllmProcess
 from hicache.bench.report import Figure
 
 LMCACHE_VERSION = "0.5.6"
@@ -59,9 +59,9 @@ class Bench:
         rng = random.Random(seed)
         return [[rng.randrange(1, self.vocab) for _ in range(length)] for _ in range(n)]
 
-    def engine(self, name: str, **kw: Any) -> EngineProcess:
+    def engine(self, name: str, **kw: Any) -> VllmProcess:
         self.progress(f"starting vLLM ({name})")
-        eng = EngineProcess(self.model, self.log_path(name), block_size=self.block_size, dtype=self.dtype,
+        eng = VllmProcess(self.model, self.log_path(name), block_size=self.block_size, dtype=self.dtype,
                             env=self.engine_env, **kw)
         self.progress(f"vLLM ({name}) started in {eng.start_s:.0f} s")
         return eng
@@ -93,9 +93,13 @@ def run_ttft(b: Bench, *, prompt_tokens: int, repeats: int) -> tuple[list[Figure
 
     Engine A (vLLM alone, its prefix caching on): ``cold`` (first request) and ``vllm_hit``
     (the same prompt again: vLLM's own prefix cache, the floor). Engine B (vLLM + hicache,
-    vLLM's prefix caching off, so every hit comes from hicache): ``hicache_miss`` (first
-    request: computed and saved to L2), ``l2`` (again: loaded from L2), then the daemon is
-    restarted (L2 empty, the file L3 kept) and ``l3`` (prefetched from L3 into L2, loaded).
+    configured like A): ``hicache_miss`` (first request: computed and saved to L2); then
+    vLLM's own prefix cache is reset (as when vLLM evicted the prompt or another engine
+    asks), so ``l2`` (the same prompt again) is loaded from hicache's L2 into blocks vLLM
+    has used before, as in steady state; then the daemon is restarted (L2 empty, the file L3
+    kept) and, after another reset, ``l3`` (prefetched from L3 into L2, loaded). Before each
+    hit the daemon's L3 backup of the saved prompt is let finish: on a 2-core machine it
+    would otherwise compete with the load for the CPU (a serving host has cores for it).
     Every case must return the cold output token.
     """
     prompts = b.prompts(repeats, prompt_tokens, seed=1)
@@ -105,7 +109,7 @@ def run_ttft(b: Bench, *, prompt_tokens: int, repeats: int) -> tuple[list[Figure
     cached: dict[str, list[int]] = {k: [] for k in times}
     outputs: dict[str, list[list[int]]] = {k: [] for k in times}
 
-    def one(eng: EngineProcess, case: str, ids: list[int], rep: int) -> None:
+    def one(eng: VllmProcess, case: str, ids: list[int], rep: int) -> None:
         r = eng.generate([ids], 1, timeout_s=1800)
         times[case].append(float(r["elapsed_s"]))
         cached[case].append(int(r["cached"][0]))
@@ -123,11 +127,13 @@ def run_ttft(b: Bench, *, prompt_tokens: int, repeats: int) -> tuple[list[Figure
     daemon = b.daemon("ttft-hicache", l2_tokens)
     restarted = False
     try:
-        eng = b.engine("ttft-hicache", prefix_caching=False, max_model_len=max_len, num_blocks=blocks,
+        eng = b.engine("ttft-hicache", prefix_caching=True, max_model_len=max_len, num_blocks=blocks,
                        hicache_config=str(daemon.config))
         try:
             for rep, ids in enumerate(prompts):
                 one(eng, "hicache_miss", ids, rep)
+                daemon.wait_backups()
+                eng.reset_prefix_cache()
                 one(eng, "l2", ids, rep)
             backed_up = daemon.wait_backups()
             stats_before = daemon.stats()
@@ -135,6 +141,7 @@ def run_ttft(b: Bench, *, prompt_tokens: int, repeats: int) -> tuple[list[Figure
             daemon.restart()
             restarted = True
             for rep, ids in enumerate(prompts):
+                eng.reset_prefix_cache()
                 one(eng, "l3", ids, rep)
             stats_after = daemon.stats()
         finally:
@@ -288,12 +295,15 @@ def run_multiturn(b: Bench, shape: ChatShape, kv_space_gib: float | None) -> tup
 
 
 def _refusal(text: str) -> str:
-    """The most telling error line of an engine's log."""
+    """The root cause in an engine's log: the first specific exception line (vLLM repeats the
+    worker's error under generic wrappers such as "Engine core initialization failed")."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for pat in (r"(\w+Error|Exception): .+", r"(?i)not supported.*", r"(?i)error.*"):
-        hits = [m.group(0) for ln in lines if (m := re.search(pat, ln))]
-        if hits:
-            return hits[-1][:600]
+    generic = re.compile(r"(?i)engine core initialization failed|see root cause|please check the stack trace")
+    for pat in (r"\b(\w+Error|Exception): .+", r"(?i)not supported.*", r"(?i)error.*"):
+        for ln in lines:
+            m = re.search(pat, ln)
+            if m and not generic.search(m.group(0)):
+                return m.group(0)[:600]
     return (lines[-1] if lines else "(empty log)")[:600]
 
 
@@ -384,11 +394,11 @@ def run_peers(b: Bench, *, prompt_tokens: int, repeats: int) -> dict[str, Any]:
             same = same and r1["outputs"] == r2["outputs"]
             b.progress(f"peers: LMCache prompt {rep}: first {r1['elapsed_s'] * 1000:.0f} ms, repeat "
                        f"{r2['elapsed_s'] * 1000:.0f} ms, repeat cached {r2['cached'][0]}")
-        log_text = eng.log_tail(400)
+        log_text = eng.log_path.read_text(errors="replace")
     finally:
         eng.stop()
-    warnings = sorted({_refusal(ln) for ln in log_text.splitlines()
-                       if re.search(r"(?i)lmcache.*(error|warn|fail|not supported)", ln)})[:5]
+    errors = [ln for ln in log_text.splitlines() if re.search(r"(?i)lmcache error|^\w*Error: ", ln)]
+    warnings = list(dict.fromkeys(re.sub(r"\x1b\[[0-9;]*m", "", _refusal(ln)) for ln in errors))[:5]
     lm.update(started=True, first_s=first, repeat_s=again, repeat_cached=cached, same_output_tokens=same,
               repeat_over_first=_median(again) / _median(first) if first else math.nan, log_warnings=warnings)
     return out

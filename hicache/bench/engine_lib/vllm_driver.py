@@ -10,6 +10,10 @@ starts ``vllm.LLM`` (with ``HiCacheConnector`` when ``--hicache-config`` is give
 * ``{"op": "reset_prefix_cache"}`` -> ``{"ok": bool}`` (drops vLLM's own prefix cache);
 * ``{"op": "exit"}`` -> exits.
 
+``--num-blocks`` sets vLLM's KV space in blocks (``num_gpu_blocks_override``: the
+``VLLM_CPU_KVCACHE_SPACE`` variable takes whole GiB only); ``--kv-transfer-json`` loads any
+other connector (vLLM's ``OffloadingConnector``, LMCache's) for comparisons.
+
 ``VllmProcess`` is the parent side. Nothing here is imported by the daemon.
 """
 
@@ -40,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix-caching", action="store_true", help="keep vLLM's own prefix cache on")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="vLLM's KV space in blocks (VLLM_CPU_KVCACHE_SPACE takes whole GiB only)")
+    p.add_argument("--kv-transfer-json", default=None,
+                   help="any kv_transfer_config (another connector), instead of --hicache-config")
     args = p.parse_args(argv)
     # Only answers go to the parent's pipe: vLLM and its engine-core child print to fd 1.
     out = os.fdopen(os.dup(1), "w")
@@ -50,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     kw: dict[str, Any] = {}
     if args.hicache_config:
         kw["kv_transfer_config"] = _connector_config(args.hicache_config)
+    elif args.kv_transfer_json:
+        kw["kv_transfer_config"] = json.loads(args.kv_transfer_json)
+    if args.num_blocks:
+        kw["num_gpu_blocks_override"] = args.num_blocks
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     began = time.perf_counter()
@@ -98,7 +110,8 @@ class VllmProcess:
     def __init__(self, model: str, log_path: str | Path, *, hicache_config: str | None = None,
                  block_size: int = 32, max_model_len: int = 2048, dtype: str = "auto", prefix_caching: bool = False,
                  max_num_seqs: int = 16, max_num_batched_tokens: int | None = None,
-                 env: dict[str, str] | None = None, start_timeout_s: float = 300.0) -> None:
+                 env: dict[str, str] | None = None, start_timeout_s: float = 300.0,
+                 num_blocks: int | None = None, kv_transfer: dict[str, Any] | None = None) -> None:
         cmd = [sys.executable, "-m", "hicache.bench.engine_lib.vllm_driver", "--model", model,
                "--block-size", str(block_size), "--max-model-len", str(max_model_len), "--dtype", dtype,
                "--max-num-seqs", str(max_num_seqs)]
@@ -108,15 +121,23 @@ class VllmProcess:
             cmd.append("--prefix-caching")
         if max_num_batched_tokens:
             cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+        if num_blocks:
+            cmd += ["--num-blocks", str(num_blocks)]
+        if kv_transfer is not None:
+            cmd += ["--kv-transfer-json", json.dumps(kv_transfer)]
         self.log_path = Path(log_path)
         child_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
                      "VLLM_LOGGING_LEVEL": "WARNING", **(env or {})}
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      env=child_env, text=True, start_new_session=True)
-        ready = self._read(start_timeout_s)
-        if not ready.get("ready"):
-            raise VllmError(f"vLLM did not start: {ready}")
+        try:
+            ready = self._read(start_timeout_s)
+            if not ready.get("ready"):
+                raise VllmError(f"vLLM did not start: {ready}")
+        except VllmError:
+            self.kill()
+            raise
         self.start_s = float(ready["start_s"])
 
     @property

@@ -1,0 +1,214 @@
+"""``hicache bench engine``: vLLM with hicache beside it, against vLLM alone.
+
+Every figure comes with its reference measured in the same run, as medians and ratios:
+
+* ``ttft``: time to first token (wall time of a ``max_tokens=1`` ``generate``) of a long
+  prompt (``--prompt-tokens``), ``--repeats`` different prompts: vLLM cold; vLLM's own
+  prefix-cache hit (same engine, the prompt again: the floor); hicache L2 hit (vLLM with its
+  own prefix caching off, the prompt again, loaded from hicache's L2); hicache L3 hit (the
+  daemon restarted between save and load, so L2 is empty: prefetched from the file store);
+  and the first request of the hicache engine (a miss that also saves), against cold.
+* ``multiturn``: ``--conversations`` x ``--rounds`` chats, each round's prompt = the previous
+  prompt + its answer + a new question; per round, each conversation's prompt alone with
+  ``max_tokens=1`` (its TTFT), then all prompts in one ``generate`` for ``--answer-tokens``
+  (the round's latency; throughput = prompt + output tokens of these answer calls per second
+  of their wall time). vLLM's KV space (``--kv-space-gib``, default a third of the working
+  set) is below the working set (conversations x final length). vLLM alone (its prefix
+  caching on) against vLLM + hicache (prefix caching on too); vLLM's ``num_cached_tokens``
+  as hit tokens; both runs' greedy tokens compared.
+* ``copy``: ``BlockCopier`` load and save against raw torch copies of the same blocks, in
+  this process (``hicache.bench.engine_lib.copy_bench``).
+* ``peers``: what a vLLM-on-CPU user has without hicache: vLLM's ``OffloadingConnector``
+  (its refusal) and LMCache (installed into the work directory without dependencies if it is
+  not importable; if its engine starts, a repeated prompt's TTFT against its first request).
+
+The model has random weights (``save_random_model``), kept under ``--workdir``. Its dtype
+is bfloat16 where the CPU computes bfloat16 natively (AVX512-BF16 or AMX) and float32
+elsewhere (``--dtype auto``): without those instructions torch's bfloat16 matrix products
+run tens of times slower than float32 ones, and prefill alone would take many minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+PARTS = ("ttft", "multiturn", "copy", "peers")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    parser.add_argument("--quick", action="store_true", help="a short run with a tiny model (used by a test)")
+    parser.add_argument("--workdir", default=None, help="models, daemon state and logs (default: a temp dir, "
+                        "removed at the end)")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    g = parser.add_argument_group("model (random weights)")
+    g.add_argument("--layers", type=int, default=8)
+    g.add_argument("--hidden", type=int, default=1024)
+    g.add_argument("--heads", type=int, default=16)
+    g.add_argument("--kv-heads", type=int, default=4)
+    g.add_argument("--head-dim", type=int, default=64, help="vLLM CPU: one of 32, 64, 80, 96, 112, 128")
+    g.add_argument("--intermediate", type=int, default=2816)
+    g.add_argument("--vocab", type=int, default=8192)
+    g.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
+    g.add_argument("--block-size", type=int, default=32, help="vLLM block = hicache page (CPU: a multiple of 32)")
+    g = parser.add_argument_group("ttft")
+    g.add_argument("--prompt-tokens", type=int, default=4096)
+    g.add_argument("--repeats", type=int, default=3, help="different prompts; medians over them")
+    g = parser.add_argument_group("multiturn")
+    g.add_argument("--conversations", type=int, default=8)
+    g.add_argument("--rounds", type=int, default=4)
+    g.add_argument("--question-tokens", type=int, default=256)
+    g.add_argument("--answer-tokens", type=int, default=16)
+    g.add_argument("--kv-space-gib", type=float, default=None,
+                   help="vLLM's KV space (default: a third of the working set), set exactly as a block count")
+    g = parser.add_argument_group("copy")
+    g.add_argument("--copy-sizes", default="1,4,16", help="MiB per copy call, comma-separated")
+    g.add_argument("--copy-repeats", type=int, default=7)
+    g.add_argument("--copy-threads", type=int, default=1, help="torch threads for the copies (vLLM's CPU worker "
+                   "here runs with OMP_NUM_THREADS=1)")
+    g = parser.add_argument_group("peers")
+    g.add_argument("--peer-prompt-tokens", type=int, default=1024)
+    g.add_argument("--peer-repeats", type=int, default=1)
+
+
+def _native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            flags = next((ln for ln in fh if ln.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _apply_quick(args: argparse.Namespace) -> None:
+    args.layers, args.hidden, args.heads, args.kv_heads, args.head_dim = 2, 256, 4, 2, 64
+    args.intermediate, args.vocab = 512, 1024
+    args.prompt_tokens, args.repeats = 512, 1
+    args.conversations, args.rounds, args.question_tokens, args.answer_tokens = 2, 2, 64, 4
+    args.copy_sizes, args.copy_repeats = "0.25,1", 3
+    args.peer_prompt_tokens = 256
+    args.peer_repeats = 1
+
+
+def run(args: argparse.Namespace) -> int:
+    import shutil
+    import sys
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from hicache.bench.report import Figure, print_table, write_json
+
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        print(f"hicache: unknown part(s) {', '.join(unknown)} (known: {', '.join(PARTS)})")
+        return 2
+    if args.quick:
+        _apply_quick(args)
+    if args.block_size % 32 or args.head_dim not in (32, 64, 80, 96, 112, 128):
+        print("hicache: vLLM on the CPU needs a block size that is a multiple of 32 and head_dim in "
+              "{32, 64, 80, 96, 112, 128}")
+        return 2
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if _native_bf16() else "float32")
+    began = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        print(f"[{time.perf_counter() - began:7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+    own_tmp = args.workdir is None
+    workdir = Path(tempfile.mkdtemp(prefix="hicache-bench-engine-") if own_tmp else args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    figures: list[Figure] = []
+    extra: dict[str, object] = {"parts": parts, "dtype": dtype, "workdir": str(workdir)}
+    notes: list[str] = []
+    code = 0
+    try:
+        if "copy" in parts:
+            from hicache.bench.engine_lib.copy_bench import run_copy
+
+            progress("copy: BlockCopier against torch copies")
+            sizes = [float(s) for s in args.copy_sizes.split(",") if s.strip()]
+            copy = run_copy(sizes_mib=sizes, num_layers=args.layers, kv_heads=args.kv_heads,
+                            block_size=args.block_size, head_dim=args.head_dim, repeats=args.copy_repeats,
+                            threads=args.copy_threads, progress=progress)
+            extra["copy"] = copy
+            for row in copy["results"]:
+                figures.append(Figure(f"copy {row['op']} {row['pattern']} {row['size_mib']:g} MiB", "GiB/s",
+                                      row["hicache_gib_s"], "torch index copy", row["torch_gib_s"], goal=0.8))
+            ok = all(copy["checks"].values())
+            notes.append(f"copy: load and save checked bitwise against their source: {'ok' if ok else 'FAILED'} "
+                         f"({', '.join(f'{k} {v}' for k, v in copy['checks'].items())})")
+            if not ok:
+                code = 1
+        vllm_parts = [p for p in parts if p != "copy"]
+        if vllm_parts:
+            from hicache.bench.engine_lib.parts import Bench, ChatShape, kv_bytes_per_token
+            from hicache.bench.engine_lib.vllm_driver import save_random_model
+
+            key = (f"llama-l{args.layers}-h{args.hidden}-a{args.heads}-kv{args.kv_heads}-d{args.head_dim}"
+                   f"-i{args.intermediate}-v{args.vocab}-{dtype}")
+            model_dir = workdir / "models" / key
+            progress(f"model: {key} at {model_dir}")
+            save_random_model(model_dir, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                              kv_heads=args.kv_heads, head_dim=args.head_dim, vocab=args.vocab,
+                              intermediate=args.intermediate, dtype=dtype)
+            per_token = kv_bytes_per_token(str(model_dir), 2 if dtype == "bfloat16" else 4)
+            bench = Bench(workdir, str(model_dir), args.block_size, per_token, args.vocab, dtype, progress)
+            extra["model"] = {"dir": str(model_dir), "key": key, "kv_bytes_per_token": per_token}
+            if "ttft" in parts:
+                from hicache.bench.engine_lib.parts import run_ttft
+
+                f, x = run_ttft(bench, prompt_tokens=args.prompt_tokens, repeats=args.repeats)
+                figures += f
+                extra["ttft"] = x
+                notes.append(f"ttft: every case returned the cold output token: {x['same_output_tokens']}; "
+                             f"L2 hit tokens {x['cached_tokens']['l2']}, L3 hit tokens {x['cached_tokens']['l3']} "
+                             f"(of {args.prompt_tokens})")
+            if "multiturn" in parts:
+                from hicache.bench.engine_lib.parts import run_multiturn
+
+                shape = ChatShape(args.conversations, args.rounds, args.question_tokens, args.answer_tokens)
+                f, x = run_multiturn(bench, shape, args.kv_space_gib)
+                figures += f
+                extra["multiturn"] = x
+                same = "identical" if x["same_answer_tokens"] else f"DIFFERENT (first: {x['first_difference']})"
+                notes.append(f"multiturn: greedy answer tokens of the two runs: {same}; 1-token probes "
+                             f"{'identical' if x['same_probe_tokens'] else 'DIFFERENT'}. vLLM KV space "
+                             f"{x['kv_space_mib']:.1f} MiB ({x['kv_blocks']} blocks) < working set "
+                             f"{x['working_set_mib']:.1f} MiB")
+            if "peers" in parts:
+                from hicache.bench.engine_lib.parts import run_peers
+
+                x = run_peers(bench, prompt_tokens=args.peer_prompt_tokens,
+                              repeats=args.peer_repeats)
+                extra["peers"] = x
+                off = x["offloading"]
+                notes.append("peers: vLLM OffloadingConnector on the CPU: " + (
+                    f"refused at start: {off['refusal']}" if not off["started"] else off["note"]))
+                lm = x["lmcache"]
+                if lm.get("started"):
+                    notes.append(f"peers: LMCache {lm['version']} ({lm['install']}): started; repeated prompt "
+                                 f"TTFT {lm['repeat_over_first']:.2f}x its first request, repeat hit tokens "
+                                 f"{lm['repeat_cached']}; log: {'; '.join(lm['log_warnings']) or 'no warnings'}")
+                elif "started" in lm:
+                    notes.append(f"peers: LMCache {lm['version']} ({lm['install']}): vLLM did not start: "
+                                 f"{lm['refusal']}")
+                else:
+                    notes.append(f"peers: LMCache {lm['version']}: {lm['install']}")
+            extra["logs"] = bench.logs
+    except Exception as exc:
+        progress(f"failed: {type(exc).__name__}: {exc}")
+        extra["error"] = f"{type(exc).__name__}: {exc}"
+        code = 1
+    finally:
+        if figures:
+            print_table(f"hicache bench engine ({dtype}; medians; ratios against references from this run)",
+                        figures)
+        for n in notes:
+            print(n)
+        if args.json:
+            write_json(args.json, "engine", figures, extra)
+        if own_tmp:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return code
