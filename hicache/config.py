@@ -204,9 +204,16 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
+    """The HTTP server. ``served_model_names``: the names the OpenAI routes answer to (their
+    ``model`` field, ``GET /v1/models``); the first is the one responses carry when a
+    request names none. None (the default) = the model's own name only (the checkpoint
+    directory's name, or ``hicache-reference-<preset>``). Names must be non-empty and
+    distinct."""
+
     host: str = "127.0.0.1"
     port: int = 30080
     api_key: str | None = None
+    served_model_names: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -586,6 +593,14 @@ def validate(cfg: HicacheConfig) -> list[ConfigProblem]:
         bad("server.port", f"must be in 0..65535, got {cfg.server.port}")
     if not cfg.server.host:
         bad("server.host", "must not be empty")
+    names = cfg.server.served_model_names
+    if names is not None:
+        if not names:
+            bad("server.served_model_names", "must name at least one model (or be null)")
+        elif any(not n.strip() for n in names):
+            bad("server.served_model_names", "must not hold an empty name")
+        elif len(set(names)) != len(names):
+            bad("server.served_model_names", "must not repeat a name")
     if cfg.ipc.transport == "tcp" and not 0 <= cfg.ipc.tcp_base_port <= 65535 - 8:
         bad("ipc.tcp_base_port", f"must be in 0..65527, got {cfg.ipc.tcp_base_port}")
     if cfg.ipc.curve and cfg.ipc.transport != "tcp":

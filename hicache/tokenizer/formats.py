@@ -5,12 +5,17 @@ shape:
 
 - ``GenerateFormat`` (``POST /generate``): ``{"text", "output_ids", "meta_info"}``; a stream
   sends the new text and ids of each step (deltas, not the text so far), ``meta_info`` on
-  every chunk, with ``finish_reason`` and the usage on the last one.
+  every chunk (``completion_tokens`` counts the ids sent so far), with ``finish_reason``
+  and the usage on the last one.
 - ``CompletionFormat`` / ``ChatFormat``: the OpenAI ``text_completion`` /
-  ``chat.completion`` objects and their ``.chunk`` stream forms. The last chunk (the one
-  with a ``finish_reason``) carries ``usage`` too; with ``stream_options.include_usage``
-  a usage-only chunk with empty ``choices`` follows, as in the OpenAI API. Steps that add
-  no text (token ids of a character not complete yet) produce no OpenAI chunk.
+  ``chat.completion`` objects and their ``.chunk`` stream forms. A full response always has
+  ``usage``; a stream has it exactly once, only with ``stream_options.include_usage``: then
+  every chunk carries ``"usage": null`` and a usage-only chunk with empty ``choices``
+  follows the last one, as in the OpenAI API. SGLang's ``return_cached_tokens_details``
+  adds ``"sglext": {"cached_tokens_details": {...}}`` to a full response, and to a stream
+  one chunk with empty ``choices`` and ``sglext`` (before the usage chunk). A chat
+  ``message`` has ``refusal: null``. Steps that add no text (token ids of a character not
+  complete yet) produce no OpenAI chunk.
 
 Usage everywhere: ``prompt_tokens``, ``completion_tokens``, ``total_tokens``,
 ``prompt_tokens_details.cached_tokens`` and ``cached_tokens_details`` ``{device, host,
@@ -63,9 +68,11 @@ def usage_dict(u: protos.Usage) -> dict[str, Any]:
     }
 
 
-def error_body(message: str, status: int, kind: str = "invalid_request_error") -> dict[str, Any]:
-    """The error body of every route (OpenAI's shape)."""
-    return {"error": {"message": message, "type": kind, "code": status}}
+def error_body(message: str, status: int, kind: str = "invalid_request_error",
+               param: str | None = None) -> dict[str, Any]:
+    """The error body of every route, OpenAI's shape: ``{"error": {"message", "type", "param",
+    "code"}}``; ``param`` names the field at fault (or is null), ``code`` is the HTTP status."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
@@ -85,6 +92,8 @@ class ResponseFormat:
     model: str
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    cache_details: bool = False
+    """SGLang ``return_cached_tokens_details`` (OpenAI routes): add the ``sglext`` object."""
 
     def full(self, r: GenerationResult) -> dict[str, Any]:
         raise NotImplementedError
@@ -92,10 +101,43 @@ class ResponseFormat:
     def chunks(self, step: Step) -> list[dict[str, Any]]:
         raise NotImplementedError
 
+    def _openai_tail(self, body: dict[str, Any], step: Step) -> list[dict[str, Any]]:
+        """A stream chunk ``body`` and what follows it: on the last step, the ``sglext`` chunk
+        (if asked) and the usage-only chunk (only with ``include_usage``)."""
+        if self.include_usage:
+            body["usage"] = None
+        out = [body]
+        if step.usage is None:
+            return out
+        if self.cache_details:
+            ext = self._base(body["object"])
+            ext["choices"] = []
+            ext["sglext"] = {"cached_tokens_details": cached_details(step.usage)}
+            if self.include_usage:
+                ext["usage"] = None
+            out.append(ext)
+        if self.include_usage:
+            last = self._base(body["object"])
+            last["choices"] = []
+            last["usage"] = usage_dict(step.usage)
+            out.append(last)
+        return out
+
+    def _openai_full(self, body: dict[str, Any], r: GenerationResult) -> dict[str, Any]:
+        body["usage"] = usage_dict(r.usage)
+        if self.cache_details:
+            body["sglext"] = {"cached_tokens_details": cached_details(r.usage)}
+        return body
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        raise NotImplementedError
+
 
 class GenerateFormat(ResponseFormat):
+    _sent: int = 0
+
     def _meta(self, usage: protos.Usage | None, finish_reason: str | None) -> dict[str, Any]:
-        u = usage or protos.Usage()
+        u = usage or protos.Usage(completion_tokens=self._sent)
         return {
             "id": self.rid,
             "prompt_tokens": u.prompt_tokens,
@@ -111,6 +153,7 @@ class GenerateFormat(ResponseFormat):
         return {"text": r.text, "output_ids": r.output_ids, "meta_info": self._meta(r.usage, r.finish_reason)}
 
     def chunks(self, step: Step) -> list[dict[str, Any]]:
+        self._sent += len(step.token_ids)
         return [{"text": step.text, "output_ids": step.token_ids,
                  "meta_info": self._meta(step.usage, step.finish_reason)}]
 
@@ -122,23 +165,14 @@ class CompletionFormat(ResponseFormat):
     def full(self, r: GenerationResult) -> dict[str, Any]:
         body = self._base("text_completion")
         body["choices"] = [{"index": 0, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}]
-        body["usage"] = usage_dict(r.usage)
-        return body
+        return self._openai_full(body, r)
 
     def chunks(self, step: Step) -> list[dict[str, Any]]:
         if not step.text and step.finish_reason is None:
             return []  # ids without text yet (a split character): nothing to show
         body = self._base("text_completion")
         body["choices"] = [{"index": 0, "text": step.text, "logprobs": None, "finish_reason": step.finish_reason}]
-        out = [body]
-        if step.usage is not None:
-            body["usage"] = usage_dict(step.usage)
-            if self.include_usage:
-                last = self._base("text_completion")
-                last["choices"] = []
-                last["usage"] = usage_dict(step.usage)
-                out.append(last)
-        return out
+        return self._openai_tail(body, step)
 
 
 class ChatFormat(ResponseFormat):
@@ -149,10 +183,9 @@ class ChatFormat(ResponseFormat):
 
     def full(self, r: GenerationResult) -> dict[str, Any]:
         body = self._base("chat.completion")
-        body["choices"] = [{"index": 0, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
-                            "finish_reason": r.finish_reason}]
-        body["usage"] = usage_dict(r.usage)
-        return body
+        body["choices"] = [{"index": 0, "message": {"role": "assistant", "content": r.text, "refusal": None},
+                            "logprobs": None, "finish_reason": r.finish_reason}]
+        return self._openai_full(body, r)
 
     def chunks(self, step: Step) -> list[dict[str, Any]]:
         if not step.text and step.finish_reason is None and self._started:
@@ -165,12 +198,4 @@ class ChatFormat(ResponseFormat):
             delta["content"] = step.text
         body = self._base("chat.completion.chunk")
         body["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": step.finish_reason}]
-        out = [body]
-        if step.usage is not None:
-            body["usage"] = usage_dict(step.usage)
-            if self.include_usage:
-                last = self._base("chat.completion.chunk")
-                last["choices"] = []
-                last["usage"] = usage_dict(step.usage)
-                out.append(last)
-        return out
+        return self._openai_tail(body, step)

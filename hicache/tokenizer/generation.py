@@ -20,6 +20,13 @@ cancelled, exception)
 
 Run it under ``contextlib.aclosing`` so an early stop reliably sends the abort.
 
+Stop strings are checked after every token, streaming or not (a request with stop strings
+asks the scheduler for one ``TokenOutput`` per step, see ``PreparedRequest.to_message``), so
+the abort reaches the scheduler as soon as the text shows one. The ids after the token that
+completed the stop string (the scheduler may have sent a few more meanwhile) are dropped:
+the output ids are exactly the ones that spell the returned text, the stop string and the
+rest of that last token.
+
 Usage of the last step: ``prompt_tokens`` and the ``cached_*`` split from the scheduler's
 latest ``Usage`` (``prompt_tokens`` falls back to the prompt's length when the scheduler did
 not send one), ``completion_tokens`` = the number of token ids returned to the client.
@@ -56,7 +63,7 @@ async def generate_steps(link: SchedulerLink, tokenizer: Tokenizer, req: Prepare
     """Yield the steps of ``req``. Streaming: one per ``TokenOutput`` that adds text or ids,
     the last with ``finish_reason`` and ``usage``. Otherwise: one step, the whole output."""
     channel = link.generate(req.to_message())
-    text = OutputText(tokenizer, req.stop, incremental=req.stream)
+    text = OutputText(tokenizer, req.stop, incremental=req.stream, keep_stop=req.keep_stop)
     all_ids: list[int] = []
     usage: protos.Usage | None = None
     ended = False
@@ -68,10 +75,10 @@ async def generate_steps(link: SchedulerLink, tokenizer: Tokenizer, req: Prepare
             if out.finish_reason == "error":
                 ended = True
                 raise GenerationError(out.error or "the scheduler failed the request")
-            ids = out.token_ids
+            piece, stopped = text.push(out.token_ids)
+            ids = out.token_ids[:text.used]
             tracker.tokens(len(ids))
             all_ids.extend(ids)
-            piece, stopped = text.push(ids)
             if stopped or out.finished:
                 ended = True
                 if stopped:
@@ -79,7 +86,7 @@ async def generate_steps(link: SchedulerLink, tokenizer: Tokenizer, req: Prepare
                     reason = "stop"
                 else:
                     piece += text.finish()
-                    reason = out.finish_reason or "stop"
+                    reason = "stop" if text.stopped else (out.finish_reason or "stop")
                 final = final_usage(req, usage, len(all_ids))
                 tracker.finish("aborted" if reason == "abort" else "ok", TokenCounts(
                     final.prompt_tokens, final.completion_tokens, final.cached_device, final.cached_host,

@@ -5,7 +5,8 @@ Routes::
     POST /generate                  native generation: text or input_ids (greedy by default)
     POST /v1/completions            OpenAI completions; "stream": true -> SSE
     POST /v1/chat/completions       OpenAI chat completions; "stream": true -> SSE
-    GET  /v1/models                 the served model
+    GET  /v1/models                 the served model names (server.served_model_names)
+    GET  /v1/models/{id}            one of them; 404 for any other id
     GET  /health                    {"status", "processes": {name: pid}}; 503 unless "ok"
     GET  /metrics                   Prometheus exposition of all processes; 404 when disabled
     GET  /cache/stats               AdminRequest op "stats"
@@ -19,9 +20,12 @@ Admin routes answer the ``AdminReply.result`` as JSON; ``ok=false`` becomes an e
 the reply's ``error`` text: 409 when it says "busy", else 500. No reply within
 ``admin_timeout_s`` -> 504.
 
-Errors of every route have one shape, ``{"error": {"message", "type", "code"}}``: 400 for an
-invalid body (bad JSON, unknown fields, out-of-vocabulary ids, bad limits or sampling
-parameters, a prompt too long for the context), 401 without the bearer ``server.api_key``
+Errors of every route have one shape, OpenAI's ``{"error": {"message", "type", "param",
+"code"}}`` (``param``: the field at fault or null; ``code``: the HTTP status): 400 for an
+invalid body (bad JSON, text that is not valid Unicode, unknown fields, out-of-vocabulary
+ids, bad limits or sampling parameters, a prompt too long for the context, a field this
+server does not implement set to a value that would change the result), 404 for an OpenAI
+``model`` that is not served, 401 without the bearer ``server.api_key``
 (every route but ``/health`` and ``/metrics``), 413 for a body over the size limit (refused
 from its Content-Length, or as soon as a chunked body passes the limit), 503 while
 shutting down or when the scheduler's queue is full, 500 when the scheduler fails a
@@ -133,6 +137,7 @@ class HttpApi:
         r.add_post("/v1/completions", self._route(parse_completion, CompletionFormat))
         r.add_post("/v1/chat/completions", self._route(parse_chat, ChatFormat))
         r.add_get("/v1/models", self.models)
+        r.add_get("/v1/models/{model_id:.+}", self.model)
         r.add_get("/health", self.health)
         r.add_get("/metrics", self.metrics_route)
         r.add_get("/cache/stats", self._admin_route("stats"))
@@ -162,7 +167,7 @@ class HttpApi:
         try:
             return await handler(request)
         except RequestError as exc:
-            return self._error(exc.message, exc.status, exc.kind)
+            return self._error(exc.message, exc.status, exc.kind, exc.param)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -174,10 +179,10 @@ class HttpApi:
             return self._error("internal server error", 500, "server_error")
 
     @staticmethod
-    def _error(message: str, status: int, kind: str | None = None) -> web.Response:
+    def _error(message: str, status: int, kind: str | None = None, param: str | None = None) -> web.Response:
         if kind is None:
             kind = "invalid_request_error" if status < 500 else "server_error"
-        resp = _json(error_body(message, status, kind), status)
+        resp = _json(error_body(message, status, kind, param), status)
         if status == 401:
             resp.headers["WWW-Authenticate"] = "Bearer"
         return resp
@@ -236,8 +241,9 @@ class HttpApi:
                 except RequestError as exc:
                     tracker.finish("invalid" if exc.status < 500 else "error")
                     raise
-                return await self._generate(request, req, fmt_cls(req.rid, self.limits.name, req.include_usage),
-                                            tracker)
+                fmt = fmt_cls(req.rid, req.model or self.limits.name, req.include_usage,
+                              cache_details=req.cache_details)
+                return await self._generate(request, req, fmt, tracker)
 
         return handler
 
@@ -279,10 +285,19 @@ class HttpApi:
 
     # ---- info
 
+    def _model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.started, "owned_by": "hicache",
+                "max_model_len": self.limits.max_context}
+
     async def models(self, request: web.Request) -> web.Response:
-        return _json({"object": "list", "data": [{
-            "id": self.limits.name, "object": "model", "created": self.started, "owned_by": "hicache",
-            "max_model_len": self.limits.max_context}]})
+        return _json({"object": "list", "data": [self._model_card(n) for n in self.limits.names]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{id}``: the model object, or 404 (OpenAI's answer) for a name not served."""
+        name = request.match_info["model_id"]
+        if name not in self.limits.names:
+            raise RequestError(f"The model `{name}` does not exist", 404, param="model")
+        return _json(self._model_card(name))
 
     async def health(self, request: web.Request) -> web.Response:
         procs: Mapping[str, int] = dict(self.pids)

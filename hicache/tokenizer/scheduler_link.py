@@ -25,7 +25,9 @@ What the scheduler must do (its side of the contract):
   ``len(input_ids) + sampling.max_new_tokens <= max_context``, ``1 <= max_new_tokens <=
   scheduler.max_new_tokens_limit``); ``sampling`` passed ``hicache.model.sampling`` checks;
   ``sampling.stop_token_ids`` are the request's own stop ids (stop *strings* never reach the
-  scheduler). Answer with ``TokenOutput``s carrying **new** token ids only (deltas, in order).
+  scheduler; a request with stop strings arrives with ``stream=True``, so that they are
+  checked token by token). Answer with ``TokenOutput``s carrying **new** token ids only
+  (deltas, in order).
   For ``stream=True`` send one per decode step (or per few steps): each becomes an SSE chunk.
   For ``stream=False`` they may be batched, but send the first token as soon as it exists,
   since the time to first token is measured at its arrival.

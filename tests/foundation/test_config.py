@@ -95,6 +95,13 @@ def test_all_problems_are_reported_with_their_paths() -> None:
     ({"cache": {"l2": {"enabled": "yes"}}}, "cache.l2.enabled", "true or false"),
     ({"cache": "big"}, "cache", "mapping"),
     ({"ipc": {"curve": True}}, "ipc.curve", "tcp"),
+    ({"server": {"served_model_names": []}}, "server.served_model_names", "at least one"),
+    ({"server": {"served_model_names": ["a", "a"]}}, "server.served_model_names", "repeat"),
+    ({"engine": {"kind": "vllm"}}, "engine.model", "required"),
+    ({"engine": {"kind": "vllm", "model": "/nonexistent"}}, "engine.model", "config.json"),
+    ({"engine": {"kind": "vllm", "model": "/nonexistent"}}, "ipc.dir", "fixed runtime directory"),
+    ({"engine": {"kind": "gpu"}}, "engine.kind", "one of"),
+    ({"engine": {"lease_ttl_s": 0}}, "engine.lease_ttl_s", "> 0"),
 ])
 def test_single_problems(raw: dict, path: str, needle: str) -> None:
     probs = _problems(raw)
