@@ -96,6 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _all_cores() -> str:
+    """The cores this process may run on, as vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` list.
+
+    Left to itself (``auto``) vLLM keeps one core back for its own threads, but not when a
+    KV connector is configured, so an engine with a connector computes on more threads than
+    one without: a comparison of the two must bind both to the same cores."""
+    return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+
+
 class VllmError(RuntimeError):
     """The engine process failed to start or to answer; the message carries its log's tail."""
 
@@ -127,7 +136,7 @@ class VllmProcess:
             cmd += ["--kv-transfer-json", json.dumps(kv_transfer)]
         self.log_path = Path(log_path)
         child_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-                     "VLLM_LOGGING_LEVEL": "WARNING", **(env or {})}
+                     "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_OMP_THREADS_BIND": _all_cores(), **(env or {})}
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      env=child_env, text=True, start_new_session=True)
