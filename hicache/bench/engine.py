@@ -4,10 +4,12 @@ Every figure comes with its reference measured in the same run, as medians and r
 
 * ``ttft``: time to first token (wall time of a ``max_tokens=1`` ``generate``) of a long
   prompt (``--prompt-tokens``), ``--repeats`` different prompts: vLLM cold; vLLM's own
-  prefix-cache hit (same engine, the prompt again: the floor); hicache L2 hit (vLLM with its
-  own prefix caching off, the prompt again, loaded from hicache's L2); hicache L3 hit (the
-  daemon restarted between save and load, so L2 is empty: prefetched from the file store);
-  and the first request of the hicache engine (a miss that also saves), against cold.
+  prefix-cache hit (same engine, the prompt again: the floor); hicache L2 hit (a second engine
+  with the connector, configured alike: the prompt again after its own prefix cache was
+  reset, loaded from hicache's L2); hicache L3 hit (the daemon restarted between save and
+  load, so L2 is empty: prefetched from the file store); and the first request of the
+  hicache engine (a miss that also saves), against cold. Both engines are bound to the same
+  cores and take turns prompt by prompt (``engine_lib.parts.run_ttft``).
 * ``multiturn``: ``--conversations`` x ``--rounds`` chats, each round's prompt = the previous
   prompt + its answer + a new question; per round, each conversation's prompt alone with
   ``max_tokens=1`` (its TTFT), then all prompts in one ``generate`` for ``--answer-tokens``
@@ -56,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--repeats", type=int, default=3, help="different prompts; medians over them")
     g = parser.add_argument_group("multiturn")
     g.add_argument("--conversations", type=int, default=8)
-    g.add_argument("--rounds", type=int, default=4)
+    g.add_argument("--rounds", type=int, default=6)
     g.add_argument("--question-tokens", type=int, default=256)
     g.add_argument("--answer-tokens", type=int, default=16)
     g.add_argument("--kv-space-gib", type=float, default=None,

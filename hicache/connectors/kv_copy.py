@@ -8,8 +8,9 @@ segment the daemon named at registration. Copies go run by run (consecutive bloc
 consecutive pages in one strided copy per layer; ``hicache.memory.pools.page_runs``).
 
 Only CPU KV tensors are copied. A CUDA KV cache needs pinned L2 and a side stream with
-events; that path has not run on a GPU yet, so it is refused with that reason
-(``kv_problem``) rather than enabled untested.
+events (``hicache.connectors.kv_copy_cuda``, same contract); that path has not run on a GPU
+yet, so it is refused with that reason (``kv_problem``, and the connector at start) rather
+than enabled untested; ``python -m hicache.connectors.gpu_check`` is its check.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import torch
 from hicache.memory.pools import page_runs
 from hicache.memory.shm import TORCH_DTYPES, SharedSegment, TensorSpec
 
-CUDA_REFUSAL = ("a CUDA KV cache is not supported yet: its copy path (pinned L2, a side stream with events) "
-                "has not run on a GPU; run vLLM on the CPU, or without hicache")
+CUDA_REFUSAL = ("a CUDA KV cache is not supported yet: its copy path (hicache.connectors.kv_copy_cuda: pinned "
+                "L2, a side stream with events) has not run on a GPU (python -m hicache.connectors.gpu_check "
+                "verifies it there); run vLLM on the CPU, or without hicache")
 
 
 @dataclass(frozen=True)

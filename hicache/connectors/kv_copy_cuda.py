@@ -1,0 +1,152 @@
+"""Copies between a CUDA KV cache and hicache's L2 pages: pinned L2, a side stream, events.
+
+**Not enabled.** This path has never run on a GPU: the connector refuses a CUDA KV cache at
+start (``kv_copy.CUDA_REFUSAL``) until ``python -m hicache.connectors.gpu_check`` has passed
+on one (bitwise load / save against plain torch copies, then bandwidth). It is here so that
+the check, and enabling it, need no new code.
+
+Same contract as ``kv_copy.BlockCopier`` (``attach`` / ``detach`` / ``load`` / ``save``),
+plus what asynchronous copies need:
+
+============================  ===============================================================
+call                          what it does
+============================  ===============================================================
+``attach(pool)``              map the L2 segment and register it as pinned memory
+                              (``cudaHostRegister``), so copies are DMA and non-blocking
+``start_load(pages, blocks)`` enqueue L2 -> block copies on the side stream, layer by layer,
+                              recording one event per layer; returns at once
+``wait_layer(i)``             make the compute stream wait for layer ``i``'s copies (vLLM's
+                              ``wait_for_layer_load``)
+``finish_loads()``            wait until every enqueued load is done: only then may the L2
+                              pages' leases be released (the daemon may reuse them)
+``save(blocks, pages)``       side stream waits for the compute stream (the blocks are
+                              written), copies block -> L2, and waits for the copies: the
+                              commit may follow at once
+============================  ===============================================================
+
+Layouts: the block index on axis 0 (``[num_blocks, ...]``) or, as in vLLM's flash-attention
+layout, on axis 1 after a K/V axis (``[2, num_blocks, ...]``); a page's bytes for one layer
+are that layer's block in the view with the block axis first (C order), so a page written by
+one layout is only read by the same layout (the layout is part of the page identity).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hicache.connectors.kv_copy import PoolRef
+from hicache.memory.pools import page_runs
+from hicache.memory.shm import TORCH_DTYPES, SharedSegment, TensorSpec
+
+
+def block_first(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """``t`` viewed with its block axis first; raises ValueError for a layout without one."""
+    if t.shape[0] == num_blocks:
+        return t
+    if t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+        return t.movedim(1, 0)
+    raise ValueError(f"KV shape {tuple(t.shape)} has no block axis of {num_blocks} blocks first or after K/V")
+
+
+class CudaBlockCopier:
+    """Block <-> page copies for one engine's CUDA KV tensors (``layers``, in layer order)."""
+
+    def __init__(self, layers: list[torch.Tensor], num_blocks: int) -> None:
+        if not layers or any(t.device.type != "cuda" for t in layers):
+            raise ValueError("CudaBlockCopier copies CUDA KV tensors only")
+        self.views = [block_first(t, num_blocks) for t in layers]
+        self.block_shape = tuple(self.views[0].shape[1:])
+        self.block_elems = self.views[0][0].numel()
+        self.num_blocks = num_blocks
+        self.dtype = layers[0].dtype
+        self.device = layers[0].device
+        self.stream = torch.cuda.Stream(device=self.device)
+        self.layer_events: list[torch.cuda.Event | None] = [None] * len(layers)
+        self.pool: PoolRef | None = None
+        self._segment: SharedSegment | None = None
+        self._pages: torch.Tensor | None = None
+        self._pinned_ptr: int | None = None
+
+    # ------------------------------------------------------------------ the pool
+    def attach(self, pool: PoolRef) -> None:
+        if self.pool == pool:
+            return
+        per_page = len(self.views) * self.block_elems * torch.empty((), dtype=self.dtype).element_size()
+        if pool.page_bytes != per_page:
+            raise ValueError(f"the daemon's L2 pages hold {pool.page_bytes} bytes, this engine's {per_page}")
+        seg = SharedSegment.attach(pool.segment, pool.directory)
+        dtype_name = next(k for k, v in TORCH_DTYPES.items() if v == self.dtype)
+        pages = seg.tensor(TensorSpec(pool.segment, (pool.pages, len(self.views), self.block_elems), dtype_name))
+        nbytes = pool.pages * pool.page_bytes
+        rc = torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), nbytes, 0)
+        if int(rc) != 0:
+            seg.close()
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of L2 failed with CUDA error {int(rc)}")
+        self.detach()
+        self._segment, self._pages, self.pool, self._pinned_ptr = seg, pages, pool, pages.data_ptr()
+
+    def detach(self) -> None:
+        if self._pinned_ptr is not None:
+            self.stream.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self._pinned_ptr)
+            self._pinned_ptr = None
+        self._pages = None
+        if self._segment is not None:
+            try:
+                self._segment.close()
+            except BufferError:
+                pass
+        self._segment, self.pool = None, None
+
+    def _check(self, blocks: list[int], pages: list[int]) -> torch.Tensor:
+        if self._pages is None:
+            raise RuntimeError("no L2 pool is mapped")
+        if len(blocks) != len(pages):
+            raise ValueError(f"{len(blocks)} blocks but {len(pages)} pages")
+        if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):
+            raise ValueError(f"block index out of range [0, {self.num_blocks})")
+        if pages and (min(pages) < 0 or max(pages) >= self._pages.shape[0]):
+            raise ValueError(f"L2 page index out of range [0, {self._pages.shape[0]})")
+        return self._pages
+
+    # ------------------------------------------------------------------ copies
+    def start_load(self, pages: list[int], blocks: list[int]) -> int:
+        """Enqueue L2 ``pages[i]`` -> block ``blocks[i]`` for every layer; returns bytes."""
+        l2 = self._check(blocks, pages)
+        runs = page_runs(pages, blocks)
+        with torch.cuda.stream(self.stream):
+            for i, view in enumerate(self.views):
+                for p, b, n in runs:
+                    view[b : b + n].copy_(l2[p : p + n, i].view(n, *self.block_shape), non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+                self.layer_events[i] = event
+        return len(pages) * l2[0].numel() * l2.element_size()
+
+    def wait_layer(self, i: int) -> None:
+        event = self.layer_events[i]
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def finish_loads(self) -> None:
+        self.stream.synchronize()
+        self.layer_events = [None] * len(self.views)
+
+    def load(self, pages: list[int], blocks: list[int]) -> int:
+        """``start_load`` and wait for it (``BlockCopier``'s synchronous contract)."""
+        n = self.start_load(pages, blocks)
+        self.finish_loads()
+        return n
+
+    def save(self, blocks: list[int], pages: list[int]) -> int:
+        """Block ``blocks[i]`` of every layer -> L2 ``pages[i]``, after the compute stream's
+        writes; returns once the bytes are in L2."""
+        l2 = self._check(blocks, pages)
+        runs = page_runs(blocks, pages)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for i, view in enumerate(self.views):
+                for b, p, n in runs:
+                    l2[p : p + n, i].view(n, *self.block_shape).copy_(view[b : b + n], non_blocking=True)
+        self.stream.synchronize()
+        return len(pages) * l2[0].numel() * l2.element_size()

@@ -1,0 +1,89 @@
+"""The connector's copies on the CPU, and the CUDA path's refusal where no GPU has run it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hicache.connectors.kv_copy import CUDA_REFUSAL, BlockCopier, PoolRef, kv_problem
+from hicache.connectors.kv_copy_cuda import CudaBlockCopier, block_first
+from hicache.memory.shm import SharedSegment, TensorSpec
+
+BLOCKS, HEADS, BS, DIM, LAYERS, PAGES = 12, 2, 4, 8, 3, 10
+
+
+@pytest.fixture
+def pool():
+    elems = HEADS * BS * 2 * DIM
+    page_bytes = LAYERS * elems * 4
+    name = f"hicache-test-kvcopy-{os.getpid()}"
+    seg = SharedSegment.create(name, PAGES * page_bytes)
+    pages = seg.tensor(TensorSpec(name, (PAGES, LAYERS, elems), "float32"))
+    pages.copy_(torch.randn(pages.shape, generator=torch.Generator().manual_seed(1)))
+    try:
+        yield PoolRef("inst", name, seg.directory, PAGES, page_bytes), pages
+    finally:
+        del pages
+        seg.unlink()
+        seg.close()
+
+
+def test_loads_and_saves_move_exactly_the_named_pages_and_blocks(pool) -> None:
+    ref, pages = pool
+    layers = [torch.zeros(BLOCKS, HEADS, BS, 2 * DIM) for _ in range(LAYERS)]
+    assert kv_problem(layers, BLOCKS, HEADS * BS * 2 * DIM * 4, torch.float32) is None
+    copier = BlockCopier(layers)
+    copier.attach(ref)
+    src, dst = [3, 4, 5, 9, 0], [7, 8, 9, 1, 11]  # a run and scattered pages
+    copier.load(src, dst)
+    for i, layer in enumerate(layers):
+        for p, b in zip(src, dst, strict=True):
+            assert torch.equal(layer[b].reshape(-1), pages[p, i])
+        untouched = [b for b in range(BLOCKS) if b not in dst]
+        assert not layer[untouched].any()
+    before = pages.clone()
+    copier.save([7, 1], [2, 6])
+    assert torch.equal(pages[2], before[3]) and torch.equal(pages[6], before[9])
+    others = [p for p in range(PAGES) if p not in (2, 6)]
+    assert torch.equal(pages[others], before[others])
+    with pytest.raises(ValueError, match="out of range"):
+        copier.load([PAGES], [0])
+    with pytest.raises(ValueError, match="out of range"):
+        copier.save([BLOCKS], [0])
+    copier.detach()
+
+
+def test_layouts_the_copier_cannot_map_are_refused() -> None:
+    good = [torch.zeros(BLOCKS, HEADS, BS, 2 * DIM)]
+    nbytes = HEADS * BS * 2 * DIM * 4
+    assert "first axis" in kv_problem([torch.zeros(2, BLOCKS, BS, HEADS, DIM)], BLOCKS, nbytes, torch.float32)
+    assert "dtype" in kv_problem(good, BLOCKS, nbytes, torch.bfloat16)
+    assert "holds" in kv_problem(good, BLOCKS, nbytes * 2, torch.float32)
+    strided = torch.zeros(BLOCKS, HEADS, 2 * BS, 2 * DIM)[:, :, ::2]
+    assert "contiguous" in kv_problem([strided], BLOCKS, nbytes, torch.float32)
+
+
+def test_block_first_views_of_both_layouts() -> None:
+    flash = torch.arange(2 * BLOCKS * BS * HEADS * DIM).reshape(2, BLOCKS, BS, HEADS, DIM)
+    view = block_first(flash, BLOCKS)
+    assert view.shape == (BLOCKS, 2, BS, HEADS, DIM)
+    assert torch.equal(view[5, 1], flash[1, 5])
+    plain = torch.zeros(BLOCKS, HEADS, BS, 2 * DIM)
+    assert block_first(plain, BLOCKS) is plain
+    with pytest.raises(ValueError, match="no block axis"):
+        block_first(torch.zeros(3, 5), BLOCKS)
+
+
+def test_the_cuda_path_is_refused_where_it_has_not_run() -> None:
+    assert "has not run on a GPU" in CUDA_REFUSAL
+    with pytest.raises(ValueError, match="CUDA KV tensors only"):
+        CudaBlockCopier([torch.zeros(BLOCKS, HEADS, BS, 2 * DIM)], BLOCKS)
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: run python -m hicache.connectors.gpu_check instead")
+    r = subprocess.run([sys.executable, "-m", "hicache.connectors.gpu_check"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "no CUDA device" in r.stdout
