@@ -26,6 +26,11 @@ Every op gets exactly one answer. A message that is refused (bad indices, unknow
 component, a duplicate ``op_id`` of an op still running) is answered ``OpDone(status=
 "rejected")`` without touching memory; if an op with that id is running it goes on and
 answers for itself. A frame that does not decode is answered with ``ErrorReply``.
+
+Each round of the loop (a poll of at most 100 ms) writes the controller's heartbeat
+(``hicache.heartbeat.HeartbeatWriter``); the launcher restarts a controller whose heartbeat
+stays stale for ``server.controller_freeze_restart_s``. Once a second the loop publishes
+``hicache_storage_up`` and, where the backend can tell, the L3 size gauges.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import protos
 from controller.storage_io import StorageIO
 from controller.transfer import CopyPlan, TransferRefused, make_transfer_engine
 from hicache.config import MetricsConfig
+from hicache.heartbeat import HeartbeatWriter
 from hicache.ipc import Endpoints, PullSocket, PushSocket
 from hicache.logging_setup import setup_logging
 from hicache.memory.pools import PoolLayout, attach_pools
@@ -130,6 +136,7 @@ class ControllerServer:
         self.pending_admin: list[protos.StorageAdmin] = []
         self.stopping = False
         self._last_health = 0.0
+        self.heartbeat = HeartbeatWriter(None, "controller")  # controller_main sets the real one
         self._handlers: dict[type, Callable[[Any], None]] = {
             protos.WriteToHost: self._start_copy, protos.LoadToDevice: self._start_copy,
             protos.BackupToStorage: self._start_l3, protos.PrefetchFetch: self._start_l3,
@@ -317,12 +324,21 @@ class ControllerServer:
                     self._forward_done()
                 elif not self.stopping:
                     self._receive()
+            self.heartbeat.beat()
             if self.pending_admin:
                 self._run_admin()
             now = time.monotonic()
             if now - self._last_health > 1.0:
                 self._last_health = now
-                get_metrics().set_storage_up(self.storage.backend is not None and self.storage.status()[0])
+                self._publish_storage()
+
+    def _publish_storage(self) -> None:
+        """``hicache_storage_up``, and the L3 size gauges where the backend can tell."""
+        metrics = get_metrics()
+        metrics.set_storage_up(self.storage.backend is not None and self.storage.status()[0])
+        size = self.storage.size()
+        if size is not None:
+            metrics.set_storage_size(size.pages, size.bytes)
 
     def _receive(self) -> None:
         try:
@@ -381,6 +397,9 @@ def controller_main(args: ControllerArgs) -> None:
             failed.close(linger_ms=5000)
         ctx.term()
         raise SystemExit(1) from None
+    # Fresh before Ready: the launcher judges a restarted controller by this file at once.
+    server.heartbeat = HeartbeatWriter(args.endpoints.dir, "controller")
+    server._publish_storage()  # the L3 gauges exist from the start
     if args.ready_address:
         ready: PushSocket[protos.Message] = PushSocket(ctx, args.ready_address)
         ready.send(protos.Ready("controller", os.getpid()))
@@ -391,6 +410,7 @@ def controller_main(args: ControllerArgs) -> None:
     try:
         server.serve()
     finally:
+        server.heartbeat.close()
         server.close()
         ctx.term()
         time.sleep(0)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hicache.memory.pools import SharedPools
-from storage_backends import PageLayout, StorageBackend, create_backend
+from storage_backends import PageLayout, StorageBackend, StoreUsage, create_backend
 from storage_backends.keys import is_page_hash
 
 log = logging.getLogger(__name__)
@@ -133,6 +133,18 @@ class StorageIO:
         up = bool(stats_dict.get("up", True))
         return up, {"attached": True, **stats_dict, **{f"controller_{k}": v for k, v in vars(self.counters).items()
                                                        if k != "extra"}}
+
+    def size(self) -> StoreUsage | None:
+        """What the store holds, where its backend can tell cheaply (``StorageBackend.size``);
+        None with no store attached or a backend that cannot tell (Redis). Never raises."""
+        backend = self.backend
+        if backend is None:
+            return None
+        try:
+            return backend.size()
+        except Exception:  # a size is a nicety: never let it stop the controller's loop
+            log.exception("the L3 backend could not tell its size")
+            return None
 
     def attach(self, settings: Any) -> None:
         """Replace the store; raises (StorageError / StorageConfigError) if the new one cannot start."""

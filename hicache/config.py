@@ -32,13 +32,16 @@ Preset = Literal["tiny", "small", "bench"]
 L3Backend = Literal["none", "file", "redis"]
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
-EvictionPolicy = Literal["lru", "lfu", "slru", "s3fifo"]
+EvictionPolicy = Literal["lru", "lfu", "slru"]
 SchedulePolicy = Literal["lpm", "fcfs", "dfs-weight", "random"]
 Transport = Literal["ipc", "tcp"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 EngineKind = Literal["builtin", "vllm"]
 KVDType = Literal["auto", "float32", "bfloat16", "float16"]
 KVLayout = Literal["LBHNC"]
+
+DEVICES = ("auto", "cpu")
+"""The ``device`` values this build runs: L1 lives in host memory, so no CUDA device yet."""
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -208,23 +211,39 @@ class ServerConfig:
     ``model`` field, ``GET /v1/models``); the first is the one responses carry when a
     request names none. None (the default) = the model's own name only (the checkpoint
     directory's name, or ``hicache-reference-<preset>``). Names must be non-empty and
-    distinct."""
+    distinct.
+
+    ``header_timeout_s``: a connection must deliver a request's line and headers within
+    this many seconds of opening (or of the previous response on a keep-alive connection),
+    or it is closed; an idle keep-alive connection is closed after it too.
+    ``body_timeout_s``: a handler reads the whole request body within this many seconds of
+    the headers, or the client gets a 408 and the connection is closed."""
 
     host: str = "127.0.0.1"
     port: int = 30080
     api_key: str | None = None
     served_model_names: tuple[str, ...] | None = None
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    # A scheduler or controller whose heartbeat is older than ``health_stale_s`` makes
+    # ``/health`` degraded, naming it (keep it above the model's longest forward pass). The
+    # launcher kills and restarts a controller whose heartbeat is older than
+    # ``controller_freeze_restart_s`` (0 = never); a frozen scheduler is never restarted.
+    health_stale_s: float = 5.0
+    controller_freeze_restart_s: float = 30.0
 
 
 @dataclass(frozen=True)
 class IpcConfig:
-    """``dir`` None = a fresh private directory (mode 0700) under the runtime dir."""
+    """``dir`` None = a fresh private directory (mode 0700) under the runtime dir.
+
+    ``transport: tcp`` is plain ZeroMQ over TCP, with no CURVE encryption or
+    authentication in this build: bind ``tcp_host`` to a trusted interface only."""
 
     dir: str | None = None
     transport: Transport = "ipc"
     tcp_host: str = "127.0.0.1"
     tcp_base_port: int = 0
-    curve: bool = False
 
 
 @dataclass(frozen=True)
@@ -524,8 +543,9 @@ def validate(cfg: HicacheConfig) -> list[ConfigProblem]:
     non_negative("model.reference.seed", ref.seed)
 
     dev = cfg.device
-    if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
-        bad("device", f"must be auto, cpu, cuda or cuda:N; got {dev!r}")
+    if dev not in DEVICES:
+        bad("device", f"must be auto or cpu; got {dev!r} (cuda / cuda:N are not supported by this build: "
+            "L1 lives in host memory)")
 
     c = cfg.cache
     if not _power_of_two(c.page_size):
@@ -593,6 +613,15 @@ def validate(cfg: HicacheConfig) -> list[ConfigProblem]:
         bad("server.port", f"must be in 0..65535, got {cfg.server.port}")
     if not cfg.server.host:
         bad("server.host", "must not be empty")
+    if cfg.server.health_stale_s < 1.0:
+        bad("server.health_stale_s",
+            f"must be >= 1.0 (heartbeats are written every 0.25 s), got {cfg.server.health_stale_s}")
+    freeze = cfg.server.controller_freeze_restart_s
+    if freeze != 0 and freeze < cfg.server.health_stale_s:
+        bad("server.controller_freeze_restart_s",
+            f"must be 0 (never) or >= server.health_stale_s ({cfg.server.health_stale_s}), got {freeze}")
+    positive("server.header_timeout_s", cfg.server.header_timeout_s)
+    positive("server.body_timeout_s", cfg.server.body_timeout_s)
     names = cfg.server.served_model_names
     if names is not None:
         if not names:
@@ -603,8 +632,6 @@ def validate(cfg: HicacheConfig) -> list[ConfigProblem]:
             bad("server.served_model_names", "must not repeat a name")
     if cfg.ipc.transport == "tcp" and not 0 <= cfg.ipc.tcp_base_port <= 65535 - 8:
         bad("ipc.tcp_base_port", f"must be in 0..65527, got {cfg.ipc.tcp_base_port}")
-    if cfg.ipc.curve and cfg.ipc.transport != "tcp":
-        bad("ipc.curve", "CURVE applies to ipc.transport: tcp only")
     e = cfg.engine
     positive("engine.lease_ttl_s", e.lease_ttl_s)
     positive("engine.lookup_timeout_ms", e.lookup_timeout_ms)
@@ -617,8 +644,6 @@ def validate(cfg: HicacheConfig) -> list[ConfigProblem]:
             bad("cache.l2.enabled", "engine mode keeps the engines' KV in L2: it must be true")
         if cfg.ipc.transport == "ipc" and not cfg.ipc.dir:
             bad("ipc.dir", "engine mode needs a fixed runtime directory: engines find the daemon's socket there")
-        if dev not in ("auto", "cpu"):
-            bad("device", "engine mode copies between the engine's KV and L2 on the CPU only in this build")
     return out
 
 

@@ -1,4 +1,10 @@
-"""``hicache check-config [FILE] [--set key=value ...]``: validate and print the resolved config."""
+"""``hicache check-config [FILE] [--set key=value ...]``: validate and print the resolved config.
+
+Exit 0 with the resolved config on stdout; exit 2 with every problem (its dotted key path
+and the reason) on stderr. The checks are those ``hicache serve`` makes before it starts
+anything: ``load_config``'s, then ``hicache.startup_checks.startup_problems`` (the model,
+its layer pattern, the memory its pools need; the engines' model in engine mode).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import argparse
 import sys
 
 from hicache.config import ConfigError, dump_yaml, load_config
+from hicache.startup_checks import startup_problems
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, *, positional: bool = False) -> None:
@@ -30,14 +37,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"hicache: {exc}", file=sys.stderr)
         return 2
-    if cfg.engine.kind != "builtin":
-        # engine mode: the checks ``serve`` makes of the engines' model and the L2 size
-        from hicache.launch import engine_layout
-
-        try:
-            engine_layout(cfg)
-        except ValueError as exc:
-            print(f"hicache: invalid configuration: {exc}", file=sys.stderr)
-            return 2
+    problems = startup_problems(cfg)
+    if problems:
+        print(f"hicache: {ConfigError(problems)}", file=sys.stderr)
+        return 2
     sys.stdout.write(dump_yaml(cfg))
     return 0

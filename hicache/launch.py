@@ -3,7 +3,9 @@
 Start (any failure stops what was started, removes what was created, and exits 1 naming
 the process and the reason):
 
-1. validate the config (exit 2 on problems) and the model's pool geometry;
+1. validate the config and make the start checks ``hicache check-config`` makes too
+   (``hicache.startup_checks.startup_problems``: the model, its geometry, the memory its
+   pools need); exit 2 with every problem and its key path;
 2. create the private runtime directory, the metrics directory and the shared-memory pools;
 3. spawn the cache controller (when L2 is on), then the scheduler, then the tokenizer, each
    waiting for its ``Ready`` (``START_TIMEOUT_S``).
@@ -17,6 +19,11 @@ controller exits / is killed  tell the scheduler (``ProcessEvent died``: it fail
                               in-flight ops back and drops undelivered messages), count
                               the restart, spawn a new controller on the same pools
 scheduler asks ``restart``    SIGKILL the hung controller (then as above)
+controller frozen             no heartbeat for ``server.controller_freeze_restart_s``
+                              (default 30 s; 0 = never): SIGKILL it (then as above)
+scheduler frozen              no heartbeat for ``server.health_stale_s``: logged (and
+                              ``/health`` says degraded), never restarted — its tree and
+                              running requests cannot be rebuilt from outside
 scheduler or tokenizer exits  stop everything, exit 1 with the process and exit code
 scheduler, tokenizer or       a child exits 0 only when it was told to stop: the signal
 controller exits 0            went to the whole process group (systemd's default
@@ -24,6 +31,13 @@ controller exits 0            went to the whole process group (systemd's default
                               stop of the others, exit 0 (a controller is not restarted)
 SIGTERM / SIGINT              orderly stop (below), exit 0
 ============================  =========================================================
+
+Heartbeats (``hicache.heartbeat``): the scheduler and the controller write a timestamp
+(``time.monotonic()``, shared by every process of the host) to
+``{runtime dir}/heartbeat/{name}`` from their loops, at most every ``HEARTBEAT_INTERVAL_S``.
+Both loops block in polls of at most 100 ms, so a loop that runs beats; a process that is
+stopped (SIGSTOP), or a loop stuck in one call, does not. The launcher reads them for the
+freeze restart above; the tokenizer for ``/health``.
 
 A frame on the launcher's socket that does not decode, or is not a message it accepts, is
 logged and dropped; supervision goes on.
@@ -38,6 +52,7 @@ killed outright.
 from __future__ import annotations
 
 import argparse
+import enum
 import logging
 import multiprocessing as mp
 import os
@@ -53,6 +68,13 @@ log = logging.getLogger("hicache.launch")
 
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 40.0
+
+
+class Liveness(enum.Enum):
+    """What the launcher last saw of a process's heartbeat (it logs each change)."""
+
+    BEATING = "beating"
+    STALE = "stale"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,6 +116,7 @@ class Launcher:
     cfg: Any
     children: dict[str, _Child] = field(default_factory=dict)
     stop_signal: int | None = None
+    liveness: dict[str, Liveness] = field(default_factory=dict)
 
     def serve(self) -> int:
         import zmq
@@ -101,9 +124,12 @@ class Launcher:
         from hicache.ipc import Endpoints, PullSocket, make_runtime_dir
 
         cfg = self.cfg
-        if cfg.device not in ("auto", "cpu"):
-            print(f"hicache: device: {cfg.device} is not supported by this build (L1 lives in host memory); "
-                  "use device: cpu", file=sys.stderr)
+        from hicache.config import ConfigError
+        from hicache.startup_checks import startup_problems
+
+        problems = startup_problems(cfg)
+        if problems:
+            print(f"hicache: {ConfigError(problems)}", file=sys.stderr)
             return 2
         try:
             layout = self._layout()
@@ -279,6 +305,7 @@ class Launcher:
                     log.error("restarting the hung controller (pid %s): %s", proc.pid, msg.detail)
                     os.kill(proc.pid, signal.SIGKILL)
                     proc.join(10)
+                self._check_heartbeats(endpoints.dir)
                 stopped = self._stopped_cleanly()
                 if stopped is not None:
                     log.info("the %s stopped (exit 0): the stop signal reached the process group; stopping "
@@ -312,6 +339,36 @@ class Launcher:
             to_scheduler.close()
             to_tokenizer.close(linger_ms=500)
 
+    def _check_heartbeats(self, runtime_dir: str | None) -> None:
+        """Log each process whose heartbeat goes stale (``server.health_stale_s``) or comes
+        back, and SIGKILL a controller stale for ``server.controller_freeze_restart_s`` (when
+        > 0): the supervision loop then restarts it as a dead one. A scheduler is never
+        killed here (see the module docstring)."""
+        server = self.cfg.server
+        from hicache.heartbeat import HEARTBEAT_PROCESSES, heartbeat_ages
+
+        ages = heartbeat_ages(runtime_dir, tuple(n for n in HEARTBEAT_PROCESSES if n in self.children))
+        for name, age in ages.items():
+            proc = self.children[name].proc
+            if proc is None or not proc.is_alive():
+                continue  # a dead one is handled below in the loop
+            state = Liveness.STALE if age > server.health_stale_s else Liveness.BEATING
+            if state is not self.liveness.get(name, Liveness.BEATING):
+                if state is Liveness.STALE:
+                    log.error("the %s (pid %s) has not reported for %.1f s: it is frozen or stuck%s", name,
+                              proc.pid, age, "; it is not restarted (its state cannot be rebuilt)"
+                              if name == "scheduler" else "")
+                else:
+                    log.warning("the %s (pid %s) reports again", name, proc.pid)
+            self.liveness[name] = state
+            limit = server.controller_freeze_restart_s
+            if name == "controller" and limit > 0 and age > limit:
+                log.error("the controller (pid %s) has not reported for %.1f s (limit %g s): killing it to "
+                          "restart it", proc.pid, age, limit)
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join(10)
+                self.liveness.pop(name, None)
+
     def _stopped_cleanly(self) -> str | None:
         """The name of a child that has exited with code 0, if any. A child exits 0 only after a
         SIGTERM or a ``Shutdown``; when the launcher did not send it, the signal was sent to
@@ -338,21 +395,13 @@ def engine_layout(cfg: Any) -> Any:
     """Engine mode: L2 pages of the engines' KV geometry (``engine.*``), no L1 (it is the
     engines' own). Raises ValueError when the engine model cannot be served or L2 does not
     fit in the host's available memory."""
-    import psutil
-
-    from hicache.engine_server.geometry import EngineModelError, geometry_from_config
     from hicache.memory.pools import PoolLayout, default_directory, new_instance_id, paged_layout
+    from hicache.startup_checks import engine_geometry
 
-    try:
-        g = geometry_from_config(cfg)
-    except EngineModelError as exc:
-        raise ValueError(f"engine.model: {exc}") from exc
+    g, problems = engine_geometry(cfg)
+    if problems:
+        raise ValueError("; ".join(str(p) for p in problems))
     l2_pages = cfg.cache.l2.tokens // cfg.cache.page_size
-    need = l2_pages * g.page_bytes
-    avail = psutil.virtual_memory().available
-    if need > avail:
-        raise ValueError(f"cache.l2.tokens: L2 needs {need / 2**30:.1f} GiB for this model, "
-                         f"but only {avail / 2**30:.1f} GiB is available")
     inst = new_instance_id()
     full = paged_layout(inst, "full", cfg.cache.page_size, 0, l2_pages, g.num_layers, g.num_kv_heads, g.head_dim,
                         g.kv_dtype)

@@ -25,9 +25,13 @@ scheduler              pool used/capacity (``set_pool``), queue depths (``set_qu
                        evictions (``evicted``), prefetch and backup tokens, time a forward
                        pass waited for load-backs (``load_join_waited``)
 controller             transfers (``transfer`` context manager, ``transfer_done``, ``transfer_bytes``),
-                       storage errors (``storage_op`` / ``storage_error``), ``set_storage_up``
+                       storage errors (``storage_op`` / ``storage_error``), ``set_storage_up``,
+                       the L3 size (``set_storage_size``: ``hicache_storage_bytes`` / ``_pages``)
 launcher               process restarts (``process_restarted``)
 =====================  =====================================================================
+
+Every one-label series exists from the start, at 0: each process creates the series it owns
+(``SERIES_OWNERS``) in ``init_process_metrics``, so alerts never meet an absent series.
 
 Recording goes through the methods of ``Metrics`` — helpers and context managers that wrap
 the thing measured — never through the prometheus objects. When metrics are disabled
@@ -74,6 +78,16 @@ REQUEST_STATUSES = ("ok", "invalid", "aborted", "error")
 """``status`` of ``hicache_requests_total``: answered; refused by validation (4xx); ended by
 the client's disconnect, a shutdown or the scheduler's abort; failed (5xx)."""
 
+STORAGE_OPS = ("get", "set", "exists", "delete")
+"""``op`` of ``hicache_storage_errors_total``: the storage (L3) calls whose failures are counted."""
+
+PROCESSES = ("tokenizer", "scheduler", "controller")
+"""The daemon's supervised processes: the allowed ``process`` of ``hicache_process_restarts_total``."""
+
+RESTARTABLE = ("controller",)
+"""The processes the launcher restarts (the others end the daemon when they die), each with a
+``hicache_process_restarts_total`` series from the start."""
+
 Kind = Literal["counter", "gauge", "histogram"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -119,7 +133,28 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("hicache_load_join_wait_seconds_total", "counter",
                "Time the scheduler held a forward pass for load-backs about to finish, so they could join it"),
     MetricSpec("hicache_process_restarts_total", "counter", "Restarts of a daemon process", ("process",)),
+    MetricSpec("hicache_storage_bytes", "gauge",
+               "Bytes of page objects the storage (L3) backend holds; absent where the backend cannot tell"),
+    MetricSpec("hicache_storage_pages", "gauge",
+               "Page objects the storage (L3) backend holds; absent where the backend cannot tell"),
 )
+
+SERIES_OWNERS: dict[str, tuple[tuple[str, str, tuple[str, ...]], ...]] = {
+    "tokenizer": (("hicache_cached_tokens_total", "tier", TIERS),
+                  ("hicache_requests_total", "status", REQUEST_STATUSES)),
+    "scheduler": (("hicache_evicted_tokens_total", "tier", ("device", "host")),),
+    "controller": (("hicache_transfer_bytes_total", "direction", DIRECTIONS),
+                   ("hicache_transfer_seconds", "direction", DIRECTIONS),
+                   ("hicache_storage_errors_total", "op", STORAGE_OPS)),
+    "launcher": (("hicache_process_restarts_total", "process", RESTARTABLE),),
+}
+"""The one-label series each process creates at zero when it starts (``init_process_metrics``):
+``(metric, label, every value)``. Each series is created by the process that records it, so
+``/metrics`` shows every combination with 0 right after start instead of leaving it absent
+until its first event. Gauges with labels (pool fill, queue depths) are set by their owner's
+first publish, at start, and need no entry. Evictions are counted for L1 and L2 only (the
+scheduler's tree evicts those; the L3 backends evict on their own), so ``tier="storage"``
+has no eviction series."""
 
 
 # --------------------------------------------------------------------------- lifecycle
@@ -167,6 +202,7 @@ def init_process_metrics(config: MetricsConfig, process: str) -> Metrics:
     With ``config.enabled`` and ``PROMETHEUS_MULTIPROC_DIR`` set, samples go to the shared
     directory. Enabled without the variable (a process started on its own), samples stay in
     this process and ``render_metrics`` shows only them. Disabled: a no-op ``Metrics``.
+    The series ``process`` owns (``SERIES_OWNERS``) are created at zero.
     """
     global _current
     if _current is not None:
@@ -185,6 +221,7 @@ def init_process_metrics(config: MetricsConfig, process: str) -> Metrics:
     else:
         log.warning("%s is not set: /metrics shows the metrics of the %s process only", MULTIPROC_ENV, process)
     _current = Metrics(CollectorRegistry(auto_describe=True))
+    _current.init_series(process)
     return _current
 
 
@@ -250,11 +287,15 @@ class Metrics:
         self._children: dict[tuple[str, str], Any] = {}
         for spec in SPECS:
             self._m[spec.name] = self._make(spec) if registry is not None else _Noop()
-        if self.enabled:  # zero-valued series for the fixed label sets, so dashboards see them at once
-            for tier in TIERS:
-                self._m["hicache_cached_tokens_total"].labels(tier=tier)
-            for status in REQUEST_STATUSES:
-                self._m["hicache_requests_total"].labels(status=status)
+
+    def init_series(self, process: str) -> None:
+        """Create, at zero, every series ``process`` owns (``SERIES_OWNERS``; an unknown
+        process owns none). Idempotent; a no-op when disabled."""
+        if not self.enabled:
+            return
+        for name, _label, values in SERIES_OWNERS.get(process, ()):
+            for value in values:
+                self._child(name, value)
 
     def _child(self, name: str, value: str) -> Any:
         """The series of one-label metric ``name`` for label value ``value``, looked up once.
@@ -374,17 +415,26 @@ class Metrics:
             raise
 
     def storage_error(self, op: str, n: int = 1) -> None:
-        """Count failures reported without an exception (e.g. ``batch_set`` returning False)."""
+        """Count failures reported without an exception (e.g. ``batch_set`` returning False);
+        ``op`` is one of ``STORAGE_OPS``."""
+        _check("op", op, STORAGE_OPS)
         if n:
-            self._m["hicache_storage_errors_total"].labels(op=op).inc(n)
+            self._child("hicache_storage_errors_total", op).inc(n)
 
     def set_storage_up(self, up: bool) -> None:
         self._m["hicache_storage_up"].set(1 if up else 0)
 
+    def set_storage_size(self, pages: int, nbytes: int) -> None:
+        """What the storage (L3) backend holds now, as far as it can tell cheaply (the
+        controller publishes it once a second)."""
+        self._m["hicache_storage_pages"].set(pages)
+        self._m["hicache_storage_bytes"].set(nbytes)
+
     # ---- launcher
 
     def process_restarted(self, process: str) -> None:
-        self._m["hicache_process_restarts_total"].labels(process=process).inc()
+        _check("process", process, PROCESSES)
+        self._child("hicache_process_restarts_total", process).inc()
 
 
 @dataclass

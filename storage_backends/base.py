@@ -109,6 +109,12 @@ class StorageBackend(ABC):
     def usage(self) -> StoreUsage:
         """Count pages and bytes by scanning. May raise ``StorageError``."""
 
+    def size(self) -> StoreUsage | None:
+        """What the store holds, if the backend knows it without asking the store (cheap
+        enough to call every second, never raises); None where it cannot tell (the default,
+        and Redis: its key count is not per prefix, and a scan is too costly)."""
+        return None
+
     def __enter__(self) -> StorageBackend:
         return self
 

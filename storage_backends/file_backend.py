@@ -318,6 +318,13 @@ class FileBackend(StorageBackend):
     def page_count(self) -> int:
         return len(self._index)
 
+    def size(self) -> StoreUsage:
+        """Pages and object bytes in the index: every page this process wrote or found, and,
+        once the start-up scan is done, every page in the directory (pages another daemon
+        sharing the directory wrote since are counted when this one first sees them)."""
+        with self._index_lock:
+            return StoreUsage(len(self._index), self._used)
+
     def wait_scan(self, timeout: float | None = None) -> bool:
         """Wait for the start-up scan; True once it is complete."""
         return self._scan_done.wait(timeout)

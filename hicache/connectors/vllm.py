@@ -18,7 +18,8 @@ Both halves, one class (vLLM makes one instance per role):
   this step and that the daemon does not hold yet, with L2 pages it reserved for them.
   ``request_finished`` never delays freeing: saves complete inside the step that computed
   them. ``get_external_cache_hit_sources`` reports L2 hits as ``host`` and prefetched L3 hits
-  as ``disk``.
+  as ``disk``. Requests whose KV depends on more than their tokens (multimodal inputs,
+  prompt embeddings, LoRA adapters) are neither looked up nor saved.
 * **Worker half** (vLLM's worker). ``register_kv_caches`` checks the KV layout (CPU, block
   index first, contiguous blocks); ``start_load_kv`` copies the planned loads before the
   forward pass (so ``wait_for_layer_load`` has nothing to wait for) and releases each lease;
@@ -252,7 +253,17 @@ class HiCacheConnector(KVConnectorBase_V1):
         if hit is not None and hit.lease and reg is not None:
             self.session.send(protos.Release(reg.session, hit.lease, loaded_pages))  # type: ignore[union-attr]
 
+    @staticmethod
+    def _cacheable(request: Request) -> bool:
+        """Whether a request's KV is a function of its token ids (and salt) alone: not with
+        multimodal inputs, prompt embeddings or a LoRA adapter, whose KV depends on more
+        than the tokens; such requests are neither looked up nor saved."""
+        return (not request.mm_features and getattr(request, "prompt_embeds", None) is None
+                and request.lora_request is None)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self._cacheable(request):
+            return 0, False
         rid = request.request_id
         tracked = self._requests.get(rid)
         if tracked is None:

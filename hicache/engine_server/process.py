@@ -16,7 +16,8 @@ launcher     PUSH    ready, and a restart request when the controller hangs
 
 A frame that does not decode is answered (ROUTER: an ``EngineError`` with ``req`` 0) or
 logged and dropped (PULL); the loop goes on. SIGTERM or ``Shutdown`` ends the loop: open
-leases die with the process (the pools go with the daemon).
+leases die with the process (the pools go with the daemon). Each round of the loop (a poll of
+at most ``POLL_MS``) writes the process's heartbeat, as the scheduler's does.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 import zmq
 
 import protos
+from hicache.heartbeat import HeartbeatWriter
 from hicache.ipc import PeerProtocolError, PullSocket, PushSocket, ResettablePush, RouterSocket
 from hicache.logging_setup import setup_logging
 from hicache.memory.pools import attach_pools
@@ -104,6 +106,7 @@ def cache_server_main(args: SchedulerArgs) -> None:
     poller = zmq.Poller()
     poller.register(engines.socket, zmq.POLLIN)
     poller.register(inbox.socket, zmq.POLLIN)
+    heartbeat = HeartbeatWriter(ep.dir, "scheduler")
     to_launcher.send(protos.Ready("scheduler", os.getpid()))
     g = server.geometry
     log.info("cache server ready for engines on %s: %d layers x %d kv heads x %d dim, %s, block %d, L2 %d pages, "
@@ -113,6 +116,7 @@ def cache_server_main(args: SchedulerArgs) -> None:
     restart_asked = False
     try:
         while not stop[0]:
+            heartbeat.beat()
             ready = dict(poller.poll(1 if server.deferred else POLL_MS))
             if engines.socket in ready:
                 for _ in range(256):
@@ -151,6 +155,7 @@ def cache_server_main(args: SchedulerArgs) -> None:
                 server.check_idle()
                 last["idle"] = now
     finally:
+        heartbeat.close()
         for sock in (engines, inbox, to_launcher):
             sock.close()
         to_tokenizer.close(linger_ms=2000)

@@ -19,6 +19,10 @@ the next forward pass is in flight. A frame that does not
 decode is logged and dropped; the loop goes on. SIGTERM or a ``Shutdown`` message stops
 admission (new requests are answered with an error), lets running requests finish within
 the grace period, aborts the rest, and exits 0.
+
+Each round of the loop writes the process's heartbeat (``hicache.heartbeat.HeartbeatWriter``);
+a round lasts one forward pass at most plus a poll of at most 20 ms, so a heartbeat older
+than ``server.health_stale_s`` means the process is stopped or stuck (``/health`` says so).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import zmq
 
 import protos
 from hicache.config import HicacheConfig
+from hicache.heartbeat import HeartbeatWriter
 from hicache.ipc import Endpoints, PullSocket, PushSocket, ResettablePush
 from hicache.logging_setup import setup_logging
 from hicache.memory.pools import PoolLayout, attach_pools
@@ -117,6 +122,7 @@ def scheduler_main(args: SchedulerArgs) -> None:
                       controller_send=to_controller.send if to_controller else None, eos_token_ids=eos)
     telemetry = SchedulerTelemetry(init_process_metrics(cfg.metrics, "scheduler"), sched)
     last_publish = 0.0
+    heartbeat = HeartbeatWriter(ep.dir, "scheduler")
     to_launcher.send(protos.Ready("scheduler", os.getpid()))
     log.info("scheduler ready: model %s (%s), page size %d, L1 %d pages, L2 %s pages, L3 %s",
              cfg.model.kind, "+".join(model.geometry.components), cfg.cache.page_size, full.l1_pages, l2_pages,
@@ -171,6 +177,7 @@ def scheduler_main(args: SchedulerArgs) -> None:
 
     try:
         while True:
+            heartbeat.beat()
             if stop_requested[0] and not draining:
                 draining, deadline = True, time.monotonic() + 30.0
                 log.info("stopping: finishing %d running requests", len(sched.running))
@@ -213,6 +220,7 @@ def scheduler_main(args: SchedulerArgs) -> None:
                         sched.abort(req.rid)
                     break
     finally:
+        heartbeat.close()
         for sock in (inbox, to_launcher):
             sock.close()
         to_tokenizer.close(linger_ms=2000)

@@ -7,7 +7,8 @@ Routes::
     POST /v1/chat/completions       OpenAI chat completions; "stream": true -> SSE
     GET  /v1/models                 the served model names (server.served_model_names)
     GET  /v1/models/{id}            one of them; 404 for any other id
-    GET  /health                    {"status", "processes": {name: pid}}; 503 unless "ok"
+    GET  /health                    readiness: {"status", "processes", "dead", "stale"}; 503 unless "ok"
+    GET  /health?live=1             liveness: the same body, always 200
     GET  /metrics                   Prometheus exposition of all processes; 404 when disabled
     GET  /cache/stats               AdminRequest op "stats"
     POST /cache/flush               AdminRequest op "flush" (L1 and L2; L3 is kept)
@@ -30,7 +31,16 @@ server does not implement set to a value that would change the result), 404 for 
 from its Content-Length, or as soon as a chunked body passes the limit), 503 while
 shutting down or when the scheduler's queue is full, 500 when the scheduler fails a
 request. A stream that fails after its first chunk sends an ``{"error": ...}`` event, then
-``data: [DONE]``.
+``data: [DONE]``. What aiohttp itself refuses gets the same JSON shape: 404 for a path no
+route has, 405 for a method the path does not take (with ``Allow``), 400 for a request
+line or header that does not parse (``JsonErrorRunner``; that connection is closed).
+
+Slow clients (``server.header_timeout_s``, ``server.body_timeout_s``): a connection that
+has not delivered a complete request line and headers within ``header_timeout_s`` of
+opening, or of the previous response, is closed without an answer (aiohttp's per-connection
+keep-alive deadline, which also closes idle keep-alive connections after that time). A
+handler that has not read the whole body ``body_timeout_s`` after the headers answers 408
+and closes the connection.
 
 A client that disconnects ends its request: the handler is cancelled (or its next write
 fails) and ``generate_steps`` sends ``AbortRequest(rid)``.
@@ -39,6 +49,7 @@ fails) and ``generate_steps`` sends ``AbortRequest(rid)``.
 from __future__ import annotations
 
 import asyncio
+import enum
 import hmac
 import json
 import logging
@@ -46,6 +57,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import aclosing
+from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
@@ -96,6 +108,14 @@ def _json(body: Any, status: int = 200) -> web.Response:
     return web.json_response(body, status=status, dumps=_dumps)
 
 
+class HealthStatus(enum.Enum):
+    """The ``status`` of ``GET /health``."""
+
+    OK = "ok"
+    DEGRADED = "degraded"  # a process is dead, or stopped / stuck (its heartbeat is stale)
+    DRAINING = "draining"  # shutting down
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -124,6 +144,7 @@ class HttpApi:
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.admin_timeout_s = admin_timeout_s
+        self.body_timeout_s = config.server.body_timeout_s
         self.started = int(time.time())
         self.draining = False
         self._api_key = config.server.api_key
@@ -167,16 +188,35 @@ class HttpApi:
         try:
             return await handler(request)
         except RequestError as exc:
-            return self._error(exc.message, exc.status, exc.kind, exc.param)
+            resp = self._error(exc.message, exc.status, exc.kind, exc.param)
+            if exc.status == HTTPStatus.REQUEST_TIMEOUT:
+                return await _answer_and_close(request, resp)
+            return resp
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return self._error(exc.text or exc.reason, exc.status)
+            return self._http_error(request, exc)
         except (asyncio.CancelledError, ConnectionError):
             raise
         except Exception:
             log.exception("%s %s failed", request.method, request.path)
             return self._error("internal server error", 500, "server_error")
+
+    def _http_error(self, request: web.Request, exc: web.HTTPException) -> web.Response:
+        """aiohttp's own HTTP errors (no route, wrong method, body too large, ...) as the JSON
+        error object; keeps the headers they carry (``Allow`` of a 405)."""
+        if exc.status == HTTPStatus.NOT_FOUND and request.match_info.route.resource is None:
+            message = f"no route {request.method} {request.path}"
+        elif exc.status == HTTPStatus.METHOD_NOT_ALLOWED and isinstance(exc, web.HTTPMethodNotAllowed):
+            allowed = ", ".join(sorted(exc.allowed_methods))
+            message = f"{request.path} does not take {request.method} (it takes {allowed})"
+        else:
+            message = exc.text or exc.reason
+        resp = self._error(message, exc.status)
+        for name, value in exc.headers.items():
+            if name.lower() not in ("content-type", "content-length"):
+                resp.headers[name] = value
+        return resp
 
     @staticmethod
     def _error(message: str, status: int, kind: str | None = None, param: str | None = None) -> web.Response:
@@ -220,9 +260,12 @@ class HttpApi:
         if length is not None and length > self.max_body_bytes:
             raise RequestError(f"the request body is {length} bytes; the limit is {self.max_body_bytes}", 413)
         try:
-            raw = await request.read()
+            raw = await asyncio.wait_for(request.read(), self.body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
             raise RequestError(f"the request body exceeds the limit of {self.max_body_bytes} bytes", 413) from None
+        except asyncio.TimeoutError:
+            raise RequestError(f"the request body did not arrive within {self.body_timeout_s:g} s "
+                               "(server.body_timeout_s)", 408, "timeout") from None
         return raw
 
     # ---- generation
@@ -299,14 +342,36 @@ class HttpApi:
             raise RequestError(f"The model `{name}` does not exist", 404, param="model")
         return _json(self._model_card(name))
 
+    heartbeat_dir: str | None = None
+    """The runtime directory whose heartbeats ``/health`` reads (set by the tokenizer
+    process); None = no heartbeats, processes are judged by their pids only."""
+
     async def health(self, request: web.Request) -> web.Response:
+        """Readiness, and with ``?live=1`` liveness.
+
+        Readiness (``GET /health``): 200 ``{"status": "ok", "processes": {name: pid}}`` when
+        every process is alive and the scheduler and controller heartbeats are at most
+        ``server.health_stale_s`` old; else 503 with ``status`` ``degraded`` (``dead``: the
+        names whose pid is gone; ``stale``: name -> seconds since its last heartbeat) or
+        ``draining``. Liveness (``?live=1``): the same body, always 200 — this process
+        answers; whether a degraded daemon should be restarted is the caller's decision.
+        """
+        from hicache.heartbeat import HEARTBEAT_PROCESSES, heartbeat_ages
+
         procs: Mapping[str, int] = dict(self.pids)
         dead = sorted(name for name, pid in procs.items() if not _pid_alive(pid))
-        status = "draining" if self.draining else "degraded" if dead else "ok"
-        body: dict[str, Any] = {"status": status, "processes": procs}
+        limit = self.config.server.health_stale_s
+        ages = heartbeat_ages(self.heartbeat_dir, tuple(n for n in HEARTBEAT_PROCESSES if n in procs))
+        stale = {name: round(age, 1) for name, age in sorted(ages.items()) if age > limit and name not in dead}
+        status = HealthStatus.DRAINING if self.draining else \
+            HealthStatus.DEGRADED if dead or stale else HealthStatus.OK
+        body: dict[str, Any] = {"status": status.value, "processes": procs}
         if dead:
             body["dead"] = dead
-        return _json(body, 200 if status == "ok" else 503)
+        if stale:
+            body["stale"] = stale
+        live = request.query.get("live", "") not in ("", "0", "false")
+        return _json(body, 200 if live or status is HealthStatus.OK else 503)
 
     async def metrics_route(self, request: web.Request) -> web.Response:
         body = await asyncio.to_thread(render_metrics)
@@ -344,3 +409,62 @@ class HttpApi:
     async def storage_attach(self, request: web.Request) -> web.Response:
         args = parse_storage_config(await self._read_json(request), self.config)
         return await self._admin("storage_attach", args)
+
+
+async def _answer_and_close(request: web.Request, resp: web.Response) -> web.Response:
+    """Send ``resp`` now, then close the connection: a client still sending a body it was
+    given too long for does not hold the connection while aiohttp drains the rest."""
+    resp.force_close()
+    await resp.prepare(request)
+    await resp.write_eof()
+    transport = request.transport
+    if transport is not None:
+        transport.close()
+    return resp
+
+
+class _JsonErrorHandler(web.RequestHandler):
+    """aiohttp's connection handler, answering what it refuses before any route is found
+    (a request line or header that does not parse: 400, ...) with the API's JSON error
+    object instead of plain text. The connection is closed after it, as aiohttp does."""
+
+    __slots__ = ()
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs it; raises if bytes went out already
+        if status >= 500:
+            text, kind = "internal server error", "server_error"
+        else:
+            text, kind = message or "the request could not be parsed", "invalid_request_error"
+        resp = _json(error_body(text, status, kind), status)
+        resp.force_close()
+        return resp
+
+
+class _JsonErrorServer(web.Server):
+    """``web.Server`` whose connections are ``_JsonErrorHandler``s."""
+
+    def __call__(self) -> web.RequestHandler:
+        return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+class JsonErrorRunner(web.AppRunner):
+    """``web.AppRunner`` whose server answers protocol-level errors with the JSON error object.
+
+    ``header_timeout_s`` is the per-connection deadline for a complete request line and
+    headers, from the connection's start or its previous response (aiohttp's keep-alive
+    deadline: an idle keep-alive connection is closed after it too). Other keyword arguments
+    go to ``web.AppRunner``.
+    """
+
+    def __init__(self, app: web.Application, *, header_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(app, keepalive_timeout=header_timeout_s, **kwargs)
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        if type(server) is web.Server:
+            server.__class__ = _JsonErrorServer  # only __call__ differs: which handler a connection gets
+        else:  # pragma: no cover - an aiohttp whose runner builds another server class
+            log.warning("aiohttp built a %s: protocol errors stay plain text", type(server).__name__)
+        return server

@@ -2,7 +2,8 @@
 
 ``tokenizer_main(args)`` is the ``multiprocessing`` spawn target. Start-up, in order: logging,
 metrics (``init_process_metrics``), the tokenizer and the model limits, the ZeroMQ link (binds
-``endpoints.address("tokenizer")``), the HTTP server on ``server.host:server.port``, then
+``endpoints.address("tokenizer")``), the HTTP server on ``server.host:server.port`` (its
+read deadlines ``server.header_timeout_s`` / ``server.body_timeout_s``), then
 ``Ready("tokenizer", pid)`` to ``args.ready_address``. Any failure before Ready (a port or
 socket address in use, an unreadable tokenizer, a bad model config) is logged and the
 process exits with code 1 without sending Ready.
@@ -76,7 +77,7 @@ async def _serve(args: TokenizerArgs) -> None:
 
     from hicache.metrics import get_metrics
     from hicache.text import TokenizerError, load_tokenizer
-    from hicache.tokenizer.http_api import HttpApi
+    from hicache.tokenizer.http_api import HttpApi, JsonErrorRunner
     from hicache.tokenizer.scheduler_link import SchedulerLink
     from hicache.tokenizer.validation import ModelLimits
 
@@ -106,9 +107,11 @@ async def _serve(args: TokenizerArgs) -> None:
         raise _StartupError(f"cannot bind {args.endpoints.address('tokenizer')}: {exc}") from exc
     api = HttpApi(link=link, tokenizer=tokenizer, limits=limits, config=cfg, pids=pids, metrics=get_metrics(),
                   max_body_bytes=args.max_body_bytes, admin_timeout_s=args.admin_timeout_s)
+    api.heartbeat_dir = args.endpoints.dir  # /health reads the scheduler's and controller's heartbeats
     debug = logging.getLogger().isEnabledFor(logging.DEBUG)
-    runner = web.AppRunner(api.app, handle_signals=False, handler_cancellation=True,
-                           shutdown_timeout=_ABORT_WAIT_S, access_log=log if debug else None)
+    runner = JsonErrorRunner(api.app, header_timeout_s=cfg.server.header_timeout_s, handle_signals=False,
+                             handler_cancellation=True, shutdown_timeout=_ABORT_WAIT_S,
+                             access_log=log if debug else None)
     set_up = False
     try:
         link.start()

@@ -1,0 +1,110 @@
+"""``hicache check-config`` refuses what ``hicache serve`` refuses at start: exit 2, the dotted
+key path and the reason on stderr (``hicache.startup_checks``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 300,
+    "max_position_embeddings": 512, "hidden_act": "silu",
+}
+
+
+def _checkpoint(root: Path, name: str, config: dict[str, Any], weights: str | None = "model.safetensors") -> str:
+    """A checkpoint directory as far as the start checks read it: config.json and the names
+    of its weight files (the checks list them; they never read them)."""
+    path = root / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    if weights:
+        (path / weights).write_bytes(b"")
+    return str(path)
+
+
+def _run(tmp: Path, command: str, cfg: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    path = tmp / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    args = [str(path)] if command == "check-config" else ["--config", str(path)]
+    return subprocess.run([sys.executable, "-m", "hicache.cli", command, *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+
+
+def _hf(path: str, **cache: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"model": {"kind": "hf", "path": path}}
+    if cache:
+        cfg["cache"] = cache
+    return cfg
+
+
+# (name, config built from the temporary directory, key path, a word of the reason)
+CASES: list[tuple[str, Any, str, str]] = [
+    ("cuda", lambda t: {"device": "cuda"}, "device", "host memory"),
+    ("cuda-n", lambda t: {"device": "cuda:1"}, "device", "host memory"),
+    ("swa-and-mamba", lambda t: {"model": {"reference": {"layers": ["full", "swa", "mamba"]}}},
+     "model.reference.layers", "not both"),
+    ("no-full-layer", lambda t: {"model": {"reference": {"layers": ["swa", "swa"]}}},
+     "model.reference.layers", "full-attention"),
+    ("hf-missing", lambda t: _hf(str(t / "nowhere")), "model.path", "does not exist"),
+    ("hf-no-config", lambda t: _hf(str(t)), "model.path", "config.json"),
+    ("hf-architecture", lambda t: _hf(_checkpoint(t, "gpt2", {**LLAMA, "architectures": ["GPT2LMHeadModel"]})),
+     "model.path", "unsupported architecture"),
+    ("hf-bin-weights", lambda t: _hf(_checkpoint(t, "bin", LLAMA, "pytorch_model.bin")), "model.path",
+     "safetensors"),
+    ("hf-all-swa", lambda t: _hf(_checkpoint(t, "mistral", {**LLAMA, "architectures": ["MistralForCausalLM"],
+                                                           "sliding_window": 64})),
+     "model.path", "full-attention"),
+    ("hf-l2-over-ram", lambda t: _hf(_checkpoint(t, "llama", LLAMA), l2={"tokens": 2**40}), "cache.l2.tokens",
+     "host memory"),
+    ("tokenizer", lambda t: {"tokenizer": {"path": str(t / "tokenizer.json")}}, "tokenizer.path", "tokenizer.json"),
+    ("s3fifo", lambda t: {"cache": {"eviction": "s3fifo"}}, "cache.eviction", "one of lru, lfu, slru"),
+    ("curve", lambda t: {"ipc": {"transport": "tcp", "curve": True}}, "ipc.curve", "unknown key"),
+    ("header-timeout", lambda t: {"server": {"header_timeout_s": 0}}, "server.header_timeout_s", "> 0"),
+]
+
+
+@pytest.mark.parametrize(("make", "path", "needle"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_check_config_refuses_with_the_key_path(tmp_path: Path, make: Any, path: str, needle: str) -> None:
+    out = _run(tmp_path, "check-config", make(tmp_path))
+    assert out.returncode == 2, out.stdout + out.stderr
+    line = next((ln for ln in out.stderr.splitlines() if ln.strip().startswith(f"{path}:")), None)
+    assert line is not None, out.stderr
+    assert needle in line, line
+    assert out.stdout == ""
+
+
+def test_every_start_problem_is_reported_at_once(tmp_path: Path) -> None:
+    cfg = {**_hf(_checkpoint(tmp_path, "bin", LLAMA, "pytorch_model.bin")),
+           "tokenizer": {"path": str(tmp_path / "missing")}}
+    out = _run(tmp_path, "check-config", cfg)
+    assert out.returncode == 2
+    assert "2 problem(s)" in out.stderr
+    assert "  model.path:" in out.stderr and "  tokenizer.path:" in out.stderr
+
+
+def test_a_servable_hf_config_passes(tmp_path: Path) -> None:
+    out = _run(tmp_path, "check-config", _hf(_checkpoint(tmp_path, "llama", LLAMA)))
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout)["model"]["kind"] == "hf"
+
+
+@pytest.mark.parametrize(("make", "path"), [
+    (lambda t: {"model": {"reference": {"layers": ["full", "swa", "mamba"]}}}, "model.reference.layers"),
+    (lambda t: _hf(_checkpoint(t, "bin", LLAMA, "pytorch_model.bin")), "model.path"),
+], ids=["layers", "hf-weights"])
+def test_serve_refuses_the_same_configs_before_starting(tmp_path: Path, make: Any, path: str) -> None:
+    cfg = {**make(tmp_path), "server": {"port": 0}}
+    out = _run(tmp_path, "serve", cfg)
+    assert out.returncode == 2, out.stderr
+    assert f"  {path}:" in out.stderr
+    assert "is serving" not in out.stderr
