@@ -58,6 +58,59 @@ def kv_problem(layers: list[torch.Tensor], num_blocks: int, layer_block_bytes: i
     return None
 
 
+class L2Pages:
+    """The L2 pool of one daemon run, mapped in the engine's process as
+    ``[pages, num_layers, block_elems]`` of the KV dtype (one page = one block of every
+    layer). Shared by the CPU and the CUDA copiers; not thread-safe."""
+
+    def __init__(self, num_layers: int, block_elems: int, dtype: torch.dtype) -> None:
+        self.num_layers = num_layers
+        self.block_elems = block_elems
+        self.dtype = dtype
+        self.pool: PoolRef | None = None
+        self.tensor: torch.Tensor | None = None
+        self._segment: SharedSegment | None = None
+
+    def attach(self, pool: PoolRef) -> bool:
+        """Map ``pool``; False if it is the one mapped already. Raises when the segment is
+        gone or its pages are not this engine's."""
+        if self.pool == pool:
+            return False
+        per_page = self.num_layers * self.block_elems * torch.empty((), dtype=self.dtype).element_size()
+        if pool.page_bytes != per_page:
+            raise ValueError(f"the daemon's L2 pages hold {pool.page_bytes} bytes, this engine's {per_page}")
+        seg = SharedSegment.attach(pool.segment, pool.directory)
+        if seg.size < pool.pages * pool.page_bytes:
+            seg.close()
+            raise ValueError(f"segment {pool.segment} holds {seg.size} bytes, {pool.pages} pages need more")
+        dtype_name = next(k for k, v in TORCH_DTYPES.items() if v == self.dtype)
+        pages = seg.tensor(TensorSpec(pool.segment, (pool.pages, self.num_layers, self.block_elems), dtype_name))
+        self.detach()
+        self._segment, self.tensor, self.pool = seg, pages, pool
+        return True
+
+    def detach(self) -> None:
+        self.tensor = None
+        if self._segment is not None:
+            try:
+                self._segment.close()
+            except BufferError:
+                pass  # a view is still alive; the mapping goes with the process
+        self._segment, self.pool = None, None
+
+    def check(self, blocks: list[int], pages: list[int], num_blocks: int) -> torch.Tensor:
+        """The mapped pages, after checking both index lists; raises on a bad one."""
+        if self.tensor is None:
+            raise RuntimeError("no L2 pool is mapped")
+        if len(blocks) != len(pages):
+            raise ValueError(f"{len(blocks)} blocks but {len(pages)} pages")
+        if blocks and (min(blocks) < 0 or max(blocks) >= num_blocks):
+            raise ValueError(f"block index out of range [0, {num_blocks})")
+        if pages and (min(pages) < 0 or max(pages) >= self.tensor.shape[0]):
+            raise ValueError(f"L2 page index out of range [0, {self.tensor.shape[0]})")
+        return self.tensor
+
+
 class BlockCopier:
     """Block <-> page copies for one engine's KV tensors (``layers``, in layer order).
 
@@ -69,48 +122,20 @@ class BlockCopier:
     def __init__(self, layers: list[torch.Tensor]) -> None:
         self.layers = [t.view(t.shape[0], -1) for t in layers]
         self.num_blocks = layers[0].shape[0]
-        self.block_elems = self.layers[0].shape[1]
-        self.dtype = layers[0].dtype
-        self.pool: PoolRef | None = None
-        self._segment: SharedSegment | None = None
-        self._pages: torch.Tensor | None = None
+        self.l2 = L2Pages(len(layers), self.layers[0].shape[1], layers[0].dtype)
+
+    @property
+    def pool(self) -> PoolRef | None:
+        return self.l2.pool
 
     def attach(self, pool: PoolRef) -> None:
-        """Map ``pool`` unless it is the one mapped already. Raises when the segment is gone or
-        its size does not match this engine's pages."""
-        if self.pool == pool:
-            return
-        per_page = len(self.layers) * self.block_elems * torch.empty((), dtype=self.dtype).element_size()
-        if pool.page_bytes != per_page:
-            raise ValueError(f"the daemon's L2 pages hold {pool.page_bytes} bytes, this engine's {per_page}")
-        seg = SharedSegment.attach(pool.segment, pool.directory)
-        if seg.size < pool.pages * pool.page_bytes:
-            seg.close()
-            raise ValueError(f"segment {pool.segment} holds {seg.size} bytes, {pool.pages} pages need more")
-        dtype_name = next(k for k, v in TORCH_DTYPES.items() if v == self.dtype)
-        pages = seg.tensor(TensorSpec(pool.segment, (pool.pages, len(self.layers), self.block_elems), dtype_name))
-        self.detach()
-        self._segment, self._pages, self.pool = seg, pages, pool
+        self.l2.attach(pool)
 
     def detach(self) -> None:
-        self._pages = None
-        if self._segment is not None:
-            try:
-                self._segment.close()
-            except BufferError:
-                pass  # a view is still alive; the mapping goes with the process
-        self._segment, self.pool = None, None
+        self.l2.detach()
 
     def _check(self, blocks: list[int], pages: list[int]) -> torch.Tensor:
-        if self._pages is None:
-            raise RuntimeError("no L2 pool is mapped")
-        if len(blocks) != len(pages):
-            raise ValueError(f"{len(blocks)} blocks but {len(pages)} pages")
-        if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):
-            raise ValueError(f"block index out of range [0, {self.num_blocks})")
-        if pages and (min(pages) < 0 or max(pages) >= self._pages.shape[0]):
-            raise ValueError(f"L2 page index out of range [0, {self._pages.shape[0]})")
-        return self._pages
+        return self.l2.check(blocks, pages, self.num_blocks)
 
     def load(self, pages: list[int], blocks: list[int]) -> int:
         """Copy L2 ``pages[i]`` into block ``blocks[i]`` of every layer; returns bytes copied."""

@@ -34,9 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from hicache.connectors.kv_copy import PoolRef
+from hicache.connectors.kv_copy import L2Pages, PoolRef
 from hicache.memory.pools import page_runs
-from hicache.memory.shm import TORCH_DTYPES, SharedSegment, TensorSpec
 
 
 def block_first(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -62,52 +61,37 @@ class CudaBlockCopier:
         self.device = layers[0].device
         self.stream = torch.cuda.Stream(device=self.device)
         self.layer_events: list[torch.cuda.Event | None] = [None] * len(layers)
-        self.pool: PoolRef | None = None
-        self._segment: SharedSegment | None = None
-        self._pages: torch.Tensor | None = None
+        self.l2 = L2Pages(len(layers), self.block_elems, self.dtype)
         self._pinned_ptr: int | None = None
 
     # ------------------------------------------------------------------ the pool
+    @property
+    def pool(self) -> PoolRef | None:
+        return self.l2.pool
+
     def attach(self, pool: PoolRef) -> None:
-        if self.pool == pool:
+        if self.l2.pool == pool:
             return
-        per_page = len(self.views) * self.block_elems * torch.empty((), dtype=self.dtype).element_size()
-        if pool.page_bytes != per_page:
-            raise ValueError(f"the daemon's L2 pages hold {pool.page_bytes} bytes, this engine's {per_page}")
-        seg = SharedSegment.attach(pool.segment, pool.directory)
-        dtype_name = next(k for k, v in TORCH_DTYPES.items() if v == self.dtype)
-        pages = seg.tensor(TensorSpec(pool.segment, (pool.pages, len(self.views), self.block_elems), dtype_name))
+        self.detach()
+        self.l2.attach(pool)
+        pages = self.l2.tensor
+        assert pages is not None
         nbytes = pool.pages * pool.page_bytes
         rc = torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), nbytes, 0)
         if int(rc) != 0:
-            seg.close()
+            self.l2.detach()
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of L2 failed with CUDA error {int(rc)}")
-        self.detach()
-        self._segment, self._pages, self.pool, self._pinned_ptr = seg, pages, pool, pages.data_ptr()
+        self._pinned_ptr = pages.data_ptr()
 
     def detach(self) -> None:
         if self._pinned_ptr is not None:
             self.stream.synchronize()
             torch.cuda.cudart().cudaHostUnregister(self._pinned_ptr)
             self._pinned_ptr = None
-        self._pages = None
-        if self._segment is not None:
-            try:
-                self._segment.close()
-            except BufferError:
-                pass
-        self._segment, self.pool = None, None
+        self.l2.detach()
 
     def _check(self, blocks: list[int], pages: list[int]) -> torch.Tensor:
-        if self._pages is None:
-            raise RuntimeError("no L2 pool is mapped")
-        if len(blocks) != len(pages):
-            raise ValueError(f"{len(blocks)} blocks but {len(pages)} pages")
-        if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):
-            raise ValueError(f"block index out of range [0, {self.num_blocks})")
-        if pages and (min(pages) < 0 or max(pages) >= self._pages.shape[0]):
-            raise ValueError(f"L2 page index out of range [0, {self._pages.shape[0]})")
-        return self._pages
+        return self.l2.check(blocks, pages, self.num_blocks)
 
     # ------------------------------------------------------------------ copies
     def start_load(self, pages: list[int], blocks: list[int]) -> int:

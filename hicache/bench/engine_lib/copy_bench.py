@@ -74,8 +74,8 @@ def make_rig(*, num_layers: int, kv_heads: int, block_size: int, head_dim: int, 
     seg = SharedSegment.create(name, l2_pages * page_bytes, directory)
     copier = BlockCopier(layers)
     copier.attach(PoolRef("bench", seg.name, seg.directory, l2_pages, page_bytes))
-    assert copier._pages is not None
-    pages = copier._pages
+    pages = copier.l2.tensor
+    assert pages is not None
     pages.view(bits).copy_(torch.randint(-(1 << 14), 1 << 14, pages.shape, generator=gen, dtype=bits))
     return CopyRig(layers, seg, pages, copier, page_bytes)
 
