@@ -286,7 +286,9 @@ class ControllerServer:
             error = None
             try:
                 if msg.op == "attach":
-                    settings = l3_settings_from_mapping(msg.args)
+                    if not isinstance(msg.args.get("l3"), dict):
+                        raise ValueError('attach needs args {"l3": <a cache.l3 section>}')
+                    settings = l3_settings_from_mapping(msg.args["l3"])
                     if settings is None:
                         self.storage.detach()
                     else:

@@ -83,7 +83,9 @@ class Cancel(ControllerMessage):
 @message("storage_admin")
 @dataclass(slots=True)
 class StorageAdmin(ControllerMessage):
-    """``op``: status | attach | detach | clear. Answered by ``StorageStatus``."""
+    """``op``: status | attach | detach | clear. Answered by ``StorageStatus``. ``attach``
+    takes ``args = {"l3": <a cache.l3 section, as in the YAML>}``, the shape the admin API's
+    ``AdminRequest`` carries (the scheduler forwards it unchanged)."""
 
     op_id: int
     op: str

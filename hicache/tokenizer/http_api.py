@@ -10,6 +10,7 @@ Routes::
     GET  /health                    readiness: {"status", "processes", "dead", "stale"}; 503 unless "ok"
     GET  /health?live=1             liveness: the same body, always 200
     GET  /metrics                   Prometheus exposition of all processes; 404 when disabled
+    GET  /openapi.json              the OpenAPI 3.1 document of these routes (hicache.tokenizer.openapi)
     GET  /cache/stats               AdminRequest op "stats"
     POST /cache/flush               AdminRequest op "flush" (L1 and L2; L3 is kept)
     GET  /cache/storage             AdminRequest op "storage_status"
@@ -76,6 +77,7 @@ from hicache.tokenizer.formats import (
     sse,
 )
 from hicache.tokenizer.generation import GenerationError, generate_steps
+from hicache.tokenizer.openapi import openapi_document
 from hicache.tokenizer.scheduler_link import SchedulerLink, SchedulerUnavailable, new_rid
 from hicache.tokenizer.validation import (
     ModelLimits,
@@ -161,6 +163,7 @@ class HttpApi:
         r.add_get("/v1/models/{model_id:.+}", self.model)
         r.add_get("/health", self.health)
         r.add_get("/metrics", self.metrics_route)
+        r.add_get("/openapi.json", self.openapi)
         r.add_get("/cache/stats", self._admin_route("stats"))
         r.add_post("/cache/flush", self._admin_route("flush"))
         r.add_get("/cache/storage", self._admin_route("storage_status"))
@@ -378,6 +381,10 @@ class HttpApi:
         if body is None:
             return web.Response(status=404, text="metrics are disabled (metrics.enabled: false)\n")
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        """``GET /openapi.json``: the OpenAPI document for this model (no scheduler involved)."""
+        return _json(openapi_document(self.limits))
 
     # ---- admin
 

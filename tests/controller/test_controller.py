@@ -146,10 +146,12 @@ def test_storage_admin_status_detach_attach(harness: ControllerHarness, tmp_path
     assert isinstance(st, protos.StorageStatus) and st.backend == "none"
     op = h.op_id()
     assert h.call(protos.PrefetchQuery(op, ["a" * 64])) == protos.PrefetchHits(op, 0)
-    st = h.call(protos.StorageAdmin(h.op_id(), "attach", {"backend": "file", "file": {"dir": str(tmp_path / "b")}}))
+    st = h.call(protos.StorageAdmin(h.op_id(), "attach", {"l3": {"backend": "file", "file": {"dir": str(tmp_path / "b")}}}))
     assert isinstance(st, protos.StorageStatus) and st.backend == "file" and st.error is None
-    st = h.call(protos.StorageAdmin(h.op_id(), "attach", {"backend": "redis", "redis": {"url": "http://x"}}))
+    st = h.call(protos.StorageAdmin(h.op_id(), "attach", {"l3": {"backend": "redis", "redis": {"url": "http://x"}}}))
     assert isinstance(st, protos.StorageStatus) and st.error and "cache.l3.redis.url" in st.error
+    st = h.call(protos.StorageAdmin(h.op_id(), "attach", {"backend": "file"}))  # not wrapped in "l3"
+    assert isinstance(st, protos.StorageStatus) and st.error and '"l3"' in st.error
     st = h.call(protos.StorageAdmin(h.op_id(), "frobnicate"))
     assert isinstance(st, protos.StorageStatus) and st.error and "unknown" in st.error
 
