@@ -31,7 +31,7 @@ import protos
 from hicache.engine_server.geometry import EngineKVGeometry
 from hicache.engine_server.leases import Lease, LeaseKind, LeaseTable
 from hicache.tier_manager import PrefetchTicket, TierManager
-from hicache.tree.cache import UnifiedRadixCache
+from hicache.tree.cache import MatchResult, UnifiedRadixCache
 from hicache.tree.integrity import IntegrityError
 from hicache.tree.node import KEY_TYPECODE
 
@@ -180,6 +180,7 @@ class CacheServer:
         query = _Query(peer, msg.req, msg.session, key, msg.cache_salt, self.clock() + self.defer_s)
         if slot in self._prefetches:
             return self._defer(slot, query)
+        match = None
         if msg.prefetch and self.tier is not None and self.tier.l3_enabled and slot not in self._prefetched:
             match = self.cache.match_prefix(key, msg.cache_salt)
             if len(key) > match.host_hit_length:
@@ -188,7 +189,7 @@ class CacheServer:
                 if ticket is not None and ticket.policy != "best_effort":
                     self._prefetches[slot] = ticket
                     return self._defer(slot, query)
-        return self._answer(query, 0)
+        return self._answer(query, 0, match)
 
     def _defer(self, slot: tuple[int, str], query: _Query) -> protos.Message | None:
         ticket = self._prefetches[slot]
@@ -223,9 +224,11 @@ class CacheServer:
     def deferred(self) -> int:
         return len(self._deferred)
 
-    def _answer(self, query: _Query, storage_pages: int) -> protos.Message:
-        """The L2 hit of the query's key now, locked under a lease (none for no hit)."""
-        match = self.cache.match_prefix(query.key, query.cache_salt)
+    def _answer(self, query: _Query, storage_pages: int, match: MatchResult | None = None) -> protos.Message:
+        """The L2 hit of the query's key now, locked under a lease (none for no hit);
+        ``match``: the key's match made a moment ago in this call, if any (not made twice)."""
+        if match is None:
+            match = self.cache.match_prefix(query.key, query.cache_salt)
         if match.host_hit_length == 0:
             return protos.LookupResult(query.req)
         node = match.last_host_node

@@ -277,6 +277,24 @@ _USAGE: Schema = {
     },
 }
 
+
+def _openai_response(obj: str, payload: str, payload_schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema of a non-streamed OpenAI completion object (``obj``) whose choices carry
+    ``payload`` (``text`` or ``message``, described by ``payload_schema``)."""
+    return {
+        "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"}, "object": {"const": obj}, "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "items": {
+                "type": "object", "required": ["index", payload, "logprobs", "finish_reason"],
+                "properties": {"index": {"type": "integer"}, **payload_schema, "logprobs": {"type": "null"},
+                               "finish_reason": {"type": ["string", "null"]}}}},
+            "usage": {"$ref": "#/components/schemas/Usage"},
+            "sglext": {"type": "object"},
+        },
+    }
+
 _COMPONENTS: dict[str, Schema] = {
     "Error": {
         "type": "object", "required": ["error"],
@@ -308,36 +326,11 @@ _COMPONENTS: dict[str, Schema] = {
                 }},
         },
     },
-    "Completion": {
-        "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
-        "properties": {
-            "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
-            "model": {"type": "string"},
-            "choices": {"type": "array", "items": {
-                "type": "object", "required": ["index", "text", "logprobs", "finish_reason"],
-                "properties": {"index": {"type": "integer"}, "text": {"type": "string"}, "logprobs": {"type": "null"},
-                               "finish_reason": {"type": ["string", "null"]}}}},
-            "usage": {"$ref": "#/components/schemas/Usage"},
-            "sglext": {"type": "object"},
-        },
-    },
-    "ChatCompletion": {
-        "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
-        "properties": {
-            "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
-            "model": {"type": "string"},
-            "choices": {"type": "array", "items": {
-                "type": "object", "required": ["index", "message", "logprobs", "finish_reason"],
-                "properties": {
-                    "index": {"type": "integer"},
-                    "message": {"type": "object", "required": ["role", "content"],
-                                "properties": {"role": {"const": "assistant"}, "content": {"type": "string"},
-                                               "refusal": {"type": "null"}}},
-                    "logprobs": {"type": "null"}, "finish_reason": {"type": ["string", "null"]}}}},
-            "usage": {"$ref": "#/components/schemas/Usage"},
-            "sglext": {"type": "object"},
-        },
-    },
+    "Completion": _openai_response("text_completion", "text", {"text": {"type": "string"}}),
+    "ChatCompletion": _openai_response("chat.completion", "message", {
+        "message": {"type": "object", "required": ["role", "content"],
+                    "properties": {"role": {"const": "assistant"}, "content": {"type": "string"},
+                                   "refusal": {"type": "null"}}}}),
     "Model": {
         "type": "object", "required": ["id", "object", "created", "owned_by", "max_model_len"],
         "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
