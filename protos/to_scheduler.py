@@ -16,7 +16,10 @@ class SchedulerMessage(Message):
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to pick tokens. ``temperature`` 0 means greedy; ``seed`` makes sampling repeatable."""
+    """How to pick tokens. ``temperature`` 0 means greedy; ``seed`` makes sampling repeatable.
+    Penalties 0 (``repetition_penalty`` 1) and ``min_p`` 0 are off; ``logprobs`` None = no
+    logprobs, k = the chosen token's and the k most likely ones (``TokenOutput.logprobs``).
+    Ranges: ``hicache.model.sampling_params``."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -25,6 +28,11 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logprobs: int | None = None
 
 
 # ---- from the tokenizer

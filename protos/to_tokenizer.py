@@ -41,7 +41,11 @@ class Usage:
 @message("token_output")
 @dataclass(slots=True)
 class TokenOutput(TokenizerMessage):
-    """New tokens of a request. ``finish_reason`` (stop | length | abort | error) when finished."""
+    """New tokens of a request. ``finish_reason`` (stop | length | abort | error) when finished.
+
+    With ``SamplingParams.logprobs`` set, three lists parallel to ``token_ids``:
+    ``logprobs[i]`` is token i's log-probability, ``top_ids[i]`` / ``top_logprobs[i]`` the
+    most likely ids and theirs (most likely first). Otherwise all three are None."""
 
     rid: str
     token_ids: list[int]
@@ -49,6 +53,9 @@ class TokenOutput(TokenizerMessage):
     finish_reason: str | None = None
     usage: Usage | None = None
     error: str | None = None
+    logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
 
 
 @message("admin_reply")

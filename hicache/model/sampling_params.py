@@ -31,7 +31,19 @@ value it cannot honour; bools never count as numbers, NaN and infinities are ref
 - ``max_new_tokens``: an integer in ``[1, MAX_NEW_TOKENS]`` (the scheduler's configured
   limit is lower and checked where it is known);
 - ``stop_token_ids``: integers in ``[0, 2**31)`` (``check_vocab`` bounds them by the
-  vocabulary).
+  vocabulary);
+- ``presence_penalty`` / ``frequency_penalty``: numbers in ``[-2, 2]`` (the OpenAI range;
+  ``0`` = off). A generated token's logit loses ``presence_penalty`` once it has appeared
+  in the output and ``frequency_penalty`` per appearance (at most ``2 * MAX_NEW_TOKENS``,
+  a finite float64);
+- ``repetition_penalty``: a number in ``[MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY]``
+  (``1`` = off): the logit of every token seen in the prompt or the output is divided by it
+  when positive, multiplied when negative (as in vLLM and SGLang). The bounds keep a float32
+  logit finite in float64 (``3.4e38 / 0.01``) and refuse values that only a mistake asks for;
+- ``min_p``: a number in ``[0, 1]`` (``0`` = off): after ``top_k`` / ``top_p``, tokens less
+  likely than ``min_p`` times the most likely one are dropped (the most likely is kept);
+- ``logprobs``: ``None`` (off) or an integer in ``[0, MAX_LOGPROBS]``: each generated token
+  comes with its own log-probability and the ``logprobs`` most likely alternatives.
 """
 
 from __future__ import annotations
@@ -53,6 +65,13 @@ MAX_SEED = 2**63 - 1
 """The largest seed."""
 MAX_TOKEN_ID = 2**31 - 1
 """The largest token id (before the vocabulary check)."""
+MAX_PENALTY = 2.0
+"""The bound of ``presence_penalty`` and ``frequency_penalty`` (either sign)."""
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
+"""The range of ``repetition_penalty``."""
+MAX_LOGPROBS = 20
+"""The most alternatives a token's logprobs list (vLLM's default ``max_logprobs``)."""
 
 
 class SamplingParamError(ValueError):
@@ -96,7 +115,8 @@ def _finite_float(v: object) -> float | None:
 class SamplingParams:
     """``top_k`` 0 = off; ``top_p`` 1.0 = off; ``seed`` None = a fresh random seed per request
     (so not reproducible). ``stop_token_ids`` end generation and are included in the output;
-    ``ignore_eos`` drops the model's own end-of-sequence ids from the stop set.
+    ``ignore_eos`` drops the model's own end-of-sequence ids from the stop set. Penalties,
+    ``min_p`` and ``logprobs``: module docstring.
 
     Construction refuses every value outside the ranges of the module docstring with a
     ``SamplingParamError`` naming the parameter; ``temperature`` and ``top_p`` are stored as
@@ -109,6 +129,11 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
@@ -137,6 +162,26 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(stops))
         if not isinstance(self.ignore_eos, bool):
             raise SamplingParamError("ignore_eos", f"must be true or false, got {shown(self.ignore_eos)}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            self._number(name, -MAX_PENALTY, MAX_PENALTY)
+        self._number("repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
+        self._number("min_p", 0.0, 1.0)
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise SamplingParamError(
+                "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] (or absent), got {shown(self.logprobs)}")
+
+    def _number(self, name: str, low: float, high: float) -> None:
+        """Check the float field ``name`` is in ``[low, high]`` and store it as a float."""
+        value = getattr(self, name)
+        f = _finite_float(value)
+        if f is None or not low <= f <= high:
+            raise SamplingParamError(name, f"must be a number in [{low:g}, {high:g}], got {shown(value)}")
+        object.__setattr__(self, name, f + 0.0)
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty changes the logits."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:

@@ -81,7 +81,7 @@ from hicache.config import STATE_SLOTS_PER_REQUEST, HicacheConfig
 from hicache.memory.allocator import PageAllocator
 from hicache.model.loader import LoadedModel
 from hicache.model.runner import ForwardItem, ModelRunner
-from hicache.model.sampling import sample_next
+from hicache.model.sampling import PenaltyState, sample_next, token_logprobs
 from hicache.model.sampling_params import SamplingParams, finish_reason, resolve_seed
 from hicache.scheduler.queue_policy import order_waiting
 from hicache.scheduler.request import LOADING, PREFETCH, RUNNING, WAITING, Request
@@ -209,8 +209,11 @@ class Scheduler:
                 f"prompt of {len(msg.input_ids)} tokens + max_new_tokens {s.max_new_tokens} exceeds the "
                 f"model's context of {self.max_context}")
         try:
-            params = SamplingParams(s.max_new_tokens, s.temperature, s.top_k, s.top_p, s.seed,
-                                    tuple(s.stop_token_ids), s.ignore_eos)
+            params = SamplingParams(
+                max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                seed=s.seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+                presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                repetition_penalty=s.repetition_penalty, min_p=s.min_p, logprobs=s.logprobs)
             params.check_vocab(self.vocab_size)
         except ValueError as exc:
             raise RequestRejected(str(exc)) from None
@@ -736,17 +739,39 @@ class Scheduler:
             self.cache.cache_unfinished_req(req.tree, committed_len=req.computed)  # type: ignore[arg-type]
 
     def _append_token(self, req: Request, logits: torch.Tensor) -> None:
-        token = sample_next(logits, req.params, req.seed, len(req.output_ids))
+        params = req.params
+        if params.penalized and req.penalties is None:
+            req.penalties = PenaltyState(req.input_ids, logits.numel())
+        token = sample_next(logits, params, req.seed, len(req.output_ids), req.penalties)
         req.output_ids.append(token)
+        if req.penalties is not None:
+            req.penalties.add(token)
+        if params.logprobs is not None:
+            chosen, ids, values = token_logprobs(logits, token, params.logprobs)
+            req.logprobs.append(chosen)
+            req.top_ids.append(ids)
+            req.top_logprobs.append(values)
         if req.first_token_at is None:
             req.first_token_at = self.clock()
         self.counters.generation_tokens += 1
-        reason = finish_reason(req.output_ids, req.params, self.eos_token_ids)
+        reason = finish_reason(req.output_ids, params, self.eos_token_ids)
         if reason is not None:
             self._finish(req, reason)
         elif req.stream or req.sent_tokens == 0:  # non-streaming: the first token at once (TTFT)
-            self.emit(protos.TokenOutput(req.rid, req.output_ids[req.sent_tokens:]))
-            req.sent_tokens = len(req.output_ids)
+            self.emit(self._unsent(req))
+
+    @staticmethod
+    def _unsent(req: Request, finished: bool = False, reason: str | None = None,
+                usage: protos.Usage | None = None, error: str | None = None) -> protos.TokenOutput:
+        """The output of the tokens not sent yet (with their logprobs when asked); marks them sent."""
+        start = req.sent_tokens
+        req.sent_tokens = len(req.output_ids)
+        out = protos.TokenOutput(req.rid, req.output_ids[start:], finished, reason, usage, error)
+        if req.params.logprobs is not None:
+            out.logprobs = req.logprobs[start:]
+            out.top_ids = req.top_ids[start:]
+            out.top_logprobs = req.top_logprobs[start:]
+        return out
 
     # ------------------------------------------------------------------ finishing
     def _hand_over_state(self, req: Request) -> None:
@@ -839,7 +864,5 @@ class Scheduler:
             self.counters.requests_ok += 1
         usage = protos.Usage(req.prompt_len, len(req.output_ids), req.cached_device, req.cached_host,
                              req.cached_storage, *self._timings_ms(req))
-        tokens = req.output_ids[req.sent_tokens:]
-        req.sent_tokens = len(req.output_ids)
         req.finished = True
-        self.emit(protos.TokenOutput(req.rid, tokens, True, reason, usage, error))
+        self.emit(self._unsent(req, True, reason, usage, error))

@@ -33,6 +33,7 @@ import time
 from array import array
 from dataclasses import dataclass, field
 
+from hicache.model.sampling import PenaltyState
 from hicache.model.sampling_params import SamplingParams
 from hicache.tier_manager import LoadTicket, PrefetchTicket
 from hicache.tree.cache import LockToken, RequestState
@@ -71,6 +72,12 @@ class Request:
     load_sent_at: float | None = None
     load_done_at: float | None = None
     sent_tokens: int = 0
+    penalties: PenaltyState | None = None
+    """Built on the first sampled token when ``params.penalized``."""
+    logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    """Parallel to ``output_ids`` when ``params.logprobs`` is set (``sample.token_logprobs``)."""
     finished: bool = False
     """Its final output has been emitted (by ``Scheduler._finish`` or ``_fail_request``)."""
 

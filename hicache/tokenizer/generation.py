@@ -25,7 +25,8 @@ asks the scheduler for one ``TokenOutput`` per step, see ``PreparedRequest.to_me
 the abort reaches the scheduler as soon as the text shows one. The ids after the token that
 completed the stop string (the scheduler may have sent a few more meanwhile) are dropped:
 the output ids are exactly the ones that spell the returned text, the stop string and the
-rest of that last token.
+rest of that last token. Logprob entries (when asked) travel with their ids and are cut the
+same way.
 
 Usage of the last step: ``prompt_tokens`` and the ``cached_*`` split from the scheduler's
 latest ``Usage`` (``prompt_tokens`` falls back to the prompt's length when the scheduler did
@@ -40,7 +41,7 @@ from collections.abc import AsyncIterator
 import protos
 from hicache.metrics import RequestTracker, TokenCounts
 from hicache.text import Tokenizer
-from hicache.tokenizer.formats import Step
+from hicache.tokenizer.formats import Step, TokenLogprob, token_logprobs
 from hicache.tokenizer.scheduler_link import SchedulerLink
 from hicache.tokenizer.textstream import OutputText
 from hicache.tokenizer.validation import PreparedRequest
@@ -65,6 +66,7 @@ async def generate_steps(link: SchedulerLink, tokenizer: Tokenizer, req: Prepare
     channel = link.generate(req.to_message())
     text = OutputText(tokenizer, req.stop, incremental=req.stream, keep_stop=req.keep_stop)
     all_ids: list[int] = []
+    all_logprobs: list[TokenLogprob] = []
     usage: protos.Usage | None = None
     ended = False
     try:
@@ -77,8 +79,10 @@ async def generate_steps(link: SchedulerLink, tokenizer: Tokenizer, req: Prepare
                 raise GenerationError(out.error or "the scheduler failed the request")
             piece, stopped = text.push(out.token_ids)
             ids = out.token_ids[:text.used]
+            logprobs = token_logprobs(out)[:text.used]
             tracker.tokens(len(ids))
             all_ids.extend(ids)
+            all_logprobs.extend(logprobs)
             if stopped or out.finished:
                 ended = True
                 if stopped:
@@ -92,12 +96,12 @@ async def generate_steps(link: SchedulerLink, tokenizer: Tokenizer, req: Prepare
                     final.prompt_tokens, final.completion_tokens, final.cached_device, final.cached_host,
                     final.cached_storage))
                 if req.stream:
-                    yield Step(piece, ids, reason, final)
+                    yield Step(piece, ids, reason, final, logprobs)
                 else:  # nothing was yielded before: the whole output at once
-                    yield Step(text.text, all_ids, reason, final)
+                    yield Step(text.text, all_ids, reason, final, all_logprobs)
                 return
             if req.stream and (piece or ids):
-                yield Step(piece, ids)
+                yield Step(piece, ids, logprobs=logprobs)
     finally:
         channel.close()
         if not ended:

@@ -50,19 +50,21 @@ fails) and ``generate_steps`` sends ``AbortRequest(rid)``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import hmac
 import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
 
+import protos
 from hicache.config import HicacheConfig
 from hicache.metrics import CONTENT_TYPE, Metrics, RequestTracker, render_metrics
 from hicache.text import Tokenizer
@@ -73,6 +75,8 @@ from hicache.tokenizer.formats import (
     GenerateFormat,
     GenerationResult,
     ResponseFormat,
+    Step,
+    combined_usage,
     error_body,
     sse,
 )
@@ -288,7 +292,8 @@ class HttpApi:
                     tracker.finish("invalid" if exc.status < 500 else "error")
                     raise
                 fmt = fmt_cls(req.rid, req.model or self.limits.name, req.include_usage,
-                              cache_details=req.cache_details)
+                              cache_details=req.cache_details, tokenizer=self.tokenizer,
+                              wants_logprobs=req.logprobs, logprob_text=req.logprob_text)
                 return await self._generate(request, req, fmt, tracker)
 
         return handler
@@ -298,36 +303,66 @@ class HttpApi:
 
     async def _generate(self, request: web.Request, req: PreparedRequest, fmt: ResponseFormat,
                         tracker: RequestTracker) -> web.StreamResponse:
-        async with aclosing(generate_steps(self.link, self.tokenizer, req, tracker)) as steps:
-            # The first step is awaited before any byte is sent, so that a refusal or a failure
-            # before the first token is still a plain HTTP error.
-            try:
-                first = await anext(steps)
-            except SchedulerUnavailable as exc:
-                raise RequestError(str(exc), 503, "unavailable") from None
-            except GenerationError as exc:
-                raise RequestError(str(exc), 500, "server_error") from None
-            if not req.stream:
-                if first.finish_reason is None or first.usage is None:  # generate_steps' contract broken
-                    raise RequestError("the request ended without a final output", 500, "server_error")
-                result = GenerationResult(req.rid, first.text, first.token_ids, first.finish_reason, first.usage)
-                return _json(fmt.full(result))
-            resp = web.StreamResponse(headers={
-                "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            await resp.prepare(request)
-            for chunk in fmt.chunks(first):
-                await resp.write(sse(chunk))
-            if first.finish_reason is None:
+        """Run the request's samples (``PreparedRequest.samples``: one, or ``n``) and answer.
+
+        Each sample is its own scheduler request and counts as one request in the metrics
+        (sample 0 on the route's ``tracker``). The first step of any sample is awaited
+        before a byte is sent, so that a refusal or a failure before the first token is
+        still a plain HTTP error; a sample failing later fails the whole response (the
+        others are aborted)."""
+        samples = req.samples()
+        with contextlib.ExitStack() as more:
+            trackers = [tracker, *(more.enter_context(self.metrics.track_request()) for _ in samples[1:])]
+            streams = [generate_steps(self.link, self.tokenizer, s, t) for s, t in zip(samples, trackers, strict=True)]
+            async with aclosing(_merged(streams)) as steps:
                 try:
-                    async for step in steps:
-                        for chunk in fmt.chunks(step):
-                            await resp.write(sse(chunk))
+                    first = await anext(steps)
+                    if not req.stream:
+                        finals = {first[0]: first[1]}
+                        async for i, step in steps:
+                            finals[i] = step
+                except SchedulerUnavailable as exc:
+                    raise RequestError(str(exc), 503, "unavailable") from None
                 except GenerationError as exc:
-                    tracker.finish("error")
-                    await resp.write(sse(error_body(str(exc), 500, "server_error")))
-            await resp.write(SSE_DONE)
-            await resp.write_eof()
-            return resp
+                    raise RequestError(str(exc), 500, "server_error") from None
+                if not req.stream:
+                    return _json(fmt.full([self._result(samples[i], finals.get(i)) for i in range(len(samples))]))
+                return await self._stream(request, fmt, first, steps, len(samples))
+
+    @staticmethod
+    def _result(sample: PreparedRequest, step: Step | None) -> GenerationResult:
+        if step is None or step.finish_reason is None or step.usage is None:  # generate_steps' contract broken
+            raise RequestError("the request ended without a final output", 500, "server_error")
+        return GenerationResult(sample.rid, step.text, step.token_ids, step.finish_reason, step.usage, step.logprobs)
+
+    async def _stream(self, request: web.Request, fmt: ResponseFormat, first: tuple[int, Step],
+                      steps: AsyncIterator[tuple[int, Step]], n: int) -> web.StreamResponse:
+        """Send the chunks of every sample as they come, then the format's tail once every
+        sample has its usage; a failure after the first chunk is an error event."""
+        resp = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        usages: dict[int, protos.Usage] = {}
+
+        async def send(index: int, step: Step) -> None:
+            if step.usage is not None:
+                usages[index] = step.usage
+            for chunk in fmt.chunks(step, index):
+                await resp.write(sse(chunk))
+
+        await send(*first)
+        try:
+            async for index, step in steps:
+                await send(index, step)
+        except GenerationError as exc:
+            await resp.write(sse(error_body(str(exc), 500, "server_error")))
+        else:
+            if len(usages) == n:
+                for chunk in fmt.tail(combined_usage([usages[i] for i in range(n)])):
+                    await resp.write(sse(chunk))
+        await resp.write(SSE_DONE)
+        await resp.write_eof()
+        return resp
 
     # ---- info
 
@@ -416,6 +451,49 @@ class HttpApi:
     async def storage_attach(self, request: web.Request) -> web.Response:
         args = parse_storage_config(await self._read_json(request), self.config)
         return await self._admin("storage_attach", args)
+
+
+_DONE = object()
+
+
+async def _merged(streams: list[AsyncIterator[Step]]) -> AsyncIterator[tuple[int, Step]]:
+    """The steps of several samples as ``(index, step)``, in the order they come. One stream
+    is iterated directly; several run as tasks. The first exception of any ends the merge
+    (re-raised here); leaving early cancels the rest, and each stream is closed
+    (``aclosing``), which sends its abort."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for step in only:
+                yield 0, step
+        return
+    queue: asyncio.Queue[tuple[int, Step | None, object]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[Step]) -> None:
+        try:
+            async with aclosing(stream) as steps:
+                async for step in steps:
+                    await queue.put((index, step, None))
+        except Exception as exc:  # handed to the consumer, which re-raises it
+            await queue.put((index, None, exc))
+        else:
+            await queue.put((index, None, _DONE))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, step, outcome = await queue.get()
+            if outcome is _DONE:
+                running -= 1
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                assert step is not None
+                yield index, step
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _answer_and_close(request: web.Request, resp: web.Response) -> web.Response:

@@ -26,7 +26,16 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from hicache.model.sampling_params import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE
+from hicache.model.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_SEED,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
+)
 from hicache.tokenizer import validation as v
 from hicache.tokenizer.validation import ModelLimits
 
@@ -103,7 +112,16 @@ def _sampling_props(limits: ModelLimits) -> dict[str, Schema]:
              "items": {"type": "string", "minLength": 1, "maxLength": v.MAX_STOP_LENGTH}}]}),
         "stop_token_ids": _nullable({"type": "array", "items": token}),
         "ignore_eos": _nullable({"type": "boolean"}),
+        "presence_penalty": _nullable({"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}),
+        "frequency_penalty": _nullable({"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}),
+        "repetition_penalty": _nullable({"type": "number", "minimum": MIN_REPETITION_PENALTY,
+                                         "maximum": MAX_REPETITION_PENALTY, "description": "1 = off"}),
+        "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1, "description": "0 = off"}),
     }
+
+
+def _logprobs_count(description: str) -> Schema:
+    return _nullable(_int(0, MAX_LOGPROBS, description=description))
 
 
 def _max_tokens(limits: ModelLimits) -> Schema:
@@ -127,11 +145,7 @@ def generate_body(limits: ModelLimits) -> Schema:
         "spaces_between_special_tokens": _nullable({"type": "boolean"}),
         "stream_interval": _nullable({"type": "integer"}),
         "min_new_tokens": _neutral(0, description="0"),
-        "n": _neutral(1, description="1"),
-        "min_p": _neutral(0, description="0"),
-        "frequency_penalty": _neutral(0, description="0"),
-        "presence_penalty": _neutral(0, description="0"),
-        "repetition_penalty": _neutral(1, description="1"),
+        "n": _neutral(1, description="1; the OpenAI routes take n"),
         **{name: _never("constrained decoding") for name in ("json_schema", "regex", "ebnf", "structural_tag")},
         "stop_regex": _empty_or_null(),
         "logit_bias": _empty_or_null(),
@@ -146,10 +160,12 @@ def generate_body(limits: ModelLimits) -> Schema:
         "stream": _nullable({"type": "boolean"}),
         "cache_salt": _salt(),
         "rid": _nullable({"type": "string", "description": "ignored (the server names requests)"}),
-        "return_logprob": _neutral(False, description="false"),
-        "logprob_start_len": _nullable({"type": "integer"}),
-        "top_logprobs_num": _nullable({"type": "integer"}),
-        "token_ids_logprob": _nullable({"type": "array", "items": {"type": "integer"}}),
+        "return_logprob": _nullable({"type": "boolean", "description": "logprobs of the output tokens"}),
+        "logprob_start_len": _nullable({"type": "integer", "description": "with return_logprob only -1 "
+                                                                           "(prompt logprobs are not implemented)"}),
+        "top_logprobs_num": _logprobs_count("alternatives per output token (with return_logprob)"),
+        "token_ids_logprob": _nullable({"type": "array", "items": {"type": "integer"},
+                                        "description": "with return_logprob only empty"}),
         "return_text_in_logprobs": _nullable({"type": "boolean"}),
         "return_hidden_states": _neutral(False, description="false"),
         "return_routed_experts": _neutral(False, description="false"),
@@ -183,16 +199,12 @@ def _openai_common(limits: ModelLimits) -> dict[str, Schema]:
         "model": {"enum": [*limits.names, "", None],
                   "description": "one of the served names; empty or absent: the first; any other name: 404"},
         "max_tokens": _max_tokens(limits),
-        "n": _neutral(1, description="1"),
+        "n": _nullable(_int(1, v.MAX_N, description="independent samples; with a seed, sample i uses seed + i")),
         "stream": _nullable({"type": "boolean"}),
         "stream_options": _nullable(_object(
             {"include_usage": _nullable({"type": "boolean"}), "continuous_usage_stats": _nullable({"type": "boolean"})},
             ("include_usage", "continuous_usage_stats"))),
         "user": _nullable({"type": "string"}),
-        "presence_penalty": _neutral(0, description="0"),
-        "frequency_penalty": _neutral(0, description="0"),
-        "repetition_penalty": _neutral(1, description="1"),
-        "min_p": _neutral(0, description="0"),
         "logit_bias": {"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}],
                        "description": "not implemented; only {} or null"},
         "cache_salt": _salt(),
@@ -211,7 +223,7 @@ def completion_body(limits: ModelLimits) -> Schema:
         "echo": _neutral(False, description="false"),
         "best_of": _neutral(1, description="1"),
         "suffix": _neutral("", description='""'),
-        "logprobs": _never("logprobs"),
+        "logprobs": _logprobs_count("the chosen token's logprob and this many alternatives per token"),
     }
     return _object(props, v._COMPLETION_FIELDS, required=("prompt",))
 
@@ -232,8 +244,8 @@ def chat_body(limits: ModelLimits) -> Schema:
         **_openai_common(limits),
         "messages": {"type": "array", "minItems": 1, "items": message},
         "max_completion_tokens": _max_tokens(limits),
-        "logprobs": _neutral(False, description="false"),
-        "top_logprobs": _neutral(0, description="0"),
+        "logprobs": _nullable({"type": "boolean"}),
+        "top_logprobs": _logprobs_count("alternatives per token (needs logprobs: true)"),
         "response_format": {"anyOf": [{"type": "null"}, _object({"type": {"const": "text"}}, ("type",),
                                                                  required=("type",))],
                             "description": "only the text format"},
@@ -241,7 +253,9 @@ def chat_body(limits: ModelLimits) -> Schema:
         "tool_choice": _neutral("none", description='"none"'),
         "parallel_tool_calls": _nullable({"type": "boolean"}),
     }
-    return _object(props, v._CHAT_FIELDS, required=("messages",))
+    needs_logprobs = {"anyOf": [{"properties": {"top_logprobs": {"enum": [0, None]}}},
+                                {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}]}
+    return _object(props, v._CHAT_FIELDS, required=("messages",), dependentSchemas={"top_logprobs": needs_logprobs})
 
 
 def storage_body() -> Schema:
@@ -288,7 +302,8 @@ def _openai_response(obj: str, payload: str, payload_schema: dict[str, Any]) -> 
             "model": {"type": "string"},
             "choices": {"type": "array", "items": {
                 "type": "object", "required": ["index", payload, "logprobs", "finish_reason"],
-                "properties": {"index": {"type": "integer"}, **payload_schema, "logprobs": {"type": "null"},
+                "properties": {"index": {"type": "integer"}, **payload_schema,
+                               "logprobs": {"type": ["object", "null"], "description": "null unless asked"},
                                "finish_reason": {"type": ["string", "null"]}}}},
             "usage": {"$ref": "#/components/schemas/Usage"},
             "sglext": {"type": "object"},
@@ -323,6 +338,11 @@ _COMPONENTS: dict[str, Schema] = {
                     "timings_ms": {"type": "object", "required": ["queue", "load", "prefill"],
                                    "properties": {k: {"type": "number"} for k in ("queue", "load", "prefill")}},
                     "finish_reason": {"type": ["string", "null"]},
+                    "output_token_logprobs": {"type": "array", "description": "with return_logprob: "
+                                              "[logprob, id, text or null] per output token"},
+                    "output_top_logprobs": {"type": "array"},
+                    "input_token_logprobs": {"type": "array", "maxItems": 0},
+                    "input_top_logprobs": {"type": "array", "maxItems": 0},
                 }},
         },
     },

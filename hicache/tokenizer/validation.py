@@ -13,13 +13,20 @@ large for a float are refused, never converted. When a request does not say how 
 tokens to generate, it gets ``min(scheduler.default_max_new_tokens, room left in the
 context)``.
 
+Penalties (``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``), ``min_p``
+and logprobs are honoured on every route (completions ``logprobs: k``; chat ``logprobs:
+true`` with ``top_logprobs: k``; ``/generate`` SGLang's ``return_logprob`` with
+``top_logprobs_num: k``), ``k`` at most ``MAX_LOGPROBS``. The OpenAI routes take ``n`` in
+``[1, MAX_N]``: ``n`` independent samples of one prompt (``PreparedRequest.samples``; with a
+``seed``, sample ``i`` uses ``seed + i``).
+
 Unknown fields are refused (a typo must not silently change behaviour). Fields this server
-does not implement (OpenAI's ``n``, ``logprobs``, penalties; SGLang's ``regex``,
-``json_schema``, ``lora_path``, ``return_logprob`` ...) are accepted only with their neutral
-value (``n: 1``, ``presence_penalty: 0``, ``logprobs: null``, ``lora_path: null`` ...) and
-refused by name otherwise: a field that would change the result is never silently ignored.
-Fields that cannot change the result (SGLang's ``rid``, ``logprob_start_len``,
-``priority`` ...) are type-checked and ignored, as SGLang ignores them without logprobs.
+does not implement (OpenAI's ``logit_bias``, ``echo``; SGLang's ``regex``, ``json_schema``,
+``lora_path``, prompt logprobs, ``n`` on ``/generate`` ...) are accepted only with their
+neutral value (``logit_bias: {}``, ``lora_path: null``, ``n: 1`` ...) and refused by name
+otherwise: a field that would change the result is never silently ignored. Fields that
+cannot change the result (SGLang's ``rid``, ``priority`` ...) are type-checked and ignored,
+as SGLang ignores them.
 
 Every ``RequestError`` names the offending field in ``param`` (``sampling_params.top_p``,
 ``messages[0].content``, ``model`` ...; None when no single field is at fault). Text must
@@ -42,7 +49,7 @@ from typing import Any
 
 import protos
 from hicache.config import ConfigError, HicacheConfig, config_from_dict, to_dict
-from hicache.model.sampling_params import SamplingParamError, shown
+from hicache.model.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParamError, shown
 from hicache.model.sampling_params import SamplingParams as CheckedSampling
 from hicache.model.spec import spec_for
 from hicache.text import Tokenizer, TokenizerError
@@ -50,6 +57,8 @@ from hicache.text import Tokenizer, TokenizerError
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_CACHE_SALT_LENGTH = 256
+MAX_N = 128
+"""The most samples (OpenAI ``n``) one request may ask for (the OpenAI API's own bound)."""
 
 
 class RequestError(Exception):
@@ -116,6 +125,26 @@ class PreparedRequest:
     """SGLang ``no_stop_trim``: the text keeps the stop string that ended it."""
     cache_details: bool = False
     """SGLang ``return_cached_tokens_details`` on the OpenAI routes: add ``sglext``."""
+    n: int = 1
+    """OpenAI ``n``: how many samples of this prompt the response holds (``samples``)."""
+    logprob_text: bool = False
+    """SGLang ``return_text_in_logprobs``: the logprob entries of ``/generate`` carry the text."""
+
+    @property
+    def logprobs(self) -> bool:
+        return self.sampling.logprobs is not None
+
+    def samples(self) -> list[PreparedRequest]:
+        """The requests of the ``n`` samples: ``self`` when ``n == 1``; else one per sample,
+        ``{rid}-{i}``, with ``seed + i`` when a seed is set (``_finish`` checked it fits)."""
+        if self.n == 1:
+            return [self]
+        out = []
+        for i in range(self.n):
+            seed = None if self.sampling.seed is None else self.sampling.seed + i
+            sampling = dataclasses.replace(self.sampling, seed=seed, stop_token_ids=list(self.sampling.stop_token_ids))
+            out.append(dataclasses.replace(self, rid=f"{self.rid}-{i}", sampling=sampling, n=1))
+        return out
 
     def to_message(self) -> protos.GenerateRequest:
         """The scheduler's message. A request with stop strings is sent as streaming, whatever
@@ -292,6 +321,12 @@ class _Sampling:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logprobs: int | None = None
+    n: int = 1
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, what: str = "input_ids") -> None:
@@ -308,6 +343,9 @@ class _Extras:
     include_usage: bool = False
     keep_stop: bool = False
     cache_details: bool = False
+    logprob_text: bool = False
+    logprobs_field: str = "logprobs"
+    """The route's name of the number of alternatives (``top_logprobs`` in chat)."""
 
 
 def _finish(rid: str, input_ids: list[int], s: _Sampling, limits: ModelLimits, *, stop: tuple[str, ...],
@@ -315,7 +353,9 @@ def _finish(rid: str, input_ids: list[int], s: _Sampling, limits: ModelLimits, *
             where: str = "", prompt_field: str | None = None) -> PreparedRequest:
     """The checks every route shares. ``field`` is the route's name for the token budget,
     ``where`` the prefix of its sampling fields (``sampling_params.`` or nothing),
-    ``prompt_field`` the field that holds the prompt (the ``param`` of prompt errors)."""
+    ``prompt_field`` the field that holds the prompt (the ``param`` of prompt errors).
+    The sampling parameters are checked by ``CheckedSampling`` (their one definition) and
+    sent field by field under the same names."""
     n = len(input_ids)
     if n == 0:
         raise RequestError("the prompt is empty", param=prompt_field)
@@ -335,18 +375,21 @@ def _finish(rid: str, input_ids: list[int], s: _Sampling, limits: ModelLimits, *
         raise RequestError(
             f"the prompt ({n} tokens) plus {field} ({max_new}) exceeds the model's context of "
             f"{limits.max_context} tokens", param=field)
+    given = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name not in ("max_new_tokens", "n")}
     try:
-        checked = CheckedSampling(max_new, s.temperature, s.top_k, s.top_p, s.seed, s.stop_token_ids, s.ignore_eos)
+        checked = CheckedSampling(max_new_tokens=max_new, **given)
         checked.check_vocab(limits.vocab_size)
     except SamplingParamError as exc:
-        name = field if exc.field == "max_new_tokens" else where + exc.field
+        name = {"max_new_tokens": field, "logprobs": extras.logprobs_field}.get(exc.field, where + exc.field)
         raise RequestError(f"{name} {exc.detail}", param=name) from None
-    sampling = protos.SamplingParams(
-        max_new_tokens=checked.max_new_tokens, temperature=float(checked.temperature), top_p=float(checked.top_p),
-        top_k=checked.top_k, seed=checked.seed, stop_token_ids=list(checked.stop_token_ids),
-        ignore_eos=checked.ignore_eos)
+    if checked.seed is not None and checked.seed + s.n - 1 > MAX_SEED:
+        raise RequestError(f"{where}seed must be <= 2**63 - n = {MAX_SEED - s.n + 1} with n = {s.n} "
+                           "(sample i uses seed + i)", param=where + "seed")
+    values = dataclasses.asdict(checked)
+    values["stop_token_ids"] = list(checked.stop_token_ids)
+    sampling = protos.SamplingParams(**values)
     return PreparedRequest(rid, input_ids, sampling, stop, stream, cache_salt, extras.include_usage, extras.model,
-                           extras.keep_stop, extras.cache_details)
+                           extras.keep_stop, extras.cache_details, s.n, extras.logprob_text)
 
 
 def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -388,11 +431,11 @@ def _sglang_fields(f: _Fields) -> None:
     if isinstance(rid, list):
         raise f.error("rid", "is a list: batches are not supported (send one request per prompt)")
     f.get_str("rid")
-    f.neutral("return_logprob", lambda v: v is False, "logprobs are not implemented")
+    if f.get_bool("return_logprob"):  # the output's logprobs are honoured, the prompt's are not
+        f.neutral("logprob_start_len", lambda v: v == -1, "prompt logprobs are not implemented: only -1")
+        f.neutral("token_ids_logprob", _empty, "logprobs of chosen ids are not implemented")
     f.get_int("logprob_start_len")
-    f.get_int("top_logprobs_num")
     f.int_list("token_ids_logprob")
-    f.get_bool("return_text_in_logprobs")
     f.neutral("return_hidden_states", lambda v: v is False, "hidden states are not returned")
     f.neutral("return_routed_experts", lambda v: v is False, "routed experts are not returned")
     modalities = f.data.get("modalities")
@@ -425,12 +468,8 @@ def _sglang_fields(f: _Fields) -> None:
 
 def _sglang_sampling(sp: _Fields) -> None:
     """SGLang's sampling fields that this server does not implement: neutral values only."""
-    sp.neutral("n", lambda v: v == 1, "only n = 1")
+    sp.neutral("n", lambda v: v == 1, "only n = 1 on /generate; the OpenAI routes take n")
     sp.neutral("min_new_tokens", lambda v: v == 0, "min_new_tokens is not implemented")
-    sp.neutral("min_p", lambda v: v == 0, "min_p is not implemented")
-    sp.neutral("frequency_penalty", lambda v: v == 0, "penalties are not implemented")
-    sp.neutral("presence_penalty", lambda v: v == 0, "penalties are not implemented")
-    sp.neutral("repetition_penalty", lambda v: v == 1, "penalties are not implemented")
     for name in ("json_schema", "regex", "ebnf", "structural_tag"):
         sp.neutral(name, lambda v: False, "constrained decoding is not implemented")
     sp.neutral("stop_regex", _empty, "stop_regex is not implemented")
@@ -463,6 +502,11 @@ def parse_generate(data: dict[str, Any], rid: str, tokenizer: Tokenizer, limits:
     sp = _Fields(data.get("sampling_params") or {}, _GENERATE_SAMPLING, "sampling_params.")
     _sglang_sampling(sp)
     s = _sampling(sp, "max_new_tokens", default_temperature=0.0)
+    top = f.get_int("top_logprobs_num")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise f.error("top_logprobs_num", f"must be an integer in [0, {MAX_LOGPROBS}], got {shown(top)}")
+    if f.get_bool("return_logprob"):
+        s = dataclasses.replace(s, logprobs=top or 0)
     sampling_seed = sp.get_int("sampling_seed")
     if sampling_seed is not None:
         if s.seed is not None and s.seed != sampling_seed:
@@ -473,7 +517,9 @@ def parse_generate(data: dict[str, Any], rid: str, tokenizer: Tokenizer, limits:
     if extra_key:
         salt = f"{salt}\x00extra_key={extra_key}"
     return _finish(rid, input_ids, s, limits, stop=sp.stop_strings("stop"), stream=f.get_bool("stream"),
-                   cache_salt=salt, extras=_Extras(keep_stop=sp.get_bool("no_stop_trim")),
+                   cache_salt=salt, extras=_Extras(keep_stop=sp.get_bool("no_stop_trim"),
+                                                   logprob_text=f.get_bool("return_text_in_logprobs"),
+                                                   logprobs_field="top_logprobs_num"),
                    field="sampling_params.max_new_tokens", where="sampling_params.",
                    prompt_field="text" if text is not None else "input_ids")
 
@@ -493,6 +539,10 @@ def _sampling(f: _Fields, max_tokens_field: str, *, default_temperature: float) 
         seed=f.get_int("seed"),
         stop_token_ids=tuple(f.int_list("stop_token_ids")),
         ignore_eos=f.get_bool("ignore_eos"),
+        presence_penalty=_or(f.get_number("presence_penalty"), 0.0),
+        frequency_penalty=_or(f.get_number("frequency_penalty"), 0.0),
+        repetition_penalty=_or(f.get_number("repetition_penalty"), 1.0),
+        min_p=_or(f.get_number("min_p"), 0.0),
     )
 
 
@@ -526,13 +576,12 @@ def served_model(f: _Fields, limits: ModelLimits) -> str:
 def _openai_sampling(f: _Fields, max_tokens_field: str = "max_tokens") -> _Sampling:
     """Sampling fields of an OpenAI body; temperature defaults to 1.0 as in the OpenAI API."""
     f.get_str("user")
-    f.neutral("n", lambda v: v == 1, "only n = 1")
-    f.neutral("presence_penalty", lambda v: v == 0, "penalties are not implemented")
-    f.neutral("frequency_penalty", lambda v: v == 0, "penalties are not implemented")
-    f.neutral("repetition_penalty", lambda v: v == 1, "penalties are not implemented")
-    f.neutral("min_p", lambda v: v == 0, "min_p is not implemented")
     f.neutral("logit_bias", lambda v: v == {}, "logit_bias is not implemented")
-    return _sampling(f, max_tokens_field, default_temperature=1.0)
+    s = _sampling(f, max_tokens_field, default_temperature=1.0)
+    n = _or(f.get_int("n"), 1)
+    if not 1 <= n <= MAX_N:
+        raise f.error("n", f"must be an integer in [1, {MAX_N}], got {shown(n)}")
+    return dataclasses.replace(s, n=n)
 
 
 def _openai_extras(f: _Fields, model: str) -> tuple[bool, _Extras]:
@@ -553,7 +602,6 @@ def parse_completion(data: dict[str, Any], rid: str, tokenizer: Tokenizer, limit
     f.neutral("echo", lambda v: v is False, "echo is not implemented")
     f.neutral("best_of", lambda v: v == 1, "only best_of = 1")
     f.neutral("suffix", lambda v: v == "", "suffix is not implemented")
-    f.neutral("logprobs", lambda v: False, "logprobs are not implemented")
     prompt = data.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -566,7 +614,7 @@ def parse_completion(data: dict[str, Any], rid: str, tokenizer: Tokenizer, limit
     else:
         raise RequestError(f"prompt must be a string or an array of token ids, got {_json_type(prompt)}",
                            param="prompt")
-    s = _openai_sampling(f)
+    s = dataclasses.replace(_openai_sampling(f), logprobs=f.get_int("logprobs"))
     stream, extras = _openai_extras(f, model)
     return _finish(rid, input_ids, s, limits, stop=f.stop_strings("stop"), stream=stream,
                    cache_salt=f.get_str("cache_salt", "", MAX_CACHE_SALT_LENGTH) or "", extras=extras,
@@ -596,8 +644,6 @@ def parse_chat(data: dict[str, Any], rid: str, tokenizer: Tokenizer, limits: Mod
     """``POST /v1/chat/completions``: ``messages`` rendered with the tokenizer's chat template."""
     f = _Fields(data, _CHAT_FIELDS)
     model = served_model(f, limits)
-    f.neutral("logprobs", lambda v: v is False, "logprobs are not implemented")
-    f.neutral("top_logprobs", lambda v: v == 0, "logprobs are not implemented")
     f.neutral("response_format", lambda v: v == {"type": "text"}, "only the text response format")
     f.neutral("tools", lambda v: v == [], "tool calls are not implemented")
     f.neutral("tool_choice", lambda v: v == "none", "tool calls are not implemented")
@@ -620,7 +666,13 @@ def parse_chat(data: dict[str, Any], rid: str, tokenizer: Tokenizer, limits: Mod
         raise RequestError(f"messages: {exc}", param="messages") from None
     field = "max_completion_tokens" if f.has("max_completion_tokens") else "max_tokens"
     s = _openai_sampling(f, field)
+    top = f.get_int("top_logprobs")
+    if f.get_bool("logprobs"):
+        s = dataclasses.replace(s, logprobs=0 if top is None else top)
+    elif top:
+        raise f.error("top_logprobs", "needs logprobs: true")
     stream, extras = _openai_extras(f, model)
+    extras = dataclasses.replace(extras, logprobs_field="top_logprobs")
     return _finish(rid, input_ids, s, limits, stop=f.stop_strings("stop"), stream=stream,
                    cache_salt=f.get_str("cache_salt", "", MAX_CACHE_SALT_LENGTH) or "", extras=extras,
                    field=field, prompt_field="messages")

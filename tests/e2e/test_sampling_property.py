@@ -27,13 +27,15 @@ MAX_NEW = 4
 ROUTES: dict[str, tuple[dict[str, Any], str | None, tuple[str, ...]]] = {
     # route -> (body without sampling fields, object holding them (None: the body), fields)
     "/generate": ({"input_ids": [5, 6, 7, 8, 9]}, "sampling_params",
-                  ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")),
-    "/v1/completions": ({"prompt": "hello"}, None,
+                  ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")),
+    "/v1/completions": ({"prompt": "hello", "logprobs": 2}, None,
                         ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos",
-                         "n", "presence_penalty", "frequency_penalty")),
-    "/v1/chat/completions": ({"messages": [{"role": "user", "content": "hello"}]}, None,
+                         "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logprobs")),
+    "/v1/chat/completions": ({"messages": [{"role": "user", "content": "hello"}], "logprobs": True}, None,
                              ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
-                              "stop_token_ids", "ignore_eos", "n", "presence_penalty", "frequency_penalty")),
+                              "stop_token_ids", "ignore_eos", "n", "presence_penalty", "frequency_penalty",
+                              "repetition_penalty", "min_p", "top_logprobs")),
 }
 BUDGET = {"/generate": "max_new_tokens", "/v1/completions": "max_tokens", "/v1/chat/completions": "max_tokens"}
 
@@ -52,7 +54,8 @@ number = st.one_of(
     st.integers(min_value=-3, max_value=600),
 )
 value = st.one_of(number, st.lists(number, max_size=3))  # lists for stop_token_ids (and wrong elsewhere)
-PLAIN: dict[str, list[Any]] = {"temperature": [0, 0.7, 1.0], "top_p": [1.0, 0.9], "top_k": [0, 20], "seed": [1, 42]}
+PLAIN: dict[str, list[Any]] = {"temperature": [0, 0.7, 1.0], "top_p": [1.0, 0.9], "top_k": [0, 20], "seed": [1, 42],
+                               "presence_penalty": [0, 1.5], "repetition_penalty": [1.0, 1.3], "min_p": [0, 0.05]}
 """Valid values for other fields, sent beside the one under test (so that it reaches the sampler)."""
 EXAMPLES_PER_FIELD = 12
 
@@ -140,6 +143,9 @@ def test_no_sampling_value_takes_the_daemon_down(daemons: DaemonFactory) -> None
     assert d.generate(probe, MAX_NEW)["output_ids"] == expected
     # and a sampled request with the most extreme accepted values is served
     for extreme in ({"temperature": 0.01, "top_p": 5e-324, "top_k": 512, "seed": 2**63 - 1},
-                    {"temperature": 100.0, "top_p": 1.0, "top_k": 0, "seed": 0}):
+                    {"temperature": 100.0, "top_p": 1.0, "top_k": 0, "seed": 0},
+                    {"temperature": 0.5, "presence_penalty": -2.0, "frequency_penalty": 2.0,
+                     "repetition_penalty": 0.01, "min_p": 1.0, "seed": 3},
+                    {"temperature": 0, "presence_penalty": 2.0, "frequency_penalty": -2.0, "repetition_penalty": 100}):
         status, answer = d.request("POST", "/generate", _body("/generate", extreme))
         assert status == 200 and len(answer["output_ids"]) == 2, (extreme, status, answer)

@@ -7,13 +7,16 @@ import protos as p
 SAMPLES: dict[str, p.Message] = {
     "generate": p.GenerateRequest(
         "req-1", [1, 2, 3, 70000], p.SamplingParams(max_new_tokens=8, temperature=0.5, top_p=0.9, top_k=40,
-                                                     seed=7, stop_token_ids=[2]), True, "tenant-a"),
+                                                     seed=7, stop_token_ids=[2], presence_penalty=0.5,
+                                                     frequency_penalty=-0.25, repetition_penalty=1.5, min_p=0.05,
+                                                     logprobs=2), True, "tenant-a"),
     "abort": p.AbortRequest("req-1"),
     "admin": p.AdminRequest("adm-1", "storage_attach", {"backend": "file", "dir": "/tmp/x"}),
     "op_done": p.OpDone(12, "failed", 3, "timeout"),
     "prefetch_hits": p.PrefetchHits(13, 5),
     "storage_status": p.StorageStatus(-1, "redis", False, {"errors": 2}, "connection refused"),
-    "token_output": p.TokenOutput("req-1", [5, 6], True, "stop", p.Usage(4, 2, 2, 1, 0)),
+    "token_output": p.TokenOutput("req-1", [5, 6], True, "stop", p.Usage(4, 2, 2, 1, 0), None,
+                                  [-0.5, -1.25], [[5, 3], [6, 5]], [[-0.5, -2.0], [-1.25, -1.5]]),
     "admin_reply": p.AdminReply("adm-1", True, {"flushed_tokens": 128}),
     "write_to_host": p.WriteToHost(1, {"full": [0, 1], "swa": [4]}, {"full": [9, 8], "swa": [3]}),
     "load_to_device": p.LoadToDevice(2, {"full": [9]}, {"full": [0]}),

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.model.sampling import sample_next
+from hicache.model.sampling import LOGPROB_FLOOR, PenaltyState, sample_next, token_logprobs
 from hicache.model.sampling_params import SamplingParams, finish_reason
 
 
@@ -19,6 +19,17 @@ from hicache.model.sampling_params import SamplingParams, finish_reason
         (dict(seed=-3), "seed"),
         (dict(stop_token_ids=(1, -2)), "stop_token_ids"),
         (dict(max_new_tokens=True), "max_new_tokens"),
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=-2.01), "frequency_penalty"),
+        (dict(frequency_penalty=float("inf")), "frequency_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(repetition_penalty=1e-300), "repetition_penalty"),
+        (dict(repetition_penalty=True), "repetition_penalty"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(logprobs=21), "logprobs"),
+        (dict(logprobs=1.0), "logprobs"),
     ],
 )
 def test_bad_params_name_the_parameter(kwargs: dict, name: str) -> None:
@@ -59,3 +70,64 @@ def test_finish_reason() -> None:
     assert finish_reason([1, 2], p, eos_token_ids=(2,)) == "stop"
     assert finish_reason([1, 2], SamplingParams(max_new_tokens=3, ignore_eos=True), eos_token_ids=(2,)) is None
     assert finish_reason([1, 3, 4], p) == "length"
+
+
+def _state(prompt: list[int], outputs: list[int], vocab: int) -> PenaltyState:
+    state = PenaltyState(prompt, vocab)
+    for t in outputs:
+        state.add(t)
+    return state
+
+
+def test_presence_and_frequency_penalties_subtract_per_generated_token() -> None:
+    """OpenAI's definition: logit - frequency * count - presence * (count > 0), counting the
+    generated tokens only (the prompt's do not count)."""
+    x = torch.tensor([1.0, 2.0, 3.0, 0.5], dtype=torch.float64)
+    state = _state(prompt=[0, 0, 1], outputs=[2, 2, 3], vocab=4)
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    assert state.apply(x, p).tolist() == [1.0, 2.0, 3.0 - 0.5 - 0.5, 0.5 - 0.25 - 0.5]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens() -> None:
+    x = torch.tensor([2.0, -2.0, 4.0, -1.0], dtype=torch.float64)
+    state = _state(prompt=[0, 1], outputs=[2], vocab=4)  # 3 never seen
+    assert state.apply(x, SamplingParams(repetition_penalty=2.0)).tolist() == [1.0, -4.0, 2.0, -1.0]
+
+
+def test_greedy_decoding_takes_the_largest_penalized_logit() -> None:
+    logits = torch.tensor([0.0, 3.0, 2.9, 1.0])
+    state = _state(prompt=[], outputs=[1], vocab=4)
+    assert sample_next(logits, SamplingParams(), 0, 1, state) == 1
+    assert sample_next(logits, SamplingParams(presence_penalty=0.2), 0, 1, state) == 2
+    assert sample_next(logits, SamplingParams(repetition_penalty=1.1), 0, 1, state) == 2  # 3 / 1.1 < 2.9
+
+
+def test_min_p_keeps_only_tokens_near_the_most_likely() -> None:
+    """min_p = 1 keeps only the most likely token: sampling is then greedy for any seed;
+    min_p = 0.5 keeps exactly those with at least half its probability."""
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    only_best = SamplingParams(temperature=1.0, min_p=1.0)
+    assert {sample_next(logits, only_best, seed, 0) for seed in range(50)} == {0}
+    half = SamplingParams(temperature=1.0, min_p=0.5)
+    assert {sample_next(logits, half, seed, 0) for seed in range(200)} == {0, 1}
+
+
+def test_penalised_sampling_stays_finite_at_the_extremes() -> None:
+    """The largest float32 logits with the most extreme accepted values: no NaN, no raise."""
+    logits = torch.tensor([3.4e38, -3.4e38, 0.0, 3.3e38], dtype=torch.float32)
+    state = _state(prompt=[0, 1, 2, 3], outputs=[0] * 1000, vocab=4)
+    for p in (SamplingParams(temperature=0.01, repetition_penalty=0.01, frequency_penalty=-2.0, presence_penalty=-2.0),
+              SamplingParams(temperature=100.0, repetition_penalty=100.0, frequency_penalty=2.0, min_p=1.0),
+              SamplingParams(repetition_penalty=100.0, frequency_penalty=2.0, presence_penalty=2.0)):
+        assert 0 <= sample_next(logits, p, 7, 3, state) < 4
+
+
+def test_token_logprobs_are_the_raw_log_softmax_with_the_most_likely_alternatives() -> None:
+    logits = torch.tensor([1.0, 3.0, 3.0, -2.0, float("-inf")])
+    expected = torch.log_softmax(logits.to(torch.float64), dim=-1)
+    chosen, ids, values = token_logprobs(logits, 3, 3)
+    assert chosen == float(expected[3])
+    assert ids == [1, 2, 0]  # most likely first, the lower id first among equals
+    assert values == [float(expected[i]) for i in ids]
+    assert token_logprobs(logits, 4, 0) == (LOGPROB_FLOOR, [], [])  # zero probability: the floor, not -inf
+    assert token_logprobs(torch.full((3,), float("nan")), 0, 2) == (LOGPROB_FLOOR, [0, 1], [LOGPROB_FLOOR] * 2)

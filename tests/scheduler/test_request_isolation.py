@@ -20,7 +20,7 @@ import torch
 import hicache.scheduler.engine as engine_module
 import protos
 from hicache.config import HicacheConfig, config_from_dict
-from hicache.model.sampling import sample_next
+from hicache.model.sampling import PenaltyState, sample_next
 from hicache.model.sampling_params import SamplingParams
 from tests.scheduler.rigs import Rig, cold_tokens, gen
 
@@ -64,11 +64,12 @@ def test_a_sampler_exception_fails_only_its_request(monkeypatch: pytest.MonkeyPa
     expected = cold_tokens(cfg, "other", other_ids, 8)
     calls: list[int] = []
 
-    def sampler(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -> int:
+    def sampler(logits: torch.Tensor, params: SamplingParams, seed: int, step: int,
+                penalties: PenaltyState | None = None) -> int:
         if seed == VICTIM_SEED and step == 2:  # after two tokens went out
             calls.append(step)
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return sample_next(logits, params, seed, step)
+        return sample_next(logits, params, seed, step, penalties)
 
     monkeypatch.setattr(engine_module, "sample_next", sampler)
     rig = Rig(cfg)

@@ -67,7 +67,9 @@ def test_sglang_bench_body_with_cache_report_and_extras(tok: TokenizerProcess, f
 
 
 @pytest.mark.parametrize(("top", "sampling", "param"), [
-    ({"return_logprob": True}, {}, "return_logprob"),
+    ({"return_logprob": True, "logprob_start_len": 0}, {}, "logprob_start_len"),
+    ({"return_logprob": True, "token_ids_logprob": [3]}, {}, "token_ids_logprob"),
+    ({"return_logprob": True, "top_logprobs_num": 21}, {}, "top_logprobs_num"),
     ({"lora_path": "adapter-a"}, {}, "lora_path"),
     ({"image_data": "http://x/y.png"}, {}, "image_data"),
     ({"custom_logit_processor": "{}"}, {}, "custom_logit_processor"),
@@ -79,16 +81,16 @@ def test_sglang_bench_body_with_cache_report_and_extras(tok: TokenizerProcess, f
     ({}, {"json_schema": "{}"}, "sampling_params.json_schema"),
     ({}, {"ebnf": "root ::= 'a'"}, "sampling_params.ebnf"),
     ({}, {"n": 2}, "sampling_params.n"),
-    ({}, {"min_p": 0.1}, "sampling_params.min_p"),
-    ({}, {"frequency_penalty": 0.5}, "sampling_params.frequency_penalty"),
-    ({}, {"presence_penalty": -0.5}, "sampling_params.presence_penalty"),
-    ({}, {"repetition_penalty": 1.1}, "sampling_params.repetition_penalty"),
+    ({}, {"min_p": 1.1}, "sampling_params.min_p"),
+    ({}, {"frequency_penalty": 2.5}, "sampling_params.frequency_penalty"),
+    ({}, {"presence_penalty": -2.5}, "sampling_params.presence_penalty"),
+    ({}, {"repetition_penalty": 0}, "sampling_params.repetition_penalty"),
     ({}, {"min_new_tokens": 4}, "sampling_params.min_new_tokens"),
     ({}, {"skip_special_tokens": False}, "sampling_params.skip_special_tokens"),
     ({}, {"stop_regex": "x$"}, "sampling_params.stop_regex"),
     ({}, {"seed": 1, "sampling_seed": 2}, "sampling_params.sampling_seed"),
 ])
-def test_sglang_fields_that_would_change_the_result_are_refused_by_name(
+def test_sglang_fields_that_would_change_the_result_are_refused_by_name_or_out_of_range(
         tok: TokenizerProcess, top: dict, sampling: dict, param: str) -> None:
     body = _sglang_bench_body("Hi", 3, stream=False)
     body.update(top)
@@ -250,12 +252,15 @@ def test_a_valid_surrogate_pair_is_text(tok: TokenizerProcess) -> None:
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/completions", {"prompt": "a", "temperature": "hot"}, "temperature"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"prompt": "a", "n": 3}, "n"),
-    ("/v1/completions", {"prompt": "a", "logprobs": 2}, "logprobs"),
-    ("/v1/completions", {"prompt": "a", "min_p": 0.2}, "min_p"),
-    ("/v1/completions", {"prompt": "a", "presence_penalty": 1}, "presence_penalty"),
-    ("/v1/completions", {"prompt": "a", "frequency_penalty": 1}, "frequency_penalty"),
-    ("/v1/completions", {"prompt": "a", "repetition_penalty": 1.2}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "a", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "a", "n": 2, "seed": 2**63 - 1}, "seed"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "min_p": -0.2}, "min_p"),
+    ("/v1/completions", {"prompt": "a", "presence_penalty": 2.01}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "a", "frequency_penalty": -3}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "a", "repetition_penalty": 101}, "repetition_penalty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": True,
+                              "top_logprobs": 21}, "top_logprobs"),
     ("/v1/completions", {"prompt": "a", "colour": 1}, "colour"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "a"}]}, "messages[0].role"),

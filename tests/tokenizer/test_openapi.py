@@ -191,9 +191,13 @@ def _cases() -> Iterator[tuple[str, dict[str, Any], Callable[[Any], dict[str, An
     store = lambda d: parse_storage_config(d, l2)  # noqa: E731
     prompts = {"text": "hi", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
 
-    def top(base: dict[str, Any], name: str, exclusive: tuple[str, ...] = ()) -> Callable[[Any], dict[str, Any]]:
+    companions = {"top_logprobs": {"logprobs": True}}  # the body's dependentSchemas: sent beside the field
+
+    def top(base: dict[str, Any], name: str, exclusive: tuple[str, ...] = (),
+            beside: dict[str, Any] | None = None) -> Callable[[Any], dict[str, Any]]:
         def make(value: Any) -> dict[str, Any]:
             body = {k: x for k, x in base.items() if k != name and not (name in exclusive and k in exclusive)}
+            body.update(beside or {})
             body[name] = value
             return body
         return make
@@ -209,7 +213,8 @@ def _cases() -> Iterator[tuple[str, dict[str, Any], Callable[[Any], dict[str, An
     ]
     for route, schema, base, parse, exclusive in routes:
         for name, field in schema["properties"].items():
-            yield f"{route} {name}", field, top(base, name, exclusive), parse
+            beside = companions.get(name) if "dependentSchemas" in schema else None
+            yield f"{route} {name}", field, top(base, name, exclusive, beside), parse
             obj = next((o for o in field.get("anyOf", [field]) if o.get("type") == "object" and "properties" in o),
                        None)
             if obj is not None:

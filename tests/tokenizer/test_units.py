@@ -125,7 +125,7 @@ USAGE = protos.Usage(prompt_tokens=10, completion_tokens=3, cached_device=4, cac
 
 
 def test_usage_in_every_shape() -> None:
-    result = GenerationResult("r", "abc", [97, 98, 99], "length", USAGE)
+    result = [GenerationResult("r", "abc", [97, 98, 99], "length", USAGE)]
     details = {"device": 4, "host": 2, "storage": 1}
     gen = GenerateFormat("r", "m").full(result)
     assert gen["meta_info"]["cached_tokens"] == 7 and gen["meta_info"]["cached_tokens_details"] == details
@@ -140,7 +140,9 @@ def test_include_usage_adds_a_usage_only_chunk() -> None:
     fmt = CompletionFormat("r", "m", include_usage=True)
     assert len(fmt.chunks(Step("a", [97]))) == 1
     last = fmt.chunks(Step("", [], "stop", USAGE))
-    assert [c["choices"] for c in last][1] == [] and last[1]["usage"]["completion_tokens"] == 3
+    assert len(last) == 1 and last[0]["usage"] is None and last[0]["choices"][0]["finish_reason"] == "stop"
+    tail = fmt.tail(USAGE)
+    assert [c["choices"] for c in tail] == [[]] and tail[0]["usage"]["completion_tokens"] == 3
 
 
 def test_sse_framing() -> None:
