@@ -53,7 +53,7 @@ from controller.storage_io import StorageIO
 from controller.transfer import CopyPlan, TransferRefused, make_transfer_engine
 from hicache.config import MetricsConfig
 from hicache.heartbeat import HeartbeatWriter
-from hicache.ipc import Endpoints, PullSocket, PushSocket
+from hicache.ipc import Endpoints, PullSocket, PushSocket, open_context
 from hicache.logging_setup import setup_logging
 from hicache.memory.pools import PoolLayout, attach_pools
 from hicache.metrics import get_metrics, init_process_metrics
@@ -388,7 +388,7 @@ def controller_main(args: ControllerArgs) -> None:
     die_with_parent()
     torch.set_num_threads(max(1, args.copy_threads))
     init_process_metrics(MetricsConfig(enabled=args.metrics_enabled), "controller")
-    ctx = zmq.Context()
+    ctx = open_context(args.endpoints)
     try:
         server = ControllerServer(args, ctx)
     except Exception as exc:  # e.g. an L3 store that was asked for and cannot start

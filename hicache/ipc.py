@@ -7,16 +7,26 @@ raises ``ProtocolError`` from ``recv`` *after* the frame was consumed, so the ca
 
 Addresses: by default ``ipc://`` sockets inside a private runtime directory created with mode
 0700, so no other user can connect. ``tcp://`` only when configured.
+
+CURVE (``ipc.curve_keys_dir``, a directory written by ``hicache keygen``): each process makes
+its context with ``open_context(endpoints)``; the wrappers below then make every socket they
+bind a CURVE server (the server key pair) and every socket they connect a CURVE client (the
+client key pair, the server's public key), and the context runs a ZAP authenticator that
+admits only the client public keys in ``{keys dir}/authorized_clients/``. A peer without
+CURVE, with another server key, or with a key pair not listed there never completes its
+handshake: none of its frames reaches ``recv``. Secret keys are never logged and never
+appear in a ``repr``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import zmq
 
@@ -52,17 +62,255 @@ def ensure_private(path: Path) -> None:
         raise PermissionError(f"{path} is owned by uid {st.st_uid}, not by this user")
 
 
+# --------------------------------------------------------------------------- CURVE
+
+SERVER_PUBLIC_FILE = "server.key"
+SERVER_SECRET_FILE = "server.key_secret"
+CLIENT_PUBLIC_FILE = "client.key"
+CLIENT_SECRET_FILE = "client.key_secret"
+AUTHORIZED_DIR = "authorized_clients"
+"""The layout of a CURVE key directory (``hicache keygen --dir DIR`` writes it): the
+daemon's server key pair, the client key pair its own processes (and, by default, engine
+connectors) use, and ``authorized_clients/``, the public keys (``*.key``) the daemon admits.
+Key files use ZeroMQ's certificate format (``zmq.auth.load_certificate`` reads them)."""
+
+_Z85_KEY_LEN = 40
+
+
+class CurveKeyError(ValueError):
+    """A CURVE key directory or key file that cannot be used; the message names the file and
+    the fix (it never contains key material)."""
+
+
+def curve_available() -> bool:
+    """Whether this libzmq was built with CURVE (``zmq.has("curve")``)."""
+    return bool(zmq.has("curve"))
+
+
+def require_curve() -> None:
+    """Raise CurveKeyError unless this libzmq supports CURVE."""
+    if not curve_available():
+        raise CurveKeyError(f"this libzmq ({zmq.zmq_version()}) was built without CURVE support "
+                            "(zmq.has('curve') is false): install a pyzmq whose bundled libzmq has CURVE "
+                            "(the standard wheels do), or use ipc.transport: ipc")
+
+
+@dataclass(frozen=True)
+class CurveClientKeys:
+    """What a CURVE client needs: the server's public key and its own key pair (Z85 bytes)."""
+
+    server_public: bytes
+    client_public: bytes
+    client_secret: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """The daemon's CURVE keys, loaded from a key directory by ``load_curve_keys``.
+
+    ``authorized_dir``: the directory of client public keys the ZAP authenticator admits.
+    """
+
+    dir: str
+    server_public: bytes
+    server_secret: bytes = field(repr=False)
+    client_public: bytes = b""
+    client_secret: bytes = field(default=b"", repr=False)
+    authorized_dir: str = ""
+
+    def client(self) -> CurveClientKeys:
+        return CurveClientKeys(self.server_public, self.client_public, self.client_secret)
+
+
+def _check_private_file(path: Path) -> None:
+    """Raise CurveKeyError unless ``path`` is a regular file of this user that no one else can read."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise CurveKeyError(f"{path} does not exist (write the keys with `hicache keygen --dir {path.parent}`)") \
+            from None
+    except OSError as exc:
+        raise CurveKeyError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CurveKeyError(f"{path} is not a regular file")
+    if st.st_mode & 0o077:
+        raise CurveKeyError(f"{path} holds a secret key but is accessible to other users "
+                            f"(mode {oct(st.st_mode & 0o777)}): chmod 600 {path}")
+    if st.st_uid != os.getuid():
+        raise CurveKeyError(f"{path} holds a secret key but is owned by uid {st.st_uid}, not by this user")
+
+
+def _read_key_file(path: Path, *, secret: bool) -> tuple[bytes, bytes | None]:
+    """(public, secret) from a ZeroMQ certificate file; with ``secret``, the file must be
+    private and hold a secret key matching its public key."""
+    import zmq.auth
+
+    if secret:
+        _check_private_file(path)
+    elif not path.is_file():
+        raise CurveKeyError(f"{path} does not exist or is not a file")
+    try:
+        public, secret_key = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise CurveKeyError(f"{path} is not a ZeroMQ CURVE key file: {exc}") from None
+    if len(public) != _Z85_KEY_LEN:
+        raise CurveKeyError(f"{path}: the public key is not a 40-character Z85 CURVE key")
+    if secret:
+        if not secret_key:
+            raise CurveKeyError(f"{path} holds no secret key (a *.key_secret file from `hicache keygen` does)")
+        if len(secret_key) != _Z85_KEY_LEN:
+            raise CurveKeyError(f"{path}: the secret key is not a 40-character Z85 CURVE key")
+        try:
+            derived = zmq.curve_public(secret_key)
+        except (zmq.ZMQError, ValueError) as exc:
+            raise CurveKeyError(f"{path}: the secret key is not a valid CURVE key ({exc})") from None
+        if derived != public:
+            raise CurveKeyError(f"{path}: its secret key does not belong to its public key")
+    return public, secret_key
+
+
+def load_curve_client(server_public_file: str | os.PathLike[str],
+                      client_secret_file: str | os.PathLike[str]) -> CurveClientKeys:
+    """A client's keys from the server's public key file (``server.key``) and the client's
+    secret key file (``*.key_secret``: private, mode 0600). Raises CurveKeyError."""
+    require_curve()
+    server_public, _ = _read_key_file(Path(server_public_file), secret=False)
+    client_public, client_secret = _read_key_file(Path(client_secret_file), secret=True)
+    assert client_secret is not None
+    return CurveClientKeys(server_public, client_public, client_secret)
+
+
+def load_curve_keys(keys_dir: str | os.PathLike[str]) -> CurveKeys:
+    """The daemon's keys from a directory laid out as ``hicache keygen`` writes it.
+
+    Raises CurveKeyError when libzmq lacks CURVE, a file is missing, unreadable, readable by
+    other users (secret files) or malformed, ``authorized_clients/`` is missing, writable by
+    other users or lacks the daemon's own client key (its processes could not reach each
+    other).
+    """
+    import zmq.auth
+
+    require_curve()
+    root = Path(keys_dir)
+    if not root.is_dir():
+        raise CurveKeyError(f"{root} is not a directory (write one with `hicache keygen --dir {root}`)")
+    server_public, server_secret = _read_key_file(root / SERVER_SECRET_FILE, secret=True)
+    client_public, client_secret = _read_key_file(root / CLIENT_SECRET_FILE, secret=True)
+    assert server_secret is not None and client_secret is not None
+    authorized = root / AUTHORIZED_DIR
+    if not authorized.is_dir():
+        raise CurveKeyError(f"{authorized} is not a directory: it holds the client public keys (*.key) the "
+                            "daemon admits")
+    st = authorized.stat()
+    if st.st_mode & 0o022 or st.st_uid != os.getuid():
+        raise CurveKeyError(f"{authorized} must be owned by this user and writable by no one else "
+                            f"(mode {oct(st.st_mode & 0o777)}): anyone who can add a key there can connect")
+    try:
+        allowed = zmq.auth.load_certificates(authorized)
+    except (OSError, ValueError) as exc:
+        raise CurveKeyError(f"{authorized}: cannot read the client keys: {exc}") from None
+    if client_public not in allowed:
+        raise CurveKeyError(f"{authorized} does not hold the daemon's own client key ({CLIENT_PUBLIC_FILE}): "
+                            f"copy {root / CLIENT_PUBLIC_FILE} there")
+    return CurveKeys(str(root), server_public, server_secret, client_public, client_secret, str(authorized))
+
+
+def curve_server(socket: zmq.Socket, keys: CurveKeys) -> None:
+    """Make ``socket`` a CURVE server with the daemon's key pair (before it binds)."""
+    socket.setsockopt(zmq.CURVE_SERVER, 1)
+    socket.setsockopt(zmq.CURVE_PUBLICKEY, keys.server_public)
+    socket.setsockopt(zmq.CURVE_SECRETKEY, keys.server_secret)
+
+
+def curve_client(socket: zmq.Socket, keys: CurveClientKeys) -> None:
+    """Make ``socket`` a CURVE client of the server whose public key ``keys`` holds (before it connects)."""
+    socket.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
+    socket.setsockopt(zmq.CURVE_PUBLICKEY, keys.client_public)
+    socket.setsockopt(zmq.CURVE_SECRETKEY, keys.client_secret)
+
+
+class SecureContext(zmq.Context):  # type: ignore[type-arg]
+    """A context whose socket wrappers (below) use CURVE with ``curve_keys``.
+
+    ``start`` runs a ZAP authenticator (``zmq.auth.thread.ThreadAuthenticator``) that admits
+    the public keys in ``curve_keys.authorized_dir`` and no other; ``term`` and ``destroy``
+    stop it first. Sockets made with ``ctx.socket`` directly (inproc pipes) are untouched.
+    """
+
+    curve_keys: CurveKeys | None = None
+    _authenticator: Any = None
+
+    def start(self, keys: CurveKeys) -> None:
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self.curve_keys = keys
+        auth = ThreadAuthenticator(self, log=logging.getLogger("hicache.ipc.zap"))
+        auth.start()
+        auth.configure_curve(domain="*", location=keys.authorized_dir)
+        self._authenticator = auth
+
+    def _stop_authenticator(self) -> None:
+        auth, self._authenticator = self._authenticator, None
+        if auth is not None:
+            auth.stop()
+
+    def term(self) -> None:
+        self._stop_authenticator()
+        super().term()
+
+    def destroy(self, linger: int | None = None) -> None:
+        self._stop_authenticator()
+        super().destroy(linger)
+
+
+def open_context(endpoints: Endpoints | None = None, *, keys: CurveKeys | None = None) -> zmq.Context:
+    """The ZeroMQ context of one process: a plain one, or, when ``keys`` is given or
+    ``endpoints.curve_keys_dir`` is set, a ``SecureContext`` with its authenticator running
+    (the keys are loaded from the directory here; CurveKeyError when they cannot be)."""
+    if keys is None and endpoints is not None and endpoints.curve_keys_dir:
+        keys = load_curve_keys(endpoints.curve_keys_dir)
+    if keys is None:
+        return zmq.Context()
+    ctx = SecureContext()
+    try:
+        ctx.start(keys)
+    except BaseException:
+        ctx.destroy(linger=0)
+        raise
+    return ctx
+
+
+def _curve_of(ctx: zmq.Context) -> CurveKeys | None:
+    return ctx.curve_keys if isinstance(ctx, SecureContext) else None
+
+
+def _bind_or_connect(ctx: zmq.Context, socket: zmq.Socket, address: str, bind: bool) -> None:
+    """Bind (a CURVE server) or connect (a CURVE client) ``socket``; plain when ``ctx`` has no keys."""
+    keys = _curve_of(ctx)
+    if keys is not None:
+        if bind:
+            curve_server(socket, keys)
+        else:
+            curve_client(socket, keys.client())
+    (socket.bind if bind else socket.connect)(address)
+
+
+# --------------------------------------------------------------------------- endpoints
+
+
 @dataclass(frozen=True)
 class Endpoints:
     """The address each process binds for the messages it receives.
 
     ``ipc``: ``ipc://{dir}/{name}.sock``; ``tcp``: ``tcp://{host}:{base_port + i}``.
+    ``curve_keys_dir``: CURVE on (see ``open_context``); None = plain sockets.
     """
 
     transport: str
     dir: str | None = None
     tcp_host: str = "127.0.0.1"
     tcp_base_port: int = 0
+    curve_keys_dir: str | None = None
 
     def address(self, name: str) -> str:
         if name not in ENDPOINT_NAMES:
@@ -88,7 +336,7 @@ class PushSocket(Generic[M]):
     def __init__(self, ctx: zmq.Context, address: str, *, bind: bool = False) -> None:
         self.socket = ctx.socket(zmq.PUSH)
         self.socket.setsockopt(zmq.LINGER, 0)
-        (self.socket.bind if bind else self.socket.connect)(address)
+        _bind_or_connect(ctx, self.socket, address, bind)
 
     def send(self, msg: M) -> None:
         self.socket.send(encode(msg), copy=False)
@@ -125,7 +373,7 @@ class PullSocket(Generic[M]):
         self.socket.setsockopt(zmq.LINGER, 0)
         self.accepts = accepts
         self._poller = _poller_for(self.socket)
-        (self.socket.bind if bind else self.socket.connect)(address)
+        _bind_or_connect(ctx, self.socket, address, bind)
 
     def recv(self, timeout_ms: int | None = None) -> M | None:
         """The next message, or None if none arrived within ``timeout_ms`` (None = block)."""
@@ -158,7 +406,7 @@ class DealerSocket(Generic[M]):
             self.socket.setsockopt(zmq.IDENTITY, identity)
         self.accepts = accepts
         self._poller = _poller_for(self.socket)
-        self.socket.connect(address)
+        _bind_or_connect(ctx, self.socket, address, False)
 
     def send(self, msg: Message) -> None:
         self.socket.send(encode(msg), copy=False)
@@ -182,7 +430,7 @@ class RouterSocket(Generic[M]):
         self.socket.setsockopt(zmq.LINGER, 0)
         self.accepts = accepts
         self._poller = _poller_for(self.socket)
-        self.socket.bind(address)
+        _bind_or_connect(ctx, self.socket, address, True)
 
     def recv(self, timeout_ms: int | None = None) -> tuple[bytes, M] | None:
         if timeout_ms is not None and not self._poller.poll(timeout_ms):

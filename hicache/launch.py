@@ -119,9 +119,7 @@ class Launcher:
     liveness: dict[str, Liveness] = field(default_factory=dict)
 
     def serve(self) -> int:
-        import zmq
-
-        from hicache.ipc import Endpoints, PullSocket, make_runtime_dir
+        from hicache.ipc import CurveKeyError, Endpoints, PullSocket, make_runtime_dir, open_context
 
         cfg = self.cfg
         from hicache.config import ConfigError
@@ -142,7 +140,9 @@ class Launcher:
             return 1
         runtime = Path(cfg.ipc.dir) if cfg.ipc.dir else make_runtime_dir()
         runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
-        endpoints = Endpoints(cfg.ipc.transport, str(runtime), cfg.ipc.tcp_host, cfg.ipc.tcp_base_port)
+        endpoints = Endpoints(cfg.ipc.transport, str(runtime), cfg.ipc.tcp_host, cfg.ipc.tcp_base_port,
+                              cfg.ipc.curve_keys_dir or None)
+        _log_transport(cfg.ipc)
         from hicache.metrics import init_process_metrics, prepare_multiprocess_dir
 
         prepare_multiprocess_dir(runtime / "metrics")
@@ -153,12 +153,16 @@ class Launcher:
         if stale:
             log.warning("removed %d shared-memory segments of a daemon that did not stop cleanly", len(stale))
         pools = None
-        ctx = zmq.Context()
+        ctx = None
         inbox = None
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         code = 1
         try:
+            try:
+                ctx = open_context(endpoints)
+            except CurveKeyError as exc:  # the start checks loaded them: changed on disk since
+                raise StartError(f"cannot load the CURVE keys (ipc.curve_keys_dir): {exc}") from None
             pools = create_pools(layout)
             inbox = PullSocket(ctx, endpoints.address("launcher"), self._accepts(), bind=True)
             self._define_children(layout, endpoints)
@@ -175,7 +179,8 @@ class Launcher:
             self._stop_all()
             if inbox is not None:
                 inbox.close()
-            ctx.term()
+            if ctx is not None:
+                ctx.term()
             if pools is not None:
                 pools.close()
                 pools.unlink()
@@ -389,6 +394,18 @@ class Launcher:
                 log.error("the %s did not stop within %.0f s: killing it", name, STOP_TIMEOUT_S)
                 child.proc.kill()
                 child.proc.join(5)
+
+
+def _log_transport(ipc: Any) -> None:
+    """Say at start how the daemon's processes reach each other (never any key material)."""
+    if ipc.curve_keys_dir:
+        log.info("ZeroMQ sockets use CURVE: keys in %s, admitting the client keys in %s/authorized_clients",
+                 ipc.curve_keys_dir, ipc.curve_keys_dir.rstrip("/"))
+    elif ipc.transport == "tcp":
+        log.warning("ipc.transport is tcp WITHOUT CURVE (ipc.allow_insecure_tcp: true): anyone who can reach "
+                    "%s ports %d-%d can send messages to the daemon's processes; set ipc.curve_keys_dir (see "
+                    "`hicache keygen`) on an untrusted network", ipc.tcp_host, ipc.tcp_base_port,
+                    ipc.tcp_base_port + 4)
 
 
 def engine_layout(cfg: Any) -> Any:

@@ -26,6 +26,11 @@ Engine mode (``engine.kind: vllm``): ``engine.model`` (a checkpoint whose geomet
 engines cannot share through L2) and ``cache.l2.tokens`` (L2 over the available memory);
 ``hicache.launch.engine_layout`` raises on the same problems.
 
+Both modes: ``ipc.curve_keys_dir`` (CURVE on) must be a key directory that loads
+(``hicache.ipc.load_curve_keys``: libzmq with CURVE, both key pairs present, private (0600)
+and well-formed, ``authorized_clients/`` holding the daemon's own client key). That
+``ipc.transport: tcp`` has keys or ``ipc.allow_insecure_tcp: true`` is ``validate``'s check.
+
 Nothing here starts a process or creates a file. The layer-pattern rule is the
 scheduler's own (``hicache.scheduler.assembly``), so these checks import torch; keep them
 out of ``hicache/config.py``, which must not.
@@ -49,9 +54,10 @@ def startup_problems(cfg: HicacheConfig) -> list[ConfigProblem]:
     ``cfg`` is a config ``load_config`` accepted. Reads the model's ``config.json`` (and
     lists an ``hf`` checkpoint's weight files); never raises for a bad model.
     """
-    if cfg.engine.kind != "builtin":
-        return engine_geometry(cfg)[1]
     out: list[ConfigProblem] = []
+    _check_curve(cfg, out)
+    if cfg.engine.kind != "builtin":
+        return out + engine_geometry(cfg)[1]
     geometry = _model_geometry(cfg, out)
     if geometry is not None and cfg.model.kind == "hf":
         _check_weights(cfg, out)
@@ -126,6 +132,18 @@ def _check_l2_memory(cfg: HicacheConfig, geometry: ModelGeometry, out: list[Conf
     if need > avail:
         out.append(ConfigProblem("cache.l2.tokens", f"needs {need / 2**30:.1f} GiB of host memory for this "
                                                     f"model, but only {avail / 2**30:.1f} GiB is available"))
+
+
+def _check_curve(cfg: HicacheConfig, out: list[ConfigProblem]) -> None:
+    """CURVE keys that the daemon's processes will load at start (never logs key material)."""
+    if not cfg.ipc.curve_keys_dir:
+        return
+    from hicache.ipc import CurveKeyError, load_curve_keys
+
+    try:
+        load_curve_keys(cfg.ipc.curve_keys_dir)
+    except CurveKeyError as exc:
+        out.append(ConfigProblem("ipc.curve_keys_dir", str(exc)))
 
 
 def _check_tokenizer(cfg: HicacheConfig, out: list[ConfigProblem]) -> None:

@@ -8,6 +8,11 @@ calls during it return None at once instead of waiting again. Answers that arriv
 dropped when the next call reads past them. ZeroMQ reconnects by itself when the daemon
 comes back (``IMMEDIATE``: nothing is queued for a daemon that is not connected).
 
+CURVE: when the daemon runs with ``ipc.curve_keys_dir``, ``curve`` (``CurveClientKeys``, from
+``curve_keys_for``) makes the socket a CURVE client. With keys the daemon does not admit the
+handshake never completes, so sends are never queued: every call times out into the backoff
+above, as with a daemon that is not there.
+
 ``CacheSession`` is the registered session of one engine: it registers lazily (and again
 after ``unknown_session``: the daemon restarted), and a heartbeat thread with its own socket
 keeps the session's leases alive while the engine is idle.
@@ -19,12 +24,22 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import zmq
 
 import protos
+from hicache.ipc import (
+    CLIENT_SECRET_FILE,
+    SERVER_PUBLIC_FILE,
+    CurveClientKeys,
+    CurveKeyError,
+    curve_client,
+    load_curve_client,
+)
 
 log = logging.getLogger("hicache.connector")
 
@@ -35,6 +50,39 @@ SEND_WAIT_MS = 20
 
 ANSWERS = (protos.EngineRegistered, protos.LookupResult, protos.ReserveResult, protos.EngineError)
 
+SERVER_PUBLIC_KEY = "curve_server_public_file"
+CLIENT_SECRET_KEY = "curve_client_secret_file"
+"""``kv_connector_extra_config`` keys: the daemon's public key file (``server.key``) and the
+engine's client key pair (a ``*.key_secret`` file, mode 0600, admitted in the daemon's
+``authorized_clients``). Each defaults to the file in the daemon's ``ipc.curve_keys_dir``."""
+
+
+def curve_keys_for(extra: Mapping[str, Any], keys_dir: str | None) -> CurveClientKeys | None:
+    """The connector's CURVE client keys, or None when the daemon does not use CURVE.
+
+    ``keys_dir``: the daemon's ``ipc.curve_keys_dir``. ``extra``: vLLM's
+    ``kv_connector_extra_config`` (``SERVER_PUBLIC_KEY`` and ``CLIENT_SECRET_KEY``, each
+    defaulting to the file in ``keys_dir``). Raises ValueError naming the key and the file
+    when a key file is given to a daemon without CURVE, is missing, is readable by other
+    users, or is malformed.
+    """
+    given = {k: extra.get(k) for k in (SERVER_PUBLIC_KEY, CLIENT_SECRET_KEY) if extra.get(k) is not None}
+    for key, value in given.items():
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"kv_connector_extra_config {key!r} must be a file path, got {value!r}")
+    if not keys_dir:
+        if given:
+            raise ValueError(f"kv_connector_extra_config sets {', '.join(sorted(given))}, but the daemon's config "
+                             "sets no ipc.curve_keys_dir: the daemon does not use CURVE")
+        return None
+    server = given.get(SERVER_PUBLIC_KEY) or str(Path(keys_dir) / SERVER_PUBLIC_FILE)
+    client = given.get(CLIENT_SECRET_KEY) or str(Path(keys_dir) / CLIENT_SECRET_FILE)
+    try:
+        return load_curve_client(server, client)
+    except CurveKeyError as exc:
+        raise ValueError(f"CURVE keys for the daemon ({SERVER_PUBLIC_KEY}={server}, {CLIENT_SECRET_KEY}={client}): "
+                         f"{exc}") from None
+
 
 class RegistrationRefused(RuntimeError):
     """The daemon serves other KV pages than this engine's (the message says which fields)."""
@@ -43,15 +91,20 @@ class RegistrationRefused(RuntimeError):
 class EngineClient:
     """One DEALER socket to the cache server; not thread-safe (one per thread)."""
 
-    def __init__(self, address: str, timeout_ms: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, address: str, timeout_ms: int, *, clock: Callable[[], float] = time.monotonic,
+                 curve: CurveClientKeys | None = None) -> None:
+        """``curve``: connect as a CURVE client with these keys (None: a plain socket)."""
         self.address = address
         self.timeout_ms = timeout_ms
         self.clock = clock
+        self.curve = curve
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
         self._sock.setsockopt(zmq.SNDHWM, 10000)
+        if curve is not None:
+            curve_client(self._sock, curve)
         self._sock.connect(address)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
@@ -128,8 +181,10 @@ class CacheSession:
     ``RegistrationRefused`` from ``ensure`` when the daemon refuses this engine.
     """
 
-    def __init__(self, address: str, timeout_ms: int, register: protos.EngineRegister) -> None:
-        self.client = EngineClient(address, timeout_ms)
+    def __init__(self, address: str, timeout_ms: int, register: protos.EngineRegister, *,
+                 curve: CurveClientKeys | None = None) -> None:
+        self.client = EngineClient(address, timeout_ms, curve=curve)
+        self.curve = curve
         self.address = address
         self.register_msg = register
         self.registered: protos.EngineRegistered | None = None
@@ -180,7 +235,7 @@ class CacheSession:
         self._beat.start()
 
     def _heartbeat(self, period_s: float) -> None:
-        client = EngineClient(self.address, self.client.timeout_ms)
+        client = EngineClient(self.address, self.client.timeout_ms, curve=self.curve)
         try:
             while not self._stop.wait(period_s):
                 with self._lock:

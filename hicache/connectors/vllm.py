@@ -3,7 +3,10 @@
 vLLM loads it with ``--kv-transfer-config '{"kv_connector": "HiCacheConnector",
 "kv_connector_module_path": "hicache.connectors.vllm", "kv_role": "kv_both",
 "kv_connector_extra_config": {"hicache_config": "/path/to/hicache.yaml"}}'`` (the daemon's
-own YAML: it says where the daemon's socket is). This module imports vLLM; nothing else in
+own YAML: it says where the daemon's socket is). When the daemon uses CURVE
+(``ipc.curve_keys_dir``), the connector connects with the client key pair and the daemon's
+public key from that directory, or from the files named by the extra-config keys
+``curve_client_secret_file`` and ``curve_server_public_file`` (``engine_client.curve_keys_for``). This module imports vLLM; nothing else in
 hicache imports this module, so the daemon runs without vLLM installed.
 
 Both halves, one class (vLLM makes one instance per role):
@@ -52,7 +55,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import protos
-from hicache.connectors.engine_client import CacheSession, EngineClient, RegistrationRefused, engine_name
+from hicache.connectors.engine_client import (
+    CacheSession,
+    EngineClient,
+    RegistrationRefused,
+    curve_keys_for,
+    engine_name,
+)
 from hicache.connectors.kv_copy import CUDA_REFUSAL, BlockCopier, PoolRef, kv_problem
 from hicache.engine_server.geometry import EngineKVGeometry, engine_identity
 
@@ -182,12 +191,16 @@ class HiCacheConnector(KVConnectorBase_V1):
         self.geometry = EngineKVGeometry(engine_identity(model, dtype, layout), dtype, spec.block_size,
                                          len(self.layer_names), spec.num_kv_heads, spec.head_size, layout)
         self.address = engine_address(self.hicache)
+        try:
+            curve = curve_keys_for(extra, self.hicache.ipc.curve_keys_dir)
+        except ValueError as exc:
+            raise ConnectorRefused(str(exc)) from None
         timeout = self.hicache.engine.lookup_timeout_ms
         if role == KVConnectorRole.SCHEDULER:
             g = self.geometry
             self.session: CacheSession | None = CacheSession(self.address, timeout, protos.EngineRegister(
                 0, engine_name(), os.getpid(), g.model_identity, g.kv_dtype, g.block_size, g.num_layers,
-                g.num_kv_heads, g.head_dim, g.kv_layout, g.page_bytes))
+                g.num_kv_heads, g.head_dim, g.kv_layout, g.page_bytes), curve=curve)
             self._requests: dict[str, _Tracked] = {}
             self._loads: list[LoadPlan] = []
             self._refused_until = 0.0
@@ -199,7 +212,7 @@ class HiCacheConnector(KVConnectorBase_V1):
                 raise ConnectorRefused(f"the hicache daemon at {self.address} refused this engine: {exc}") from exc
         else:
             self.session = None
-            self.worker_client = EngineClient(self.address, timeout)
+            self.worker_client = EngineClient(self.address, timeout, curve=curve)
             self.copier: BlockCopier | None = None
             self._load_errors: set[int] = set()
 

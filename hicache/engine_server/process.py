@@ -33,7 +33,7 @@ import zmq
 
 import protos
 from hicache.heartbeat import HeartbeatWriter
-from hicache.ipc import PeerProtocolError, PullSocket, PushSocket, ResettablePush, RouterSocket
+from hicache.ipc import PeerProtocolError, PullSocket, PushSocket, ResettablePush, RouterSocket, open_context
 from hicache.logging_setup import setup_logging
 from hicache.memory.pools import attach_pools
 from hicache.proc import die_with_parent
@@ -93,7 +93,7 @@ def cache_server_main(args: SchedulerArgs) -> None:
     from hicache.metrics import init_process_metrics
 
     pools = attach_pools(args.layout)
-    ctx = zmq.Context()
+    ctx = open_context(args.endpoints)
     ep = args.endpoints
     to_controller: ResettablePush[protos.ControllerMessage] = ResettablePush(ctx, ep.address("controller"))
     server = build_cache_server(args, pools, to_controller.send)

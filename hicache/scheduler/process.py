@@ -33,12 +33,10 @@ import signal
 import time
 from dataclasses import dataclass
 
-import zmq
-
 import protos
 from hicache.config import HicacheConfig
 from hicache.heartbeat import HeartbeatWriter
-from hicache.ipc import Endpoints, PullSocket, PushSocket, ResettablePush
+from hicache.ipc import Endpoints, PullSocket, PushSocket, ResettablePush, open_context
 from hicache.logging_setup import setup_logging
 from hicache.memory.pools import PoolLayout, attach_pools
 from hicache.proc import die_with_parent
@@ -107,7 +105,7 @@ def scheduler_main(args: SchedulerArgs) -> None:
     runner = ModelRunner(model, kv)
     eos = tuple(load_tokenizer(cfg.tokenizer, cfg.model).eos_token_ids)
 
-    ctx = zmq.Context()
+    ctx = open_context(args.endpoints)
     ep = args.endpoints
     inbox: PullSocket[protos.Message] = PullSocket(ctx, ep.address("scheduler"), ACCEPTS, bind=True)
     to_tokenizer: PushSocket[protos.TokenizerMessage] = PushSocket(ctx, ep.address("tokenizer"))

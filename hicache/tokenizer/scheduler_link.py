@@ -62,7 +62,7 @@ from typing import Any
 import zmq
 
 import protos
-from hicache.ipc import Endpoints, PullSocket, PushSocket
+from hicache.ipc import Endpoints, PullSocket, PushSocket, open_context
 
 log = logging.getLogger("hicache.tokenizer.link")
 
@@ -119,7 +119,7 @@ class SchedulerLink:
         the PUSH socket; call ``start`` to begin reading."""
         self._loop = loop
         self._on_control = on_control
-        self.ctx = zmq.Context()
+        self.ctx = open_context(endpoints)
         try:
             self._pull: PullSocket[protos.Message] = PullSocket(self.ctx, endpoints.address("tokenizer"), ACCEPTS)
             self._push: PushSocket[protos.Message] = PushSocket(self.ctx, endpoints.address("scheduler"))
