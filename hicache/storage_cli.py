@@ -16,6 +16,7 @@ config.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import TYPE_CHECKING, Any
@@ -75,13 +76,14 @@ def _settings(args: argparse.Namespace) -> FileSettings | RedisSettings | None:
         b2 = base if isinstance(base, RedisSettings) else None
         if args.url is None and b2 is None:
             raise ValueError("--backend redis needs --url (or a config whose cache.l3.backend is redis)")
-        return RedisSettings(
-            url=args.url or b2.url,  # type: ignore[union-attr]
-            cluster=args.cluster or (b2.cluster if b2 else False),
-            password=args.password if args.password is not None else (b2.password if b2 else None),
-            key_prefix=args.key_prefix or (b2.key_prefix if b2 else "hicache"),
-            resilience=res or (b2.resilience if b2 else ResilienceSettings()),
-        )
+        # the config's settings (TLS, password file or variable, ttl ...) with the flags given on top
+        start = b2 if b2 is not None else RedisSettings(url=args.url)
+        flagged: dict[str, Any] = {"url": args.url or start.url, "cluster": args.cluster or start.cluster,
+                                   "key_prefix": args.key_prefix or start.key_prefix,
+                                   "resilience": res or start.resilience}
+        if args.password is not None:  # replaces every other password source
+            flagged.update(password=args.password, password_file=None, password_env=None)
+        return dataclasses.replace(start, **flagged)
     return None
 
 

@@ -24,9 +24,12 @@ def storage_settings_from_config(l3cfg: Any) -> FileSettings | RedisSettings | N
     and ``RedisSettings`` for ``redis``; settings the section does not name keep the
     backends' defaults. Duck-typed, so anything with the same attributes works: reads
     ``backend``, ``file.dir``, ``file.max_size_gb``, optional ``file.fsync``, and
-    ``redis.url`` plus optional ``.cluster``, ``.password``, ``.ttl_s``, ``.key_prefix``,
-    ``.timeout_s``. Raises ``StorageConfigError`` (a ``ValueError``) for an unknown backend
-    or a value the settings refuse; never touches the store.
+    ``redis.url`` plus optional ``.cluster``, ``.password``, ``.password_file``,
+    ``.password_env``, ``.tls_ca_file``, ``.tls_cert_file``, ``.tls_key_file``,
+    ``.tls_verify_hostname``, ``.ttl_s``, ``.key_prefix``, ``.timeout_s``. Raises
+    ``StorageConfigError`` (a ``ValueError``) for an unknown backend or a value the settings
+    refuse; never touches the store, and never reads a password file or variable (the
+    backend does, when it connects).
     """
     from storage_backends import FileSettings, RedisSettings, ResilienceSettings, StorageConfigError
 
@@ -47,6 +50,12 @@ def storage_settings_from_config(l3cfg: Any) -> FileSettings | RedisSettings | N
             url=str(r.url),
             cluster=bool(getattr(r, "cluster", False)),
             password=getattr(r, "password", None),
+            password_file=getattr(r, "password_file", None),
+            password_env=getattr(r, "password_env", None),
+            tls_ca_file=getattr(r, "tls_ca_file", None),
+            tls_cert_file=getattr(r, "tls_cert_file", None),
+            tls_key_file=getattr(r, "tls_key_file", None),
+            tls_verify_hostname=bool(getattr(r, "tls_verify_hostname", True)),
             ttl_s=getattr(r, "ttl_s", None),
             key_prefix=str(getattr(r, "key_prefix", "hicache")),
             resilience=ResilienceSettings(timeout_s=float(timeout)) if timeout else ResilienceSettings(),

@@ -26,6 +26,23 @@ class StorageTimeout(StorageUnavailable):
     """The store did not answer within the configured timeout."""
 
 
+class StorageAuthError(StorageUnavailable):
+    """The store refused the credentials (wrong or missing password, unknown user).
+
+    Raised at attach time only; its message names the store (without the password) and
+    says "authentication failed", never the secret itself.
+    """
+
+
+class StorageTLSError(StorageUnavailable):
+    """The TLS handshake failed: the server's certificate is not trusted by the configured
+    CA, does not match the host name, or the server refused our client certificate.
+
+    Raised at attach time only; its message says "certificate verify failed" when the
+    server's certificate was rejected, "TLS handshake failed" otherwise.
+    """
+
+
 class StorageCapacityError(StorageUnavailable):
     """The store is out of space (full disk, quota, Redis ``maxmemory`` with noeviction)."""
 

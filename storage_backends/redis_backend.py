@@ -18,6 +18,19 @@ only its own pages misses and its writes dropped; the other nodes keep serving, 
 lost node is skipped (no connection attempts on the data path) until its probe answers.
 ``stats().up`` is False while the store, or any node of it, is marked down.
 
+Attach: the constructor connects (``PING``) and raises when the store cannot be used:
+``StorageAuthError`` ("authentication failed") for a refused or missing password,
+``StorageTLSError`` ("certificate verify failed" / "TLS handshake failed") for a TLS
+failure, ``StorageUnavailable`` ("cannot connect") otherwise, ``StorageConfigError`` for a
+password file or variable that cannot be read. Messages name the store by its redacted URL
+(``redact_url``): no password, password file content or key ever appears in a message, a
+log line or ``stats()``.
+
+TLS: ``rediss://`` URLs, standalone or cluster, verify the server's certificate
+(``RedisSettings``: ``tls_ca_file``, ``tls_verify_hostname``, optional client certificate
+``tls_cert_file`` / ``tls_key_file``). In cluster mode every node is reached over TLS with
+the same settings.
+
 Processes: the client is created per process (checked by pid on every call), never shared
 across ``fork``. Thread safety: redis-py clients are thread-safe; this class adds no lock
 besides the one guarding client creation.
@@ -28,38 +41,79 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import ssl
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError as RedisAuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from storage_backends.base import Buffer, StorageBackend, StoreUsage
-from storage_backends.errors import StorageConfigError, StorageUnavailable
+from storage_backends.errors import StorageAuthError, StorageConfigError, StorageTLSError, StorageUnavailable
 from storage_backends.keys import check_hashes, is_page_hash
 from storage_backends.page_format import PageFormatError, PageLayout, check_object, encode_header
 from storage_backends.redis_wire import PageValue, connection_class_for
 from storage_backends.resilience import CircuitBreaker, ExponentialJitterBackoff
-from storage_backends.settings import RedisSettings
+from storage_backends.settings import RedisSettings, redact_url, tls_file_problems
 from storage_backends.stats import StatsCounter, StorageStats
 
 log = logging.getLogger(__name__)
 
-_STORE_ERRORS = (RedisError, OSError)
+# RedisClusterException is not a RedisError: the cluster client raises it when no startup node answers.
+_STORE_ERRORS = (RedisError, RedisClusterException, OSError)
 _GLOB_SPECIAL = str.maketrans({c: "\\" + c for c in "*?[]\\"})
 
 
-def _redact(url: str) -> str:
-    """The URL without its password, for log lines and errors."""
-    if "@" not in url:
-        return url
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://***@{rest.rpartition('@')[2]}"
+_redact = redact_url  # the URL without its secrets, for log lines and errors
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from or during (redis-py wraps socket and
+    TLS errors in its own ``ConnectionError``)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        yield cur
+        cur = cur.__cause__ or cur.__context__
+
+
+def attach_error(name: str, exc: BaseException, password_configured: bool, ca_file: str | None = None
+                 ) -> StorageUnavailable:
+    """The error a failed attach raises: ``StorageAuthError`` / ``StorageTLSError`` /
+    ``StorageUnavailable`` with a message that names the cause and the store ``name`` (a
+    redacted URL). Server and TLS messages never carry the password, so they are quoted.
+    ``ca_file`` is the configured ``tls_ca_file`` (None: the system trust store)."""
+    chain = list(_chain(exc))
+    if any(isinstance(e, RedisAuthenticationError) for e in chain):
+        if password_configured:
+            why = "the server refused the password (check password / password_file / password_env and the user)"
+        else:
+            why = "the server requires a password and none is configured (password, password_file or password_env)"
+        return StorageAuthError(f"{name}: authentication failed: {why}; server said: {exc}")
+    verify = next((e for e in chain if isinstance(e, ssl.SSLCertVerificationError)), None)
+    if verify is not None or "CERTIFICATE_VERIFY_FAILED" in str(exc):
+        detail = str(getattr(verify, "verify_message", None) or exc).rstrip(".")
+        if "mismatch" in detail:
+            hint = "the certificate does not name the URL's host; redis.tls_verify_hostname: false skips that check"
+        elif ca_file:
+            hint = f"the server's certificate does not chain to a CA in redis.tls_ca_file ({ca_file})"
+        else:
+            hint = "the server's certificate does not chain to a CA in the system trust store; set redis.tls_ca_file"
+        return StorageTLSError(f"{name}: certificate verify failed: {detail} ({hint})")
+    tls = next((e for e in chain if isinstance(e, ssl.SSLError)), None)
+    if tls is not None:
+        detail = getattr(tls, "reason", None) or str(tls)
+        return StorageTLSError(f"{name}: TLS handshake failed: {detail} (is the server speaking TLS on this port, "
+                               "and does it require a client certificate: redis.tls_cert_file?)")
+    return StorageUnavailable(f"{name}: cannot connect: {exc}")
 
 
 class RedisBackend(StorageBackend):
@@ -87,12 +141,19 @@ class RedisBackend(StorageBackend):
             ExponentialJitterBackoff(res.probe_base_s, res.probe_cap_s),
             on_change=self._on_breaker_change,
         )
-        # A store that was asked for and cannot be reached is an error at start.
+        # Read once, here: a client made later (after fork) uses the same secret. Never logged.
+        self._password = settings.resolve_password()
+        if settings.tls:
+            problems = tls_file_problems(settings.tls_ca_file, settings.tls_cert_file, settings.tls_key_file)
+            if problems:
+                raise StorageConfigError("; ".join(f"redis.{key}: {reason}" for key, reason in problems))
+        # A store that was asked for and cannot be used is an error at attach, naming why.
         try:
             self._conn().ping()
         except _STORE_ERRORS as exc:
             self._drop_client()
-            raise StorageUnavailable(f"{self.name}: cannot connect: {exc}") from exc
+            configured = self._password is not None or urlsplit(settings.url).password is not None
+            raise attach_error(self.name, exc, configured, settings.tls_ca_file) from exc
 
     # -- client per process ------------------------------------------------------------
 
@@ -106,17 +167,31 @@ class RedisBackend(StorageBackend):
             "max_connections": s.max_connections,
             "health_check_interval": 0,
         }
-        if s.password is not None:
-            common["password"] = s.password
+        if self._password is not None:
+            common["password"] = self._password
         common["connection_class"] = connection_class_for(s.url)
+        url = s.url
+        if s.tls:
+            common.update(
+                ssl_cert_reqs="required",
+                ssl_check_hostname=s.tls_verify_hostname,
+                ssl_ca_certs=s.tls_ca_file,
+                ssl_certfile=s.tls_cert_file,
+                ssl_keyfile=s.tls_key_file,
+            )
         try:
             if s.cluster:
                 from redis.cluster import RedisCluster
 
-                return RedisCluster.from_url(s.url, **common)
-            return redis.Redis.from_url(s.url, **common)
+                if s.tls:
+                    # RedisCluster lets the URL's scheme pick redis-py's plain SSLConnection for
+                    # every node, over ours; with a redis:// URL it keeps our page-aware TLS
+                    # class, and the ssl_* options above still apply to each node.
+                    url = "redis://" + url.removeprefix("rediss://")
+                return RedisCluster.from_url(url, **common)
+            return redis.Redis.from_url(url, **common)
         except ValueError as exc:  # bad URL pieces (port, db, options)
-            raise StorageConfigError(f"{self.name}: {exc}") from exc
+            raise StorageConfigError(f"{self.name}: {redact_url(str(exc))}") from None
 
     def _conn(self) -> Any:
         client = self._client
