@@ -19,7 +19,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlparse
+from urllib.parse import parse_qs, urlparse
 
 import yaml
 
@@ -148,9 +148,27 @@ class FileStoreConfig:
 
 @dataclass(frozen=True)
 class RedisStoreConfig:
+    """``cache.l3.redis`` (README "L3 storage").
+
+    The password comes from at most one of ``password`` (inline), ``password_file`` (a file
+    holding only it; one trailing newline dropped), ``password_env`` (the name of an
+    environment variable holding it) or the URL's ``user:pw@``; files and variables are
+    read when the store is attached. ``tls_*`` need a ``rediss://`` URL: the server's
+    certificate is always verified, against ``tls_ca_file`` (PEM, trusted besides the
+    system store) or the system store; ``tls_verify_hostname`` also checks the URL's host
+    against it; ``tls_cert_file`` (+ ``tls_key_file`` unless the key is in the same PEM,
+    unencrypted) is the client certificate for servers that require one. The password is
+    never shown: not in ``repr``, not in ``hicache check-config``'s output."""
+
     url: str = "redis://127.0.0.1:6379/0"
     cluster: bool = False
-    password: str | None = None
+    password: str | None = field(default=None, repr=False, metadata={"secret": True})
+    password_file: str | None = None
+    password_env: str | None = None
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_verify_hostname: bool = True
     ttl_s: int | None = None
     key_prefix: str = "hicache"
     timeout_s: float = 2.0
@@ -221,7 +239,7 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 30080
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False, metadata={"secret": True})
     served_model_names: tuple[str, ...] | None = None
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
@@ -237,13 +255,18 @@ class ServerConfig:
 class IpcConfig:
     """``dir`` None = a fresh private directory (mode 0700) under the runtime dir.
 
-    ``transport: tcp`` is plain ZeroMQ over TCP, with no CURVE encryption or
-    authentication in this build: bind ``tcp_host`` to a trusted interface only."""
+    ``transport: tcp`` needs CURVE: ``curve_keys_dir`` names a key directory written by
+    ``hicache keygen --dir DIR``; every socket then encrypts, and only clients whose public
+    key is in ``DIR/authorized_clients`` can connect (CURVE applies on ``ipc`` too when set).
+    ``allow_insecure_tcp: true`` instead accepts plain, unauthenticated TCP (logged as a
+    warning at start): anyone who can reach ``tcp_host`` can then send to the daemon."""
 
     dir: str | None = None
     transport: Transport = "ipc"
     tcp_host: str = "127.0.0.1"
     tcp_base_port: int = 0
+    curve_keys_dir: str | None = None
+    allow_insecure_tcp: bool = False
 
 
 @dataclass(frozen=True)
@@ -428,7 +451,13 @@ def _build(cls: type, data: Any, path: str, problems: list[ConfigProblem]) -> An
     for f in dataclasses.fields(cls):
         if f.name not in data:
             continue
-        value = _convert(hints[f.name], data[f.name], _join(path, f.name), problems)
+        if f.metadata.get("secret"):  # a problem must not quote the value
+            found: list[ConfigProblem] = []
+            value = _convert(hints[f.name], data[f.name], _join(path, f.name), found)
+            problems.extend(ConfigProblem(p.path, f"must be a string (quote it in YAML), got "
+                                                  f"{_type_name(data[f.name])}") for p in found)
+        else:
+            value = _convert(hints[f.name], data[f.name], _join(path, f.name), problems)
         if value is not _MISSING:
             kwargs[f.name] = value
     try:
@@ -597,6 +626,8 @@ def validate(cfg: HicacheConfig) -> list[ConfigProblem]:
         positive("cache.l3.redis.ttl_s", r.ttl_s)
     if not r.key_prefix or any(ch.isspace() for ch in r.key_prefix):
         bad("cache.l3.redis.key_prefix", f"must be a non-empty string without spaces, got {r.key_prefix!r}")
+    for key, reason in redis_secret_problems(r, check_files=c.l3.backend == "redis"):
+        bad(f"cache.l3.redis.{key}", reason)
 
     s = cfg.scheduler
     for name in ("max_running_requests", "max_prefill_tokens", "chunked_prefill_tokens",
@@ -632,6 +663,14 @@ def validate(cfg: HicacheConfig) -> list[ConfigProblem]:
             bad("server.served_model_names", "must not repeat a name")
     if cfg.ipc.transport == "tcp" and not 0 <= cfg.ipc.tcp_base_port <= 65535 - 8:
         bad("ipc.tcp_base_port", f"must be in 0..65527, got {cfg.ipc.tcp_base_port}")
+    if cfg.ipc.curve_keys_dir is not None and not cfg.ipc.curve_keys_dir.strip():
+        bad("ipc.curve_keys_dir", "must not be empty (null = no CURVE)")
+    elif cfg.ipc.curve_keys_dir and cfg.ipc.allow_insecure_tcp:
+        bad("ipc.allow_insecure_tcp", "must not be true when ipc.curve_keys_dir is set (CURVE is on): drop one")
+    elif cfg.ipc.transport == "tcp" and not cfg.ipc.curve_keys_dir and not cfg.ipc.allow_insecure_tcp:
+        bad("ipc.transport", "tcp needs CURVE keys, or anyone who can reach ipc.tcp_host can send messages to the "
+            "daemon: write a key directory with `hicache keygen --dir DIR` and set ipc.curve_keys_dir: DIR, or set "
+            "ipc.allow_insecure_tcp: true to accept plain TCP on a trusted network")
     e = cfg.engine
     positive("engine.lease_ttl_s", e.lease_ttl_s)
     positive("engine.lookup_timeout_ms", e.lookup_timeout_ms)
@@ -647,22 +686,77 @@ def validate(cfg: HicacheConfig) -> list[ConfigProblem]:
     return out
 
 
+def redis_secret_problems(r: RedisStoreConfig, check_files: bool) -> list[tuple[str, str]]:
+    """Problems of ``cache.l3.redis``'s password and TLS keys, as ``(key, reason)``.
+
+    Always: more than one password source (``password``, ``password_file``,
+    ``password_env``, a password in ``url``), an empty value, a ``tls_*`` file without a
+    ``rediss://`` URL, ``tls_key_file`` without ``tls_cert_file``. With ``check_files`` (the
+    store is in use): a password file that cannot be read or holds no password, an unset or
+    empty ``password_env`` variable, TLS files that cannot be read or loaded (the same
+    checks the backend makes when it attaches). Reasons never include a secret.
+    """
+    out: list[tuple[str, str]] = []
+    try:
+        parsed = urlparse(r.url)
+        url_password = parsed.password or next(iter(parse_qs(parsed.query).get("password", [])), None)
+        scheme = parsed.scheme
+    except ValueError:  # redis_url_problem reports it
+        url_password, scheme = None, ""
+    if r.password == "":
+        out.append(("password", "must not be empty (null = no password)"))
+    for key in ("password_file", "password_env", "tls_ca_file", "tls_cert_file", "tls_key_file"):
+        value = getattr(r, key)
+        if value is not None and not value.strip():
+            out.append((key, "must not be empty (null = unset)"))
+    named = [("password", r.password), ("password_file", r.password_file), ("password_env", r.password_env),
+             ("url", url_password)]
+    sources = [key for key, value in named if value]
+    if len(sources) > 1:
+        out.append((sources[-1], "give the Redis password in one place only (password, password_file, password_env "
+                                 f"or the url's user:password@); got {' and '.join(sources)}"))
+    tls_keys = [k for k in ("tls_ca_file", "tls_cert_file", "tls_key_file") if getattr(r, k)]
+    if tls_keys and scheme in ("redis", "unix"):
+        for key in tls_keys:
+            out.append((key, f"needs a rediss:// url (TLS); url is {scheme}://"))
+    if r.tls_key_file and not r.tls_cert_file:
+        out.append(("tls_key_file", "needs tls_cert_file (the client certificate this key belongs to)"))
+    if not check_files or out:
+        return out
+    from storage_backends.settings import load_password_env, load_password_file, tls_file_problems
+
+    try:
+        if r.password_file:
+            load_password_file(r.password_file)
+        elif r.password_env:
+            load_password_env(r.password_env)
+    except ValueError as exc:
+        out.append(("password_file" if r.password_file else "password_env", str(exc)))
+    if scheme == "rediss":
+        out.extend(tls_file_problems(r.tls_ca_file, r.tls_cert_file, r.tls_key_file))
+    return out
+
+
 def redis_url_problem(url: str) -> str | None:
-    """None if ``url`` is a usable redis://, rediss:// or unix:// URL, else the reason."""
+    """None if ``url`` is a usable redis://, rediss:// or unix:// URL, else the reason (which
+    quotes the URL with its password as ``***``)."""
+    from storage_backends.settings import redact_url
+
+    shown = redact_url(url)
     try:
         parsed = urlparse(url)
     except ValueError as exc:
         return f"does not parse: {exc}"
     if parsed.scheme not in ("redis", "rediss", "unix"):
-        return f"scheme must be redis, rediss or unix; got {url!r}"
+        return f"scheme must be redis, rediss or unix; got {shown!r}"
     if parsed.scheme == "unix":
-        return None if parsed.path else f"unix URL needs a socket path; got {url!r}"
+        return None if parsed.path else f"unix URL needs a socket path; got {shown!r}"
     if not parsed.hostname:
-        return f"needs a host; got {url!r}"
+        return f"needs a host; got {shown!r}"
     try:
         parsed.port  # noqa: B018 - raises ValueError for a bad port
     except ValueError:
-        return f"has an invalid port; got {url!r}"
+        return f"has an invalid port; got {shown!r}"
     db = parsed.path.lstrip("/")
     if db and not db.isdigit():
         return f"database must be a number; got {db!r}"
@@ -679,4 +773,15 @@ def to_dict(cfg: Any) -> Any:
 
 
 def dump_yaml(cfg: HicacheConfig) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=None)
+    """The config as YAML, for people: secrets (the Redis password, inline or in the URL,
+    and ``server.api_key``) show as ``***``."""
+    data = to_dict(cfg)
+    redis_section = data["cache"]["l3"]["redis"]
+    if redis_section.get("password") is not None:
+        redis_section["password"] = "***"
+    if data["server"].get("api_key") is not None:
+        data["server"]["api_key"] = "***"
+    from storage_backends.settings import redact_url
+
+    redis_section["url"] = redact_url(redis_section["url"])
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None)
