@@ -1,0 +1,79 @@
+"""The example configs of ``deploy/config/``, each loaded by a real ``hicache check-config``.
+
+A config that names a checkpoint (``/models/...``, absent here) is checked with that one
+key pointed at a tiny local checkpoint (``--set``), and its run without the override must
+fail on exactly that key, so the override hides nothing else. Everything else in the
+file, including its L2 size against this machine's memory, is checked as written.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+from deploy_helpers import CONFIG_DIR, MODEL_KEY, CheckConfig
+
+
+def test_every_config_is_covered() -> None:
+    """Every YAML file of deploy/config/ is one this module checks (a new one must be added)."""
+    assert sorted(p.name for p in CONFIG_DIR.glob("*.yaml")) == sorted(MODEL_KEY)
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_KEY))
+def test_check_config_accepts(name: str, config_checks: dict[str, CheckConfig]) -> None:
+    """``hicache check-config`` exits 0 on the file and resolves the keys the file sets to
+    the values it wrote (nothing was silently dropped or defaulted)."""
+    resolved = config_checks[name].resolved()
+    written = yaml.safe_load((CONFIG_DIR / name).read_text())
+    key = MODEL_KEY[name]
+
+    def compare(w: Any, r: Any, path: str) -> None:
+        if isinstance(w, dict):
+            assert isinstance(r, dict), path
+            for k, v in w.items():
+                compare(v, r[k], f"{path}.{k}" if path else k)
+        elif path != key:
+            assert r == w or (isinstance(w, int) and r == float(w)), f"{name}: {path} resolved to {r!r}, wrote {w!r}"
+
+    compare(written, resolved, "")
+
+
+@pytest.mark.parametrize("name", sorted(k for k, v in MODEL_KEY.items() if v))
+def test_checkpoint_is_the_only_missing_piece(name: str, config_checks: dict[str, CheckConfig]) -> None:
+    """Without the tiny checkpoint, check-config refuses the file (exit 2) for the checkpoint
+    key alone: the override in the accepting run stands in for nothing else."""
+    r = config_checks[f"{name} (no checkpoint)"]
+    assert r.returncode == 2, r.stdout + r.stderr
+    problems = [line.strip() for line in r.stderr.splitlines() if line.startswith("  ")]
+    assert problems and all(p.startswith(f"{MODEL_KEY[name]}:") for p in problems), r.stderr
+
+
+def test_layer_kinds_of_hybrid() -> None:
+    """hybrid.yaml combines full attention with a second layer kind (what this build serves)."""
+    layers = yaml.safe_load((CONFIG_DIR / "hybrid.yaml").read_text())["model"]["reference"]["layers"]
+    assert "full" in layers and {"mamba", "swa"} & set(layers), layers
+
+
+def test_full_swa_mamba_is_still_refused(config_checks: dict[str, CheckConfig]) -> None:
+    """hybrid.yaml says a full + swa + mamba pattern is refused at start: check-config must
+    refuse it with that reason (once it is served, hybrid.yaml should use it)."""
+    r = config_checks["hybrid.yaml with full+swa+mamba"]
+    assert r.returncode == 2, r.stdout
+    assert "model.reference.layers" in r.stderr and "either swa or mamba" in r.stderr, r.stderr
+    assert "either swa or mamba layers, not both" in (CONFIG_DIR / "hybrid.yaml").read_text()
+
+
+def test_engine_mode_config() -> None:
+    """vllm-sidecar.yaml is engine mode with a fixed ipc.dir (engines find the socket there)
+    and a page size vLLM's CPU backend takes (a multiple of 32)."""
+    cfg = yaml.safe_load((CONFIG_DIR / "vllm-sidecar.yaml").read_text())
+    assert cfg["engine"]["kind"] == "vllm"
+    assert cfg["ipc"]["dir"]
+    assert cfg["cache"]["page_size"] % 32 == 0
+
+
+def test_no_cuda_config() -> None:
+    """No config asks for a CUDA L1 (refused by this build): none sets device to cuda."""
+    for path in CONFIG_DIR.glob("*.yaml"):
+        assert "cuda" not in str(yaml.safe_load(path.read_text()).get("device", "")), path

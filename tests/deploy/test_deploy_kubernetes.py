@@ -1,0 +1,238 @@
+"""``deploy/kubernetes/``: every built-in resource validated by ``kubernetes-validate``
+(strict: unknown fields are errors) against the Kubernetes schemas, the PodMonitor (a CRD
+it has no schema for) checked by structure, and what ties the manifests together: the
+probes, the volumes the vLLM and hicache containers share, the Secret the Redis URL comes
+from, the requests and limits against L2, the Service and PodMonitor ports, and each
+ConfigMap's config accepted by ``hicache check-config`` with the container's own arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from deploy_helpers import (
+    K8S_DEPLOYMENTS,
+    K8S_DIR,
+    LLAMA_31_8B,
+    CheckConfig,
+    deployment_config,
+    expand_args,
+    hicache_container,
+    k8s_docs,
+    k8s_find,
+    pool_bytes,
+    quantity_bytes,
+    run,
+    tool,
+)
+
+CRD_KINDS = {"PodMonitor"}
+K8S_VERSIONS = ("1.29.0", "1.37.0")
+
+
+def builtin_docs() -> list[tuple[Path, dict[str, Any]]]:
+    return [(p, d) for p, d in k8s_docs() if d["kind"] not in CRD_KINDS]
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_kubernetes_validate(version: str, tmp_path: Path) -> None:
+    """Every built-in resource passes ``kubernetes-validate --strict`` for Kubernetes
+    ``version`` (the CRD documents are validated below, by structure)."""
+    files = []
+    for i, (path, doc) in enumerate(builtin_docs()):
+        f = tmp_path / f"{i:02d}-{path.stem}-{doc['kind']}.yaml"
+        f.write_text(yaml.safe_dump(doc))
+        files.append(str(f))
+    assert len(files) >= 8
+    proc = run([tool("kubernetes-validate"), "--strict", "-k", version, *files])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("passed") == len(files), proc.stdout + proc.stderr
+
+
+def test_kubernetes_validate_catches_a_bad_manifest(tmp_path: Path) -> None:
+    """The validation is real: a misspelt probe field and a port given as text each fail it."""
+    files = []
+    for what in ("field", "type"):
+        dep = k8s_find("Deployment", "hicache")
+        c = dep["spec"]["template"]["spec"]["containers"][0]
+        if what == "field":
+            c["readinessProbe"]["httpGet"]["paht"] = "/health"  # unknown in strict mode
+        else:
+            c["ports"][0]["containerPort"] = "thirty"
+        files.append(tmp_path / f"bad-{what}.yaml")
+        files[-1].write_text(yaml.safe_dump(dep))
+    proc = run([tool("kubernetes-validate"), "--strict", *map(str, files)])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "'paht'" in out and "'thirty'" in out, out
+
+
+def test_podmonitor() -> None:
+    """The PodMonitor (monitoring.coreos.com/v1) selects the labels every hicache pod has
+    and scrapes /metrics on the container port named in both Deployments, relabelled to
+    job="hicache" (what the alert rules match)."""
+    pms = [d for _p, d in k8s_docs() if d["kind"] == "PodMonitor"]
+    assert len(pms) == 1
+    pm = pms[0]
+    assert pm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(pm) <= {"apiVersion", "kind", "metadata", "spec"} and pm["metadata"]["name"]
+    spec = pm["spec"]
+    assert set(spec) <= {"selector", "podMetricsEndpoints", "namespaceSelector", "jobLabel", "podTargetLabels"}
+    selector = spec["selector"]["matchLabels"]
+    endpoints = spec["podMetricsEndpoints"]
+    assert endpoints, "no podMetricsEndpoints"
+    allowed = {"port", "path", "interval", "scrapeTimeout", "relabelings", "metricRelabelings", "scheme"}
+    for ep in endpoints:
+        assert set(ep) <= allowed, set(ep) - allowed
+        assert ep["path"] == "/metrics"
+        for key in ("interval", "scrapeTimeout"):
+            assert re.fullmatch(r"\d+(ms|s|m|h)", ep[key]), ep[key]
+        for r in ep.get("relabelings", []):
+            assert r["action"] in ("replace", "keep", "drop", "labelmap", "labeldrop", "labelkeep")
+    assert any(r.get("targetLabel") == "job" and r.get("replacement") == "hicache"
+               for ep in endpoints for r in ep.get("relabelings", []))
+    for name in K8S_DEPLOYMENTS:
+        dep = k8s_find("Deployment", name)
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert all(labels.get(k) == v for k, v in selector.items()), f"{name}'s pods are not selected"
+        ports = {p["name"] for p in hicache_container(dep)["ports"]}
+        assert {ep["port"] for ep in endpoints} & ports, f"{name}: no scraped port"
+
+
+@pytest.mark.parametrize("name", K8S_DEPLOYMENTS)
+def test_probes(name: str) -> None:
+    """hicache's readiness probe is /health (503 while a process is dead, stale or draining)
+    and its liveness probe /health?live=1 (200 while the HTTP process answers: a degraded
+    daemon is taken out of the Service, not restarted); both on the config's server.port."""
+    dep = k8s_find("Deployment", name)
+    c = hicache_container(dep)
+    cfg = yaml.safe_load(deployment_config(dep)[1])
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    for probe, path in (("readinessProbe", "/health"), ("livenessProbe", "/health?live=1")):
+        get = c[probe]["httpGet"]
+        assert get["path"] == path, f"{probe}: {get['path']}"
+        assert ports.get(get["port"], get["port"]) == cfg["server"]["port"]
+    assert c["startupProbe"]["httpGet"]["path"] == "/health?live=1"
+    assert cfg["server"]["host"] == "0.0.0.0", "the kubelet probes the pod's IP"
+
+
+def test_sidecar_shares_shm_and_runtime_dir() -> None:
+    """In the vLLM pod both containers mount the same memory-backed emptyDir at /dev/shm, the
+    same volume at the config's ipc.dir, the same config and checkpoint paths, and run as
+    one non-root uid; vLLM loads hicache.connectors.vllm with the mounted config, with a
+    --block-size equal to the daemon's page size and the model engine.model names."""
+    dep = k8s_find("Deployment", "vllm-hicache")
+    pod = dep["spec"]["template"]["spec"]
+    cfg = yaml.safe_load(deployment_config(dep)[1])
+    assert cfg["engine"]["kind"] == "vllm"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    containers = {c["name"]: c for c in pod["containers"]}
+    vllm, hc = containers["vllm"], hicache_container(dep)
+
+    def mounts(c: dict[str, Any]) -> dict[str, str]:
+        return {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+
+    mv, mh = mounts(vllm), mounts(hc)
+    assert mv["/dev/shm"] == mh["/dev/shm"] and volumes[mh["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    ipc_dir = cfg["ipc"]["dir"]
+    assert mv[ipc_dir] == mh[ipc_dir] and "emptyDir" in volumes[mh[ipc_dir]]
+    args = vllm["args"]
+    kv = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector"] == "HiCacheConnector" and kv["kv_connector_module_path"] == "hicache.connectors.vllm"
+    config_path = kv["kv_connector_extra_config"]["hicache_config"]
+    assert config_path == deployment_config(dep)[0]
+    config_mount = next(p for p in mh if config_path.startswith(p.rstrip("/") + "/"))
+    assert mv[config_mount] == mh[config_mount]
+    assert int(args[args.index("--block-size") + 1]) == cfg["cache"]["page_size"]
+    assert args[args.index("--model") + 1] == cfg["engine"]["model"]
+    model_mount = next(p for p in mh if cfg["engine"]["model"].startswith(p.rstrip("/") + "/"))
+    assert mv[model_mount] == mh[model_mount]
+    sc = pod["securityContext"]
+    assert sc["runAsNonRoot"] is True and sc["runAsUser"] != 0
+    for c in (vllm, hc):
+        assert "runAsUser" not in c.get("securityContext", {}), "both containers must run as the pod's uid"
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+@pytest.mark.parametrize("name", K8S_DEPLOYMENTS)
+def test_redis_url_from_secret(name: str) -> None:
+    """The Redis URL (password included) reaches the daemon from a Secret of the repository:
+    an env var from a secretKeyRef, passed as ``--set cache.l3.redis.url=$(VAR)``; the
+    ConfigMap holds no password."""
+    dep = k8s_find("Deployment", name)
+    c = hicache_container(dep)
+    arg = next(a for a in c["args"] if a.startswith("cache.l3.redis.url="))
+    var = re.fullmatch(r"cache\.l3\.redis\.url=\$\((\w+)\)", arg)
+    assert var, arg
+    env = next(e for e in c["env"] if e["name"] == var.group(1))
+    ref = env["valueFrom"]["secretKeyRef"]
+    secret = k8s_find("Secret", ref["name"])
+    url = secret["stringData"][ref["key"]]
+    assert re.match(r"rediss?://:[^@]+@", url), url
+    assert f"cache.l3.redis.url={url}" in expand_args(c)
+    cfg = yaml.safe_load(deployment_config(dep)[1])
+    assert cfg["cache"]["l3"]["backend"] == "redis" and "@" not in cfg["cache"]["l3"]["redis"]["url"]
+    assert not cfg["cache"]["l3"]["redis"].get("password")
+
+
+@pytest.mark.parametrize("name", K8S_DEPLOYMENTS)
+def test_configmap_config_is_accepted(name: str, config_checks: dict[str, CheckConfig]) -> None:
+    """``hicache check-config`` accepts the ConfigMap's config with the container's expanded
+    arguments (the Secret's URL in, the checkpoint key pointed at a tiny checkpoint), and the
+    resolved L3 URL is the Secret's (host, port and database; the password may be redacted)."""
+    resolved = config_checks[f"k8s:{name}"].resolved()
+    c = hicache_container(k8s_find("Deployment", name))
+    url = next(a for a in expand_args(c) if a.startswith("cache.l3.redis.url=")).split("=", 1)[1]
+    got = resolved["cache"]["l3"]["redis"]["url"]
+    assert got.split("://")[0] == url.split("://")[0] and got.split("@")[-1] == url.split("@")[-1], (got, url)
+
+
+@pytest.mark.parametrize("name", K8S_DEPLOYMENTS)
+def test_resources_cover_l2(name: str) -> None:
+    """Requests and limits cover the pools the ConfigMap's config makes, for the model the
+    manifests name (bfloat16 Llama-3.1-8B): the /dev/shm emptyDir holds L2; the hicache
+    container's memory request holds L2 (and L1 and the weights in builtin mode, where the
+    daemon runs the model); in the vLLM pod, vLLM's limit leaves room above its request for
+    the L2 pages its worker writes first (tmpfs pages are charged to the first writer)."""
+    dep = k8s_find("Deployment", name)
+    pod = dep["spec"]["template"]["spec"]
+    cfg = yaml.safe_load(deployment_config(dep)[1])
+    l1, l2 = pool_bytes(cfg)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    c = hicache_container(dep)
+    shm = next(m["name"] for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm")
+    assert quantity_bytes(volumes[shm]["emptyDir"]["sizeLimit"]) >= l2
+    need = l2 + (l1 + LLAMA_31_8B["weights_bytes"] if cfg.get("engine", {}).get("kind") != "vllm" else 0)
+    request = quantity_bytes(c["resources"]["requests"]["memory"])
+    limit = quantity_bytes(c["resources"]["limits"]["memory"])
+    assert request >= need and limit >= request, (request, need)
+    for other in pod["containers"]:
+        if other is c:
+            continue
+        r, lim = (quantity_bytes(other["resources"][k]["memory"]) for k in ("requests", "limits"))
+        assert lim - r >= l2, f"{other['name']}: limit {lim} - request {r} < L2 {l2}"
+
+
+@pytest.mark.parametrize("name", K8S_DEPLOYMENTS)
+def test_service_exposes_the_http_port(name: str) -> None:
+    """A Service selects the Deployment's pods and exposes the hicache HTTP / metrics port."""
+    dep = k8s_find("Deployment", name)
+    svc = k8s_find("Service", name)
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in svc["spec"]["selector"].items())
+    port_names = {p["name"] for p in hicache_container(dep)["ports"]}
+    cfg = yaml.safe_load(deployment_config(dep)[1])
+    assert any(p["targetPort"] in port_names and p["port"] == cfg["server"]["port"] for p in svc["spec"]["ports"])
+
+
+def test_every_manifest_is_covered() -> None:
+    """Every file of deploy/kubernetes is one of those checked here, and every Deployment
+    that runs hicache is in K8S_DEPLOYMENTS."""
+    assert {p.name for p in K8S_DIR.glob("*")} == {"hicache.yaml", "vllm-hicache.yaml", "redis-secret.yaml",
+                                                   "models-pvc.yaml", "podmonitor.yaml"}
+    deps = {d["metadata"]["name"] for _p, d in k8s_docs() if d["kind"] == "Deployment"}
+    assert deps == set(K8S_DEPLOYMENTS)
