@@ -81,6 +81,15 @@ def _never(description: str) -> Schema:
     return {"type": "null", "description": f"not supported: {description}"}
 
 
+ON_ATTACH = "x-hicache-checked-on-attach"
+"""Marks a field whose valid values depend on the machine (a file that exists, a variable
+that is set): the server checks it when the store is attached, beyond what the schema says."""
+
+
+def _on_attach(description: str) -> Schema:
+    return _nullable({"type": "string", "minLength": 1, "description": description, ON_ATTACH: True})
+
+
 def _empty_or_null() -> Schema:
     return {"anyOf": [{"type": "null"}, {"const": ""}, {"type": "array", "maxItems": 0},
                       {"type": "object", "maxProperties": 0}]}
@@ -267,11 +276,19 @@ def storage_body() -> Schema:
         "url": {"type": "string", "pattern": "^(redis|rediss|unix)://", "description": "a redis, rediss or unix URL",
                 "examples": ["redis://127.0.0.1:6379/0"]},
         "cluster": {"type": "boolean"},
-        "password": _nullable({"type": "string"}),
+        "password": _nullable({"type": "string", "minLength": 1, "description": "at most one of password, "
+                               "password_file, password_env and a password in the URL"}),
+        "password_file": _on_attach("a file holding the password (it must exist and be readable)"),
+        "password_env": _on_attach("the environment variable holding the password (it must be set)"),
+        "tls_ca_file": _on_attach("PEM CA bundle (rediss:// only; it must exist)"),
+        "tls_cert_file": _on_attach("client certificate (PEM; rediss:// only; it must exist)"),
+        "tls_key_file": _on_attach("its key (PEM, unencrypted; with tls_cert_file; it must exist)"),
+        "tls_verify_hostname": {"type": "boolean"},
         "ttl_s": _nullable({"type": "integer", "exclusiveMinimum": 0}),
         "key_prefix": {"type": "string", "minLength": 1, "pattern": r"^\S+$"},
         "timeout_s": positive,
-    }, ("url", "cluster", "password", "ttl_s", "key_prefix", "timeout_s"))
+    }, ("url", "cluster", "password", "password_file", "password_env", "tls_ca_file", "tls_cert_file",
+        "tls_key_file", "tls_verify_hostname", "ttl_s", "key_prefix", "timeout_s"))
     return _object({"backend": {"enum": ["file", "redis"]}, "file": file, "redis": redis},
                    ("backend", "file", "redis"), required=("backend",))
 
