@@ -22,6 +22,13 @@ StorageAdmin           main loop, once no L3 op is running       StorageStatus
 Shutdown / SIGTERM     stop reading, finish queued ops, exit 0   —
 =====================  ========================================  ==========================
 
+An L3 store that refuses the daemon's credentials at start (``StorageAuthError``,
+``StorageTLSError``: a wrong password, an untrusted certificate) does not stop the start:
+the controller runs without L3, logs the cause, sends an unprompted ``StorageStatus``
+(``op_id`` -1, backend ``none``, ``stats.attach_error``) so that the scheduler issues no L3
+ops, and reports the cause in every status until a store attaches. A store that cannot be
+reached at all still fails the start.
+
 Every op gets exactly one answer. A message that is refused (bad indices, unknown
 component, a duplicate ``op_id`` of an op still running) is answered ``OpDone(status=
 "rejected")`` without touching memory; if an op with that id is running it goes on and
@@ -59,6 +66,7 @@ from hicache.memory.pools import PoolLayout, attach_pools
 from hicache.metrics import get_metrics, init_process_metrics
 from hicache.proc import die_with_parent
 from storage_backends import create_backend
+from storage_backends.errors import StorageAuthError, StorageTLSError
 
 log = logging.getLogger("hicache.controller")
 
@@ -115,11 +123,18 @@ class ControllerServer:
         self.pools = attach_pools(args.layout)
         self.engine = make_transfer_engine(self.pools, args.device)
         backend = None
+        self.attach_error: str | None = None
+        """Why the configured L3 store refused us at start (credentials), until one attaches."""
         if args.storage is not None:
             io_probe = StorageIO(self.pools, None)
             paged = next((c.name for c in args.layout.components if c.kind == "paged"), None)
             if paged is not None:
-                backend = create_backend(args.storage, io_probe.layout_for(paged))
+                try:
+                    backend = create_backend(args.storage, io_probe.layout_for(paged))
+                except (StorageAuthError, StorageTLSError) as exc:  # a store that is down still fails the start
+                    self.attach_error = str(exc)
+                    log.error("the %s L3 store refused the daemon: %s; serving without L3 (fix cache.l3 and "
+                              "attach it with PUT /cache/storage)", args.storage.kind, exc)
         self.storage = StorageIO(self.pools, backend, args.storage.kind if backend is not None else "none")
         self.inbox: PullSocket[protos.ControllerMessage] = PullSocket(
             ctx, args.endpoints.address("controller"), ACCEPTS, bind=True)
@@ -301,8 +316,15 @@ class ControllerServer:
                     error = f"unknown storage admin op {msg.op!r}"
             except Exception as exc:  # reported to the caller; the controller keeps serving
                 error = f"{type(exc).__name__}: {exc}"
-            up, stats = self.storage.status()
-            self.outbox.send(protos.StorageStatus(msg.op_id, self.storage.backend_name, up, stats, error))
+            if self.storage.backend is not None:
+                self.attach_error = None
+            self.outbox.send(self._status(msg.op_id, error))
+
+    def _status(self, op_id: int, error: str | None = None) -> protos.StorageStatus:
+        up, stats = self.storage.status()
+        if self.attach_error is not None:
+            stats["attach_error"] = self.attach_error
+        return protos.StorageStatus(op_id, self.storage.backend_name, up, stats, error)
 
     # -- the loop ------------------------------------------------------------------
 
@@ -315,6 +337,8 @@ class ControllerServer:
         stream can starve the other.
         """
         inbox, done = self.inbox.socket, self.done
+        if self.attach_error is not None:  # unprompted: the scheduler stops issuing L3 ops
+            self.outbox.send(self._status(-1))
         poller = zmq.Poller()
         poller.register(inbox, zmq.POLLIN)
         poller.register(done, zmq.POLLIN)

@@ -592,21 +592,35 @@ def test_daemon_refused_by_the_store_at_attach_says_why_and_keeps_serving(tls_se
     assert WRONG not in log and PASSWORD not in log
 
 
-def test_daemon_started_with_a_wrong_password_refuses_naming_the_cause(tls_server: TlsRedis, pki: Pki,
-                                                                      tmp_path: Path) -> None:
-    """At start a store that refuses us is treated like one that is down: ``serve`` exits
-    1 and says why (README "L3 storage")."""
+@pytest.mark.parametrize("refusal", ["wrong password", "untrusted certificate"])
+def test_daemon_started_with_refused_credentials_serves_without_l3_and_says_why(
+        tls_server: TlsRedis, pki: Pki, tmp_path: Path, refusal: str) -> None:
+    """At start a store that refuses our credentials does not stop the daemon: it serves
+    without L3 (no L3 op is issued), ``GET /cache/storage`` names the cause, the secret is
+    in no log line; a later ``PUT /cache/storage`` with the right settings attaches the store."""
     from tests.e2e.daemon import Daemon
 
-    d = Daemon(tmp_path, _daemon_config({"backend": "redis", "redis": {
-        "url": tls_server.url(), "password": WRONG, "tls_ca_file": str(pki.ca), "timeout_s": 1.0}}))
-    d.launch()
-    assert d.proc is not None
+    section = {"url": tls_server.url(), "password": WRONG, "tls_ca_file": str(pki.ca), "timeout_s": 1.0}
+    needle = "authentication failed"
+    if refusal == "untrusted certificate":
+        section = {**section, "password": PASSWORD, "tls_ca_file": str(pki.other_ca)}
+        needle = "certificate verify failed"
+    d = Daemon(tmp_path, _daemon_config({"backend": "redis", "redis": section}))
+    d.start()
     try:
-        code = d.proc.wait(120)
+        prompt = [(i * 5) % 250 + 1 for i in range(130)]
+        first = d.generate(prompt, 6)
+        assert d.request("POST", "/cache/flush")[0] == 200
+        again = d.generate(prompt, 6)
+        assert again["output_ids"] == first["output_ids"]
+        assert again["meta_info"]["cached_tokens_details"]["storage"] == 0  # no L3
+        status, body = d.request("GET", "/cache/storage")
+        assert status == 200 and body["backend"] == "none" and needle in body["stats"]["attach_error"], body
+        good = {**section, "password": PASSWORD, "tls_ca_file": str(pki.ca)}
+        status, body = d.request("PUT", "/cache/storage", {"backend": "redis", "redis": good})
+        assert status == 200 and body["backend"] == "redis" and "attach_error" not in body["stats"], body
     finally:
-        d.kill_all()
+        assert d.stop() == 0, d.log()
     log = d.log_path.read_text(errors="replace")
-    assert code == 1, log
-    assert "the controller failed to start" in log and "authentication failed" in log, log
-    assert WRONG not in log
+    assert needle in log and "serving without L3" in log, log
+    assert WRONG not in log and PASSWORD not in log
