@@ -118,6 +118,7 @@ class SchedulerCounters:
     cached_host: int = 0
     cached_storage: int = 0
     forward_passes: int = 0
+    integrity_checks: int = 0  # idle integrity checks that passed (``check_idle``)
     load_join_wait_s: float = 0.0  # time forward passes were held for load-backs (the loop adds it)
 
 
@@ -287,6 +288,7 @@ class Scheduler:
             "requests": {"running": len(self.running), "waiting": len(self.waiting)},
             "hit_tokens": {"device": self.counters.cached_device, "host": self.counters.cached_host,
                            "storage": self.counters.cached_storage},
+            "integrity_checks": self.counters.integrity_checks,
         }
         if self.swa is not None:
             a = self.swa.allocator
@@ -359,6 +361,7 @@ class Scheduler:
         """The integrity check, run by the loop when nothing is running or in flight."""
         if not self.busy and (self.tier is None or not self.tier.in_flight):
             self.cache.check_integrity()
+            self.counters.integrity_checks += 1
 
     def _schedule(self) -> None:
         if not self.waiting:

@@ -1,0 +1,1 @@
+"""Parts of ``hicache bench soak``: the traffic it sends and the resources it watches."""
