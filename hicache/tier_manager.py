@@ -188,10 +188,6 @@ class TierManager:
             sent += 1
         return sent
 
-    def write_back_before_evict(self, tokens: int) -> int:
-        """``write_back``: evicting queues nodes for L2; start their writes. Returns ops sent."""
-        return self.issue_writes() if self.cache.write_policy == "write_back" else 0
-
     # ------------------------------------------------------------------ L2 -> L1
     def start_load_back(self, match: MatchResult) -> LoadTicket | None:
         """Load the L2-only tail of ``match`` into L1, or None to recompute it instead

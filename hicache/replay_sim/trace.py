@@ -26,7 +26,8 @@ from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
-KEY_TYPECODE = "I"
+from hicache.tree.node import KEY_TYPECODE  # the tree's key type: traces replay through the real tree
+
 MAX_TOKEN = 2**32
 CANDIDATE_BLOCK_SIZES = (512, 256, 128, 64, 32, 16, 8, 4, 2, 1, 1024, 2048)
 

@@ -470,7 +470,7 @@ class UnifiedRadixCache:
             swa_free.extend(swa_value[lo - swa_start:b - swa_start])
             return node
         if a < own_lo:
-            upper = self.core.split(node, (own_lo - a) * ps)  # noqa: F841 - stays a tombstone
+            self.core.split(node, (own_lo - a) * ps)  # the upper part stays a tombstone
             a = own_lo
         self.core.set_value(node, i, swa_value[a - swa_start:b - swa_start])
         return node
