@@ -1,4 +1,4 @@
-"""The scheduler's half of HiCache (DESIGN §5): tier policies that drive the cache controller.
+"""The scheduler's half of HiCache (docs/architecture.md §5): tier policies that drive the cache controller.
 
 The tree decides which pages move (``UnifiedRadixCache``'s tier calls); this class turns
 those decisions into controller messages, matches the controller's answers back to them,
@@ -31,6 +31,7 @@ stale copy can ever land in a page that was freed and reused.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import time
@@ -118,9 +119,19 @@ class PrefetchTicket:
         return False  # wait_complete
 
 
+class OpKind(enum.Enum):
+    """What a controller op the tier layer sent does (the lifecycle table above)."""
+
+    WRITE = "write"
+    LOAD = "load"
+    BACKUP = "backup"
+    QUERY = "query"
+    FETCH = "fetch"
+
+
 @dataclass
 class _Pending:
-    kind: str  # write | load | backup | query | fetch
+    kind: OpKind
     tier_op: TierOp | None = None
     ticket: Any = None
     started: float = 0.0
@@ -164,7 +175,7 @@ class TierManager:
     def in_flight_kinds(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for p in self._pending.values():
-            out[p.kind] = out.get(p.kind, 0) + 1
+            out[p.kind.value] = out.get(p.kind.value, 0) + 1
         return out
 
     def _new_op(self, pending: _Pending) -> int:
@@ -181,7 +192,7 @@ class TierManager:
             op = self.cache.start_write(node)
             if op is None:
                 continue
-            op_id = self._new_op(_Pending("write", op))
+            op_id = self._new_op(_Pending(OpKind.WRITE, op))
             dev = {name: list(src) for name, (src, _dst) in op.transfers.items()}
             host = {name: list(dst) for name, (_src, dst) in op.transfers.items()}
             self.send(protos.WriteToHost(op_id, dev, host))
@@ -198,7 +209,7 @@ class TierManager:
         if op is None:
             return None
         ticket = LoadTicket(0, match.host_hit_length)
-        ticket.op_id = self._new_op(_Pending("load", op, ticket))
+        ticket.op_id = self._new_op(_Pending(OpKind.LOAD, op, ticket))
         host = {name: list(src) for name, (src, _dst) in op.transfers.items()}
         dev = {name: list(dst) for name, (_src, dst) in op.transfers.items()}
         self.send(protos.LoadToDevice(ticket.op_id, host, dev))
@@ -212,7 +223,7 @@ class TierManager:
         op = self.cache.start_backup(node)
         if op is None:
             return
-        op_id = self._new_op(_Pending("backup", op))
+        op_id = self._new_op(_Pending(OpKind.BACKUP, op))
         self.send(protos.BackupToStorage(op_id, list(op.transfers["full"][0]), list(op.hashes)))
 
     # ------------------------------------------------------------------ L3 -> L2
@@ -238,7 +249,7 @@ class TierManager:
             deadline = self.clock() + cfg.timeout_base_s + cfg.timeout_per_ki_token_s * rest_pages * ps / 1024
         ticket = PrefetchTicket(rid, list(token_ids[: start + rest_pages * ps]), cache_salt, start, hashes,
                                 cfg.policy, deadline, 0)
-        ticket.query_op = self._new_op(_Pending("query", ticket=ticket))
+        ticket.query_op = self._new_op(_Pending(OpKind.QUERY, ticket=ticket))
         self.counters.prefetch_queries += 1
         self.send(protos.PrefetchQuery(ticket.query_op, hashes))
         return ticket
@@ -263,7 +274,7 @@ class TierManager:
             return
         ticket.host_pages = list(pages)
         self._prefetch_reserved += len(pages)
-        ticket.fetch_op = self._new_op(_Pending("fetch", ticket=ticket))
+        ticket.fetch_op = self._new_op(_Pending(OpKind.FETCH, ticket=ticket))
         self.send(protos.PrefetchFetch(ticket.fetch_op, ticket.hashes[: len(pages)], ticket.host_pages))
 
     def _on_fetched(self, ticket: PrefetchTicket, pages_done: int) -> None:
@@ -297,7 +308,7 @@ class TierManager:
         """Apply one controller answer. Answers for unknown (e.g. already failed) ops are ignored."""
         if isinstance(msg, protos.PrefetchHits):
             p = self._pending.pop(msg.op_id, None)
-            if p is not None and p.kind == "query":
+            if p is not None and p.kind is OpKind.QUERY:
                 self._on_hits(p.ticket, msg.n)
             return
         if not isinstance(msg, protos.OpDone):
@@ -314,7 +325,7 @@ class TierManager:
 
     def _finish(self, p: _Pending, ok: bool, pages_done: int) -> None:
         cache = self.cache
-        if p.kind == "write":
+        if p.kind is OpKind.WRITE:
             assert p.tier_op is not None
             written = cache.finish_write(p.tier_op, ok)
             if ok:
@@ -323,7 +334,7 @@ class TierManager:
                     self.back_up(node)
             else:
                 self.counters.writes_failed += 1
-        elif p.kind == "load":
+        elif p.kind is OpKind.LOAD:
             assert p.tier_op is not None
             cache.finish_load_back(p.tier_op, ok)
             p.ticket.ok = ok
@@ -334,7 +345,7 @@ class TierManager:
                 self.counters.loaded_tokens += p.ticket.tokens
             else:
                 self.counters.loads_failed += 1
-        elif p.kind == "backup":
+        elif p.kind is OpKind.BACKUP:
             assert p.tier_op is not None
             cache.finish_backup(p.tier_op, ok)
             if ok:
@@ -342,9 +353,9 @@ class TierManager:
                 self.counters.backup_tokens += p.tier_op.npages * cache.page_size
             else:
                 self.counters.backups_failed += 1
-        elif p.kind == "query":
+        elif p.kind is OpKind.QUERY:
             p.ticket.complete = True
-        elif p.kind == "fetch":
+        elif p.kind is OpKind.FETCH:
             self._on_fetched(p.ticket, pages_done if pages_done >= 0 else 0)
 
     def on_controller_lost(self) -> int:
@@ -353,7 +364,7 @@ class TierManager:
         self._pending.clear()
         self.counters.controller_losses += 1
         for p in pending:
-            if p.kind == "query":
+            if p.kind is OpKind.QUERY:
                 p.ticket.complete = True
                 continue
             self._finish(p, False, 0)

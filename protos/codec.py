@@ -138,9 +138,25 @@ def _optional(inner: Checker) -> Checker:
     return check
 
 
+def _one_of(values: tuple[Any, ...]) -> Checker:
+    """A ``Literal[...]`` field: exactly one of ``values`` (same type: ``True`` is not ``1``)."""
+    allowed = {(type(v), v) for v in values}
+    shown = ", ".join(repr(v) for v in values)
+
+    def check(value: Any) -> Any:
+        if (type(value), value) not in allowed:
+            raise _FieldError(f"must be one of {shown}, got {value!r:.60}")
+        return value
+
+    check.passes_through = True  # type: ignore[attr-defined]
+    return check
+
+
 def _checker_for(hint: Any) -> Checker:
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
+    if origin is typing.Literal:
+        return _one_of(args)
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
         if len(inner) != 1 or len(args) != 2:

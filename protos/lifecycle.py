@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from protos.base import Message, message
+
+ProcessEventKind = Literal["died", "restart", "failed"]
+"""The ``event`` of a ``ProcessEvent``; the codec refuses any other value."""
 
 
 class LifecycleMessage(Message):
@@ -44,11 +48,12 @@ class ProcessEvent(LifecycleMessage):
     """Supervision news between the launcher and the scheduler.
 
     launcher -> scheduler: ``died`` (the cache controller is gone: fail its in-flight ops and
-    drop undelivered messages now) and ``ready`` (a restarted controller is serving).
+    drop undelivered messages now; its restart needs no message: new ops simply reach it).
     scheduler -> launcher: ``restart`` (the controller stopped answering: kill and restart it).
+    a child -> launcher (its ready address): ``failed`` (it could not start; ``detail`` says why).
     """
 
     process: str
-    event: str
+    event: ProcessEventKind
     pid: int = 0
     detail: str = ""

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from protos.base import Message, message
+
+
+OpStatus = Literal["ok", "failed", "cancelled", "error", "rejected"]
+"""How a controller op ended (``OpDone.status``); the codec refuses any other value."""
 
 
 class SchedulerMessage(Message):
@@ -70,13 +74,16 @@ class AdminRequest(SchedulerMessage):
 @message("op_done")
 @dataclass(slots=True)
 class OpDone(SchedulerMessage):
-    """The end of one controller op. ``status``: ok | failed | cancelled | error.
+    """The end of one controller op. ``status`` (``OpStatus``): ``ok``; ``failed`` (L3
+    trouble: the pages that did not move are misses); ``cancelled`` (a ``Cancel`` reached
+    it before it started); ``error`` (it raised); ``rejected`` (refused before touching
+    memory: bad indices, an unknown component, a duplicate op id).
 
     ``pages_done`` counts the pages that were completely moved (a prefix of the op's pages).
     """
 
     op_id: int
-    status: str
+    status: OpStatus
     pages_done: int = 0
     error: str | None = None
 

@@ -29,6 +29,7 @@ forward passes crossed; handed to the tree at finish when it is the last full pa
 
 from __future__ import annotations
 
+import enum
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -38,7 +39,18 @@ from hicache.model.sampling_params import SamplingParams
 from hicache.tier_manager import LoadTicket, PrefetchTicket
 from hicache.tree.cache import LockToken, RequestState
 
-WAITING, PREFETCH, LOADING, RUNNING = "waiting", "prefetch", "loading", "running"
+
+class RequestStatus(enum.Enum):
+    """A request's state (the table above); the value is its name in metrics."""
+
+    WAITING = "waiting"
+    PREFETCH = "prefetch"
+    LOADING = "loading"
+    RUNNING = "running"
+
+
+WAITING, PREFETCH, LOADING, RUNNING = (RequestStatus.WAITING, RequestStatus.PREFETCH, RequestStatus.LOADING,
+                                       RequestStatus.RUNNING)
 
 
 @dataclass
@@ -50,7 +62,7 @@ class Request:
     stream: bool
     cache_salt: str
     arrival: float = field(default_factory=time.monotonic)
-    status: str = WAITING
+    status: RequestStatus = WAITING
     output_ids: list[int] = field(default_factory=list)
     tree: RequestState | None = None
     computed: int = 0

@@ -43,8 +43,8 @@ class SchedulerTelemetry:
         counts = {WAITING: 0, PREFETCH: 0, LOADING: 0}
         for req in s.waiting:
             counts[req.status] = counts.get(req.status, 0) + 1
-        for name, n in counts.items():
-            m.set_queue(name, n)
+        for status, n in counts.items():
+            m.set_queue(status.value, n)
         m.set_queue("running", len(s.running))
         m.evicted("device", self._delta("evicted_device", s.cache.evicted_device_tokens))
         m.evicted("host", self._delta("evicted_host", s.cache.evicted_host_tokens))

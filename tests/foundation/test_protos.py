@@ -146,3 +146,15 @@ def test_fuzz_mutated_valid_frames(name: str, data: st.DataObject) -> None:
         pos = data.draw(st.integers(0, len(frame) - 1))
         frame[pos] = data.draw(st.integers(0, 255))
     _check(bytes(frame))
+
+
+def test_state_fields_take_only_their_documented_values() -> None:
+    """``OpDone.status`` and ``ProcessEvent.event`` are ``Literal`` types: the codec refuses
+    any other string (and a non-string), naming the allowed values."""
+    for tag, field, good, extra in (("op_done", "status", "rejected", {"op_id": 1}),
+                                    ("process_event", "event", "restart", {"process": "controller"})):
+        base = {"v": PROTOCOL_VERSION, "t": tag, **extra}
+        assert getattr(decode(_frame(**base, **{field: good})), field) == good
+        for bad in ("bogus", "OK", 1, None):
+            with pytest.raises(ProtocolError, match=f"field '{field}' must be one of"):
+                decode(_frame(**base, **{field: bad}))
