@@ -7,7 +7,6 @@ from typing import Any, Literal
 
 from protos.base import Message, message
 
-
 OpStatus = Literal["ok", "failed", "cancelled", "error", "rejected"]
 """How a controller op ended (``OpDone.status``); the codec refuses any other value."""
 
