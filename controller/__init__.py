@@ -1,1 +1,1 @@
-"""The cache-controller process (DESIGN §2, §5)."""
+"""The cache-controller process (docs/architecture.md §2, §5)."""

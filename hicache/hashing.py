@@ -1,4 +1,4 @@
-"""Page hashes: the chained keys under which pages live in L3 (DESIGN §6).
+"""Page hashes: the chained keys under which pages live in L3 (docs/architecture.md §6).
 
     h_{-1} = SHA-256(b"hicache-ns-v1" || field || field || ...)      (the namespace seed)
     h_i    = SHA-256(h_{i-1} || tokens of page i as little-endian uint32)

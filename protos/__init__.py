@@ -1,4 +1,4 @@
-"""The wire protocol between hicache's processes (DESIGN §8).
+"""The wire protocol between hicache's processes (docs/architecture.md §8).
 
 Messages are grouped by the process that receives them: ``to_scheduler``, ``to_tokenizer``,
 ``to_controller``, ``to_cache_server`` (engine connectors -> the cache server of engine

@@ -1,4 +1,4 @@
-"""L3 storage backends (DESIGN §6-§7).
+"""L3 storage backends (docs/architecture.md §6-§7).
 
 Page objects keyed by page hash, behind one interface (``StorageBackend``), built by
 ``create_backend(settings, layout)`` from ``FileSettings`` or ``RedisSettings``. This

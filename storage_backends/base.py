@@ -1,4 +1,4 @@
-"""The one interface every L3 backend implements (DESIGN §7).
+"""The one interface every L3 backend implements (docs/architecture.md §7).
 
 Contract, common to all backends:
 

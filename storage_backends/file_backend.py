@@ -1,4 +1,4 @@
-"""The embedded file store (DESIGN §7, ``backend: file``).
+"""The embedded file store (docs/architecture.md §7, ``backend: file``).
 
 Layout on disk: ``{dir}/{h[0:2]}/{h}.page``, one object (header + payload, see
 ``page_format``) per file, 256 shard directories created on first use. Paths are built

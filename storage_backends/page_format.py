@@ -1,4 +1,4 @@
-"""The L3 page object format (DESIGN §6).
+"""The L3 page object format (docs/architecture.md §6).
 
 Every object in L3 is a fixed 96-byte header followed by the raw page bytes::
 

@@ -1,4 +1,4 @@
-"""Redis and Redis Cluster as L3 (DESIGN §7, ``backend: redis``).
+"""Redis and Redis Cluster as L3 (docs/architecture.md §7, ``backend: redis``).
 
 One string key per page, ``{key_prefix}:{hash}``, holding the page object (header +
 payload). Batches are sent as non-transactional pipelines, each carrying at most

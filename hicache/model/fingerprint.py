@@ -1,4 +1,4 @@
-"""The model identity: a digest of config and weights that namespaces page hashes (DESIGN §6).
+"""The model identity: a digest of config and weights that namespaces page hashes (docs/architecture.md §6).
 
 Computed once at start and cheaply, without loading the weights:
 

@@ -6,6 +6,7 @@ curve is exactly what the daemon's L1 would reach with that policy and that much
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -77,9 +78,19 @@ def run_sweep(work: Workload, capacities: Sequence[int], policies: Sequence[str]
     return res
 
 
-def plot_sweep(res: SweepResult, path: str, title: str | None = None) -> None:
-    """Write the curves as a PNG (matplotlib, Agg backend; imported here only)."""
-    import matplotlib
+def plot_sweep(res: SweepResult, path: str, title: str | None = None) -> bool:
+    """Write the curves as a PNG (matplotlib, Agg backend; imported here only); True once written.
+
+    matplotlib is in the ``bench`` extra (``pip install "hicache[bench]"``), not a dependency
+    of the daemon: without it the plot is skipped with a warning on stderr and False is
+    returned, so ``hicache replay --sweep`` still prints its table and writes ``--json``.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"warning: matplotlib is not installed: {path} not drawn (install hicache[bench] for plots)",
+              file=sys.stderr, flush=True)
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -99,3 +110,4 @@ def plot_sweep(res: SweepResult, path: str, title: str | None = None) -> None:
     fig.tight_layout()
     fig.savefig(path, format="png")
     plt.close(fig)
+    return True

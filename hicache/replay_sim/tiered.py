@@ -1,4 +1,4 @@
-"""Tiered replay through the real ``UnifiedRadixCache`` and its tier calls (DESIGN §5).
+"""Tiered replay through the real ``UnifiedRadixCache`` and its tier calls (docs/architecture.md §5).
 
 No processes and no KV bytes: every copy the tree asks for is acknowledged at once
 (``start_* -> finish_*(ok=True)``), and what it would have moved is counted.

@@ -1,1 +1,2 @@
-"""The scheduler process: the radix tree, admission and batching, the model runner (DESIGN §2)."""
+"""The scheduler process: the radix tree, admission and batching, the model runner
+(docs/architecture.md §2)."""

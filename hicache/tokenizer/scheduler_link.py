@@ -1,6 +1,6 @@
 """The tokenizer's ZeroMQ link to the scheduler, bridged onto the asyncio event loop.
 
-Sockets (DESIGN §8)::
+Sockets (docs/architecture.md §2)::
 
     PUSH  connect  endpoints.address("scheduler")   GenerateRequest, AbortRequest, AdminRequest
     PULL  bind     endpoints.address("tokenizer")   TokenOutput, AdminReply, ErrorReply

@@ -1,4 +1,4 @@
-"""The unified radix tree (DESIGN §4) and its HiCache node state (§5).
+"""The unified radix tree (docs/architecture.md §4) and its HiCache node state (§5).
 
 Layers: ``TreeCore`` (pure tree, orders, counters), ``TreeComponent`` (one per kind of cached
 data: ``FullComponent``, ``SWAComponent``, ``MambaComponent``), ``UnifiedRadixCache`` (the API

@@ -1,4 +1,4 @@
-"""UnifiedRadixCache: the layer the scheduler calls (DESIGN §4, node state of §5).
+"""UnifiedRadixCache: the layer the scheduler calls (docs/architecture.md §4, node state of §5).
 
 The tree decides; this class executes the decisions against the index allocators it was
 given (one L1 allocator per component, plus one L2 allocator per component when L2 is on).
@@ -250,7 +250,8 @@ class UnifiedRadixCache:
         return out
 
     def hasher_for(self, salt: str) -> PageHasher:
-        """The page hasher of ``salt``'s namespace (the chain of DESIGN §6); one per salt, kept."""
+        """The page hasher of ``salt``'s namespace (the chain of docs/architecture.md §6); one per
+        salt, kept."""
         if self._hasher is None:
             raise RuntimeError("page hashes need a hasher (pass hasher= to UnifiedRadixCache)")
         h = self._hashers.get(salt)

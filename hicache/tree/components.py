@@ -1,4 +1,4 @@
-"""TreeComponent and the three kinds of cached data (DESIGN §4).
+"""TreeComponent and the three kinds of cached data (docs/architecture.md §4).
 
 Each component decides, for its own data: where a match boundary is valid, how a lock
 spreads over the path, how a split divides its data, and its cascade-eviction priority.

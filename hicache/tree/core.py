@@ -1,4 +1,4 @@
-"""TreeCore: the pure radix tree (DESIGN §4). It never touches an allocator or a pool.
+"""TreeCore: the pure radix tree (docs/architecture.md §4). It never touches an allocator or a pool.
 
 It owns the nodes, one root per ``cache_salt`` (the key space is per salt: two tenants never
 share a node, and each root starts its own page-hash chain from its salted namespace seed),

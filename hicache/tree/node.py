@@ -1,4 +1,4 @@
-"""Tree nodes and per-component node data (DESIGN §4).
+"""Tree nodes and per-component node data (docs/architecture.md §4).
 
 A node's ``key`` is a page-aligned run of token ids (an ``array('I')``) and every per-page
 field (``value``, ``host_value``, ``hash_value``) holds exactly one entry per page of it.

@@ -21,7 +21,7 @@ FIXED_VECTOR = [
 
 
 def _spec_seed(*fields: str) -> bytes:
-    """The namespace seed recomputed straight from DESIGN §6, independently of the module."""
+    """The namespace seed recomputed straight from docs/architecture.md §6, independently of the module."""
     h = hashlib.sha256(b"hicache-ns-v1")
     for f in fields:
         raw = f.encode()

@@ -1,4 +1,4 @@
-"""Generating from a cached prefix gives exactly what recomputing gives (DESIGN §9)."""
+"""Generating from a cached prefix gives exactly what recomputing gives (docs/architecture.md §9)."""
 
 from __future__ import annotations
 

@@ -6,11 +6,15 @@
   from (L1 device, L2 host, L3 storage, computed), from the summary's ``timeline``.
 
 Both take summary documents (``results.summarize``) and write ``path``; they raise ``OSError``
-if it cannot be written.
+if it cannot be written. matplotlib is not a dependency of the daemon (it is in the ``bench``
+extra: ``pip install "hicache[bench]"``): without it both skip their plot with a warning on
+stderr and return False, so that ``hicache bench serve`` still writes ``result.json`` and
+``summary.md`` of a run it has already made. They return True when the PNG was written.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,18 +24,25 @@ _COLORS = {"device": "#2b8a3e", "host": "#1c7ed6", "storage": "#f59f00", "comput
 _LABELS = {"device": "L1 device", "host": "L2 host", "storage": "L3 storage", "computed": "computed (miss)"}
 
 
-def _pyplot() -> Any:
-    import matplotlib
-
+def _pyplot(path: str) -> Any | None:
+    """pyplot on the Agg backend, or None (after a warning naming ``path``) without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"warning: matplotlib is not installed: {path} not drawn (install hicache[bench] for plots)",
+              file=sys.stderr, flush=True)
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
 
 
-def ttft_cdf(runs: Sequence[dict[str, Any]], path: str, title: str | None = None) -> None:
+def ttft_cdf(runs: Sequence[dict[str, Any]], path: str, title: str | None = None) -> bool:
     """One TTFT CDF curve (ms, log x axis when the values span more than 20x) per run."""
-    plt = _pyplot()
+    plt = _pyplot(path)
+    if plt is None:
+        return False
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     spans = []
     for s in runs:
@@ -55,11 +66,14 @@ def ttft_cdf(runs: Sequence[dict[str, Any]], path: str, title: str | None = None
     fig.tight_layout()
     fig.savefig(path, format="png")
     plt.close(fig)
+    return True
 
 
-def tier_hits(s: dict[str, Any], path: str, title: str | None = None) -> None:
+def tier_hits(s: dict[str, Any], path: str, title: str | None = None) -> bool:
     """Stacked bars: prompt tokens per time bin by tier, for one run."""
-    plt = _pyplot()
+    plt = _pyplot(path)
+    if plt is None:
+        return False
     tl = s["timeline"]
     width = tl["bin_s"]
     xs = [t - width / 2 for t in tl["t"]]
@@ -77,3 +91,4 @@ def tier_hits(s: dict[str, Any], path: str, title: str | None = None) -> None:
     fig.tight_layout()
     fig.savefig(path, format="png")
     plt.close(fig)
+    return True
