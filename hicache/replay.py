@@ -236,10 +236,11 @@ def _run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear report
             print(f"{_fmt_tokens(pt.capacity_tokens):>10} {pt.capacity_tokens / B:>9,.0f} {cells} "
                   f"{100 * pt.belady:7.2f}%")
         plot = args.plot or f"{trace.name.rsplit('.', 1)[0]}_sweep.png"
-        plot_sweep(res, plot)
-        print(f"plot: {plot}")
+        drawn = plot_sweep(res, plot)
+        if drawn:
+            print(f"plot: {plot}")
         out["sweep"] = {
-            "plot": plot, "ceiling": res.ceiling, "seconds": res.seconds,
+            "plot": plot if drawn else None, "ceiling": res.ceiling, "seconds": res.seconds,
             "points": [{"capacity_pages": p.capacity_pages, "capacity_tokens": p.capacity_tokens,
                         "belady": p.belady, "rates": p.rates,
                         "of_belady": {q: p.ratio(q) for q in policies}} for p in res.points],

@@ -239,8 +239,10 @@ def write_run(summary: dict[str, Any], folder: Path) -> dict[str, str]:
     folder.mkdir(parents=True, exist_ok=True)
     files = {"json": str(folder / "result.json"), "summary": str(folder / "summary.md"),
              "ttft_cdf": str(folder / "ttft_cdf.png"), "tier_hits": str(folder / "tier_hits.png")}
-    plots.ttft_cdf([summary], files["ttft_cdf"], title=f"TTFT CDF: {summary['label']}")
-    plots.tier_hits(summary, files["tier_hits"])
+    if not plots.ttft_cdf([summary], files["ttft_cdf"], title=f"TTFT CDF: {summary['label']}"):
+        del files["ttft_cdf"]  # matplotlib missing: not drawn, not listed
+    if not plots.tier_hits(summary, files["tier_hits"]):
+        del files["tier_hits"]
     summary["files"] = files
     write_json(files["json"], "serve", [], extra=summary)
     Path(files["summary"]).write_text(markdown(summary, files), encoding="utf-8")
@@ -287,7 +289,7 @@ def _run_url(args: argparse.Namespace, out: Path) -> int:
         from hicache.bench.report import write_json
 
         write_json(args.json, "serve", [], extra={k: v for k, v in summary.items() if k != "records"})
-    print(f"wrote {files['summary']}, {files['json']}, {files['ttft_cdf']}, {files['tier_hits']}")
+    print(f"wrote {', '.join(files.values())}")
     return 1 if summary["requests"]["failed"] else 0
 
 
@@ -356,13 +358,14 @@ def _run_compare(args: argparse.Namespace, out: Path) -> int:
                 figures)
     files = {"json": str(out / "compare.json"), "summary": str(out / "compare.md"),
              "ttft_cdf": str(out / "ttft_cdf.png")}
-    plots.ttft_cdf(runs, files["ttft_cdf"], title=f"TTFT CDF: {b['label']} vs {a['label']}")
+    if not plots.ttft_cdf(runs, files["ttft_cdf"], title=f"TTFT CDF: {b['label']} vs {a['label']}"):
+        del files["ttft_cdf"]
     brief = {"runs": [{k: v for k, v in s.items() if k != "records"} for s in runs]}
     write_json(files["json"], "serve", figures, extra=brief)
     if args.json:
         write_json(args.json, "serve", figures, extra=brief)
     Path(files["summary"]).write_text(compare_markdown(a, b, figures, files), encoding="utf-8")
-    print(f"wrote {files['summary']}, {files['json']}, {files['ttft_cdf']}")
+    print(f"wrote {', '.join(files.values())}")
     return status
 
 
