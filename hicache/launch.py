@@ -239,7 +239,7 @@ class Launcher:
     def _accepts() -> tuple:
         import protos
 
-        return (protos.Ready, protos.ProcessEvent)
+        return protos.accepted_by("launcher")
 
     def _define_children(self, layout: Any, endpoints: Any) -> None:
         from controller.server import ControllerArgs, controller_main

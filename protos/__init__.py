@@ -3,7 +3,8 @@
 Messages are grouped by the process that receives them: ``to_scheduler``, ``to_tokenizer``,
 ``to_controller``, ``to_cache_server`` (engine connectors -> the cache server of engine
 mode) and ``to_engine`` (its answers), plus ``lifecycle`` (launcher <-> all). ``encode`` / ``decode`` are the
-only way in and out of bytes; every decoding problem is a ``ProtocolError``.
+only way in and out of bytes; every decoding problem is a ``ProtocolError``. ``table``
+(``ROUTES``, ``accepted_by``) says who sends each message, who receives it and what answers it.
 
 This package depends on the standard library and msgpack only (no torch, no zmq).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 from protos.base import MAX_FRAME_BYTES, PROTOCOL_VERSION, Message, ProtocolError
 from protos.codec import MESSAGE_TYPES, decode, encode
 from protos.lifecycle import ErrorReply, LifecycleMessage, ProcessEvent, Ready, Shutdown
+from protos.table import ENGINE_SOCKET, ROUTES, Route, accepted_by, route_of
 from protos.to_cache_server import (
     CacheServerMessage,
     Commit,
@@ -55,4 +57,5 @@ __all__ = [
     "AdminReply", "TokenOutput", "TokenizerMessage", "Usage",
     "CacheServerMessage", "Commit", "EngineRegister", "Heartbeat", "Lookup", "Release", "Reserve",
     "EngineError", "EngineMessage", "EngineRegistered", "LookupResult", "ReserveResult",
+    "ENGINE_SOCKET", "ROUTES", "Route", "accepted_by", "route_of",
 ]

@@ -48,7 +48,8 @@ MAX_BACKOFF_S = 8.0
 SEND_WAIT_MS = 20
 """How long a fire-and-forget send waits for a connection to the daemon before it gives up."""
 
-ANSWERS = (protos.EngineRegistered, protos.LookupResult, protos.ReserveResult, protos.EngineError)
+ANSWERS = protos.accepted_by("engine")
+"""What the cache server answers an engine (``protos.table``)."""
 
 SERVER_PUBLIC_KEY = "curve_server_public_file"
 CLIENT_SECRET_KEY = "curve_client_secret_file"

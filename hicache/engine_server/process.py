@@ -48,8 +48,8 @@ POLL_MS = 50
 DEFER_FRACTION = 0.5
 """A lookup waits for its prefetch at most this fraction of the engines' lookup timeout."""
 
-ENGINE_ACCEPTS = (protos.EngineRegister, protos.Lookup, protos.Reserve, protos.Commit, protos.Release,
-                  protos.Heartbeat)
+ENGINE_ACCEPTS = protos.accepted_by("scheduler", socket=protos.ENGINE_SOCKET)
+"""What the engine socket decodes (``protos.table``)."""
 
 
 def build_cache_server(args: SchedulerArgs, pools: Any, controller_send: Any) -> Any:

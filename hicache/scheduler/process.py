@@ -49,11 +49,8 @@ CONTROLLER_OP_TIMEOUT_S = 60.0
 IDLE_CHECK_INTERVAL_S = 1.0
 METRICS_INTERVAL_S = 0.5
 
-ACCEPTS = (
-    protos.GenerateRequest, protos.AbortRequest, protos.AdminRequest,
-    protos.OpDone, protos.PrefetchHits, protos.StorageStatus, protos.ErrorReply,
-    protos.ProcessEvent, protos.Shutdown,
-)
+ACCEPTS = protos.accepted_by("scheduler")
+"""What the scheduler process's inbox decodes (``protos.table``)."""
 
 
 @dataclass(frozen=True)

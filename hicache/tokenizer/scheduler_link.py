@@ -66,10 +66,8 @@ from hicache.ipc import Endpoints, PullSocket, PushSocket, open_context
 
 log = logging.getLogger("hicache.tokenizer.link")
 
-ACCEPTS: tuple[type[protos.Message], ...] = (
-    protos.TokenOutput, protos.AdminReply, protos.ErrorReply, protos.Ready, protos.Shutdown,
-)
-"""What the tokenizer's PULL socket accepts."""
+ACCEPTS: tuple[type[protos.Message], ...] = protos.accepted_by("tokenizer")
+"""What the tokenizer's PULL socket accepts (``protos.table``)."""
 
 SEND_HWM = 10_000
 """Messages queued towards the scheduler before sends fail (it drains them continuously)."""

@@ -1,0 +1,41 @@
+"""The protocol table (``protos.table``): complete, consistent, and the one the sockets use."""
+
+from __future__ import annotations
+
+import protos
+from protos.table import PROCESSES, ROUTES, accepted_by, route_of
+
+
+def test_every_message_type_has_exactly_one_row() -> None:
+    assert sorted(r.message.__name__ for r in ROUTES) == sorted(m.__name__ for m in protos.MESSAGE_TYPES)
+
+
+def test_answers_travel_back_the_way_the_request_came() -> None:
+    for r in ROUTES:
+        assert set(r.senders) <= set(PROCESSES) and set(r.receivers) <= set(PROCESSES), r
+        for answer in r.answers:
+            back = route_of(answer)
+            assert set(r.receivers) <= set(back.senders), (r.message.__name__, answer.__name__)
+            assert set(r.senders) <= set(back.receivers), (r.message.__name__, answer.__name__)
+            assert not back.answers, f"{answer.__name__} answers {r.message.__name__} and expects an answer itself"
+
+
+def test_each_inbox_decodes_what_the_table_sends_it() -> None:
+    from controller.server import ACCEPTS as controller
+    from hicache.connectors.engine_client import ANSWERS as engine
+    from hicache.engine_server.process import ENGINE_ACCEPTS as engine_socket
+    from hicache.scheduler.process import ACCEPTS as scheduler
+    from hicache.tokenizer.scheduler_link import ACCEPTS as tokenizer
+
+    assert set(scheduler) == {protos.GenerateRequest, protos.AbortRequest, protos.AdminRequest, protos.OpDone,
+                              protos.PrefetchHits, protos.StorageStatus, protos.ErrorReply, protos.ProcessEvent,
+                              protos.Shutdown}
+    assert set(controller) == set(accepted_by("controller")) and protos.Cancel in controller
+    assert set(tokenizer) == set(accepted_by("tokenizer")) and protos.Ready in tokenizer
+    assert set(engine) == {protos.EngineRegistered, protos.LookupResult, protos.ReserveResult, protos.EngineError}
+    assert set(engine_socket) == {protos.EngineRegister, protos.Lookup, protos.Reserve, protos.Commit,
+                                  protos.Release, protos.Heartbeat}
+    # no message is decoded by a process that the table does not send it to
+    for process in PROCESSES:
+        for m in accepted_by(process):
+            assert process in route_of(m).receivers
