@@ -1,4 +1,4 @@
-"""The YAML configuration (DESIGN §10): typed, frozen, validated, with a default for every key.
+"""The YAML configuration (docs/architecture.md §10): typed, frozen, validated, with a default for every key.
 
 ``load_config(path, overrides)`` reads one YAML file (or none: every key has a default, so
 an empty file is a valid config), applies ``--set dotted.key=value`` overrides, checks
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -59,7 +60,7 @@ so a request can always be admitted once nothing else runs."""
 
 @dataclass(frozen=True)
 class ReferenceModelConfig:
-    """The built-in reference decoder (DESIGN §9). Unset (None) fields come from ``preset``."""
+    """The built-in reference decoder (docs/architecture.md §9). Unset (None) fields come from ``preset``."""
 
     preset: Preset = "tiny"
     layers: tuple[LayerKind, ...] | None = None
@@ -183,7 +184,7 @@ class L3Config:
 
 @dataclass(frozen=True)
 class PrefetchConfig:
-    """L3 -> L2 prefetch for waiting requests (DESIGN §5).
+    """L3 -> L2 prefetch for waiting requests (docs/architecture.md §5).
 
     ``timeout`` (the default) holds a request until its prefetch completes or
     ``timeout_base_s + timeout_per_ki_token_s * tokens / 1024`` passes; ``wait_complete``
@@ -223,6 +224,27 @@ class SchedulerConfig:
     max_new_tokens_limit: int = 4096
 
 
+TENANT_NAME_RE = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+"""What a ``server.api_keys`` tenant name may be: 1 to 64 ASCII letters, digits, ``.``,
+``_`` and ``-``, starting with a letter or digit."""
+
+
+@dataclass(frozen=True)
+class ApiKeyConfig:
+    """One entry of ``server.api_keys``: a bearer key and the tenant it authenticates.
+
+    The key comes from exactly one of ``key`` (inline), ``key_file`` (a file holding only
+    it; one trailing newline dropped) or ``key_env`` (the name of an environment variable
+    holding it); files and variables are read when the daemon starts (and by ``hicache
+    check-config``). A key is printable ASCII without spaces. The key is never shown: not
+    in ``repr``, not in ``hicache check-config``'s output, not in an error message."""
+
+    tenant: str = ""
+    key: str | None = field(default=None, repr=False, metadata={"secret": True})
+    key_file: str | None = None
+    key_env: str | None = None
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The HTTP server. ``served_model_names``: the names the OpenAI routes answer to (their
@@ -235,11 +257,20 @@ class ServerConfig:
     this many seconds of opening (or of the previous response on a keep-alive connection),
     or it is closed; an idle keep-alive connection is closed after it too.
     ``body_timeout_s``: a handler reads the whole request body within this many seconds of
-    the headers, or the client gets a 408 and the connection is closed."""
+    the headers, or the client gets a 408 and the connection is closed.
+
+    Bearer keys (every route but ``/health`` and ``/metrics`` needs one when any is set):
+    ``api_key`` is one key without a tenant (every client shares the cache namespaces, as
+    when no key is set); ``api_keys`` lists keys with their tenants (``ApiKeyConfig``), and
+    each request's tenant then namespaces its cached pages (README "Tenants"). Set at most
+    one of the two. Tenant names match ``TENANT_NAME_RE``; several entries may name one
+    tenant (key rotation), but two tenant names must not differ only in case, and no key
+    may appear twice."""
 
     host: str = "127.0.0.1"
     port: int = 30080
     api_key: str | None = field(default=None, repr=False, metadata={"secret": True})
+    api_keys: tuple[ApiKeyConfig, ...] = ()
     served_model_names: tuple[str, ...] | None = None
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
@@ -661,6 +692,8 @@ def validate(cfg: HicacheConfig) -> list[ConfigProblem]:
             bad("server.served_model_names", "must not hold an empty name")
         elif len(set(names)) != len(names):
             bad("server.served_model_names", "must not repeat a name")
+    for key, reason in api_key_problems(cfg.server):
+        bad(f"server.{key}", reason)
     if cfg.ipc.transport == "tcp" and not 0 <= cfg.ipc.tcp_base_port <= 65535 - 8:
         bad("ipc.tcp_base_port", f"must be in 0..65527, got {cfg.ipc.tcp_base_port}")
     if cfg.ipc.curve_keys_dir is not None and not cfg.ipc.curve_keys_dir.strip():
@@ -683,6 +716,66 @@ def validate(cfg: HicacheConfig) -> list[ConfigProblem]:
             bad("cache.l2.enabled", "engine mode keeps the engines' KV in L2: it must be true")
         if cfg.ipc.transport == "ipc" and not cfg.ipc.dir:
             bad("ipc.dir", "engine mode needs a fixed runtime directory: engines find the daemon's socket there")
+    return out
+
+
+def key_text_problem(key: str) -> str | None:
+    """None if ``key`` can be a bearer key (non-empty printable ASCII, no spaces), else the
+    reason, which never quotes the key."""
+    if not key:
+        return "must not be empty"
+    if not all("!" <= ch <= "~" for ch in key):
+        return "must be printable ASCII without spaces or control characters (a bearer token)"
+    return None
+
+
+def api_key_problems(server: ServerConfig) -> list[tuple[str, str]]:
+    """Problems of ``server.api_key`` / ``server.api_keys`` that need no file or variable, as
+    ``(key below server, reason)``: an empty ``api_key``; both set; an entry without a valid
+    tenant name, with not exactly one of ``key`` / ``key_file`` / ``key_env``, with an empty
+    one, or whose inline key is not a bearer token; two tenant names that differ only in
+    case; an inline key given twice. What the files and variables hold is checked when the
+    keys are loaded (``hicache.startup_checks.load_api_keys``). Reasons never include a key."""
+    out: list[tuple[str, str]] = []
+    if server.api_key == "":
+        out.append(("api_key", "must not be empty (null = no key)"))
+    if server.api_key is not None and server.api_keys:
+        out.append(("api_keys", "set server.api_key (one key, no tenant) or server.api_keys (keys with tenants), "
+                                "not both"))
+    spelled: dict[str, tuple[str, int]] = {}
+    inline: dict[str, int] = {}
+    for i, entry in enumerate(server.api_keys):
+        where = f"api_keys[{i}]"
+        if entry == ApiKeyConfig():  # ``{}``, or not a mapping at all (reported at this path already)
+            out.append((where, "must give a tenant and one of key, key_file, key_env"))
+            continue
+        if not entry.tenant:
+            out.append((f"{where}.tenant", "is required (the tenant this key authenticates)"))
+        elif not re.fullmatch(TENANT_NAME_RE, entry.tenant):
+            out.append((f"{where}.tenant", "must be 1 to 64 ASCII letters, digits, '.', '_' or '-', starting with "
+                                           f"a letter or digit; got {entry.tenant!r}"))
+        else:
+            first, j = spelled.setdefault(entry.tenant.lower(), (entry.tenant, i))
+            if first != entry.tenant:
+                out.append((f"{where}.tenant", f"{entry.tenant!r} differs only in case from {first!r} "
+                                               f"(api_keys[{j}]): spell a tenant the same in every entry"))
+        given = [name for name in ("key", "key_file", "key_env") if getattr(entry, name) is not None]
+        if len(given) != 1:
+            got = " and ".join(given) if given else "none"
+            out.append((where, f"give exactly one of key, key_file, key_env; got {got}"))
+        for name in ("key_file", "key_env"):
+            value = getattr(entry, name)
+            if value is not None and not value.strip():
+                out.append((f"{where}.{name}", "must not be empty"))
+        if entry.key is not None:
+            problem = key_text_problem(entry.key)
+            if problem:
+                out.append((f"{where}.key", problem))
+            elif entry.key in inline:
+                out.append((f"{where}.key", f"is the same key as api_keys[{inline[entry.key]}].key: "
+                                            "each key must be given once"))
+            else:
+                inline[entry.key] = i
     return out
 
 
@@ -774,13 +867,16 @@ def to_dict(cfg: Any) -> Any:
 
 def dump_yaml(cfg: HicacheConfig) -> str:
     """The config as YAML, for people: secrets (the Redis password, inline or in the URL,
-    and ``server.api_key``) show as ``***``."""
+    ``server.api_key`` and the inline keys of ``server.api_keys``) show as ``***``."""
     data = to_dict(cfg)
     redis_section = data["cache"]["l3"]["redis"]
     if redis_section.get("password") is not None:
         redis_section["password"] = "***"
     if data["server"].get("api_key") is not None:
         data["server"]["api_key"] = "***"
+    for entry in data["server"].get("api_keys") or []:
+        if entry.get("key") is not None:
+            entry["key"] = "***"
     from storage_backends.settings import redact_url
 
     redis_section["url"] = redact_url(redis_section["url"])

@@ -31,6 +31,12 @@ Both modes: ``ipc.curve_keys_dir`` (CURVE on) must be a key directory that loads
 and well-formed, ``authorized_clients/`` holding the daemon's own client key). That
 ``ipc.transport: tcp`` has keys or ``ipc.allow_insecure_tcp: true`` is ``validate``'s check.
 
+Both modes: ``server.api_keys`` (``load_api_keys``): each ``key_file`` must be readable
+UTF-8 text holding one key (one trailing newline dropped), each ``key_env`` a set, non-empty
+variable, every key printable ASCII without spaces, and no key may appear twice (across
+entries of any tenants). The tokenizer process loads the keys with the same function at
+its start. Reasons name the file or variable, never a key.
+
 Nothing here starts a process or creates a file. The layer-pattern rule is the
 scheduler's own (``hicache.scheduler.assembly``), so these checks import torch; keep them
 out of ``hicache/config.py``, which must not.
@@ -38,11 +44,14 @@ out of ``hicache/config.py``, which must not.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hicache.config import DTYPE_BYTES, ConfigProblem, HicacheConfig
+from hicache.config import DTYPE_BYTES, ConfigProblem, HicacheConfig, ServerConfig, key_text_problem
 
 if TYPE_CHECKING:
     from hicache.model.geometry import ModelGeometry
@@ -56,6 +65,7 @@ def startup_problems(cfg: HicacheConfig) -> list[ConfigProblem]:
     """
     out: list[ConfigProblem] = []
     _check_curve(cfg, out)
+    out.extend(load_api_keys(cfg.server)[1])
     if cfg.engine.kind != "builtin":
         return out + engine_geometry(cfg)[1]
     geometry = _model_geometry(cfg, out)
@@ -154,3 +164,87 @@ def _check_tokenizer(cfg: HicacheConfig, out: list[ConfigProblem]) -> None:
     if not (p.is_file() or (p / "tokenizer.json").is_file()):
         out.append(ConfigProblem("tokenizer.path",
                                  f"{path!r} is neither a tokenizer.json file nor a directory holding one"))
+
+
+@dataclass(frozen=True)
+class BearerKey:
+    """One loaded API key: the ``tenant`` it authenticates (None for ``server.api_key``,
+    which has no tenant) and the SHA-256 ``digest`` of the key. The key itself is not kept."""
+
+    tenant: str | None
+    digest: bytes = field(repr=False)
+
+
+def load_api_keys(server: ServerConfig) -> tuple[tuple[BearerKey, ...], list[ConfigProblem]]:
+    """The bearer keys of ``server`` (``api_key``, or every ``api_keys`` entry), with the
+    problems that stop the daemon from using them; the keys are only meaningful when the
+    problems are empty.
+
+    ``server`` passed ``load_config`` (``hicache.config.api_key_problems``). Reads each
+    ``key_file`` (UTF-8 text, one trailing ``\\n`` or ``\\r\\n`` dropped) and each ``key_env``
+    variable now. Problems: a file that cannot be read, is not UTF-8, is empty or holds more
+    than one line; an unset or empty variable; a key that is not printable ASCII without
+    spaces; a key given twice (in any two entries, whatever their tenants). Reasons name the
+    entry, file or variable, never a key."""
+    if server.api_key is not None:
+        return (BearerKey(None, _digest(server.api_key)),), []
+    keys: list[BearerKey] = []
+    problems: list[ConfigProblem] = []
+    seen: dict[bytes, int] = {}
+    for i, entry in enumerate(server.api_keys):
+        where = f"server.api_keys[{i}]"
+        try:
+            if entry.key_file is not None:
+                where += ".key_file"
+                key = _read_key_file(entry.key_file)
+            elif entry.key_env is not None:
+                where += ".key_env"
+                key = _read_key_env(entry.key_env)
+            else:
+                where += ".key"
+                key = entry.key or ""
+        except ValueError as exc:
+            problems.append(ConfigProblem(where, str(exc)))
+            continue
+        problem = key_text_problem(key)
+        if problem:
+            problems.append(ConfigProblem(where, problem if where.endswith(".key") else f"the key it holds {problem}"))
+            continue
+        digest = _digest(key)
+        if digest in seen:
+            problems.append(ConfigProblem(where, f"gives the same key as server.api_keys[{seen[digest]}]: "
+                                                 "each key must be given once"))
+            continue
+        seen[digest] = i
+        keys.append(BearerKey(entry.tenant, digest))
+    return tuple(keys), problems
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def _read_key_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text") from None
+    if text.endswith("\n"):
+        text = text[:-2] if text.endswith("\r\n") else text[:-1]
+    if not text:
+        raise ValueError(f"{path} is empty (it must hold the key)")
+    if "\n" in text or "\r" in text:
+        raise ValueError(f"{path} holds more than one line (it must hold only the key)")
+    return text
+
+
+def _read_key_env(name: str) -> str:
+    value = os.environ.get(name)
+    if value is None:
+        raise ValueError(f"environment variable {name} is not set")
+    if not value:
+        raise ValueError(f"environment variable {name} is empty")
+    return value

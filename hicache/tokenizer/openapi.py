@@ -45,7 +45,7 @@ OPENAPI_VERSION = "3.1.0"
 
 _ERROR_TEXT = {
     400: "invalid request body or parameter",
-    401: "missing or wrong API key (only when server.api_key is set)",
+    401: "missing or wrong API key (only when server.api_key or server.api_keys is set)",
     404: "not found (an unknown path, or a model that is not served)",
     405: "method not allowed",
     408: "the request body did not arrive within server.body_timeout_s",
@@ -480,8 +480,11 @@ def openapi_document(limits: ModelLimits) -> dict[str, Any]:
         "paths": paths,
         "components": {
             "schemas": copy.deepcopy(_COMPONENTS),
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
-                                           "description": "server.api_key, when set (not for /health, /metrics)"}},
+            "securitySchemes": {"bearer": {
+                "type": "http", "scheme": "bearer",
+                "description": "One of the configured keys, when any is (server.api_key, or server.api_keys: "
+                               "each key belongs to a tenant, and a tenant's requests only hit its own cached "
+                               "pages, whatever cache_salt they send). Not needed for /health and /metrics."}},
         },
         "security": [{}, {"bearer": []}],
     }

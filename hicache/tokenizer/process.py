@@ -1,12 +1,14 @@
 """The tokenizer process: entry point, start-up, and orderly shutdown.
 
 ``tokenizer_main(args)`` is the ``multiprocessing`` spawn target. Start-up, in order: logging,
-metrics (``init_process_metrics``), the tokenizer and the model limits, the ZeroMQ link (binds
-``endpoints.address("tokenizer")``), the HTTP server on ``server.host:server.port`` (its
-read deadlines ``server.header_timeout_s`` / ``server.body_timeout_s``), then
-``Ready("tokenizer", pid)`` to ``args.ready_address``. Any failure before Ready (a port or
-socket address in use, an unreadable tokenizer, a bad model config) is logged and the
-process exits with code 1 without sending Ready.
+metrics (``init_process_metrics``), the tokenizer and the model limits, the API keys
+(``server.api_key`` / ``server.api_keys``: key files and variables are read now), the
+ZeroMQ link (binds ``endpoints.address("tokenizer")``), the HTTP server on
+``server.host:server.port`` (its read deadlines ``server.header_timeout_s`` /
+``server.body_timeout_s``), then ``Ready("tokenizer", pid)`` to ``args.ready_address``. Any
+failure before Ready (a port or socket address in use, an unreadable tokenizer, a bad model
+config, a key file that cannot be read: the reason, never a key) is logged and the process
+exits with code 1 without sending Ready.
 
 Shutdown — on SIGTERM (also sent by the kernel when the launcher dies: ``die_with_parent``),
 SIGINT or a ``Shutdown`` message from the launcher:
@@ -76,6 +78,7 @@ async def _serve(args: TokenizerArgs) -> None:
     from aiohttp import web
 
     from hicache.metrics import get_metrics
+    from hicache.startup_checks import load_api_keys
     from hicache.text import TokenizerError, load_tokenizer
     from hicache.tokenizer.http_api import HttpApi, JsonErrorRunner
     from hicache.tokenizer.scheduler_link import SchedulerLink
@@ -101,12 +104,18 @@ async def _serve(args: TokenizerArgs) -> None:
         limits = ModelLimits.from_config(cfg)
     except (TokenizerError, ValueError, OSError) as exc:
         raise _StartupError(str(exc)) from exc
+    api_keys, problems = load_api_keys(cfg.server)  # key files and variables are read here, once
+    if problems:
+        raise _StartupError("; ".join(str(p) for p in problems))
+    tenants = sorted({k.tenant for k in api_keys if k.tenant is not None})
+    if tenants:
+        log.info("%d API key(s) for %d tenant(s): %s", len(api_keys), len(tenants), ", ".join(tenants))
     try:
         link = SchedulerLink(args.endpoints, loop, on_control)
     except zmq.ZMQError as exc:
         raise _StartupError(f"cannot bind {args.endpoints.address('tokenizer')}: {exc}") from exc
     api = HttpApi(link=link, tokenizer=tokenizer, limits=limits, config=cfg, pids=pids, metrics=get_metrics(),
-                  max_body_bytes=args.max_body_bytes, admin_timeout_s=args.admin_timeout_s)
+                  max_body_bytes=args.max_body_bytes, admin_timeout_s=args.admin_timeout_s, api_keys=api_keys)
     api.heartbeat_dir = args.endpoints.dir  # /health reads the scheduler's and controller's heartbeats
     debug = logging.getLogger().isEnabledFor(logging.DEBUG)
     runner = JsonErrorRunner(api.app, header_timeout_s=cfg.server.header_timeout_s, handle_signals=False,
