@@ -37,7 +37,8 @@ answers for itself. A frame that does not decode is answered with ``ErrorReply``
 Each round of the loop (a poll of at most 100 ms) writes the controller's heartbeat
 (``hicache.heartbeat.HeartbeatWriter``); the launcher restarts a controller whose heartbeat
 stays stale for ``server.controller_freeze_restart_s``. Once a second the loop publishes
-``hicache_storage_up`` and, where the backend can tell, the L3 size gauges.
+``hicache_storage_attached``, ``hicache_storage_up`` and, where the backend can tell, the L3
+size gauges.
 """
 
 from __future__ import annotations
@@ -86,10 +87,8 @@ competing for the two cores, and copies of 0.5-4 MiB stalled for a scheduler tic
 Alone on the machine, two threads copy multi-page 64-token runs up to ~1.5x faster: a host
 with cores to spare may raise this."""
 
-ACCEPTS = (
-    protos.WriteToHost, protos.LoadToDevice, protos.BackupToStorage, protos.PrefetchQuery,
-    protos.PrefetchFetch, protos.Cancel, protos.StorageAdmin, protos.Shutdown,
-)
+ACCEPTS = protos.accepted_by("controller")
+"""What the controller's inbox decodes (``protos.table``)."""
 
 
 @dataclass(frozen=True)
@@ -359,9 +358,12 @@ class ControllerServer:
                 self._publish_storage()
 
     def _publish_storage(self) -> None:
-        """``hicache_storage_up``, and the L3 size gauges where the backend can tell."""
+        """``hicache_storage_attached``, ``hicache_storage_up``, and the L3 size gauges where
+        the backend can tell."""
         metrics = get_metrics()
-        metrics.set_storage_up(self.storage.backend is not None and self.storage.status()[0])
+        attached = self.storage.backend is not None
+        metrics.set_storage_attached(attached)
+        metrics.set_storage_up(attached and self.storage.status()[0])
         size = self.storage.size()
         if size is not None:
             metrics.set_storage_size(size.pages, size.bytes)

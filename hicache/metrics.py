@@ -1,4 +1,4 @@
-"""Prometheus metrics of every hicache process, served as one ``/metrics`` (DESIGN §11).
+"""Prometheus metrics of every hicache process, served as one ``/metrics`` (docs/architecture.md §11).
 
 All metrics are defined once, in ``SPECS`` below; names start with ``hicache_``. They use
 prometheus-client's multiprocess mode: each process writes its samples to memory-mapped
@@ -26,12 +26,18 @@ scheduler              pool used/capacity (``set_pool``), queue depths (``set_qu
                        pass waited for load-backs (``load_join_waited``)
 controller             transfers (``transfer`` context manager, ``transfer_done``, ``transfer_bytes``),
                        storage errors (``storage_op`` / ``storage_error``), ``set_storage_up``,
-                       the L3 size (``set_storage_size``: ``hicache_storage_bytes`` / ``_pages``)
+                       ``set_storage_attached``, the L3 size (``set_storage_size``:
+                       ``hicache_storage_bytes`` / ``_pages``)
 launcher               process restarts (``process_restarted``)
+tokenizer, at scrape   the scheduler's and controller's health (``set_process_health``:
+                       ``hicache_process_up``, ``hicache_process_heartbeat_age_seconds``), read
+                       from the heartbeat files ``/health`` reads, right before each render
 =====================  =====================================================================
 
 Every one-label series exists from the start, at 0: each process creates the series it owns
-(``SERIES_OWNERS``) in ``init_process_metrics``, so alerts never meet an absent series.
+(``SERIES_OWNERS``) in ``init_process_metrics``, so alerts never meet an absent series. The
+process health series are not counters: they are set on every ``/metrics`` request, for
+every heartbeat process the daemon runs, so they are in every exposition from the first.
 
 Recording goes through the methods of ``Metrics`` — helpers and context managers that wrap
 the thing measured — never through the prometheus objects. When metrics are disabled
@@ -48,10 +54,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +66,7 @@ from types import TracebackType
 from typing import Any, Literal
 
 from hicache.config import MetricsConfig
+from hicache.heartbeat import HEARTBEAT_PROCESSES
 
 log = logging.getLogger("hicache.metrics")
 
@@ -128,7 +136,11 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("hicache_prefetch_tokens_total", "counter", "Tokens prefetched from storage into host memory"),
     MetricSpec("hicache_backup_tokens_total", "counter", "Tokens backed up from host memory to storage"),
     MetricSpec("hicache_storage_errors_total", "counter", "Failed storage (L3) operations", ("op",)),
-    MetricSpec("hicache_storage_up", "gauge", "1 while the storage (L3) backend is attached and healthy, else 0"),
+    MetricSpec("hicache_storage_up", "gauge",
+               "1 while the storage (L3) backend is attached and healthy, else 0 (0 also with none attached)"),
+    MetricSpec("hicache_storage_attached", "gauge",
+               "1 while a storage (L3) backend is attached (cache.l3.backend or PUT /cache/storage), "
+               "0 with none (cache.l3.backend: none, or detached)"),
     MetricSpec("hicache_queue_requests", "gauge", "Requests in a scheduler queue", ("queue",)),
     MetricSpec("hicache_load_join_wait_seconds_total", "counter",
                "Time the scheduler held a forward pass for load-backs about to finish, so they could join it"),
@@ -137,6 +149,12 @@ SPECS: tuple[MetricSpec, ...] = (
                "Bytes of page objects the storage (L3) backend holds; absent where the backend cannot tell"),
     MetricSpec("hicache_storage_pages", "gauge",
                "Page objects the storage (L3) backend holds; absent where the backend cannot tell"),
+    MetricSpec("hicache_process_up", "gauge",
+               "1 while a process is alive and its heartbeat is at most server.health_stale_s old "
+               "(what /health calls ok), else 0", ("process",)),
+    MetricSpec("hicache_process_heartbeat_age_seconds", "gauge",
+               "Seconds since a process last wrote its heartbeat, read when /metrics is scraped "
+               "(NaN while it has none)", ("process",)),
 )
 
 SERIES_OWNERS: dict[str, tuple[tuple[str, str, tuple[str, ...]], ...]] = {
@@ -422,13 +440,36 @@ class Metrics:
             self._child("hicache_storage_errors_total", op).inc(n)
 
     def set_storage_up(self, up: bool) -> None:
+        """Whether the attached L3 backend is healthy (False with none attached)."""
         self._m["hicache_storage_up"].set(1 if up else 0)
+
+    def set_storage_attached(self, attached: bool) -> None:
+        """Whether an L3 backend is attached at all: tells a store that is down
+        (``hicache_storage_up`` 0, attached 1) from a daemon without one (both 0)."""
+        self._m["hicache_storage_attached"].set(1 if attached else 0)
 
     def set_storage_size(self, pages: int, nbytes: int) -> None:
         """What the storage (L3) backend holds now, as far as it can tell cheaply (the
         controller publishes it once a second)."""
         self._m["hicache_storage_pages"].set(pages)
         self._m["hicache_storage_bytes"].set(nbytes)
+
+    # ---- tokenizer, when /metrics is scraped
+
+    def set_process_health(self, ages: Mapping[str, float], alive: Mapping[str, bool], stale_s: float) -> None:
+        """Publish the health of the heartbeat processes the daemon runs, as ``/health`` judges
+        it: for each name of ``alive`` (each one of ``HEARTBEAT_PROCESSES``; False = its pid is
+        gone), ``hicache_process_heartbeat_age_seconds`` = ``ages[name]`` (seconds since its
+        last heartbeat, ``hicache.heartbeat.heartbeat_ages``; NaN when absent: no readable
+        heartbeat, unknown) and ``hicache_process_up`` = 1 when it is alive and its age is
+        not over ``stale_s`` (an unknown age is not stale), else 0. Processes not in
+        ``alive`` (a daemon without a controller) get no series."""
+        for name, is_alive in alive.items():
+            _check("process", name, HEARTBEAT_PROCESSES)
+            age = ages.get(name)
+            self._child("hicache_process_heartbeat_age_seconds", name).set(math.nan if age is None else age)
+            stale = age is not None and age > stale_s
+            self._child("hicache_process_up", name).set(1 if is_alive and not stale else 0)
 
     # ---- launcher
 

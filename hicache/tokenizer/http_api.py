@@ -1,4 +1,4 @@
-"""The HTTP API of the tokenizer process (DESIGN §11), on aiohttp.
+"""The HTTP API of the tokenizer process (docs/architecture.md §11), on aiohttp.
 
 Routes::
 
@@ -27,9 +27,10 @@ Errors of every route have one shape, OpenAI's ``{"error": {"message", "type", "
 invalid body (bad JSON, text that is not valid Unicode, unknown fields, out-of-vocabulary
 ids, bad limits or sampling parameters, a prompt too long for the context, a field this
 server does not implement set to a value that would change the result), 404 for an OpenAI
-``model`` that is not served, 401 without the bearer ``server.api_key``
-(every route but ``/health`` and ``/metrics``), 413 for a body over the size limit (refused
-from its Content-Length, or as soon as a chunked body passes the limit), 503 while
+``model`` that is not served, 401 without a valid bearer key when keys are configured
+(``server.api_key`` or ``server.api_keys``; every route but ``/health`` and ``/metrics``),
+413 for a body over the size limit (refused from its Content-Length, or as soon as a
+chunked body passes the limit), 503 while
 shutting down or when the scheduler's queue is full, 500 when the scheduler fails a
 request. A stream that fails after its first chunk sends an ``{"error": ...}`` event, then
 ``data: [DONE]``. What aiohttp itself refuses gets the same JSON shape: 404 for a path no
@@ -45,6 +46,12 @@ and closes the connection.
 
 A client that disconnects ends its request: the handler is cancelled (or its next write
 fails) and ``generate_steps`` sends ``AbortRequest(rid)``.
+
+Keys (``_auth``): the bearer token is hashed (SHA-256) and compared with the digest of
+every configured key with ``hmac.compare_digest``, all of them each time, so neither the
+time taken nor anything else tells which key, or how much of one, matched. With
+``server.api_keys`` the matching key's tenant namespaces the request's cache
+(``PreparedRequest.for_tenant``); keys never reach a log or an error message.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import hashlib
 import hmac
 import json
 import logging
@@ -67,6 +75,7 @@ from aiohttp import web
 import protos
 from hicache.config import HicacheConfig
 from hicache.metrics import CONTENT_TYPE, Metrics, RequestTracker, render_metrics
+from hicache.startup_checks import BearerKey, load_api_keys
 from hicache.text import Tokenizer
 from hicache.tokenizer.formats import (
     SSE_DONE,
@@ -98,6 +107,9 @@ log = logging.getLogger("hicache.tokenizer.http")
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 """Routes served without the API key."""
+
+TENANT: Any = web.RequestKey("hicache_tenant", str) if hasattr(web, "RequestKey") else "hicache_tenant"
+"""Where ``_auth`` leaves the authenticated tenant on the request (absent: no tenant)."""
 
 OFFLOAD_BYTES = 64 * 1024
 """Generation bodies larger than this are parsed and tokenized on a worker thread."""
@@ -137,11 +149,14 @@ class HttpApi:
 
     ``pids`` is the live process table of ``/health`` (the process may update it).
     ``draining`` (set by ``begin_drain``) makes new generation requests fail with 503;
-    ``wait_idle`` waits until no request is being handled.
+    ``wait_idle`` waits until no request is being handled. ``api_keys``: the loaded bearer
+    keys (``hicache.startup_checks.load_api_keys``); None loads them from ``config`` here
+    (``ValueError`` naming the problems when they cannot be); empty: no key is needed.
     """
 
     def __init__(self, *, link: SchedulerLink, tokenizer: Tokenizer, limits: ModelLimits, config: HicacheConfig,
-                 pids: dict[str, int], metrics: Metrics, max_body_bytes: int, admin_timeout_s: float) -> None:
+                 pids: dict[str, int], metrics: Metrics, max_body_bytes: int, admin_timeout_s: float,
+                 api_keys: tuple[BearerKey, ...] | None = None) -> None:
         self.link = link
         self.tokenizer = tokenizer
         self.limits = limits
@@ -153,7 +168,11 @@ class HttpApi:
         self.body_timeout_s = config.server.body_timeout_s
         self.started = int(time.time())
         self.draining = False
-        self._api_key = config.server.api_key
+        if api_keys is None:
+            api_keys, problems = load_api_keys(config.server)
+            if problems:
+                raise ValueError("; ".join(str(p) for p in problems))
+        self._keys = api_keys
         self._active = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -236,12 +255,29 @@ class HttpApi:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if self._api_key and request.path not in OPEN_PATHS:
-            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
+        """401 unless the request carries a configured key (routes outside ``OPEN_PATHS``,
+        when any key is configured); the key's tenant, if it has one, goes to ``TENANT``."""
+        if self._keys and request.path not in OPEN_PATHS:
+            matched = self._match(request.headers.get("Authorization", ""))
+            if matched is None:
                 raise RequestError("missing or wrong API key (send 'Authorization: Bearer <key>')", 401,
                                    "authentication_error")
+            if matched.tenant is not None:
+                request[TENANT] = matched.tenant
         return await handler(request)
+
+    def _match(self, authorization: str) -> BearerKey | None:
+        """The configured key an ``Authorization`` header value carries, or None. The token's
+        digest is compared with every key's (fixed-length digests: no length leaks either);
+        the loop never stops early."""
+        scheme, _, token = authorization.partition(" ")
+        # Header bytes that are not UTF-8 arrive surrogate-escaped: encode them back as sent.
+        digest = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
+        matched: BearerKey | None = None
+        for key in self._keys:
+            if hmac.compare_digest(digest, key.digest):
+                matched = key
+        return matched if scheme.lower() == "bearer" else None
 
     @web.middleware
     async def _count(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -284,10 +320,11 @@ class HttpApi:
                     if self.draining:
                         raise RequestError("the server is shutting down", 503, "unavailable")
                     raw = await self._read_body(request)
+                    tenant = request.get(TENANT)
                     if len(raw) > OFFLOAD_BYTES:  # tokenizing a long prompt must not stall the loop
-                        req = await asyncio.to_thread(self._parse, parse, raw)
+                        req = await asyncio.to_thread(self._parse, parse, raw, tenant)
                     else:
-                        req = self._parse(parse, raw)
+                        req = self._parse(parse, raw, tenant)
                 except RequestError as exc:
                     tracker.finish("invalid" if exc.status < 500 else "error")
                     raise
@@ -298,8 +335,9 @@ class HttpApi:
 
         return handler
 
-    def _parse(self, parse: Parser, raw: bytes) -> PreparedRequest:
-        return parse(parse_json(raw), new_rid(), self.tokenizer, self.limits)
+    def _parse(self, parse: Parser, raw: bytes, tenant: str | None) -> PreparedRequest:
+        """The body as a request of ``tenant`` (None: no tenant; its ``cache_salt`` as sent)."""
+        return parse(parse_json(raw), new_rid(), self.tokenizer, self.limits).for_tenant(tenant)
 
     async def _generate(self, request: web.Request, req: PreparedRequest, fmt: ResponseFormat,
                         tracker: RequestTracker) -> web.StreamResponse:
@@ -412,6 +450,15 @@ class HttpApi:
         return _json(body, 200 if live or status is HealthStatus.OK else 503)
 
     async def metrics_route(self, request: web.Request) -> web.Response:
+        """``GET /metrics``: every process's metrics, with the scheduler's and controller's
+        health read now from the pids and heartbeat files ``/health`` reads
+        (``Metrics.set_process_health``)."""
+        from hicache.heartbeat import HEARTBEAT_PROCESSES, heartbeat_ages
+
+        procs: Mapping[str, int] = dict(self.pids)
+        names = tuple(n for n in HEARTBEAT_PROCESSES if n in procs)
+        self.metrics.set_process_health(heartbeat_ages(self.heartbeat_dir, names),
+                                        {n: _pid_alive(procs[n]) for n in names}, self.config.server.health_stale_s)
         body = await asyncio.to_thread(render_metrics)
         if body is None:
             return web.Response(status=404, text="metrics are disabled (metrics.enabled: false)\n")

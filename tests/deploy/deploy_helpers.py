@@ -16,7 +16,7 @@ import signal
 import struct
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,10 +51,14 @@ def tool(name: str) -> str:
 
 
 def run(cmd: Sequence[str], *, cwd: Path | None = None, timeout: float = 60.0,
-        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``cmd`` and return it finished, stdout and stderr as text."""
-    return subprocess.run(list(cmd), cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout,
-                          env=None if env is None else {**os.environ, **env})
+        env: Mapping[str, str] | None = None, unset: Collection[str] = ()) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` and return it finished, stdout and stderr as text. ``env``: variables set on
+    top of this process's environment; ``unset``: variables removed from it."""
+    full = None
+    if env is not None or unset:
+        full = {k: v for k, v in os.environ.items() if k not in unset}
+        full.update(env or {})
+    return subprocess.run(list(cmd), cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout, env=full)
 
 
 def load_yaml_docs(path: Path) -> list[dict[str, Any]]:
@@ -117,6 +121,16 @@ def write_tiny_llama(out: Path) -> Path:
 
 
 @dataclass(frozen=True)
+class CheckRun:
+    """What one ``hicache check-config`` run is given: its arguments, variables set on top of
+    the test's environment (a container's, as the kubelet sets them) and variables removed."""
+
+    args: tuple[str, ...]
+    env: Mapping[str, str] | None = None
+    unset: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class CheckConfig:
     """One finished ``hicache check-config`` run."""
 
@@ -133,17 +147,23 @@ class CheckConfig:
         return data
 
 
-def check_config(*args: str) -> CheckConfig:
-    """``hicache check-config ARGS`` as a real subprocess of the CLI, from the repository root."""
-    proc = run([sys.executable, "-m", "hicache.cli", "check-config", *args], timeout=120.0)
+def check_config(*args: str, env: Mapping[str, str] | None = None, unset: Collection[str] = ()) -> CheckConfig:
+    """``hicache check-config ARGS`` as a real subprocess of the CLI, from the repository root
+    (``env`` / ``unset``: as for ``run``)."""
+    proc = run([sys.executable, "-m", "hicache.cli", "check-config", *args], timeout=120.0, env=env, unset=unset)
     return CheckConfig(tuple(args), proc.returncode, proc.stdout, proc.stderr)
 
 
-def check_config_all(runs: dict[str, Sequence[str]]) -> dict[str, CheckConfig]:
+def check_config_all(runs: Mapping[str, Sequence[str] | CheckRun]) -> dict[str, CheckConfig]:
     """Several ``check-config`` runs at once (each one imports torch: in parallel they fit the
-    time budget on two cores)."""
+    time budget on two cores); a run is its arguments, or a ``CheckRun``."""
+    def one(r: Sequence[str] | CheckRun) -> CheckConfig:
+        if isinstance(r, CheckRun):
+            return check_config(*r.args, env=r.env, unset=r.unset)
+        return check_config(*r)
+
     with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {name: pool.submit(check_config, *args) for name, args in runs.items()}
+        futures = {name: pool.submit(one, r) for name, r in runs.items()}
         return {name: f.result() for name, f in futures.items()}
 
 
@@ -331,7 +351,8 @@ def hicache_container(deployment: dict[str, Any]) -> dict[str, Any]:
 
 def container_env(container: dict[str, Any]) -> dict[str, str]:
     """The container's environment as the kubelet sets it: values, and Secret / ConfigMap
-    keys read from the repository's manifests."""
+    keys read from the repository's manifests (``secret_env_names`` tells which come from a
+    Secret)."""
     env: dict[str, str] = {}
     for e in container.get("env", []):
         if "value" in e:
@@ -343,6 +364,11 @@ def container_env(container: dict[str, Any]) -> dict[str, str]:
         data = obj.get("stringData") or obj.get("data") or {}
         env[e["name"]] = str(data[ref["key"]])
     return env
+
+
+def secret_env_names(container: dict[str, Any]) -> set[str]:
+    """The container's environment variables whose value comes from a Secret."""
+    return {e["name"] for e in container.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
 
 
 def expand_args(container: dict[str, Any]) -> list[str]:
@@ -375,9 +401,9 @@ K8S_DEPLOYMENTS = ("hicache", "vllm-hicache")
 
 
 def k8s_check_config_args(deployment: dict[str, Any], config_file: Path, checkpoint: Path) -> list[str]:
-    """check-config arguments equivalent to what the hicache container runs: its expanded args
-    (Secret values in), the ConfigMap's config at ``config_file``, the checkpoint key at
-    ``checkpoint``."""
+    """check-config arguments equivalent to what the hicache container runs: its expanded args,
+    the ConfigMap's config at ``config_file``, the checkpoint key at ``checkpoint`` (its
+    environment: ``container_env`` of ``hicache_container``)."""
     path, text = deployment_config(deployment)
     args = expand_args(hicache_container(deployment))
     args[args.index(path)] = str(config_file)
@@ -400,11 +426,13 @@ MODEL_KEY: dict[str, str | None] = {
 """Every config of deploy/config and the checkpoint key it needs supplied (None: none)."""
 
 
-def all_check_config_runs(checkpoint: Path, tmp: Path) -> dict[str, list[str]]:
+def all_check_config_runs(checkpoint: Path, tmp: Path) -> dict[str, list[str] | CheckRun]:
     """Every check-config run of the deploy tests, by name: each config of deploy/config (with
     the checkpoint, and without it where it names one), hybrid.yaml with full+swa+mamba, and
-    each Kubernetes Deployment's ConfigMap config with its container's arguments."""
-    todo: dict[str, list[str]] = {}
+    each Kubernetes Deployment's ConfigMap config with its hicache container's arguments and
+    environment (``k8s:NAME``), and the same without the variables it gets from a Secret
+    (``k8s:NAME without the Secret``)."""
+    todo: dict[str, list[str] | CheckRun] = {}
     for name, key in MODEL_KEY.items():
         path = str(CONFIG_DIR / name)
         todo[name] = [path] + ([f"--set={key}={checkpoint}"] if key else [])
@@ -416,5 +444,11 @@ def all_check_config_runs(checkpoint: Path, tmp: Path) -> dict[str, list[str]]:
         dep = k8s_find("Deployment", name)
         config_file = tmp / f"{name}.yaml"
         config_file.write_text(deployment_config(dep)[1])
-        todo[f"k8s:{name}"] = k8s_check_config_args(dep, config_file, checkpoint)
+        args = tuple(k8s_check_config_args(dep, config_file, checkpoint))
+        c = hicache_container(dep)
+        env = container_env(c)
+        secret = tuple(sorted(secret_env_names(c)))
+        todo[f"k8s:{name}"] = CheckRun(args, env)
+        todo[f"k8s:{name} without the Secret"] = CheckRun(
+            args, {k: v for k, v in env.items() if k not in secret}, unset=secret)
     return todo

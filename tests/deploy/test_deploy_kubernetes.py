@@ -1,9 +1,10 @@
 """``deploy/kubernetes/``: every built-in resource validated by ``kubernetes-validate``
 (strict: unknown fields are errors) against the Kubernetes schemas, the PodMonitor (a CRD
 it has no schema for) checked by structure, and what ties the manifests together: the
-probes, the volumes the vLLM and hicache containers share, the Secret the Redis URL comes
-from, the requests and limits against L2, the Service and PodMonitor ports, and each
-ConfigMap's config accepted by ``hicache check-config`` with the container's own arguments.
+probes, the volumes the vLLM and hicache containers share, the Secret the Redis password
+comes from (an environment variable named by ``cache.l3.redis.password_env``), the requests
+and limits against L2, the Service and PodMonitor ports, and each ConfigMap's config accepted
+by ``hicache check-config`` with the container's own arguments and environment.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from deploy_helpers import (
     K8S_DIR,
     LLAMA_31_8B,
     CheckConfig,
+    container_env,
     deployment_config,
     expand_args,
     hicache_container,
@@ -28,6 +30,7 @@ from deploy_helpers import (
     pool_bytes,
     quantity_bytes,
     run,
+    secret_env_names,
     tool,
 )
 
@@ -158,37 +161,85 @@ def test_sidecar_shares_shm_and_runtime_dir() -> None:
         assert c["securityContext"]["allowPrivilegeEscalation"] is False
 
 
+def _effective_redis(dep: dict[str, Any]) -> dict[str, Any]:
+    """``cache.l3.redis`` as the hicache container sees it: the ConfigMap's, with the
+    container's ``--set cache.l3.redis.KEY=VALUE`` arguments applied (the values as YAML)."""
+    redis = dict(yaml.safe_load(deployment_config(dep)[1])["cache"]["l3"]["redis"])
+    for arg in expand_args(hicache_container(dep)):
+        if arg.startswith("cache.l3.redis."):
+            key, _, value = arg.removeprefix("cache.l3.redis.").partition("=")
+            redis[key] = yaml.safe_load(value)
+    return redis
+
+
 @pytest.mark.parametrize("name", K8S_DEPLOYMENTS)
-def test_redis_url_from_secret(name: str) -> None:
-    """The Redis URL (password included) reaches the daemon from a Secret of the repository:
-    an env var from a secretKeyRef, passed as ``--set cache.l3.redis.url=$(VAR)``; the
-    ConfigMap holds no password."""
+def test_redis_password_from_secret(name: str) -> None:
+    """The Redis password reaches the daemon from a Secret of the repository as an environment
+    variable of the hicache container only (a secretKeyRef), named by
+    ``cache.l3.redis.password_env``; no other password source is set, the URL has no user
+    info, and neither the ConfigMap nor any container's arguments (expanded as Kubernetes
+    does) hold the password or refer to a Secret-sourced variable."""
     dep = k8s_find("Deployment", name)
     c = hicache_container(dep)
-    arg = next(a for a in c["args"] if a.startswith("cache.l3.redis.url="))
-    var = re.fullmatch(r"cache\.l3\.redis\.url=\$\((\w+)\)", arg)
-    assert var, arg
-    env = next(e for e in c["env"] if e["name"] == var.group(1))
+    redis = _effective_redis(dep)
+    var = redis.get("password_env")
+    assert var, f"{name}: cache.l3.redis.password_env is not set: {redis}"
+    assert not redis.get("password") and not redis.get("password_file"), redis
+    assert "@" not in redis["url"] and "password" not in redis["url"], redis["url"]
+    env = next(e for e in c["env"] if e["name"] == var)
     ref = env["valueFrom"]["secretKeyRef"]
     secret = k8s_find("Secret", ref["name"])
-    url = secret["stringData"][ref["key"]]
-    assert re.match(r"rediss?://:[^@]+@", url), url
-    assert f"cache.l3.redis.url={url}" in expand_args(c)
-    cfg = yaml.safe_load(deployment_config(dep)[1])
-    assert cfg["cache"]["l3"]["backend"] == "redis" and "@" not in cfg["cache"]["l3"]["redis"]["url"]
-    assert not cfg["cache"]["l3"]["redis"].get("password")
+    password = secret["stringData"][ref["key"]]
+    assert password and "://" not in password, "the Secret holds the password alone, not a URL"
+    assert secret_env_names(c) == {var}
+    text = deployment_config(dep)[1]
+    assert password not in text
+    for container in dep["spec"]["template"]["spec"]["containers"]:
+        args = container.get("args", []) + container.get("command", [])
+        assert not any(password in a for a in expand_args(container) + args), container["name"]
+        assert not any(f"$({v})" in a for v in secret_env_names(c) for a in args), container["name"]
+        if container is not c:
+            assert not secret_env_names(container), f"{container['name']} gets a Secret it does not need"
 
 
 @pytest.mark.parametrize("name", K8S_DEPLOYMENTS)
 def test_configmap_config_is_accepted(name: str, config_checks: dict[str, CheckConfig]) -> None:
-    """``hicache check-config`` accepts the ConfigMap's config with the container's expanded
-    arguments (the Secret's URL in, the checkpoint key pointed at a tiny checkpoint), and the
-    resolved L3 URL is the Secret's (host, port and database; the password may be redacted)."""
-    resolved = config_checks[f"k8s:{name}"].resolved()
-    c = hicache_container(k8s_find("Deployment", name))
-    url = next(a for a in expand_args(c) if a.startswith("cache.l3.redis.url=")).split("=", 1)[1]
-    got = resolved["cache"]["l3"]["redis"]["url"]
-    assert got.split("://")[0] == url.split("://")[0] and got.split("@")[-1] == url.split("@")[-1], (got, url)
+    """``hicache check-config`` accepts the ConfigMap's config with the hicache container's
+    arguments and environment as the kubelet sets them (the Secret's variable in, the
+    checkpoint key pointed at a tiny checkpoint): the resolved L3 is the ConfigMap's URL with
+    ``password_env`` naming the variable; without the Secret's variable it is refused,
+    naming ``cache.l3.redis.password_env`` (so the variable is what the check found)."""
+    dep = k8s_find("Deployment", name)
+    redis = _effective_redis(dep)
+    resolved = config_checks[f"k8s:{name}"].resolved()["cache"]["l3"]["redis"]
+    assert resolved["url"] == redis["url"] and resolved["password_env"] == redis["password_env"], resolved
+    password = k8s_find("Secret", "hicache-redis")["stringData"]["password"]
+    assert password not in config_checks[f"k8s:{name}"].stdout
+    refused = config_checks[f"k8s:{name} without the Secret"]
+    assert refused.returncode != 0, refused.stdout
+    assert "cache.l3.redis.password_env" in refused.stderr and redis["password_env"] in refused.stderr, \
+        refused.stderr
+
+
+def test_vllm_container_loads_the_config_without_the_secret(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                            tiny_checkpoint: Path) -> None:
+    """The connector in the vllm container reads the same ConfigMap file (``load_config``, as
+    ``hicache.connectors.vllm`` does) with the vllm container's environment, which has no
+    Redis password: the file must name no password source it would have to find
+    (``engine.model`` pointed at a tiny checkpoint, the only other thing the pod supplies)."""
+    from hicache.config import load_config
+
+    dep = k8s_find("Deployment", "vllm-hicache")
+    vllm = next(c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "vllm")
+    hicache_vars = set(container_env(hicache_container(dep)))
+    for var in hicache_vars - set(container_env(vllm)):
+        monkeypatch.delenv(var, raising=False)
+    for key, value in container_env(vllm).items():
+        monkeypatch.setenv(key, value)
+    path = tmp_path / "hicache.yaml"
+    path.write_text(deployment_config(dep)[1])
+    cfg = load_config(path, [f"engine.model={tiny_checkpoint}"])
+    assert cfg.cache.l3.backend == "redis" and cfg.cache.l3.redis.password_env is None
 
 
 @pytest.mark.parametrize("name", K8S_DEPLOYMENTS)

@@ -41,10 +41,12 @@ REQUIRED_ON_DASHBOARD = {
     "hicache_cached_tokens_total", "hicache_prompt_tokens_total", "hicache_pool_used_tokens",
     "hicache_pool_capacity_tokens", "hicache_transfer_bytes_total", "hicache_prefetch_tokens_total",
     "hicache_backup_tokens_total", "hicache_ttft_seconds_bucket", "hicache_inter_token_latency_seconds_bucket",
-    "hicache_queue_requests", "hicache_process_restarts_total",
+    "hicache_queue_requests", "hicache_process_restarts_total", "hicache_process_up",
+    "hicache_process_heartbeat_age_seconds", "hicache_storage_up", "hicache_storage_attached",
 }
 """Per-tier hits and ratios, pool occupancy, bandwidth per direction, prefetch / backup
-rates, TTFT / ITL quantiles, queue depth, restarts."""
+rates, TTFT / ITL quantiles, queue depth, restarts, process health (up and heartbeat age),
+L3 up where attached."""
 
 
 def dashboard() -> dict[str, Any]:

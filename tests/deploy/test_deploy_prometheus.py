@@ -2,8 +2,10 @@
 rules' unit tests (``alerts_test.yml``) run by ``promtool test rules``.
 
 The unit tests are shown to test something: with any one alert made unable to fire, or
-with the ``for:`` hold of any alert removed, ``promtool test rules`` must fail. Every alert
-the issue asks for is present, by name.
+with the ``for:`` hold of any alert removed, ``promtool test rules`` must fail; so must they
+with the L3 alert reading ``hicache_storage_up`` alone (it would fire for a daemon without
+L3) or the degraded-process alert firing for every process. Every alert the deployment
+needs is present, by name.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ REQUIRED_ALERTS = {
     "HicacheHitRateCollapsed": "hit rate collapsed",
     "HicachePoolsSaturated": "pools saturated with a growing queue",
     "HicacheTTFTHigh": "TTFT p99 over a threshold",
-    "HicacheDown": "the daemon's HTTP process down (the nearest to 'a process degraded' metrics allow)",
+    "HicacheDown": "the daemon's HTTP process down, or the daemon exited",
+    "HicacheProcessDegraded": "the scheduler or the controller dead or stale (what /health reports)",
 }
 
 
@@ -95,6 +98,37 @@ def test_unit_tests_fail_when_an_alert_cannot_fire(alert: str, tmp_path: Path) -
                 r["expr"] = "vector(1) == 0"
     code, out = promtool_test(yaml.safe_dump(doc, sort_keys=False), tmp_path)
     assert code != 0 and alert in out, out
+
+
+MISFIRING = {
+    "HicacheStorageDown": "hicache_storage_up == 0",
+    "HicacheProcessDegraded": "hicache_process_up <= 1",
+}
+"""Expressions that fire where the alert must not: L3 "down" on a daemon without L3 (the
+expression before ``hicache_storage_attached``), and every process of every daemon."""
+
+
+@pytest.mark.parametrize("alert", sorted(MISFIRING))
+def test_unit_tests_fail_when_an_alert_fires_too_widely(alert: str, tmp_path: Path) -> None:
+    """With ``alert``'s expression replaced by one that also matches the quiet cases, the unit
+    tests fail: they hold a daemon without L3 and a healthy process that must not alert."""
+    doc = yaml.safe_load(ALERTS.read_text())
+    rules = [r for g in doc["groups"] for r in g["rules"] if r.get("alert") == alert]
+    assert len(rules) == 1
+    rules[0]["expr"] = MISFIRING[alert]
+    code, out = promtool_test(yaml.safe_dump(doc, sort_keys=False), tmp_path)
+    assert code != 0 and alert in out, out
+
+
+def test_alerts_read_the_health_and_attachment_series() -> None:
+    """The degraded-process alert reads ``hicache_process_up`` (the daemon's own stale limit);
+    the L3 alert is gated on ``hicache_storage_attached``."""
+    from deploy_helpers import promql_metric_names
+
+    rules = {r["alert"]: r for r in alert_rules()}
+    assert promql_metric_names(rules["HicacheProcessDegraded"]["expr"]) == {"hicache_process_up"}
+    assert promql_metric_names(rules["HicacheStorageDown"]["expr"]) == {"hicache_storage_up",
+                                                                       "hicache_storage_attached"}
 
 
 @pytest.mark.parametrize("alert", sorted(r["alert"] for r in alert_rules() if "for" in r))
