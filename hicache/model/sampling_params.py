@@ -1,8 +1,10 @@
 """Sampling parameters and stop conditions: what a request asks for, without torch.
 
 ``SamplingParams`` validates itself (a ``SamplingParamError``, a ValueError whose ``field``
-names the parameter). The tokenizer process checks requests with it and the scheduler checks
-them again; the sampling itself (``hicache.model.sampling``) is the scheduler's and needs
+names the parameter): it is the one definition of the sampling fields and of their checks.
+The tokenizer process checks requests with it (``to_wire`` makes the message's
+``protos.SamplingParams``, the same fields) and the scheduler checks them again
+(``from_wire``); the sampling itself (``hicache.model.sampling``) is the scheduler's and needs
 torch, which this module does not import.
 
 Accepted values (everything else is refused, so that ``sample_next`` is never asked for a
@@ -48,10 +50,13 @@ value it cannot honour; bools never count as numbers, NaN and infinities are ref
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import protos
 
 MIN_TEMPERATURE = 0.01
 """The smallest positive temperature (see the module docstring for why)."""
@@ -196,6 +201,21 @@ class SamplingParams:
                                      f"holds {shown(bad[0])}, outside the vocabulary [0, {vocab_size})")
         if self.top_k > vocab_size:
             raise SamplingParamError("top_k", f"must be <= the vocabulary size {vocab_size}, got {shown(self.top_k)}")
+
+
+def to_wire(params: SamplingParams) -> protos.SamplingParams:
+    """The wire form of checked parameters (``protos.SamplingParams``: the same fields under the
+    same names; ``protos`` cannot import this module, a test keeps the two field lists equal)."""
+    values = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    values["stop_token_ids"] = list(params.stop_token_ids)
+    return protos.SamplingParams(**values)
+
+
+def from_wire(wire: protos.SamplingParams) -> SamplingParams:
+    """Check parameters that came over the wire (``SamplingParamError`` naming the field)."""
+    values = {f.name: getattr(wire, f.name) for f in dataclasses.fields(wire)}
+    values["stop_token_ids"] = tuple(wire.stop_token_ids)
+    return SamplingParams(**values)
 
 
 def resolve_seed(params: SamplingParams) -> int:

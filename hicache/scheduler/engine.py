@@ -82,7 +82,7 @@ from hicache.memory.allocator import PageAllocator
 from hicache.model.loader import LoadedModel
 from hicache.model.runner import ForwardItem, ModelRunner
 from hicache.model.sampling import PenaltyState, sample_next, token_logprobs
-from hicache.model.sampling_params import SamplingParams, finish_reason, resolve_seed
+from hicache.model.sampling_params import finish_reason, from_wire, resolve_seed
 from hicache.scheduler.queue_policy import order_waiting
 from hicache.scheduler.request import LOADING, PREFETCH, RUNNING, WAITING, Request
 from hicache.tier_manager import TierManager
@@ -210,11 +210,7 @@ class Scheduler:
                 f"prompt of {len(msg.input_ids)} tokens + max_new_tokens {s.max_new_tokens} exceeds the "
                 f"model's context of {self.max_context}")
         try:
-            params = SamplingParams(
-                max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                seed=s.seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-                presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-                repetition_penalty=s.repetition_penalty, min_p=s.min_p, logprobs=s.logprobs)
+            params = from_wire(s)
             params.check_vocab(self.vocab_size)
         except ValueError as exc:
             raise RequestRejected(str(exc)) from None

@@ -42,14 +42,14 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import protos
 from hicache.config import ConfigError, HicacheConfig, config_from_dict, to_dict
-from hicache.model.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParamError, shown
+from hicache.model.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParamError, shown, to_wire
 from hicache.model.sampling_params import SamplingParams as CheckedSampling
 from hicache.model.spec import spec_for
 from hicache.text import Tokenizer, TokenizerError
@@ -355,22 +355,17 @@ class _Fields:
 
 
 @dataclass(frozen=True)
-class _Sampling:
-    """Sampling fields as read from a body, before the context-dependent checks."""
+class _Asked:
+    """What a body asked for, before the context-dependent checks: the token budget (None:
+    the default), ``n``, and the sampling fields it set, under their ``SamplingParams``
+    names (the one definition of them; absent fields keep its defaults)."""
 
     max_new_tokens: int | None = None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    logprobs: int | None = None
     n: int = 1
+    sampling: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def also(self, **sampling: Any) -> _Asked:
+        return dataclasses.replace(self, sampling={**self.sampling, **sampling})
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, what: str = "input_ids") -> None:
@@ -392,7 +387,7 @@ class _Extras:
     """The route's name of the number of alternatives (``top_logprobs`` in chat)."""
 
 
-def _finish(rid: str, input_ids: list[int], s: _Sampling, limits: ModelLimits, *, stop: tuple[str, ...],
+def _finish(rid: str, input_ids: list[int], s: _Asked, limits: ModelLimits, *, stop: tuple[str, ...],
             stream: bool, cache_salt: str, extras: _Extras = _Extras(), field: str = "max_new_tokens",
             where: str = "", prompt_field: str | None = None) -> PreparedRequest:
     """The checks every route shares. ``field`` is the route's name for the token budget,
@@ -419,9 +414,8 @@ def _finish(rid: str, input_ids: list[int], s: _Sampling, limits: ModelLimits, *
         raise RequestError(
             f"the prompt ({n} tokens) plus {field} ({max_new}) exceeds the model's context of "
             f"{limits.max_context} tokens", param=field)
-    given = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name not in ("max_new_tokens", "n")}
     try:
-        checked = CheckedSampling(max_new_tokens=max_new, **given)
+        checked = CheckedSampling(max_new_tokens=max_new, **s.sampling)
         checked.check_vocab(limits.vocab_size)
     except SamplingParamError as exc:
         name = {"max_new_tokens": field, "logprobs": extras.logprobs_field}.get(exc.field, where + exc.field)
@@ -429,10 +423,7 @@ def _finish(rid: str, input_ids: list[int], s: _Sampling, limits: ModelLimits, *
     if checked.seed is not None and checked.seed + s.n - 1 > MAX_SEED:
         raise RequestError(f"{where}seed must be <= 2**63 - n = {MAX_SEED - s.n + 1} with n = {s.n} "
                            "(sample i uses seed + i)", param=where + "seed")
-    values = dataclasses.asdict(checked)
-    values["stop_token_ids"] = list(checked.stop_token_ids)
-    sampling = protos.SamplingParams(**values)
-    return PreparedRequest(rid, input_ids, sampling, stop, stream, cache_salt, extras.include_usage, extras.model,
+    return PreparedRequest(rid, input_ids, to_wire(checked), stop, stream, cache_salt, extras.include_usage, extras.model,
                            extras.keep_stop, extras.cache_details, s.n, extras.logprob_text)
 
 
@@ -550,12 +541,13 @@ def parse_generate(data: dict[str, Any], rid: str, tokenizer: Tokenizer, limits:
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise f.error("top_logprobs_num", f"must be an integer in [0, {MAX_LOGPROBS}], got {shown(top)}")
     if f.get_bool("return_logprob"):
-        s = dataclasses.replace(s, logprobs=top or 0)
+        s = s.also(logprobs=top or 0)
     sampling_seed = sp.get_int("sampling_seed")
     if sampling_seed is not None:
-        if s.seed is not None and s.seed != sampling_seed:
-            raise sp.error("sampling_seed", f"({sampling_seed}) differs from sampling_params.seed ({s.seed})")
-        s = dataclasses.replace(s, seed=sampling_seed)
+        seed = s.sampling.get("seed")
+        if seed is not None and seed != sampling_seed:
+            raise sp.error("sampling_seed", f"({sampling_seed}) differs from sampling_params.seed ({seed})")
+        s = s.also(seed=sampling_seed)
     salt = f.get_str("cache_salt", "", MAX_CACHE_SALT_LENGTH) or ""
     extra_key = f.get_str("extra_key", "", MAX_CACHE_SALT_LENGTH) or ""
     if extra_key:
@@ -572,22 +564,26 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def _sampling(f: _Fields, max_tokens_field: str, *, default_temperature: float) -> _Sampling:
-    """The sampling fields every route shares, read from ``f`` (in this order, so the first
-    bad one is the one reported)."""
-    return _Sampling(
-        max_new_tokens=f.get_int(max_tokens_field),
-        temperature=_or(f.get_number("temperature"), default_temperature),
-        top_p=_or(f.get_number("top_p"), 1.0),
-        top_k=_or(f.get_int("top_k"), 0),
-        seed=f.get_int("seed"),
-        stop_token_ids=tuple(f.int_list("stop_token_ids")),
-        ignore_eos=f.get_bool("ignore_eos"),
-        presence_penalty=_or(f.get_number("presence_penalty"), 0.0),
-        frequency_penalty=_or(f.get_number("frequency_penalty"), 0.0),
-        repetition_penalty=_or(f.get_number("repetition_penalty"), 1.0),
-        min_p=_or(f.get_number("min_p"), 0.0),
-    )
+_NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+_INTEGERS = ("top_k", "seed")
+
+
+def _sampling(f: _Fields, max_tokens_field: str, *, default_temperature: float) -> _Asked:
+    """The sampling fields every route shares, read from ``f`` (type checks here, in this
+    order, so the first bad one is the one reported; ranges by ``CheckedSampling``)."""
+    budget = f.get_int(max_tokens_field)
+    asked: dict[str, Any] = {"temperature": default_temperature}
+    for name in _NUMBERS:
+        value = f.get_number(name)
+        if value is not None:
+            asked[name] = value
+    for name in _INTEGERS:
+        value = f.get_int(name)
+        if value is not None:
+            asked[name] = value
+    asked["stop_token_ids"] = tuple(f.int_list("stop_token_ids"))
+    asked["ignore_eos"] = f.get_bool("ignore_eos")
+    return _Asked(budget, 1, asked)
 
 
 # --------------------------------------------------------------------------- OpenAI routes
@@ -617,7 +613,7 @@ def served_model(f: _Fields, limits: ModelLimits) -> str:
     return model
 
 
-def _openai_sampling(f: _Fields, max_tokens_field: str = "max_tokens") -> _Sampling:
+def _openai_sampling(f: _Fields, max_tokens_field: str = "max_tokens") -> _Asked:
     """Sampling fields of an OpenAI body; temperature defaults to 1.0 as in the OpenAI API."""
     f.get_str("user")
     f.neutral("logit_bias", lambda v: v == {}, "logit_bias is not implemented")
@@ -625,7 +621,7 @@ def _openai_sampling(f: _Fields, max_tokens_field: str = "max_tokens") -> _Sampl
     n = _or(f.get_int("n"), 1)
     if not 1 <= n <= MAX_N:
         raise f.error("n", f"must be an integer in [1, {MAX_N}], got {shown(n)}")
-    return dataclasses.replace(s, n=n)
+    return dataclasses.replace(s, n=n)  # the samples: PreparedRequest.samples
 
 
 def _openai_extras(f: _Fields, model: str) -> tuple[bool, _Extras]:
@@ -658,7 +654,7 @@ def parse_completion(data: dict[str, Any], rid: str, tokenizer: Tokenizer, limit
     else:
         raise RequestError(f"prompt must be a string or an array of token ids, got {_json_type(prompt)}",
                            param="prompt")
-    s = dataclasses.replace(_openai_sampling(f), logprobs=f.get_int("logprobs"))
+    s = _openai_sampling(f).also(logprobs=f.get_int("logprobs"))
     stream, extras = _openai_extras(f, model)
     return _finish(rid, input_ids, s, limits, stop=f.stop_strings("stop"), stream=stream,
                    cache_salt=f.get_str("cache_salt", "", MAX_CACHE_SALT_LENGTH) or "", extras=extras,
@@ -712,7 +708,7 @@ def parse_chat(data: dict[str, Any], rid: str, tokenizer: Tokenizer, limits: Mod
     s = _openai_sampling(f, field)
     top = f.get_int("top_logprobs")
     if f.get_bool("logprobs"):
-        s = dataclasses.replace(s, logprobs=0 if top is None else top)
+        s = s.also(logprobs=0 if top is None else top)
     elif top:
         raise f.error("top_logprobs", "needs logprobs: true")
     stream, extras = _openai_extras(f, model)

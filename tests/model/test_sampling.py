@@ -131,3 +131,23 @@ def test_token_logprobs_are_the_raw_log_softmax_with_the_most_likely_alternative
     assert values == [float(expected[i]) for i in ids]
     assert token_logprobs(logits, 4, 0) == (LOGPROB_FLOOR, [], [])  # zero probability: the floor, not -inf
     assert token_logprobs(torch.full((3,), float("nan")), 0, 2) == (LOGPROB_FLOOR, [0, 1], [LOGPROB_FLOOR] * 2)
+
+
+def test_the_wire_form_has_exactly_the_checked_fields_and_round_trips() -> None:
+    """``protos.SamplingParams`` cannot import the checked class: the two field lists are
+    kept equal here, so a field added to one and not the other fails at once."""
+    import dataclasses
+
+    import protos
+    from hicache.model.sampling_params import from_wire, to_wire
+
+    names = lambda cls: sorted(f.name for f in dataclasses.fields(cls))  # noqa: E731
+    assert names(protos.SamplingParams) == names(SamplingParams)
+    p = SamplingParams(max_new_tokens=7, temperature=0.5, top_k=3, top_p=0.9, seed=11, stop_token_ids=(4, 5),
+                       ignore_eos=True, presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2,
+                       min_p=0.1, logprobs=4)
+    wire = to_wire(p)
+    assert wire.stop_token_ids == [4, 5] and from_wire(wire) == p
+    assert from_wire(protos.decode(protos.encode(protos.GenerateRequest("r", [1], wire))).sampling) == p
+    with pytest.raises(ValueError, match="min_p"):
+        from_wire(dataclasses.replace(wire, min_p=2.0))
