@@ -83,7 +83,7 @@ def _scalar(kind: type) -> Checker:
 def _float(value: Any) -> float:
     t = type(value)
     if t is float:
-        return value
+        return float(value)
     if t is int:
         return float(value)
     raise _FieldError(f"must be a number, got {_describe(value)}")
@@ -176,7 +176,7 @@ def _checker_for(hint: Any) -> Checker:
         if args[0] is not str:
             raise TypeError(f"map keys must be str: {hint!r}")
         return _dict_of(None if args[1] is Any else _checker_for(args[1]))
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _struct(hint)
     raise TypeError(f"unsupported field type {hint!r}")
 
@@ -250,7 +250,7 @@ def _compile(classes: tuple[type[Message], ...]) -> tuple[dict[type, _Spec], dic
             raise TypeError(f"message {cls.__name__} has a missing or duplicate tag {cls.TAG!r}")
         hints = typing.get_type_hints(cls)
         nested = frozenset(
-            f.name for f in dataclasses.fields(cls)
+            f.name for f in dataclasses.fields(cls)  # type: ignore[arg-type]  # every message is a dataclass
             if any(dataclasses.is_dataclass(a) for a in (hints[f.name], *typing.get_args(hints[f.name])))
         )
         fields = _fields_of(cls)
@@ -279,7 +279,7 @@ def encode(msg: Message) -> bytes:
         raise ProtocolError(f"cannot encode {spec.tag}: {exc}") from None
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(f"{spec.tag} frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
-    return frame
+    return bytes(frame)
 
 
 def decode(frame: bytes | bytearray | memoryview) -> Message:
@@ -300,9 +300,10 @@ def decode(frame: bytes | bytearray | memoryview) -> Message:
     if spec is None:
         raise ProtocolError(f"unknown message tag {tag!r}")
     try:
-        return _build(spec.cls, spec.fields, data, 2)
+        msg: Message = _build(spec.cls, spec.fields, data, 2)
     except _FieldError as exc:
         raise ProtocolError(f"{tag}: {exc}") from None
+    return msg
 
 
 def tag_of(cls: type[Message]) -> str:

@@ -703,9 +703,9 @@ class FileBackend(StorageBackend):
                 merged: OrderedDict[str, tuple[int, float]] = OrderedDict(
                     (h, (size, atime)) for atime, h, size in found
                 )
-                for h, entry in self._index.items():
+                for h, known in self._index.items():
                     merged.pop(h, None)
-                    merged[h] = entry
+                    merged[h] = known
                 self._index = merged
                 self._used = sum(size for size, _atime in merged.values())
             log.info(

@@ -159,7 +159,8 @@ def check_header(layout: PageLayout, header: bytes | bytearray | memoryview) -> 
         raise PageFormatError(f"object of {hv.nbytes} bytes is shorter than the {HEADER_SIZE}-byte header")
     if hv[:PREFIX_SIZE] != layout.header_prefix:
         raise PageFormatError(describe_mismatch(layout, hv))
-    return _CHECKSUM.unpack_from(hv, _CHECKSUM_OFFSET)[0]
+    checksum: int = _CHECKSUM.unpack_from(hv, _CHECKSUM_OFFSET)[0]
+    return checksum
 
 
 def check_object(layout: PageLayout, obj: bytes | bytearray | memoryview) -> memoryview:

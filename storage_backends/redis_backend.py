@@ -56,9 +56,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from storage_backends.base import Buffer, StorageBackend, StoreUsage
-from storage_backends.errors import StorageAuthError, StorageConfigError, StorageTLSError, StorageUnavailable
+from storage_backends.errors import (
+    PageFormatError,
+    StorageAuthError,
+    StorageConfigError,
+    StorageTLSError,
+    StorageUnavailable,
+)
 from storage_backends.keys import check_hashes, is_page_hash
-from storage_backends.page_format import PageFormatError, PageLayout, check_object, encode_header
+from storage_backends.page_format import PageLayout, check_object, encode_header
 from storage_backends.redis_wire import PageValue, connection_class_for
 from storage_backends.resilience import CircuitBreaker, ExponentialJitterBackoff
 from storage_backends.settings import RedisSettings, redact_url, tls_file_problems
@@ -505,7 +511,8 @@ class RedisBackend(StorageBackend):
     def read_object(self, h: str) -> bytes | None:
         (h,) = check_hashes([h])
         try:
-            return self._conn().get(self._key(h))
+            value: bytes | None = self._conn().get(self._key(h))
+            return value
         except _STORE_ERRORS as exc:
             raise StorageUnavailable(f"{self.name}: GET failed: {exc}") from exc
 

@@ -67,7 +67,8 @@ class PagePacker:
 
     def pack(self, *args: Any) -> list[bytes | memoryview]:
         if not any(type(a) is PageValue for a in args):
-            return self._inner.pack(*args)
+            packed: list[bytes | memoryview] = self._inner.pack(*args)
+            return packed
         out: list[bytes | memoryview] = []
         head = [b"*%d\r\n" % len(args)]
         for arg in args:
@@ -92,7 +93,7 @@ _PACKER = PagePacker()
 class PageConnection(Connection):
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("command_packer", _PACKER)
-        super().__init__(**kwargs)
+        super().__init__(**kwargs)  # type: ignore[no-untyped-call]  # redis-py's constructors are untyped
 
 
 class PageSSLConnection(SSLConnection):
@@ -104,7 +105,7 @@ class PageSSLConnection(SSLConnection):
 class PageUnixConnection(UnixDomainSocketConnection):
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("command_packer", _PACKER)
-        super().__init__(**kwargs)
+        super().__init__(**kwargs)  # type: ignore[no-untyped-call]  # redis-py's constructors are untyped
 
 
 def connection_class_for(url: str) -> type:

@@ -58,7 +58,7 @@ class ExponentialJitterBackoff(Backoff):
     def compute(self, failures: int) -> float:
         exp = min(max(failures - 1, 0), 62)
         delay = min(self.cap_s, self.base_s * (2**exp))
-        return delay / 2 + self._rng.uniform(0, delay / 2)
+        return float(delay / 2 + self._rng.uniform(0, delay / 2))
 
 
 class CircuitBreaker:

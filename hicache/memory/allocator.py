@@ -26,7 +26,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 
-PageIndices = list[int] | array
+PageIndices = list[int] | array[int]
 """A run of page indices: a ``list[int]``, or an ``array('q')`` from an allocator built with
 ``array_indices=True`` (C-level slices and concatenations: no per-index Python objects)."""
 
@@ -121,7 +121,7 @@ class PageAllocator:
             idx = array("q", idx)
         elif not self.array_indices and not isinstance(idx, list):
             idx = list(idx)
-        self._stack[top:top + k] = idx  # type: ignore[index]
+        self._stack[top:top + k] = idx  # type: ignore[call-overload]  # list or array, as _stack is
         self._top = top + k
 
     def _raise_bad(self, idx: Sequence[int]) -> None:
