@@ -25,8 +25,9 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Sequence
+from typing import TypeAlias
 
-PageIndices = list[int] | array[int]
+PageIndices: TypeAlias = "list[int] | array[int]"  # a string: array is not subscriptable before 3.12
 """A run of page indices: a ``list[int]``, or an ``array('q')`` from an allocator built with
 ``array_indices=True`` (C-level slices and concatenations: no per-index Python objects)."""
 
