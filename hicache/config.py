@@ -258,6 +258,8 @@ class ServerConfig:
     or it is closed; an idle keep-alive connection is closed after it too.
     ``body_timeout_s``: a handler reads the whole request body within this many seconds of
     the headers, or the client gets a 408 and the connection is closed.
+    ``max_samples``: the largest OpenAI ``n`` (each sample is a scheduler request that may
+    compute the prompt again: README "HTTP API"); at most 128, the OpenAI API's own bound.
 
     Bearer keys (every route but ``/health`` and ``/metrics`` needs one when any is set):
     ``api_key`` is one key without a tenant (every client shares the cache namespaces, as
@@ -274,6 +276,7 @@ class ServerConfig:
     served_model_names: tuple[str, ...] | None = None
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
+    max_samples: int = 128
     # A scheduler or controller whose heartbeat is older than ``health_stale_s`` makes
     # ``/health`` degraded, naming it (keep it above the model's longest forward pass). The
     # launcher kills and restarts a controller whose heartbeat is older than
@@ -684,6 +687,8 @@ def validate(cfg: HicacheConfig) -> list[ConfigProblem]:
             f"must be 0 (never) or >= server.health_stale_s ({cfg.server.health_stale_s}), got {freeze}")
     positive("server.header_timeout_s", cfg.server.header_timeout_s)
     positive("server.body_timeout_s", cfg.server.body_timeout_s)
+    if not 1 <= cfg.server.max_samples <= 128:
+        bad("server.max_samples", f"must be in [1, 128], got {cfg.server.max_samples}")
     names = cfg.server.served_model_names
     if names is not None:
         if not names:

@@ -208,7 +208,9 @@ def _openai_common(limits: ModelLimits) -> dict[str, Schema]:
         "model": {"enum": [*limits.names, "", None],
                   "description": "one of the served names; empty or absent: the first; any other name: 404"},
         "max_tokens": _max_tokens(limits),
-        "n": _nullable(_int(1, v.MAX_N, description="independent samples; with a seed, sample i uses seed + i")),
+        "n": _nullable(_int(1, limits.max_samples,
+                            description="independent samples (server.max_samples); with a seed, sample i uses "
+                                        "seed + i")),
         "stream": _nullable({"type": "boolean"}),
         "stream_options": _nullable(_object(
             {"include_usage": _nullable({"type": "boolean"}), "continuous_usage_stats": _nullable({"type": "boolean"})},

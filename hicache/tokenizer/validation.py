@@ -124,6 +124,8 @@ class ModelLimits:
     default_max_new_tokens: int
     served_names: tuple[str, ...] = ()
     """The names an OpenAI ``model`` field may carry; empty: only ``name``."""
+    max_samples: int = MAX_N
+    """The largest OpenAI ``n`` (``server.max_samples``)."""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -141,7 +143,7 @@ class ModelLimits:
             name = f"hicache-reference-{config.model.reference.preset}"
         served = tuple(config.server.served_model_names or (name,))
         return cls(served[0], spec.vocab_size, spec.max_context, config.scheduler.max_new_tokens_limit,
-                   config.scheduler.default_max_new_tokens, served)
+                   config.scheduler.default_max_new_tokens, served, config.server.max_samples)
 
 
 @dataclass(frozen=True)
@@ -613,14 +615,14 @@ def served_model(f: _Fields, limits: ModelLimits) -> str:
     return model
 
 
-def _openai_sampling(f: _Fields, max_tokens_field: str = "max_tokens") -> _Asked:
+def _openai_sampling(f: _Fields, limits: ModelLimits, max_tokens_field: str = "max_tokens") -> _Asked:
     """Sampling fields of an OpenAI body; temperature defaults to 1.0 as in the OpenAI API."""
     f.get_str("user")
     f.neutral("logit_bias", lambda v: v == {}, "logit_bias is not implemented")
     s = _sampling(f, max_tokens_field, default_temperature=1.0)
     n = _or(f.get_int("n"), 1)
-    if not 1 <= n <= MAX_N:
-        raise f.error("n", f"must be an integer in [1, {MAX_N}], got {shown(n)}")
+    if not 1 <= n <= limits.max_samples:
+        raise f.error("n", f"must be an integer in [1, {limits.max_samples}] (server.max_samples), got {shown(n)}")
     return dataclasses.replace(s, n=n)  # the samples: PreparedRequest.samples
 
 
@@ -654,7 +656,7 @@ def parse_completion(data: dict[str, Any], rid: str, tokenizer: Tokenizer, limit
     else:
         raise RequestError(f"prompt must be a string or an array of token ids, got {_json_type(prompt)}",
                            param="prompt")
-    s = _openai_sampling(f).also(logprobs=f.get_int("logprobs"))
+    s = _openai_sampling(f, limits).also(logprobs=f.get_int("logprobs"))
     stream, extras = _openai_extras(f, model)
     return _finish(rid, input_ids, s, limits, stop=f.stop_strings("stop"), stream=stream,
                    cache_salt=f.get_str("cache_salt", "", MAX_CACHE_SALT_LENGTH) or "", extras=extras,
@@ -705,7 +707,7 @@ def parse_chat(data: dict[str, Any], rid: str, tokenizer: Tokenizer, limits: Mod
     except TokenizerError as exc:
         raise RequestError(f"messages: {exc}", param="messages") from None
     field = "max_completion_tokens" if f.has("max_completion_tokens") else "max_tokens"
-    s = _openai_sampling(f, field)
+    s = _openai_sampling(f, limits, field)
     top = f.get_int("top_logprobs")
     if f.get_bool("logprobs"):
         s = s.also(logprobs=0 if top is None else top)

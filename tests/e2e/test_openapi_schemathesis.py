@@ -41,6 +41,9 @@ def _config(tmp: Path) -> dict[str, Any]:
                   "l3": {"backend": "file", "file": {"dir": str(tmp / "l3")}}},
         "scheduler": {"chunked_prefill_tokens": 256, "max_prefill_tokens": 512, "max_new_tokens_limit": 8,
                       "default_max_new_tokens": 4},
+        # n samples of a prompt as long as the context are n prefills: bounded, so that a
+        # generated worst case stays well inside the per-request timeout on a small machine
+        "server": {"max_samples": 4},
         "logging": {"level": "warning"},
     }
 

@@ -24,6 +24,7 @@ from hicache.tokenizer.textstream import OutputText
 from hicache.tokenizer.validation import (
     ModelLimits,
     RequestError,
+    parse_completion,
     parse_generate,
     parse_json,
     parse_storage_config,
@@ -266,3 +267,14 @@ def test_the_tokenizer_process_does_not_import_torch() -> None:
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stdout[:300]
+
+
+def test_n_is_bounded_by_server_max_samples() -> None:
+    import dataclasses
+
+    limits = dataclasses.replace(LIMITS, max_samples=2)
+    req = parse_completion({"prompt": "hi", "n": 2, "seed": 5}, "r", ByteTokenizer(), limits)
+    assert [s.sampling.seed for s in req.samples()] == [5, 6] and [s.rid for s in req.samples()] == ["r-0", "r-1"]
+    with pytest.raises(RequestError) as exc:
+        parse_completion({"prompt": "hi", "n": 3}, "r", ByteTokenizer(), limits)
+    assert exc.value.param == "n" and "server.max_samples" in exc.value.message
