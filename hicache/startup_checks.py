@@ -13,7 +13,7 @@ Builtin mode (``engine.kind: builtin``):
 key path                        problem
 ==============================  ===========================================================
 ``model.reference.layers``      a reference layer pattern the scheduler cannot serve
-                                (``hicache.scheduler.assembly.unsupported_reason``)
+                                (``hicache.model.geometry.unsupported_reason``)
 ``model.path``                  an ``hf`` checkpoint that is missing, unreadable or not
                                 supported: its ``config.json`` (architecture, layer types,
                                 sizes), its layer pattern, or its safetensors weight files
@@ -37,21 +37,20 @@ variable, every key printable ASCII without spaces, and no key may appear twice 
 entries of any tenants). The tokenizer process loads the keys with the same function at
 its start. Reasons name the file or variable, never a key.
 
-Nothing here starts a process or creates a file. The layer-pattern rule is the
-scheduler's own (``hicache.scheduler.assembly``), so these checks import torch; keep them
-out of ``hicache/config.py``, which must not.
+Nothing here starts a process or creates a file, and nothing imports torch: the
+layer-pattern rule and the pool sizes come from ``hicache.model.geometry`` (torch-free).
+These checks read the model and the host, so they stay out of ``hicache/config.py``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hicache.config import DTYPE_BYTES, ConfigProblem, HicacheConfig, ServerConfig, key_text_problem
+from hicache.config import ConfigProblem, HicacheConfig, ServerConfig, key_text_problem
+from storage_backends.settings import load_secret_env, load_secret_file
 
 if TYPE_CHECKING:
     from hicache.model.geometry import ModelGeometry
@@ -97,9 +96,8 @@ def engine_geometry(cfg: HicacheConfig) -> tuple[Any, list[ConfigProblem]]:
 
 def _model_geometry(cfg: HicacheConfig, out: list[ConfigProblem]) -> ModelGeometry | None:
     """The model's pool geometry, or None after appending why the scheduler cannot serve it."""
-    from hicache.model.geometry import geometry_for
+    from hicache.model.geometry import geometry_for, unsupported_reason
     from hicache.model.spec import CheckpointError
-    from hicache.scheduler.assembly import unsupported_reason
 
     hf = cfg.model.kind == "hf"
     try:
@@ -136,8 +134,7 @@ def _check_l2_memory(cfg: HicacheConfig, geometry: ModelGeometry, out: list[Conf
     need = sum(g.bytes_per_token for g in (geometry.full, geometry.swa) if g is not None) * l2.tokens
     m = geometry.mamba
     if m is not None and l2.state_slots > 0:
-        per_slot = m.num_layers * (math.prod(m.conv_shape) + math.prod(m.ssm_shape)) * DTYPE_BYTES[m.dtype]
-        need += per_slot * l2.state_slots
+        need += m.bytes_per_slot * l2.state_slots
     avail = psutil.virtual_memory().available
     if need > avail:
         out.append(ConfigProblem("cache.l2.tokens", f"needs {need / 2**30:.1f} GiB of host memory for this "
@@ -196,10 +193,10 @@ def load_api_keys(server: ServerConfig) -> tuple[tuple[BearerKey, ...], list[Con
         try:
             if entry.key_file is not None:
                 where += ".key_file"
-                key = _read_key_file(entry.key_file)
+                key = load_secret_file(entry.key_file, "key")
             elif entry.key_env is not None:
                 where += ".key_env"
-                key = _read_key_env(entry.key_env)
+                key = load_secret_env(entry.key_env)
             else:
                 where += ".key"
                 key = entry.key or ""
@@ -224,27 +221,3 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
 
 
-def _read_key_file(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError as exc:
-        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{path} is not UTF-8 text") from None
-    if text.endswith("\n"):
-        text = text[:-2] if text.endswith("\r\n") else text[:-1]
-    if not text:
-        raise ValueError(f"{path} is empty (it must hold the key)")
-    if "\n" in text or "\r" in text:
-        raise ValueError(f"{path} holds more than one line (it must hold only the key)")
-    return text
-
-
-def _read_key_env(name: str) -> str:
-    value = os.environ.get(name)
-    if value is None:
-        raise ValueError(f"environment variable {name} is not set")
-    if not value:
-        raise ValueError(f"environment variable {name} is empty")
-    return value

@@ -21,36 +21,10 @@ from typing import Any
 import msgpack
 
 from protos.base import MAX_FRAME_BYTES, PROTOCOL_VERSION, Message, ProtocolError
-from protos.lifecycle import ErrorReply, ProcessEvent, Ready, Shutdown
-from protos.to_cache_server import Commit, EngineRegister, Heartbeat, Lookup, Release, Reserve
-from protos.to_controller import (
-    BackupToStorage,
-    Cancel,
-    LoadToDevice,
-    PrefetchFetch,
-    PrefetchQuery,
-    StorageAdmin,
-    WriteToHost,
-)
-from protos.to_engine import EngineError, EngineRegistered, LookupResult, ReserveResult
-from protos.to_scheduler import (
-    AbortRequest,
-    AdminRequest,
-    GenerateRequest,
-    OpDone,
-    PrefetchHits,
-    StorageStatus,
-)
-from protos.to_tokenizer import AdminReply, TokenOutput
+from protos.table import ROUTES
 
-MESSAGE_TYPES: tuple[type[Message], ...] = (
-    GenerateRequest, AbortRequest, AdminRequest, OpDone, PrefetchHits, StorageStatus,
-    TokenOutput, AdminReply,
-    WriteToHost, LoadToDevice, BackupToStorage, PrefetchQuery, PrefetchFetch, Cancel, StorageAdmin,
-    Ready, Shutdown, ErrorReply, ProcessEvent,
-    EngineRegister, Lookup, Reserve, Commit, Release, Heartbeat,
-    EngineRegistered, LookupResult, ReserveResult, EngineError,
-)
+MESSAGE_TYPES: tuple[type[Message], ...] = tuple(route.message for route in ROUTES)
+"""Every message type, from the protocol table (``protos.table``): the only tags decoded."""
 
 # A checker validates one decoded value and returns it (converted where needed, e.g. int ->
 # float or a nested dict -> dataclass); it raises _FieldError with the reason.

@@ -188,10 +188,11 @@ def password_sources(password: str | None, password_file: str | None, password_e
     return [name for name, value in named if value is not None and value != ""]
 
 
-def load_password_file(path: str) -> str:
-    """The password held in ``path``: its text with one trailing newline (``\\n`` or
-    ``\\r\\n``) dropped. Raises ``ValueError`` with the reason (naming the path, never the
-    content) when it cannot be read, is not UTF-8, is empty or holds more than one line."""
+def load_secret_file(path: str, what: str = "password") -> str:
+    """The secret (``what``: a password, a key) held in ``path``: its text with one trailing
+    newline (``\n`` or ``\r\n``) dropped. Raises ``ValueError`` with the reason (naming the
+    path, never the content) when it cannot be read, is not UTF-8, is empty or holds more
+    than one line."""
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
@@ -202,14 +203,14 @@ def load_password_file(path: str) -> str:
     if text.endswith("\n"):
         text = text[:-2] if text.endswith("\r\n") else text[:-1]
     if not text:
-        raise ValueError(f"{path} is empty (it must hold the password)")
+        raise ValueError(f"{path} is empty (it must hold the {what})")
     if "\n" in text or "\r" in text:
-        raise ValueError(f"{path} holds more than one line (it must hold only the password)")
+        raise ValueError(f"{path} holds more than one line (it must hold only the {what})")
     return text
 
 
-def load_password_env(name: str) -> str:
-    """The password held in environment variable ``name``. Raises ``ValueError`` with the
+def load_secret_env(name: str) -> str:
+    """The secret held in environment variable ``name``. Raises ``ValueError`` with the
     reason (naming the variable, never a value) when it is unset or empty."""
     value = os.environ.get(name)
     if value is None:
@@ -217,6 +218,10 @@ def load_password_env(name: str) -> str:
     if not value:
         raise ValueError(f"environment variable {name} is empty")
     return value
+
+
+load_password_file = load_secret_file
+load_password_env = load_secret_env
 
 
 def read_password_file(path: str, key: str) -> str:
