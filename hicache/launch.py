@@ -42,32 +42,62 @@ freeze restart above; the tokenizer for ``/health``.
 A frame on the launcher's socket that does not decode, or is not a message it accepts, is
 logged and dropped; supervision goes on.
 
-Orderly stop: SIGTERM to the tokenizer (stops accepting, drains), then the scheduler
-(finishes or aborts running requests), then the controller (finishes queued L3 backups),
-each within ``STOP_TIMEOUT_S`` before SIGKILL; then the shared memory is unlinked and the
-runtime directory removed. Children die with the launcher (``die_with_parent``) if it is
-killed outright.
+Orderly stop: SIGTERM to the tokenizer (stops accepting, drains within
+``TokenizerArgs.grace_s``), then the scheduler (finishes running requests within
+``SchedulerArgs.grace_s``, aborts the rest), then the controller (finishes queued L3
+backups), each within ``STOP_TIMEOUT_S`` before SIGKILL; then the shared memory is unlinked
+and the runtime directory removed. Children die with the launcher (``die_with_parent``) if
+it is killed outright.
+
+Imports: this module is imported to build ``hicache``'s argument parser, so its module-level
+imports stay light (no torch, no zmq: ``hicache.cli``); the pools (torch), the sockets (zmq)
+and the children's modules are imported where they are used, and for the annotations only
+under ``TYPE_CHECKING``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import enum
 import logging
 import multiprocessing as mp
-import os
 import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+
+    import zmq
+
+    import protos
+    from controller.server import ControllerArgs
+    from hicache.config import HicacheConfig, IpcConfig
+    from hicache.ipc import Endpoints, PullSocket
+    from hicache.memory.pools import PoolLayout
+    from hicache.scheduler.loop import SchedulerArgs
+    from hicache.tokenizer.args import TokenizerArgs
+
+    ChildArgs = ControllerArgs | SchedulerArgs | TokenizerArgs
 
 log = logging.getLogger("hicache.launch")
 
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 40.0
+"""How long a child may take to stop after SIGTERM before SIGKILL (more than the scheduler's
+drain, ``hicache.scheduler.loop.DEFAULT_GRACE_S``)."""
+
+INBOX_POLL_MS = 200
+"""The launcher's wait for a message per round of start-up and supervision."""
+
+KILL_JOIN_S = 10.0
+"""How long the launcher waits for a SIGKILLed controller to be reaped."""
 
 
 class Liveness(enum.Enum):
@@ -104,16 +134,32 @@ class StartError(RuntimeError):
 
 @dataclass
 class _Child:
+    """One supervised process: its spawn target and arguments, the running process (None
+    before the first start), how often it was restarted."""
+
     name: str
-    target: Any
-    args: Any
-    proc: Any = None
+    target: Callable[[Any], None]
+    args: ChildArgs
+    proc: BaseProcess | None = None
     restarts: int = 0
+
+    @property
+    def process(self) -> BaseProcess:
+        """The started process (``proc``); only after ``Launcher._spawn``."""
+        assert self.proc is not None, f"the {self.name} was not started"
+        return self.proc
+
+    @property
+    def pid(self) -> int:
+        """The started process's pid."""
+        pid = self.process.pid
+        assert pid is not None, f"the {self.name} was not started"
+        return pid
 
 
 @dataclass
 class Launcher:
-    cfg: Any
+    cfg: HicacheConfig
     children: dict[str, _Child] = field(default_factory=dict)
     stop_signal: int | None = None
     liveness: dict[str, Liveness] = field(default_factory=dict)
@@ -153,8 +199,8 @@ class Launcher:
         if stale:
             log.warning("removed %d shared-memory segments of a daemon that did not stop cleanly", len(stale))
         pools = None
-        ctx = None
-        inbox = None
+        ctx: zmq.Context[Any] | None = None
+        inbox: PullSocket[protos.Message] | None = None
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         code = 1
@@ -170,7 +216,7 @@ class Launcher:
                 if name in self.children:
                     self._start(self.children[name], inbox)
             log.info("hicache is serving on http://%s:%d (pids: %s)", cfg.server.host, cfg.server.port,
-                     {n: c.proc.pid for n, c in self.children.items()})
+                     {n: c.pid for n, c in self.children.items()})
             code = self.supervise(inbox, ctx, endpoints)
         except StartError as exc:
             print(f"hicache: {exc}", file=sys.stderr)
@@ -193,7 +239,7 @@ class Launcher:
         return code
 
     # ------------------------------------------------------------------ setup
-    def _layout(self) -> Any:
+    def _layout(self) -> PoolLayout:
         """The pools of every component the model needs: ``full`` (and ``swa``, with as many
         pages) from ``cache.l1.tokens`` / ``cache.l2.tokens``; ``mamba`` state slots from
         ``cache.l1.state_slots`` / ``cache.l2.state_slots``. No L2 pools when L2 is off.
@@ -236,14 +282,15 @@ class Launcher:
         return PoolLayout(inst, default_directory(), tuple(comps))
 
     @staticmethod
-    def _accepts() -> tuple:
+    def _accepts() -> tuple[type[protos.Message], ...]:
         import protos
 
         return protos.accepted_by("launcher")
 
-    def _define_children(self, layout: Any, endpoints: Any) -> None:
+    def _define_children(self, layout: PoolLayout, endpoints: Endpoints) -> None:
         from controller.server import ControllerArgs, controller_main
-        from hicache.scheduler.process import SchedulerArgs, scheduler_main
+        from hicache.scheduler.loop import SchedulerArgs
+        from hicache.scheduler.process import scheduler_main
         from hicache.storage_settings import storage_settings_from_config
         from hicache.tokenizer.args import TokenizerArgs
         from hicache.tokenizer.process import tokenizer_main
@@ -255,6 +302,7 @@ class Launcher:
             self.children["controller"] = _Child("controller", controller_main, ControllerArgs(
                 layout, endpoints, storage, ready, "cpu", log_level=cfg.logging.level, log_json=cfg.logging.json,
                 metrics_enabled=cfg.metrics.enabled))
+        target: Callable[[SchedulerArgs], None]
         if cfg.engine.kind == "builtin":
             target = scheduler_main
         else:  # engine mode: the scheduler process is the cache server
@@ -268,24 +316,26 @@ class Launcher:
         child.proc = mp.get_context("spawn").Process(target=child.target, args=(child.args,), name=child.name)
         child.proc.start()
 
-    def _start(self, child: _Child, inbox: Any) -> None:
+    def _start(self, child: _Child, inbox: PullSocket[protos.Message]) -> None:
         import protos
+        from hicache.tokenizer.args import TokenizerArgs
 
-        if child.name == "tokenizer":
-            pids = {n: c.proc.pid for n, c in self.children.items() if c.proc is not None}
-            child.args = type(child.args)(**{**vars_of(child.args), "process_pids": pids})
+        if isinstance(child.args, TokenizerArgs):  # /health shows the pids of the others
+            pids = {n: c.pid for n, c in self.children.items() if c.proc is not None}
+            child.args = dataclasses.replace(child.args, process_pids=pids)
         self._spawn(child)
+        proc = child.process
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.stop_signal is not None:
                 raise StartError(f"interrupted while starting the {child.name}")
-            msg = _recv(inbox, 200)
+            msg = _recv(inbox, INBOX_POLL_MS)
             if isinstance(msg, protos.Ready) and msg.process == child.name:
                 return
             if isinstance(msg, protos.ProcessEvent) and msg.process == child.name and msg.event == "failed":
                 raise StartError(f"the {child.name} failed to start: {msg.detail}")
-            if not child.proc.is_alive():
-                raise StartError(f"the {child.name} exited during start with code {child.proc.exitcode} "
+            if not proc.is_alive():
+                raise StartError(f"the {child.name} exited during start with code {proc.exitcode} "
                                  "(see its log above)")
         raise StartError(f"the {child.name} did not report ready within {START_TIMEOUT_S:.0f} s")
 
@@ -293,7 +343,7 @@ class Launcher:
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.stop_signal = signum
 
-    def supervise(self, inbox: Any, ctx: Any, endpoints: Any) -> int:
+    def supervise(self, inbox: PullSocket[protos.Message], ctx: zmq.Context[Any], endpoints: Endpoints) -> int:
         import protos
         from hicache.ipc import PushSocket
         from hicache.metrics import get_metrics, mark_process_dead
@@ -302,14 +352,13 @@ class Launcher:
         to_tokenizer: PushSocket[protos.Message] = PushSocket(ctx, endpoints.address("tokenizer"))
         try:
             while self.stop_signal is None:
-                msg = _recv(inbox, 200)
+                msg = _recv(inbox, INBOX_POLL_MS)
                 if self.stop_signal is not None:
                     break  # a signal arrived while waiting: children may be stopping already
                 if isinstance(msg, protos.ProcessEvent) and msg.event == "restart" and "controller" in self.children:
-                    proc = self.children["controller"].proc
+                    proc = self.children["controller"].process
                     log.error("restarting the hung controller (pid %s): %s", proc.pid, msg.detail)
-                    os.kill(proc.pid, signal.SIGKILL)
-                    proc.join(10)
+                    _kill(proc)
                 self._check_heartbeats(endpoints.dir)
                 stopped = self._stopped_cleanly()
                 if stopped is not None:
@@ -317,17 +366,17 @@ class Launcher:
                              "hicache", stopped)
                     return 0
                 for name in ("scheduler", "tokenizer"):
-                    proc = self.children[name].proc
+                    proc = self.children[name].process
                     if not proc.is_alive():
                         log.error("the %s exited with code %s: stopping hicache", name, proc.exitcode)
                         print(f"hicache: the {name} exited unexpectedly with code {proc.exitcode}", file=sys.stderr)
                         return 1
                 child = self.children.get("controller")
-                if child is not None and not child.proc.is_alive():
-                    dead = child.proc
+                if child is not None and not child.process.is_alive():
+                    dead = child.process
                     log.error("the controller (pid %s) exited with code %s: restarting it", dead.pid, dead.exitcode)
-                    mark_process_dead(dead.pid)
-                    to_scheduler.send(protos.ProcessEvent("controller", "died", dead.pid, f"exit code {dead.exitcode}"))
+                    mark_process_dead(child.pid)
+                    to_scheduler.send(protos.ProcessEvent("controller", "died", child.pid, f"exit code {dead.exitcode}"))
                     child.restarts += 1
                     get_metrics().process_restarted("controller")
                     try:
@@ -337,7 +386,7 @@ class Launcher:
                             break  # asked to stop while restarting: an orderly stop
                         print(f"hicache: {exc}", file=sys.stderr)
                         return 1
-                    to_tokenizer.send(protos.Ready("controller", child.proc.pid))
+                    to_tokenizer.send(protos.Ready("controller", child.pid))
             log.info("signal %d: stopping", self.stop_signal)
             return 0
         finally:
@@ -370,8 +419,7 @@ class Launcher:
             if name == "controller" and limit > 0 and age > limit:
                 log.error("the controller (pid %s) has not reported for %.1f s (limit %g s): killing it to "
                           "restart it", proc.pid, age, limit)
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.join(10)
+                _kill(proc)
                 self.liveness.pop(name, None)
 
     def _stopped_cleanly(self) -> str | None:
@@ -388,7 +436,7 @@ class Launcher:
             child = self.children.get(name)
             if child is None or child.proc is None or not child.proc.is_alive():
                 continue
-            os.kill(child.proc.pid, signal.SIGTERM)
+            child.proc.terminate()
             child.proc.join(STOP_TIMEOUT_S)
             if child.proc.is_alive():
                 log.error("the %s did not stop within %.0f s: killing it", name, STOP_TIMEOUT_S)
@@ -396,7 +444,7 @@ class Launcher:
                 child.proc.join(5)
 
 
-def _log_transport(ipc: Any) -> None:
+def _log_transport(ipc: IpcConfig) -> None:
     """Say at start how the daemon's processes reach each other (never any key material)."""
     if ipc.curve_keys_dir:
         log.info("ZeroMQ sockets use CURVE: keys in %s, admitting the client keys in %s/authorized_clients",
@@ -408,7 +456,7 @@ def _log_transport(ipc: Any) -> None:
                     ipc.tcp_base_port + 4)
 
 
-def engine_layout(cfg: Any) -> Any:
+def engine_layout(cfg: HicacheConfig) -> PoolLayout:
     """Engine mode: L2 pages of the engines' KV geometry (``engine.*``), no L1 (it is the
     engines' own). Raises ValueError when the engine model cannot be served or L2 does not
     fit in the host's available memory."""
@@ -445,7 +493,13 @@ def _port_problem(host: str, port: int) -> str | None:
     return None
 
 
-def _recv(inbox: Any, timeout_ms: int) -> Any:
+def _kill(proc: BaseProcess) -> None:
+    """SIGKILL a hung or frozen controller and reap it (the supervision loop restarts it)."""
+    proc.kill()
+    proc.join(KILL_JOIN_S)
+
+
+def _recv(inbox: PullSocket[protos.Message], timeout_ms: int) -> protos.Message | None:
     """The next message on the launcher's inbox, or None; a bad frame is logged and dropped."""
     import protos
 
@@ -455,8 +509,3 @@ def _recv(inbox: Any, timeout_ms: int) -> Any:
         log.warning("refused a frame on the launcher socket: %s", exc)
         return None
 
-
-def vars_of(obj: Any) -> dict[str, Any]:
-    import dataclasses
-
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}

@@ -14,46 +14,76 @@ controller   PUSH    L3 backups, prefetches, storage admin (``ResettablePush``)
 launcher     PUSH    ready, and a restart request when the controller hangs
 ===========  ======  ==========================================================
 
+``CacheServerProcess`` is the loop (``hicache.scheduler.loop.ProcessLoop``: heartbeat,
+telemetry, controller watchdog, stop, as in builtin mode) around the ``CacheServer``; one
+handler per inbox message type (``handlers``). A round polls both sockets (at most
+``POLL_MS``; ``DEFERRED_POLL_MS`` while a lookup waits for its prefetch), answers up to
+``ENGINE_BATCH`` engine messages and ``hicache.scheduler.loop.INBOX_BATCH`` inbox messages,
+sends the deferred lookup answers that are due, and expires leases every
+``EXPIRE_INTERVAL_S``.
+
 A frame that does not decode is answered (ROUTER: an ``EngineError`` with ``req`` 0) or
-logged and dropped (PULL); the loop goes on. SIGTERM or ``Shutdown`` ends the loop: open
-leases die with the process (the pools go with the daemon). Each round of the loop (a poll of
-at most ``POLL_MS``) writes the process's heartbeat, as the scheduler's does.
+logged and dropped (PULL); the loop goes on. SIGTERM or ``Shutdown`` ends the loop at the end
+of the round (nothing to drain: open leases die with the process, the pools go with the
+daemon).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import time
+from collections.abc import Callable
 from itertools import count
-from typing import Any
+from typing import TYPE_CHECKING
 
 import zmq
 
 import protos
-from hicache.heartbeat import HeartbeatWriter
-from hicache.ipc import PeerProtocolError, PullSocket, PushSocket, ResettablePush, RouterSocket, open_context
-from hicache.logging_setup import setup_logging
+from hicache.ipc import PeerProtocolError, RouterSocket
 from hicache.memory.pools import attach_pools
-from hicache.proc import die_with_parent
-from hicache.scheduler.process import ACCEPTS, CONTROLLER_OP_TIMEOUT_S, SchedulerArgs
+from hicache.scheduler.loop import (
+    Every,
+    Links,
+    ProcessLoop,
+    SchedulerArgs,
+    StopSignal,
+    Telemetry,
+    enter_process,
+    ignore,
+)
+
+if TYPE_CHECKING:
+    from hicache.engine_server.server import CacheServer
+    from hicache.memory.pools import SharedPools
 
 log = logging.getLogger("hicache.engine_server")
 
 EXPIRE_INTERVAL_S = 0.25
-IDLE_CHECK_INTERVAL_S = 1.0
-METRICS_INTERVAL_S = 0.5
+"""How often expired leases and sessions are dropped (``CacheServer.expire``)."""
+
 POLL_MS = 50
+"""The longest wait of a round for the engines' socket and the inbox."""
+
+DEFERRED_POLL_MS = 1
+"""The wait while a lookup waits for its prefetch (its answer is due soon)."""
+
+ENGINE_BATCH = 256
+"""Engine messages answered per round at most, before the inbox and the deferred answers."""
+
 DEFER_FRACTION = 0.5
 """A lookup waits for its prefetch at most this fraction of the engines' lookup timeout."""
+
+ENGINE_MODE_ERROR = ("this daemon runs in engine mode (engine.kind: vllm): it serves no model; "
+                     "send generation requests to the vLLM engine")
+"""The error a generation request gets in engine mode."""
 
 ENGINE_ACCEPTS = protos.accepted_by("scheduler", socket=protos.ENGINE_SOCKET)
 """What the engine socket decodes (``protos.table``)."""
 
 
-def build_cache_server(args: SchedulerArgs, pools: Any, controller_send: Any) -> Any:
-    """The tree (L2 only), the tier manager and the ``CacheServer`` over mapped ``pools``."""
+def build_cache_server(args: SchedulerArgs, controller_send: Callable[[protos.ControllerMessage], None]
+                       ) -> CacheServer:
+    """The tree (L2 only), the tier manager and the ``CacheServer`` over the pools of ``args.layout``
+    (mapped by the caller)."""
     from hicache.engine_server.geometry import geometry_from_config
     from hicache.engine_server.server import CacheServer, L2PoolInfo
     from hicache.hashing import HashNamespace
@@ -77,156 +107,140 @@ def build_cache_server(args: SchedulerArgs, pools: Any, controller_send: Any) ->
                        defer_s=cfg.engine.lookup_timeout_ms / 1000 * DEFER_FRACTION)
 
 
+class CacheServerProcess(ProcessLoop):
+    """The engine-mode loop around ``server`` (see the module docstring)."""
+
+    log = log
+    title = "cache server"
+
+    def __init__(self, args: SchedulerArgs, links: Links, pools: SharedPools | None, server: CacheServer,
+                 engines: RouterSocket[protos.Message], *, telemetry: Telemetry, stop: StopSignal) -> None:
+        tier = server.tier
+        assert tier is not None and links.to_controller is not None, "engine mode always runs a controller"
+        super().__init__(args, links, pools, tier=tier, telemetry=telemetry, stop=stop)
+        self.server = server
+        self.engines = engines
+        links.extra.append(engines)
+        self._expire = Every(EXPIRE_INTERVAL_S)
+        self.poller = zmq.Poller()
+        self.poller.register(engines.socket, zmq.POLLIN)
+        self.poller.register(links.inbox.socket, zmq.POLLIN)
+        admin = _Admin(server, links.to_tokenizer.send, links.to_controller.send)
+        self.handlers.update({
+            protos.GenerateRequest: admin.refuse_generate,
+            protos.AbortRequest: ignore,  # nothing generates here
+            protos.AdminRequest: admin.admin,
+            protos.StorageStatus: admin.on_storage_status,
+            protos.OpDone: tier.on_message,
+            protos.PrefetchHits: tier.on_message,
+        })
+
+    @classmethod
+    def build(cls, args: SchedulerArgs, stop: StopSignal) -> CacheServerProcess:
+        """Map the pools, open the sockets (the engines' ROUTER too), build the cache server."""
+        from hicache.engine_server.telemetry import EngineTelemetry
+        from hicache.metrics import init_process_metrics
+
+        pools = attach_pools(args.layout)
+        links = Links.open(args, controller=True)
+        assert links.to_controller is not None
+        server = build_cache_server(args, links.to_controller.send)
+        engines: RouterSocket[protos.Message] = RouterSocket(links.ctx, args.endpoints.address("engine"),
+                                                             ENGINE_ACCEPTS)
+        telemetry = EngineTelemetry(init_process_metrics(args.config.metrics, "scheduler"), server)
+        return cls(args, links, pools, server, engines, telemetry=telemetry, stop=stop)
+
+    def ready_line(self) -> str:
+        g, cfg = self.server.geometry, self.args.config
+        return (f"cache server ready for engines on {self.args.endpoints.address('engine')}: {g.num_layers} layers "
+                f"x {g.num_kv_heads} kv heads x {g.head_dim} dim, {g.kv_dtype}, block {g.block_size}, "
+                f"L2 {self.server.pool.pages} pages, L3 {cfg.cache.l3.backend}")
+
+    def round(self) -> None:
+        ready = dict(self.poller.poll(DEFERRED_POLL_MS if self.server.deferred else POLL_MS))
+        if self.engines.socket in ready:
+            for _ in range(ENGINE_BATCH):
+                if not self.serve_engine():
+                    break
+        if self.links.inbox.socket in ready:
+            self.read_inbox(0)
+        for peer, answer in self.server.deliver():  # lookups that waited for a prefetch
+            self.engines.send(peer, answer)
+        if self._expire.due(self.clock()):
+            self.server.expire()
+
+    def serve_engine(self) -> bool:
+        """Answer one queued engine message; False when none is queued. A frame that does not
+        decode is answered with an ``EngineError``; an exception in a handler is logged and
+        answered too, so no engine message can stop the loop."""
+        engines = self.engines
+        try:
+            got = engines.recv(0)
+        except PeerProtocolError as exc:
+            log.warning("refused an engine frame: %s", exc)
+            engines.send(exc.peer, protos.EngineError(0, "bad_request", f"refused frame: {exc}"))
+            return True
+        except protos.ProtocolError as exc:
+            log.warning("refused an engine frame: %s", exc)
+            return True
+        if got is None:
+            return False
+        peer, msg = got
+        try:
+            answer = self.server.handle(msg, peer)
+        except Exception as exc:  # a bug must cost this request, not the daemon
+            log.exception("engine request %s failed", type(msg).__name__)
+            answer = protos.EngineError(getattr(msg, "req", 0), "bad_request", f"{type(exc).__name__}: {exc}")
+        if answer is not None:
+            engines.send(peer, answer)
+        return True
+
+    def check_idle(self) -> None:
+        self.server.check_idle()
+
+    def drained(self) -> bool:
+        return True  # open leases die with the process
+
+    def abort_remaining(self) -> None:
+        """Nothing runs here that a drain could finish."""
+
+    def drain_started(self, grace_s: float) -> None:
+        """The loop ends at the end of this round."""
+
+
 def cache_server_main(args: SchedulerArgs) -> None:
     """Process entry point in engine mode (``multiprocessing`` spawn target)."""
-    cfg = args.config
-    setup_logging("scheduler", cfg.logging.level, cfg.logging.json)
-    stop = [False]
-
-    def on_sigterm(signum: int, _frame: object) -> None:
-        stop[0] = True
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    die_with_parent()
-    from hicache.engine_server.telemetry import EngineTelemetry
-    from hicache.metrics import init_process_metrics
-
-    pools = attach_pools(args.layout)
-    ctx = open_context(args.endpoints)
-    ep = args.endpoints
-    to_controller: ResettablePush[protos.ControllerMessage] = ResettablePush(ctx, ep.address("controller"))
-    server = build_cache_server(args, pools, to_controller.send)
-    engines: RouterSocket[protos.Message] = RouterSocket(ctx, ep.address("engine"), ENGINE_ACCEPTS)
-    inbox: PullSocket[protos.Message] = PullSocket(ctx, ep.address("scheduler"), ACCEPTS, bind=True)
-    to_tokenizer: PushSocket[protos.TokenizerMessage] = PushSocket(ctx, ep.address("tokenizer"))
-    to_launcher: PushSocket[protos.Message] = PushSocket(ctx, args.ready_address)
-    telemetry = EngineTelemetry(init_process_metrics(cfg.metrics, "scheduler"), server)
-    admin = _Admin(server, to_tokenizer.send, to_controller.send)
-    poller = zmq.Poller()
-    poller.register(engines.socket, zmq.POLLIN)
-    poller.register(inbox.socket, zmq.POLLIN)
-    heartbeat = HeartbeatWriter(ep.dir, "scheduler")
-    to_launcher.send(protos.Ready("scheduler", os.getpid()))
-    g = server.geometry
-    log.info("cache server ready for engines on %s: %d layers x %d kv heads x %d dim, %s, block %d, L2 %d pages, "
-             "L3 %s", ep.address("engine"), g.num_layers, g.num_kv_heads, g.head_dim, g.kv_dtype, g.block_size,
-             server.pool.pages, cfg.cache.l3.backend)
-    last = {"expire": 0.0, "idle": 0.0, "metrics": 0.0}
-    restart_asked = False
-    try:
-        while not stop[0]:
-            heartbeat.beat()
-            ready = dict(poller.poll(1 if server.deferred else POLL_MS))
-            if engines.socket in ready:
-                for _ in range(256):
-                    if not _serve_engine(engines, server):
-                        break
-            if inbox.socket in ready:
-                for _ in range(256):
-                    msg = _recv_inbox(inbox)
-                    if msg is None:
-                        break
-                    if isinstance(msg, protos.Shutdown):
-                        stop[0] = True
-                    elif isinstance(msg, protos.ProcessEvent):
-                        if msg.process == "controller" and msg.event == "died":
-                            failed = server.tier.on_controller_lost()
-                            to_controller.reset()
-                            restart_asked = False
-                            log.warning("controller died (%s): %d in-flight ops failed back", msg.detail, failed)
-                    elif not isinstance(msg, protos.ErrorReply):
-                        admin.handle(msg)
-            for peer, answer in server.deliver():  # lookups that waited for a prefetch
-                engines.send(peer, answer)
-            now = time.monotonic()
-            if now - last["expire"] > EXPIRE_INTERVAL_S:
-                server.expire()
-                last["expire"] = now
-            if not restart_asked and server.tier.oldest_op_age() > CONTROLLER_OP_TIMEOUT_S:
-                log.error("the controller has not answered for %.0f s: asking for a restart",
-                          server.tier.oldest_op_age())
-                to_launcher.send(protos.ProcessEvent("controller", "restart", 0, "ops unanswered"))
-                restart_asked = True
-            if now - last["metrics"] > METRICS_INTERVAL_S:
-                telemetry.publish()
-                last["metrics"] = now
-            if now - last["idle"] > IDLE_CHECK_INTERVAL_S:
-                server.check_idle()
-                last["idle"] = now
-    finally:
-        heartbeat.close()
-        for sock in (engines, inbox, to_launcher):
-            sock.close()
-        to_tokenizer.close(linger_ms=2000)
-        to_controller.close()
-        ctx.term()
-        pools.close()
-    log.info("cache server stopped")
-
-
-def _serve_engine(engines: RouterSocket[protos.Message], server: Any) -> bool:
-    """Answer one queued engine message; False when none is queued. A frame that does not
-    decode is answered with an ``EngineError``; an exception in a handler is logged and
-    answered too, so no engine message can stop the loop."""
-    try:
-        got = engines.recv(0)
-    except PeerProtocolError as exc:
-        log.warning("refused an engine frame: %s", exc)
-        engines.send(exc.peer, protos.EngineError(0, "bad_request", f"refused frame: {exc}"))
-        return True
-    except protos.ProtocolError as exc:
-        log.warning("refused an engine frame: %s", exc)
-        return True
-    if got is None:
-        return False
-    peer, msg = got
-    try:
-        answer = server.handle(msg, peer)
-    except Exception as exc:  # a bug must cost this request, not the daemon
-        log.exception("engine request %s failed", type(msg).__name__)
-        answer = protos.EngineError(getattr(msg, "req", 0), "bad_request", f"{type(exc).__name__}: {exc}")
-    if answer is not None:
-        engines.send(peer, answer)
-    return True
-
-
-def _recv_inbox(inbox: PullSocket[protos.Message]) -> protos.Message | None:
-    try:
-        return inbox.recv_ready()
-    except protos.ProtocolError as exc:
-        log.warning("refused a frame: %s", exc)
-        return protos.ErrorReply(str(exc))
+    stop = enter_process(args.config)
+    CacheServerProcess.build(args, stop).run()
 
 
 class _Admin:
     """Tokenizer requests in engine mode: admin ops answered here (storage ops through the
     controller); generation requests are refused, since the engines generate."""
 
-    def __init__(self, server: Any, emit: Any, controller_send: Any) -> None:
+    def __init__(self, server: CacheServer, emit: Callable[[protos.TokenizerMessage], None],
+                 controller_send: Callable[[protos.ControllerMessage], None]) -> None:
         self.server = server
         self.emit = emit
         self.controller_send = controller_send
         self._ids = count(1)
         self._waiting: dict[int, str] = {}
 
-    def handle(self, msg: protos.Message) -> None:
-        if isinstance(msg, protos.GenerateRequest):
-            self.emit(protos.TokenOutput(msg.rid, [], True, "error", None,
-                                         "this daemon runs in engine mode (engine.kind: vllm): it serves no model; "
-                                         "send generation requests to the vLLM engine"))
-        elif isinstance(msg, protos.AdminRequest):
-            self._admin(msg)
-        elif isinstance(msg, protos.StorageStatus):
-            self.server.tier.l3_enabled = msg.backend != "none"
-            rid = self._waiting.pop(msg.op_id, None)
-            if rid is not None:
-                self.emit(protos.AdminReply(rid, msg.error is None,
-                                            {"backend": msg.backend, "up": msg.up, "stats": msg.stats}, msg.error))
-        elif isinstance(msg, protos.OpDone | protos.PrefetchHits):
-            self.server.tier.on_message(msg)
+    def refuse_generate(self, msg: protos.GenerateRequest) -> None:
+        self.emit(protos.TokenOutput(msg.rid, [], True, "error", None, ENGINE_MODE_ERROR))
 
-    def _admin(self, msg: protos.AdminRequest) -> None:
+    def on_storage_status(self, msg: protos.StorageStatus) -> None:
+        """The answer to a storage op (or the store's own change, ``op_id`` -1)."""
+        if self.server.tier is not None:
+            self.server.tier.l3_enabled = msg.backend != "none"
+        rid = self._waiting.pop(msg.op_id, None)
+        if rid is not None:
+            self.emit(protos.AdminReply(rid, msg.error is None,
+                                        {"backend": msg.backend, "up": msg.up, "stats": msg.stats}, msg.error))
+
+    def admin(self, msg: protos.AdminRequest) -> None:
+        """``stats`` and ``flush`` answered here, ``storage_*`` through the controller (refused
+        with ``busy`` unless idle, but for ``storage_status``)."""
         try:
             if msg.op == "stats":
                 self.emit(protos.AdminReply(msg.rid, True, self.server.stats()))

@@ -1,7 +1,9 @@
 """What the L1/L2 pools must hold for a model: per-component shapes, page-size independent.
 
 This module is torch-free: the scheduler and the memory pools size their shared-memory
-segments from it without importing the model.
+segments from it without importing the model, and the start checks (``hicache serve``,
+``hicache check-config``: ``hicache.startup_checks``) refuse a model the scheduler cannot
+serve (``unsupported_reason``) without importing torch.
 
 Pool layout (the contract between the memory pools and the runner; ``S = num_pages *
 page_size`` token slots, token ``j`` of page ``p`` lives in slot ``p * page_size + j``):
@@ -21,10 +23,14 @@ layer of the model is index ``i`` of the SWA tensor).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hicache.config import DTYPE_BYTES, ModelConfig
 from hicache.model.spec import DecoderSpec, spec_for
+
+SUPPORTED_COMPONENTS: tuple[tuple[str, ...], ...] = (("full",), ("full", "swa"), ("full", "mamba"))
+"""The component sets the scheduler's tree can hold: Full KV plus at most one auxiliary one."""
 
 MAMBA_STATE_DTYPE = "float32"
 """Mamba states are kept in float32 whatever the model dtype: they accumulate over the
@@ -71,6 +77,11 @@ class MambaGeometry:
     def ssm_l1_shape(self, num_state_slots: int) -> tuple[int, ...]:
         return (self.num_layers, num_state_slots, *self.ssm_shape)
 
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes of one state slot (conv and ssm state of every mamba layer)."""
+        return self.num_layers * (math.prod(self.conv_shape) + math.prod(self.ssm_shape)) * DTYPE_BYTES[self.dtype]
+
 
 @dataclass(frozen=True)
 class ModelGeometry:
@@ -113,3 +124,20 @@ class ModelGeometry:
 def geometry_for(model: ModelConfig) -> ModelGeometry:
     """The geometry of the configured model (reads only config.json for ``hf``; no weights)."""
     return ModelGeometry.from_spec(spec_for(model))
+
+
+def unsupported_reason(geometry: ModelGeometry) -> str | None:
+    """None if the scheduler can serve a model of this geometry, else why not.
+
+    The tree holds Full KV plus at most one auxiliary component (``SUPPORTED_COMPONENTS``),
+    so a model needs at least one ``full`` layer and may add either ``swa`` or ``mamba``
+    layers, not both.
+    """
+    comps = geometry.components
+    if comps in SUPPORTED_COMPONENTS:
+        return None
+    kinds = ", ".join(sorted(set(geometry.layer_kinds)))
+    if "full" not in comps:
+        return f"model layers ({kinds}): at least one full-attention layer is required"
+    return (f"model layers ({kinds}): a model may combine full attention with either swa or mamba "
+            "layers, not both")

@@ -15,6 +15,9 @@ mamba      ``cache.l1.state_slots`` slots   ``cache.l2.state_slots`` slots (0: L
 =========  ===============================  ==============================================
 
 Only Full KV goes to L3 (the controller stores the first paged component, ``full``).
+
+Which component sets the tree can hold is ``hicache.model.geometry.unsupported_reason``
+(torch-free: the start checks make it without importing this module).
 """
 
 from __future__ import annotations
@@ -27,34 +30,21 @@ from hicache.config import HicacheConfig
 from hicache.hashing import HashNamespace
 from hicache.memory.allocator import PageAllocator
 from hicache.memory.pools import SharedPools
-from hicache.model.geometry import ModelGeometry
+from hicache.model.geometry import unsupported_reason
 from hicache.model.loader import LoadedModel
 from hicache.model.pools import KVPools
 from hicache.tree.cache import UnifiedRadixCache
 from hicache.tree.components import FullComponent, MambaComponent, SWAComponent, TreeComponent
 
-SUPPORTED_COMPONENTS = (("full",), ("full", "swa"), ("full", "mamba"))
+__all__ = ["build_cache", "hash_namespace", "kv_pools_from_shared", "kv_pools_over", "mamba_copier",
+           "unsupported_reason"]
+"""``unsupported_reason`` is ``hicache.model.geometry``'s (torch-free, so the start checks
+need not import this module), named here too for the scheduler's callers."""
 
 
 def hash_namespace(cfg: HicacheConfig, model: LoadedModel) -> HashNamespace:
     """The page-hash namespace of this daemon's Full KV (salts derive from it per request)."""
     return HashNamespace(model.identity, cfg.model.dtype, cfg.cache.page_size, "full")
-
-
-def unsupported_reason(geometry: ModelGeometry) -> str | None:
-    """None if the scheduler can serve a model of this geometry, else why not.
-
-    The tree holds Full KV plus at most one auxiliary component, so a model needs at least
-    one ``full`` layer and may add either ``swa`` or ``mamba`` layers, not both.
-    """
-    comps = geometry.components
-    if comps in SUPPORTED_COMPONENTS:
-        return None
-    kinds = ", ".join(sorted(set(geometry.layer_kinds)))
-    if "full" not in comps:
-        return f"model layers ({kinds}): at least one full-attention layer is required"
-    return (f"model layers ({kinds}): a model may combine full attention with either swa or mamba "
-            "layers, not both")
 
 
 def mamba_copier(conv: torch.Tensor, ssm: torch.Tensor) -> Callable[[int, int], None]:

@@ -13,214 +13,187 @@ controller   PUSH    page moves (``ResettablePush``: dropped when the controller
 launcher     PUSH    ready, and a restart request when the controller hangs
 ===========  ======  ==========================================================
 
-The loop blocks on the inbox only while there is nothing to compute, and, for at most a
-tenth of a forward pass (``Scheduler.load_join_wait_s``), while a load-back that could join
-the next forward pass is in flight. A frame that does not
-decode is logged and dropped; the loop goes on. SIGTERM or a ``Shutdown`` message stops
-admission (new requests are answered with an error), lets running requests finish within
-the grace period, aborts the rest, and exits 0.
+``SchedulerProcess`` is the loop (``hicache.scheduler.loop.ProcessLoop``: heartbeat,
+telemetry, controller watchdog, drain) around ``hicache.scheduler.engine.Scheduler``; one
+handler per inbox message type (``handlers``). A round reads the inbox, schedules, and runs
+at most one forward pass. It waits on the inbox only while there is nothing to compute:
+``RUNNING_POLL_MS`` with requests running, ``WAITING_POLL_MS`` with only waiting ones (their
+prefetch deadlines need a tick), ``IDLE_POLL_MS`` with none; and, for at most a tenth of a
+forward pass (``Scheduler.load_join_wait_s``), while a load-back that could join the next
+forward pass is in flight. A frame that does not decode is logged and dropped; the loop
+goes on.
 
-Each round of the loop writes the process's heartbeat (``hicache.heartbeat.HeartbeatWriter``);
-a round lasts one forward pass at most plus a poll of at most 20 ms, so a heartbeat older
-than ``server.health_stale_s`` means the process is stopped or stuck (``/health`` says so).
+SIGTERM (within ``SchedulerArgs.grace_s``) or a ``Shutdown`` message (within its
+``grace_s``) stops admission (new requests are answered with an error), lets running and
+waiting requests finish within the grace, aborts the rest, and exits 0.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import time
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import protos
-from hicache.config import HicacheConfig
-from hicache.heartbeat import HeartbeatWriter
-from hicache.ipc import Endpoints, PullSocket, PushSocket, ResettablePush, open_context
-from hicache.logging_setup import setup_logging
 from hicache.memory.pools import PoolLayout, attach_pools
-from hicache.proc import die_with_parent
+from hicache.scheduler.loop import Links, ProcessLoop, SchedulerArgs, StopSignal, Telemetry, enter_process
+
+if TYPE_CHECKING:
+    from hicache.memory.pools import SharedPools
+    from hicache.scheduler.engine import Scheduler
+    from hicache.tier_manager import TierManager
 
 log = logging.getLogger("hicache.scheduler")
 
-CONTROLLER_OP_TIMEOUT_S = 60.0
-"""An op unanswered for this long means the controller hangs: the launcher restarts it."""
+RUNNING_POLL_MS = 0
+"""Inbox wait with requests running: none, the next forward pass is due."""
 
-IDLE_CHECK_INTERVAL_S = 1.0
-METRICS_INTERVAL_S = 0.5
+WAITING_POLL_MS = 5
+"""Inbox wait with only waiting requests: a short tick, for their prefetch deadlines."""
 
-ACCEPTS = protos.accepted_by("scheduler")
-"""What the scheduler process's inbox decodes (``protos.table``)."""
+IDLE_POLL_MS = 20
+"""Inbox wait with nothing to compute (acks and requests are messages: they wake it)."""
+
+MIN_POLL_MS = 1
+"""The shortest wait for a load-back ack that may join this forward pass."""
+
+DRAINING_ERROR = "the server is shutting down"
+"""The error a generation request gets while the process drains."""
 
 
-@dataclass(frozen=True)
-class SchedulerArgs:
-    """What the scheduler process is started with (pickled by ``spawn``)."""
+class SchedulerProcess(ProcessLoop):
+    """The builtin-mode loop around ``sched`` (see the module docstring)."""
 
-    config: HicacheConfig
-    layout: PoolLayout
-    endpoints: Endpoints
-    ready_address: str
+    log = log
+
+    def __init__(self, args: SchedulerArgs, links: Links, pools: SharedPools | None, sched: Scheduler, *,
+                 tier: TierManager | None, telemetry: Telemetry, stop: StopSignal) -> None:
+        super().__init__(args, links, pools, tier=tier, telemetry=telemetry, stop=stop)
+        self.sched = sched
+        self._was_busy = False
+        self.handlers.update({
+            protos.GenerateRequest: self.on_generate,
+            protos.AbortRequest: self.on_abort,
+            protos.AdminRequest: sched.admin,
+            protos.OpDone: sched.on_controller,
+            protos.PrefetchHits: sched.on_controller,
+            protos.StorageStatus: sched.on_controller,
+        })
+
+    @classmethod
+    def build(cls, args: SchedulerArgs, stop: StopSignal) -> SchedulerProcess:
+        """Map the pools, load the model and the tokenizer's end tokens, build the tree, the
+        tier manager (when L2 is on) and the ``Scheduler``, open the sockets."""
+        from hicache.metrics import init_process_metrics
+        from hicache.model.loader import load_model
+        from hicache.model.runner import ModelRunner
+        from hicache.scheduler.assembly import build_cache, kv_pools_from_shared
+        from hicache.scheduler.engine import Scheduler
+        from hicache.scheduler.telemetry import SchedulerTelemetry
+        from hicache.text import load_tokenizer
+        from hicache.tier_manager import TierManager
+
+        cfg = args.config
+        pools = attach_pools(args.layout)
+        model = load_model(cfg.model)
+        full = args.layout.component("full")
+        l2_pages = full.l2_pages if cfg.cache.l2.enabled else None
+        kv = kv_pools_from_shared(pools, cfg.cache.page_size)
+        cache, l1, _l2 = build_cache(cfg, model, full.l1_pages, l2_pages, pools=kv, **_aux_sizes(args.layout))
+        runner = ModelRunner(model, kv)
+        eos = tuple(load_tokenizer(cfg.tokenizer, cfg.model).eos_token_ids)
+        links = Links.open(args, controller=bool(l2_pages))
+        to_controller = links.to_controller
+        tier = None
+        if to_controller is not None:
+            tier = TierManager(cache, to_controller.send, load_back_threshold=cfg.cache.load_back_threshold,
+                               prefetch=cfg.cache.prefetch, l3_enabled=cfg.cache.l3.backend != "none")
+        sched = Scheduler(cfg, model, runner, cache, l1, links.to_tokenizer.send, tier=tier,
+                          controller_send=to_controller.send if to_controller else None, eos_token_ids=eos)
+        telemetry = SchedulerTelemetry(init_process_metrics(cfg.metrics, "scheduler"), sched)
+        return cls(args, links, pools, sched, tier=tier, telemetry=telemetry, stop=stop)
+
+    def ready_line(self) -> str:
+        cfg, layout = self.args.config, self.args.layout
+        full = layout.component("full")
+        l2 = full.l2_pages if cfg.cache.l2.enabled else None
+        return (f"scheduler ready: model {cfg.model.kind} ({'+'.join(self.sched.model.geometry.components)}), "
+                f"page size {cfg.cache.page_size}, L1 {full.l1_pages} pages, L2 {l2} pages, L3 {cfg.cache.l3.backend}")
+
+    # -- a round ----------------------------------------------------------------------
+
+    def round(self) -> None:
+        sched = self.sched
+        self._was_busy = sched.busy or (self.tier is not None and self.tier.in_flight > 0)
+        self.read_inbox(self._poll_ms())
+        sched.schedule()
+        if self._wait_for_load_backs():
+            sched.schedule()
+        sched.forward()
+
+    def _poll_ms(self) -> int:
+        if self.sched.running:
+            return RUNNING_POLL_MS
+        return WAITING_POLL_MS if self.sched.waiting else IDLE_POLL_MS
+
+    def _wait_for_load_backs(self) -> bool:
+        """Let load-backs about to finish join this forward pass (``Scheduler.load_join_wait_s``);
+        True if it waited (the time is added to ``counters.load_join_wait_s``)."""
+        sched = self.sched
+        wait_s = sched.load_join_wait_s()
+        if wait_s <= 0.0:
+            return False
+        began = self.clock()
+        until = began + wait_s
+        while sched.loads_pending and (left := until - self.clock()) > 0:
+            if not self.receive(max(MIN_POLL_MS, int(left * 1000))):
+                break
+        sched.counters.load_join_wait_s += self.clock() - began
+        return True
+
+    def idle(self) -> bool:
+        return not self._was_busy
+
+    def check_idle(self) -> None:
+        self.sched.check_idle()
+
+    # -- messages ---------------------------------------------------------------------
+
+    def on_generate(self, msg: protos.GenerateRequest) -> None:
+        if self.draining:
+            self.links.to_tokenizer.send(protos.TokenOutput(msg.rid, [], True, "error", None, DRAINING_ERROR))
+        else:
+            self.sched.submit(msg)
+
+    def on_abort(self, msg: protos.AbortRequest) -> None:
+        self.sched.abort(msg.rid)
+
+    # -- stopping ---------------------------------------------------------------------
+
+    def drain_started(self, grace_s: float) -> None:
+        log.info("stopping: finishing %d running requests (up to %g s)", len(self.sched.running), grace_s)
+
+    def drained(self) -> bool:
+        return not self.sched.busy
+
+    def abort_remaining(self) -> None:
+        for req in list(self.sched.running) + list(self.sched.waiting):
+            self.sched.abort(req.rid)
+
+
+def _aux_sizes(layout: PoolLayout) -> dict[str, int]:
+    """``build_cache``'s SWA / Mamba sizes from the pools the launcher made."""
+    sizes: dict[str, int] = {}
+    names = {c.name for c in layout.components}
+    if "swa" in names:
+        swa = layout.component("swa")
+        sizes.update(swa_l1_pages=swa.l1_pages, swa_l2_pages=swa.l2_pages)
+    if "mamba" in names:
+        mamba = layout.component("mamba")
+        sizes.update(l1_state_slots=mamba.l1_pages, l2_state_slots=mamba.l2_pages)
+    return sizes
 
 
 def scheduler_main(args: SchedulerArgs) -> None:
     """Process entry point (``multiprocessing`` spawn target)."""
-    cfg = args.config
-    setup_logging("scheduler", cfg.logging.level, cfg.logging.json)
-    stop_requested = [False]
-
-    def on_sigterm(signum: int, _frame: object) -> None:
-        stop_requested[0] = True
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    die_with_parent()
-
-    from hicache.metrics import init_process_metrics
-    from hicache.model.loader import load_model
-    from hicache.model.runner import ModelRunner
-    from hicache.scheduler.assembly import build_cache, kv_pools_from_shared
-    from hicache.scheduler.engine import Scheduler
-    from hicache.scheduler.telemetry import SchedulerTelemetry
-    from hicache.text import load_tokenizer
-    from hicache.tier_manager import TierManager
-
-    pools = attach_pools(args.layout)
-    model = load_model(cfg.model)
-    full = args.layout.component("full")
-    l2_pages = full.l2_pages if cfg.cache.l2.enabled else None
-    kv = kv_pools_from_shared(pools, cfg.cache.page_size)
-    sizes: dict[str, int] = {}
-    names = {c.name for c in args.layout.components}
-    if "swa" in names:
-        swa = args.layout.component("swa")
-        sizes.update(swa_l1_pages=swa.l1_pages, swa_l2_pages=swa.l2_pages)
-    if "mamba" in names:
-        mamba = args.layout.component("mamba")
-        sizes.update(l1_state_slots=mamba.l1_pages, l2_state_slots=mamba.l2_pages)
-    cache, l1, _l2 = build_cache(cfg, model, full.l1_pages, l2_pages, pools=kv, **sizes)
-    runner = ModelRunner(model, kv)
-    eos = tuple(load_tokenizer(cfg.tokenizer, cfg.model).eos_token_ids)
-
-    ctx = open_context(args.endpoints)
-    ep = args.endpoints
-    inbox: PullSocket[protos.Message] = PullSocket(ctx, ep.address("scheduler"), ACCEPTS, bind=True)
-    to_tokenizer: PushSocket[protos.TokenizerMessage] = PushSocket(ctx, ep.address("tokenizer"))
-    to_launcher: PushSocket[protos.Message] = PushSocket(ctx, args.ready_address)
-    to_controller: ResettablePush[protos.ControllerMessage] | None = None
-    tier = None
-    if l2_pages:
-        to_controller = ResettablePush(ctx, ep.address("controller"))
-        tier = TierManager(cache, to_controller.send, load_back_threshold=cfg.cache.load_back_threshold,
-                           prefetch=cfg.cache.prefetch, l3_enabled=cfg.cache.l3.backend != "none")
-    sched = Scheduler(cfg, model, runner, cache, l1, to_tokenizer.send, tier=tier,
-                      controller_send=to_controller.send if to_controller else None, eos_token_ids=eos)
-    telemetry = SchedulerTelemetry(init_process_metrics(cfg.metrics, "scheduler"), sched)
-    last_publish = 0.0
-    heartbeat = HeartbeatWriter(ep.dir, "scheduler")
-    to_launcher.send(protos.Ready("scheduler", os.getpid()))
-    log.info("scheduler ready: model %s (%s), page size %d, L1 %d pages, L2 %s pages, L3 %s",
-             cfg.model.kind, "+".join(model.geometry.components), cfg.cache.page_size, full.l1_pages, l2_pages,
-             cfg.cache.l3.backend)
-
-    draining = False
-    deadline = 0.0
-    restart_asked = False
-    last_idle_check = 0.0
-
-    def handle(msg: protos.Message) -> None:
-        """Dispatch one inbox message (requests, controller answers, process events)."""
-        nonlocal draining, deadline, restart_asked
-        if isinstance(msg, protos.Shutdown):
-            stop_requested[0] = True
-            if not draining:
-                draining, deadline = True, time.monotonic() + msg.grace_s
-        elif isinstance(msg, protos.GenerateRequest):
-            if draining:
-                to_tokenizer.send(protos.TokenOutput(msg.rid, [], True, "error", None,
-                                                     "the server is shutting down"))
-            else:
-                sched.submit(msg)
-        elif isinstance(msg, protos.AbortRequest):
-            sched.abort(msg.rid)
-        elif isinstance(msg, protos.AdminRequest):
-            sched.admin(msg)
-        elif isinstance(msg, protos.ProcessEvent):
-            if msg.process == "controller" and msg.event == "died" and tier is not None:
-                failed = tier.on_controller_lost()
-                if to_controller is not None:
-                    to_controller.reset()
-                restart_asked = False
-                log.warning("controller died (%s): %d in-flight ops failed back", msg.detail, failed)
-        elif isinstance(msg, protos.ErrorReply):
-            log.warning("a peer refused one of our frames: %s", msg.error)
-        else:
-            sched.on_controller(msg)
-
-    def receive(timeout_ms: int) -> bool:
-        """Handle the next inbox message, waiting up to ``timeout_ms``; False if none came.
-        A frame that does not decode is logged and dropped (and counts as one that came)."""
-        try:
-            msg = inbox.recv(timeout_ms)
-        except protos.ProtocolError as exc:
-            log.warning("refused a frame: %s", exc)
-            return True
-        if msg is None:
-            return False
-        handle(msg)
-        return True
-
-    try:
-        while True:
-            heartbeat.beat()
-            if stop_requested[0] and not draining:
-                draining, deadline = True, time.monotonic() + 30.0
-                log.info("stopping: finishing %d running requests", len(sched.running))
-            busy = sched.busy or (tier is not None and tier.in_flight > 0)
-            # Never spin: with nothing to compute, wait for a message (acks and requests are
-            # messages); waiting requests only need a short tick for prefetch deadlines.
-            timeout = 0 if sched.running else (5 if sched.waiting else 20)
-            for _ in range(256):
-                if not receive(timeout):
-                    break
-                timeout = 0
-            sched.schedule()
-            wait_s = sched.load_join_wait_s()
-            if wait_s > 0.0:
-                # let load-backs that are about to finish join this forward pass
-                began = time.monotonic()
-                until = began + wait_s
-                while sched.loads_pending and (left := until - time.monotonic()) > 0:
-                    if not receive(max(1, int(left * 1000))):
-                        break
-                sched.counters.load_join_wait_s += time.monotonic() - began
-                sched.schedule()
-            sched.forward()
-            if tier is not None and not restart_asked and tier.oldest_op_age() > CONTROLLER_OP_TIMEOUT_S:
-                log.error("the controller has not answered for %.0f s: asking for a restart", tier.oldest_op_age())
-                to_launcher.send(protos.ProcessEvent("controller", "restart", 0, "ops unanswered"))
-                restart_asked = True
-            now = time.monotonic()
-            if now - last_publish > METRICS_INTERVAL_S:
-                telemetry.publish()
-                last_publish = now
-            if not busy and now - last_idle_check > IDLE_CHECK_INTERVAL_S:
-                sched.check_idle()
-                last_idle_check = now
-            if draining:
-                if not sched.busy:
-                    break
-                if now > deadline:
-                    for req in list(sched.running) + list(sched.waiting):
-                        sched.abort(req.rid)
-                    break
-    finally:
-        heartbeat.close()
-        for sock in (inbox, to_launcher):
-            sock.close()
-        to_tokenizer.close(linger_ms=2000)
-        if to_controller is not None:
-            to_controller.close()
-        ctx.term()
-        pools.close()
-    log.info("scheduler stopped")
+    stop = enter_process(args.config)
+    SchedulerProcess.build(args, stop).run()

@@ -13,10 +13,10 @@ import random
 import pytest
 
 from hicache.config import HicacheConfig, config_from_dict
-from hicache.model.geometry import geometry_for
+from hicache.model.geometry import geometry_for, unsupported_reason
 from hicache.model.loader import load_model
 from hicache.model.pools import allocate_pools
-from hicache.scheduler.assembly import build_cache, unsupported_reason
+from hicache.scheduler.assembly import build_cache
 from hicache.tree.node import ComponentType
 from tests.scheduler.rigs import L2Rig, L3AckRig, Rig, cold_tokens, gen
 

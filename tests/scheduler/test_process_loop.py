@@ -1,0 +1,319 @@
+"""The scheduler process's loops (``hicache.scheduler.loop``) over fake sockets: dispatch,
+drain, controller watchdog, the inbox batch, in both modes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import zmq
+
+import protos
+from hicache.engine_server.process import ENGINE_MODE_ERROR, CacheServerProcess
+from hicache.scheduler.loop import (
+    ACCEPTS,
+    CONTROLLER_OP_TIMEOUT_S,
+    DEFAULT_GRACE_S,
+    INBOX_BATCH,
+    Links,
+    SchedulerArgs,
+    StopSignal,
+)
+from hicache.scheduler.process import DRAINING_ERROR, SchedulerProcess
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Inbox:
+    """A PULL socket fake: queued messages, or exceptions to raise."""
+
+    def __init__(self) -> None:
+        self.queue: list[Any] = []
+        self.socket = zmq.Context.instance().socket(zmq.PULL)
+        self.closed = False
+
+    def _next(self) -> Any:
+        if not self.queue:
+            return None
+        item = self.queue.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def recv(self, timeout_ms: int | None = None) -> Any:
+        return self._next()
+
+    def recv_ready(self) -> Any:
+        return self._next()
+
+    def close(self) -> None:
+        self.closed = True
+        self.socket.close(linger=0)
+
+
+class Push:
+    def __init__(self) -> None:
+        self.sent: list[protos.Message] = []
+        self.resets = 0
+        self.closed = False
+
+    def send(self, msg: protos.Message) -> None:
+        self.sent.append(msg)
+
+    def reset(self) -> None:
+        self.resets += 1
+
+    def close(self, linger_ms: int = 0) -> None:
+        self.closed = True
+
+
+class Tier:
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.age = 0.0
+        self.lost = 0
+        self.l3_enabled = True
+        self.answers: list[protos.Message] = []
+
+    def oldest_op_age(self) -> float:
+        return self.age
+
+    def on_controller_lost(self) -> int:
+        self.lost += 1
+        return 3
+
+    def on_message(self, msg: protos.Message) -> None:
+        self.answers.append(msg)
+
+
+class Sched:
+    """What ``SchedulerProcess`` calls on ``Scheduler``."""
+
+    def __init__(self) -> None:
+        self.running: list[Any] = []
+        self.waiting: list[Any] = []
+        self.submitted: list[str] = []
+        self.aborted: list[str] = []
+        self.controller: list[protos.Message] = []
+        self.forwards = 0
+        self.idle_checks = 0
+        self.counters = SimpleNamespace(load_join_wait_s=0.0)
+        self.model = SimpleNamespace(geometry=SimpleNamespace(components=("full",)))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def loads_pending(self) -> bool:
+        return False
+
+    def submit(self, msg: protos.GenerateRequest) -> None:
+        self.submitted.append(msg.rid)
+
+    def abort(self, rid: str) -> None:
+        self.aborted.append(rid)
+        self.running = [r for r in self.running if r.rid != rid]
+        self.waiting = [r for r in self.waiting if r.rid != rid]
+
+    def admin(self, msg: protos.AdminRequest) -> None:
+        pass
+
+    def on_controller(self, msg: protos.Message) -> None:
+        self.controller.append(msg)
+
+    def schedule(self) -> None:
+        pass
+
+    def load_join_wait_s(self) -> float:
+        return 0.0
+
+    def forward(self) -> bool:
+        self.forwards += 1
+        return True
+
+    def check_idle(self) -> None:
+        self.idle_checks += 1
+
+
+class Telemetry:
+    def __init__(self) -> None:
+        self.published = 0
+
+    def publish(self) -> None:
+        self.published += 1
+
+
+class Ctx:
+    def term(self) -> None:
+        pass
+
+
+def _links(controller: bool = True) -> Links:
+    return Links(Ctx(), Inbox(), Push(), Push(), Push() if controller else None)  # type: ignore[arg-type]
+
+
+def _args(grace_s: float = DEFAULT_GRACE_S) -> SchedulerArgs:
+    cfg = SimpleNamespace(model=SimpleNamespace(kind="reference"), cache=SimpleNamespace(
+        page_size=4, l2=SimpleNamespace(enabled=True), l3=SimpleNamespace(backend="none")))
+    layout = SimpleNamespace(component=lambda name: SimpleNamespace(l1_pages=8, l2_pages=16))
+    return SchedulerArgs(cfg, layout, SimpleNamespace(dir=None, address=lambda n: f"ipc://{n}"),  # type: ignore[arg-type]
+                         "ipc://launcher", grace_s)
+
+
+def _scheduler(grace_s: float = DEFAULT_GRACE_S) -> tuple[SchedulerProcess, Sched, Tier, Clock]:
+    sched, tier, clock = Sched(), Tier(), Clock()
+    proc = SchedulerProcess(_args(grace_s), _links(), None, sched, tier=tier,  # type: ignore[arg-type]
+                            telemetry=Telemetry(), stop=StopSignal())
+    proc.clock = clock
+    return proc, sched, tier, clock
+
+
+def _req(rid: str) -> SimpleNamespace:
+    return SimpleNamespace(rid=rid)
+
+
+def _gen(rid: str) -> protos.GenerateRequest:
+    return protos.GenerateRequest(rid, [1, 2, 3], protos.SamplingParams(max_new_tokens=2))
+
+
+def _cache_server() -> tuple[CacheServerProcess, Tier, Push]:
+    tier = Tier()
+    server = SimpleNamespace(tier=tier, deferred=0, deliver=lambda: [], expire=lambda: None,
+                             check_idle=lambda: None)
+    engines = SimpleNamespace(socket=zmq.Context.instance().socket(zmq.ROUTER), close=lambda: None)
+    links = _links()
+    proc = CacheServerProcess(_args(), links, None, server, engines,  # type: ignore[arg-type]
+                              telemetry=Telemetry(), stop=StopSignal())
+    return proc, tier, links.to_tokenizer  # type: ignore[return-value]
+
+
+def test_each_mode_has_one_handler_per_message_its_inbox_decodes() -> None:
+    proc, *_ = _scheduler()
+    assert set(proc.handlers) == set(ACCEPTS)
+    engine, *_ = _cache_server()
+    assert set(engine.handlers) == set(ACCEPTS)
+
+
+def test_a_shutdown_drains_within_its_own_grace_then_aborts_the_rest() -> None:
+    proc, sched, _tier, clock = _scheduler(grace_s=30.0)
+    sched.running, sched.waiting = [_req("a")], [_req("b")]
+    proc.dispatch(protos.Shutdown("test", grace_s=5.0))
+    assert proc.draining and proc.stop.requested
+    assert proc.drain_deadline == pytest.approx(clock.now + 5.0)
+    clock.now += 4.0
+    assert not proc.drain_over() and sched.aborted == []
+    proc.dispatch(_gen("late"))
+    assert sched.submitted == []
+    out = proc.links.to_tokenizer.sent  # type: ignore[attr-defined]
+    assert [(o.rid, o.finish_reason, o.error) for o in out] == [("late", "error", DRAINING_ERROR)]
+    clock.now += 2.0
+    assert proc.drain_over()
+    assert sched.aborted == ["a", "b"]
+
+
+def test_sigterm_drains_within_the_args_grace_and_a_later_shutdown_keeps_that_deadline() -> None:
+    proc, sched, _tier, clock = _scheduler(grace_s=7.0)
+    sched.running = [_req("a")]
+    proc.stop.requested = True  # what SIGTERM sets
+    start = clock.now
+    ticks = 0
+
+    def round_() -> None:
+        nonlocal ticks
+        ticks += 1
+        if ticks == 1:
+            proc.dispatch(protos.Shutdown("late", grace_s=100.0))
+        clock.now += 1.0
+
+    proc.round = round_  # type: ignore[method-assign]
+    proc.run()
+    assert proc.drain_deadline == pytest.approx(start + 7.0)
+    assert sched.aborted == ["a"] and ticks == 8
+    assert isinstance(proc.links.to_launcher.sent[0], protos.Ready)  # type: ignore[attr-defined]
+    assert proc.links.inbox.closed  # type: ignore[attr-defined]
+
+
+def test_a_drain_with_nothing_running_ends_in_the_same_round() -> None:
+    proc, sched, _tier, _clock = _scheduler()
+    proc.stop.requested = True
+    proc.run()
+    assert sched.forwards == 1 and sched.aborted == []
+
+
+def test_a_hung_controller_is_reported_once_and_again_after_it_died() -> None:
+    proc, _sched, tier, _clock = _scheduler()
+    launcher = proc.links.to_launcher.sent  # type: ignore[attr-defined]
+    tier.age = CONTROLLER_OP_TIMEOUT_S + 1
+    proc.housekeeping()
+    proc.housekeeping()
+    assert [(m.process, m.event) for m in launcher] == [("controller", "restart")]
+    proc.dispatch(protos.ProcessEvent("controller", "died", 42, "killed"))
+    assert tier.lost == 1 and proc.links.to_controller.resets == 1  # type: ignore[union-attr]
+    proc.housekeeping()
+    assert len(launcher) == 2
+    proc.dispatch(protos.ProcessEvent("tokenizer", "died", 43, "not ours"))
+    assert tier.lost == 1
+
+
+def test_controller_answers_reach_the_scheduler_and_bad_frames_are_dropped() -> None:
+    proc, sched, _tier, _clock = _scheduler()
+    inbox = proc.links.inbox
+    done = protos.OpDone(1, "ok", 0)
+    inbox.queue[:] = [protos.ProtocolError("garbage"), done, _gen("r")]  # type: ignore[attr-defined]
+    proc.read_inbox(0)
+    assert sched.controller == [done] and sched.submitted == ["r"]
+
+
+def test_one_round_reads_at_most_a_batch_of_the_inbox() -> None:
+    proc, sched, _tier, _clock = _scheduler()
+    inbox = proc.links.inbox
+    inbox.queue[:] = [protos.AbortRequest(f"r{i}") for i in range(INBOX_BATCH + 5)]  # type: ignore[attr-defined]
+    proc.read_inbox(0)
+    assert len(sched.aborted) == INBOX_BATCH and len(inbox.queue) == 5  # type: ignore[attr-defined]
+
+
+def test_the_idle_check_runs_only_after_a_round_that_began_idle() -> None:
+    proc, sched, _tier, clock = _scheduler()
+    sched.running = [_req("a")]
+    proc.round()
+    proc.housekeeping()
+    assert sched.idle_checks == 0
+    sched.running = []
+    proc.round()
+    proc.housekeeping()
+    assert sched.idle_checks == 1
+    proc.housekeeping()  # within the interval
+    assert sched.idle_checks == 1
+    clock.now += 2.0
+    proc.housekeeping()
+    assert sched.idle_checks == 2
+
+
+def test_engine_mode_refuses_generation_and_stops_at_the_end_of_the_round() -> None:
+    proc, tier, to_tokenizer = _cache_server()
+    proc.dispatch(_gen("g"))
+    assert [o.error for o in to_tokenizer.sent] == [ENGINE_MODE_ERROR]
+    hits = protos.PrefetchHits(3, 0)
+    proc.dispatch(hits)
+    assert tier.answers == [hits]
+    assert not proc.drain_over()
+    proc.dispatch(protos.Shutdown("stop"))
+    assert proc.drain_over()
+
+
+def test_the_drains_nest_inside_the_launchers_stop_timeout() -> None:
+    """A group SIGTERM: the tokenizer's drain ends first (its aborts end the scheduler's
+    requests), the scheduler's within the launcher's wait before SIGKILL."""
+    from hicache.launch import STOP_TIMEOUT_S
+    from hicache.tokenizer.args import DEFAULT_GRACE_S as TOKENIZER_GRACE_S
+
+    assert TOKENIZER_GRACE_S < DEFAULT_GRACE_S < STOP_TIMEOUT_S
+    assert SchedulerArgs.__dataclass_fields__["grace_s"].default == DEFAULT_GRACE_S
