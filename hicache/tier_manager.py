@@ -5,7 +5,8 @@ those decisions into controller messages, matches the controller's answers back 
 and applies them to the tree. It is transport-agnostic: it sends through a callable and is
 fed every controller answer through ``on_message``. Only the scheduler's loop calls it.
 
-Lifecycle of each kind of op (``op_id`` here is the controller op id this class assigns):
+Lifecycle of each kind of op (``op_id`` is the controller op id this class assigns; it is
+the only id an op has, in this process and in the controller):
 
 ==============  ===============================  ============================  ===========================
 op              started by                       on ``OpDone(ok)``             on failure / controller loss
@@ -14,8 +15,8 @@ write (d2h)     ``issue_writes`` (write policy)  ``finish_write(ok)``; then an `
                                                  L3 backup of every written    pages freed, node as before
                                                  node (a split gives several)
 load (h2d)      ``start_load_back`` (admission)  ``finish_load_back(ok)``;     ``finish_load_back(fail)``:
-                                                 the ticket becomes ``done``   nodes L2-only again, the
-                                                                               request recomputes
+                                                 the ticket becomes ``done``,  nodes L2-only again, the
+                                                 ``on_message`` returns it     request recomputes
 backup (h2s)    after a write                    ``finish_backup``             ``finish_backup``
 prefetch query  ``start_prefetch``               (``PrefetchHits``) reserve    ticket done with 0 pages
                                                  L2 pages, send the fetch
@@ -23,10 +24,28 @@ prefetch fetch  after the query                  ``insert_host`` of the pages  r
                                                  that arrived; the rest freed
 ==============  ===============================  ============================  ===========================
 
-``on_controller_lost`` fails every op at once (locks released, fresh pages freed, nodes as
-before the op); answers that arrive later for those ids are ignored. The caller must also
-drop messages not yet delivered to the dead controller (``ControllerLink.reset``), so no
-stale copy can ever land in a page that was freed and reused.
+Who owns what while an op is in flight:
+
+=====================  ==============================  ==========================  ==============================
+thing                  owner                           made                        ended
+=====================  ==============================  ==========================  ==============================
+op id                  this class (one counter)        before the message is sent  never reused
+registry entry         this class: ``_inflight``, the  with the id, before the     when its answer arrives, or on
+(``InFlightOp``)       one table of ops in flight      message is sent             controller loss (all at once)
+``TierOp``             the tree holds what it names    ``cache.start_*``           ``cache.finish_*``, called once,
+                       (reserved pages, locks, marks);                             from the entry's end only
+                       the entry holds the object
+``LoadTicket``         the waiting request; the entry  ``start_load_back``         its ``ok`` is set when the
+                       refers to it                                                entry ends
+prefetch L2 pages      this class (``_prefetch_        ``PrefetchHits`` (reserve)  the fetch's end: given to the
+                       reserved``), via the ticket                                 tree (``insert_host``) or freed
+=====================  ==============================  ==========================  ==============================
+
+``on_controller_lost`` ends every entry at once, each exactly once (locks released, fresh
+pages freed, nodes as before the op); answers that arrive later for those ids are ignored.
+The caller must also drop messages not yet delivered to the dead controller
+(``ControllerLink.reset``), so no stale copy can ever land in a page that was freed and
+reused.
 """
 
 from __future__ import annotations
@@ -37,7 +56,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import protos
 from hicache.config import PrefetchConfig
@@ -70,16 +88,17 @@ class TierCounters:
 
 @dataclass
 class LoadTicket:
-    """A load-back the request waits for. ``ok`` is None while in flight.
+    """A load-back request ``rid`` waits for. ``ok`` is None while in flight.
 
-    ``on_done(ok)``, if set, runs right after the tree applied the acknowledgement (the
-    scheduler uses it to lock the freshly loaded prefix before anything can evict it).
+    ``op_id``: the controller op id of its ``LoadToDevice``; ``node``: the node ending the
+    loaded prefix (what to lock for ``rid`` once ``ok``); ``tokens``: how many it loads.
     """
 
     op_id: int
+    rid: str
+    node: TreeNode
     tokens: int
     ok: bool | None = None
-    on_done: Callable[[bool], None] | None = None
 
     @property
     def done(self) -> bool:
@@ -104,7 +123,9 @@ class PrefetchTicket:
     policy: str
     deadline: float | None
     query_op: int
+    """The op id of its ``PrefetchQuery``."""
     fetch_op: int | None = None
+    """The op id of its ``PrefetchFetch``, once sent."""
     host_pages: list[int] = field(default_factory=list)
     hit_tokens: int = 0
     arrived_tokens: int = 0
@@ -130,11 +151,19 @@ class OpKind(enum.Enum):
 
 
 @dataclass
-class _Pending:
+class InFlightOp:
+    """One entry of the registry: a controller op sent and not yet ended.
+
+    ``transfer``: the tree's op (write, load, backup); ``load``: the ticket of a load;
+    ``prefetch``: the ticket of a query or fetch; ``started``: when it was sent.
+    """
+
+    op_id: int
     kind: OpKind
-    tier_op: TierOp | None = None
-    ticket: Any = None
-    started: float = 0.0
+    started: float
+    transfer: TierOp | None = None
+    load: LoadTicket | None = None
+    prefetch: PrefetchTicket | None = None
 
 
 class TierManager:
@@ -142,6 +171,7 @@ class TierManager:
 
     ``send``: delivers a message to the controller (never blocks for long).
     ``l3_enabled``: whether backups and prefetches are issued at all.
+    Holds the registry of every op in flight (the module's ownership table).
     """
 
     def __init__(
@@ -163,26 +193,40 @@ class TierManager:
         self.l3_enabled = l3_enabled
         self.clock = clock
         self.counters = TierCounters()
-        self._pending: dict[int, _Pending] = {}
+        self._inflight: dict[int, InFlightOp] = {}
         self._ids = itertools.count(1)
         self._prefetch_reserved = 0
 
     # ------------------------------------------------------------------ queries
     @property
     def in_flight(self) -> int:
-        return len(self._pending)
+        return len(self._inflight)
 
     def in_flight_kinds(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        for p in self._pending.values():
-            out[p.kind.value] = out.get(p.kind.value, 0) + 1
+        for e in self._inflight.values():
+            out[e.kind.value] = out.get(e.kind.value, 0) + 1
         return out
 
-    def _new_op(self, pending: _Pending) -> int:
-        op_id = next(self._ids)
-        pending.started = self.clock()
-        self._pending[op_id] = pending
-        return op_id
+    def l1_held_by_loads(self) -> dict[str, int]:
+        """L1 units (pages; slots for Mamba) that the load-backs in flight hold, per
+        component name: set as the nodes' ``value`` but not evictable until they finish."""
+        out: dict[str, int] = {}
+        for e in self._inflight.values():
+            if e.kind is OpKind.LOAD and e.transfer is not None:
+                for name, (_src, dst) in e.transfer.transfers.items():
+                    out[name] = out.get(name, 0) + len(dst)
+        return out
+
+    def oldest_op_age(self) -> float:
+        """Seconds since the oldest in-flight op was sent (0 with none): a hung controller shows here."""
+        if not self._inflight:
+            return 0.0
+        return self.clock() - min(e.started for e in self._inflight.values())
+
+    def _register(self, op_id: int, kind: OpKind, *, transfer: TierOp | None = None,
+                  load: LoadTicket | None = None, prefetch: PrefetchTicket | None = None) -> None:
+        self._inflight[op_id] = InFlightOp(op_id, kind, self.clock(), transfer, load, prefetch)
 
     # ------------------------------------------------------------------ L1 -> L2
     def issue_writes(self, limit: int | None = None) -> int:
@@ -192,7 +236,8 @@ class TierManager:
             op = self.cache.start_write(node)
             if op is None:
                 continue
-            op_id = self._new_op(_Pending(OpKind.WRITE, op))
+            op_id = next(self._ids)
+            self._register(op_id, OpKind.WRITE, transfer=op)
             dev = {name: list(src) for name, (src, _dst) in op.transfers.items()}
             host = {name: list(dst) for name, (_src, dst) in op.transfers.items()}
             self.send(protos.WriteToHost(op_id, dev, host))
@@ -200,16 +245,16 @@ class TierManager:
         return sent
 
     # ------------------------------------------------------------------ L2 -> L1
-    def start_load_back(self, match: MatchResult) -> LoadTicket | None:
-        """Load the L2-only tail of ``match`` into L1, or None to recompute it instead
-        (shorter than ``load_back_threshold``, or no room in L1)."""
+    def start_load_back(self, match: MatchResult, rid: str = "") -> LoadTicket | None:
+        """Load the L2-only tail of ``match`` into L1 for request ``rid``, or None to
+        recompute it instead (shorter than ``load_back_threshold``, or no room in L1)."""
         if match.host_hit_length <= 0 or match.host_hit_length < self.load_back_threshold:
             return None
         op = self.cache.start_load_back(match)
         if op is None:
             return None
-        ticket = LoadTicket(0, match.host_hit_length)
-        ticket.op_id = self._new_op(_Pending(OpKind.LOAD, op, ticket))
+        ticket = LoadTicket(next(self._ids), rid, op.node, match.host_hit_length)
+        self._register(ticket.op_id, OpKind.LOAD, transfer=op, load=ticket)
         host = {name: list(src) for name, (src, _dst) in op.transfers.items()}
         dev = {name: list(dst) for name, (_src, dst) in op.transfers.items()}
         self.send(protos.LoadToDevice(ticket.op_id, host, dev))
@@ -223,7 +268,8 @@ class TierManager:
         op = self.cache.start_backup(node)
         if op is None:
             return
-        op_id = self._new_op(_Pending(OpKind.BACKUP, op))
+        op_id = next(self._ids)
+        self._register(op_id, OpKind.BACKUP, transfer=op)
         self.send(protos.BackupToStorage(op_id, list(op.transfers["full"][0]), list(op.hashes)))
 
     # ------------------------------------------------------------------ L3 -> L2
@@ -248,8 +294,8 @@ class TierManager:
         if cfg.policy == "timeout":
             deadline = self.clock() + cfg.timeout_base_s + cfg.timeout_per_ki_token_s * rest_pages * ps / 1024
         ticket = PrefetchTicket(rid, list(token_ids[: start + rest_pages * ps]), cache_salt, start, hashes,
-                                cfg.policy, deadline, 0)
-        ticket.query_op = self._new_op(_Pending(OpKind.QUERY, ticket=ticket))
+                                cfg.policy, deadline, next(self._ids))
+        self._register(ticket.query_op, OpKind.QUERY, prefetch=ticket)
         self.counters.prefetch_queries += 1
         self.send(protos.PrefetchQuery(ticket.query_op, hashes))
         return ticket
@@ -274,7 +320,8 @@ class TierManager:
             return
         ticket.host_pages = list(pages)
         self._prefetch_reserved += len(pages)
-        ticket.fetch_op = self._new_op(_Pending(OpKind.FETCH, ticket=ticket))
+        ticket.fetch_op = next(self._ids)
+        self._register(ticket.fetch_op, OpKind.FETCH, prefetch=ticket)
         self.send(protos.PrefetchFetch(ticket.fetch_op, ticket.hashes[: len(pages)], ticket.host_pages))
 
     def _on_fetched(self, ticket: PrefetchTicket, pages_done: int) -> None:
@@ -298,83 +345,79 @@ class TierManager:
     def cancel_prefetch(self, ticket: PrefetchTicket) -> None:
         """The request no longer needs it (aborted or scheduled): stop waiting; a fetch in
         flight still lands in L2 (its pages are useful to others) and is inserted."""
-        if ticket.fetch_op is not None and ticket.fetch_op in self._pending:
+        if ticket.fetch_op is not None and ticket.fetch_op in self._inflight:
             return
-        self._pending.pop(ticket.query_op, None)
+        self._inflight.pop(ticket.query_op, None)
         ticket.complete = True
 
     # ------------------------------------------------------------------ answers
-    def on_message(self, msg: protos.Message) -> None:
-        """Apply one controller answer. Answers for unknown (e.g. already failed) ops are ignored."""
+    def on_message(self, msg: protos.Message) -> LoadTicket | None:
+        """Apply one controller answer. Returns the load-back it ended (``ok`` set either
+        way), so that the caller can lock what it loaded before anything else runs; None for
+        every other answer. Answers for unknown (e.g. already failed) ops are ignored."""
         if isinstance(msg, protos.PrefetchHits):
-            p = self._pending.pop(msg.op_id, None)
-            if p is not None and p.kind is OpKind.QUERY:
-                self._on_hits(p.ticket, msg.n)
-            return
+            e = self._inflight.pop(msg.op_id, None)
+            if e is not None and e.kind is OpKind.QUERY:
+                assert e.prefetch is not None
+                self._on_hits(e.prefetch, msg.n)
+            return None
         if not isinstance(msg, protos.OpDone):
-            return
+            return None
         if msg.status == "rejected":
             # The controller refused this message; if it is ours, the op never ran.
             self.counters.rejected += 1
             log.error("controller rejected op %d: %s", msg.op_id, msg.error)
-        p = self._pending.pop(msg.op_id, None)
-        if p is None:
-            return
-        ok = msg.status == "ok"
-        self._finish(p, ok, msg.pages_done)
+        e = self._inflight.pop(msg.op_id, None)
+        if e is None:
+            return None
+        return self._end(e, msg.status == "ok", msg.pages_done)
 
-    def _finish(self, p: _Pending, ok: bool, pages_done: int) -> None:
+    def _end(self, e: InFlightOp, ok: bool, pages_done: int) -> LoadTicket | None:
+        """End an entry already taken out of the registry: apply its outcome to the tree and
+        its ticket (each entry is ended exactly once). Returns its ticket for a load."""
         cache = self.cache
-        if p.kind is OpKind.WRITE:
-            assert p.tier_op is not None
-            written = cache.finish_write(p.tier_op, ok)
+        if e.kind is OpKind.WRITE:
+            assert e.transfer is not None
+            written = cache.finish_write(e.transfer, ok)
             if ok:
                 self.counters.writes += 1
                 for node in written:  # every node of the write, also the parts of a split
                     self.back_up(node)
             else:
                 self.counters.writes_failed += 1
-        elif p.kind is OpKind.LOAD:
-            assert p.tier_op is not None
-            cache.finish_load_back(p.tier_op, ok)
-            p.ticket.ok = ok
-            if p.ticket.on_done is not None:
-                p.ticket.on_done(ok)
+        elif e.kind is OpKind.LOAD:
+            assert e.transfer is not None and e.load is not None
+            cache.finish_load_back(e.transfer, ok)
+            e.load.ok = ok
             if ok:
                 self.counters.loads += 1
-                self.counters.loaded_tokens += p.ticket.tokens
+                self.counters.loaded_tokens += e.load.tokens
             else:
                 self.counters.loads_failed += 1
-        elif p.kind is OpKind.BACKUP:
-            assert p.tier_op is not None
-            cache.finish_backup(p.tier_op, ok)
+            return e.load
+        elif e.kind is OpKind.BACKUP:
+            assert e.transfer is not None
+            cache.finish_backup(e.transfer, ok)
             if ok:
                 self.counters.backups += 1
-                self.counters.backup_tokens += p.tier_op.npages * cache.page_size
+                self.counters.backup_tokens += e.transfer.npages * cache.page_size
             else:
                 self.counters.backups_failed += 1
-        elif p.kind is OpKind.QUERY:
-            p.ticket.complete = True
-        elif p.kind is OpKind.FETCH:
-            self._on_fetched(p.ticket, pages_done if pages_done >= 0 else 0)
+        elif e.kind is OpKind.QUERY:
+            assert e.prefetch is not None
+            e.prefetch.complete = True
+        elif e.kind is OpKind.FETCH:
+            assert e.prefetch is not None
+            self._on_fetched(e.prefetch, pages_done if pages_done >= 0 else 0)
+        return None
 
     def on_controller_lost(self) -> int:
-        """The controller died or hung: fail every op now. Returns how many were failed."""
-        pending = list(self._pending.values())
-        self._pending.clear()
+        """The controller died or hung: end every op in flight now, as failed, each once
+        (its tree op finished as failed, a load's ticket ``ok`` False, a fetch's reserved
+        pages freed, a query's ticket complete). Returns how many were ended."""
+        entries = list(self._inflight.values())
+        self._inflight.clear()
         self.counters.controller_losses += 1
-        for p in pending:
-            if p.kind is OpKind.QUERY:
-                p.ticket.complete = True
-                continue
-            self._finish(p, False, 0)
-        leftover = self.cache.fail_pending_ops()  # ops the tree still holds (none expected)
-        if leftover:
-            log.warning("failed %d tree ops without a controller op", leftover)
-        return len(pending)
-
-    def oldest_op_age(self) -> float:
-        """Seconds since the oldest in-flight op was sent (0 with none): a hung controller shows here."""
-        if not self._pending:
-            return 0.0
-        return self.clock() - min(p.started for p in self._pending.values())
+        for e in entries:
+            self._end(e, False, 0)
+        return len(entries)

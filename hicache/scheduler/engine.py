@@ -85,7 +85,7 @@ from hicache.model.sampling import PenaltyState, sample_next, token_logprobs
 from hicache.model.sampling_params import finish_reason, from_wire, resolve_seed
 from hicache.scheduler.queue_policy import order_waiting
 from hicache.scheduler.request import LOADING, PREFETCH, RUNNING, WAITING, Request
-from hicache.tier_manager import TierManager
+from hicache.tier_manager import LoadTicket, TierManager
 from hicache.tree.cache import LockToken, MatchResult, RequestState, UnifiedRadixCache
 from hicache.tree.node import KEY_TYPECODE, ComponentType, TreeNode
 
@@ -274,7 +274,9 @@ class Scheduler:
                 self.emit(protos.AdminReply(rid, msg.error is None, result, msg.error))
             return
         if self.tier is not None:
-            self.tier.on_message(msg)
+            loaded = self.tier.on_message(msg)
+            if loaded is not None:
+                self._load_finished(loaded)
 
     def stats(self) -> dict[str, Any]:
         ps = self.page_size
@@ -393,6 +395,8 @@ class Scheduler:
             assert req.load is not None
             if not req.load.done:
                 return False
+            if req.load_done_at is None:  # ended with the controller: no answer reported it
+                req.load_done_at = now
             req.status = WAITING
         if req.status == PREFETCH:
             assert req.prefetch is not None
@@ -415,16 +419,15 @@ class Scheduler:
                         req.status = PREFETCH
                         return False
             if m.host_hit_length and m.host_hit_length >= max(tier.load_back_threshold, 1):
-                ticket = None
+                load = None
                 # (a load takes L1 pages: never out of what running requests have reserved)
                 if self._l1_room_pages() >= m.host_hit_length // self.page_size:
-                    ticket = tier.start_load_back(m)
-                if ticket is not None:
-                    req.load = ticket
+                    load = tier.start_load_back(m, req.rid)
+                if load is not None:
+                    req.load = load
                     req.status = LOADING
-                    req.load_sent_at = now
-                    ticket.on_done = lambda ok, node=m.last_host_node: self._hold_loaded(req, node, ok)
-                    return False
+                    req.load_sent_at, req.load_done_at = now, None
+                    return False  # ``_load_finished`` takes it from the controller's answer
                 if self.running or tier.in_flight:
                     # No room yet: pages are held by running requests or pinned by transfers
                     # (a node being written cannot be evicted, nor anything above it). Wait
@@ -445,12 +448,17 @@ class Scheduler:
         return (ms(req.arrival, req.admitted_at), ms(req.load_sent_at, req.load_done_at),
                 ms(req.admitted_at, req.first_token_at))
 
-    def _hold_loaded(self, req: Request, node: object, ok: bool) -> None:
-        """A load-back finished: lock what it loaded until ``req`` is admitted, so that other
-        requests' allocations cannot evict it first (its pages are LRU-old)."""
+    def _load_finished(self, load: LoadTicket) -> None:
+        """A controller answer ended ``load`` (``TierManager.on_message`` returned it): when
+        it loaded, lock what it loaded until its request is admitted, so that other requests'
+        allocations cannot evict it first (its pages are LRU-old). Nothing for a request that
+        is gone (aborted) or waits for another load."""
+        req = self.by_rid.get(load.rid)
+        if req is None or req.load is not load:
+            return
         req.load_done_at = self.clock()
-        if ok and req.rid in self.by_rid and req.hold is None:
-            req.hold = self.cache.inc_lock_ref(node)  # type: ignore[arg-type]
+        if load.ok and req.hold is None:
+            req.hold = self.cache.inc_lock_ref(load.node)
 
     def _release_hold(self, req: Request) -> None:
         if req.hold is not None:
@@ -539,7 +547,9 @@ class Scheduler:
         evictable, less what running requests reserved). Aux data of nodes being loaded
         back is unlocked but not evictable until the load finishes: it is not counted."""
         ps = self.page_size
-        loading = self._loading_aux()
+        if not self.hybrid:
+            return True
+        loading = self.tier.l1_held_by_loads() if self.tier is not None else {}
         if self.swa is not None:
             free = (self.swa.allocator.free_count + self.cache.evictable_size(ComponentType.SWA) // ps
                     - loading.get(self.swa.name, 0))
@@ -551,19 +561,6 @@ class Scheduler:
             if slots > free - self.reserved_state_slots:
                 return False
         return True
-
-    def _loading_aux(self) -> dict[str, int]:
-        """SWA pages / Mamba slots that load-backs in flight hold in L1, per component."""
-        out: dict[str, int] = {}
-        if self.tier is None:
-            return out
-        for op in self.cache.pending_ops():
-            if op.kind != "load":
-                continue
-            for name, (_src, dst) in op.transfers.items():
-                if name != "full":
-                    out[name] = out.get(name, 0) + len(dst)
-        return out
 
     def _tree_swa_pages(self, node: TreeNode, npages: int) -> list[int]:
         """The tree's SWA pages of the path ending at ``node`` (``npages`` pages), -1 for a

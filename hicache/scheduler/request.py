@@ -78,7 +78,9 @@ class Request:
     cached_storage: int = 0
     prefetch: PrefetchTicket | None = None
     load: LoadTicket | None = None
-    hold: LockToken | None = None  # the loaded prefix, locked from the load's ack to admission
+    """Its load-back (``TierManager.start_load_back``); the tier manager sets ``ok``."""
+    hold: LockToken | None = None
+    """The loaded prefix, locked from the load's ack (``Scheduler._load_finished``) to admission."""
     first_token_at: float | None = None
     admitted_at: float | None = None
     load_sent_at: float | None = None

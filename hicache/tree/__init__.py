@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from hicache.tree.cache import (
     EvictResult,
+    InsertParams,
     InsertResult,
     LockToken,
     MatchResult,
@@ -24,7 +25,7 @@ from hicache.tree.policy import POLICIES, EvictionPolicy, LRUPolicy, SLRUPolicy,
 
 __all__ = [
     "POLICIES", "ComponentData", "ComponentType", "EvictResult", "EvictionPolicy", "FullComponent",
-    "InsertResult", "IntegrityError", "LRUPolicy", "LockToken", "MambaComponent", "MatchResult",
+    "InsertParams", "InsertResult", "IntegrityError", "LRUPolicy", "LockToken", "MambaComponent", "MatchResult",
     "RequestState", "SLRUPolicy", "SWAComponent", "TierOp", "TreeComponent", "TreeCore", "TreeNode",
     "UnifiedRadixCache", "check_integrity", "make_policy",
 ]

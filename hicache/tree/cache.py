@@ -12,7 +12,7 @@ Ownership of page indices (Full component; SWA behaves alike, Mamba with one slo
 | ``match_prefix``                       | -                             | -                             | - (caller locks what it uses)   |
 | ``insert(key, value, prev_prefix_len)``| nothing; caller frees         | ``value[prefix_len:]`` pages; | -                               |
 |                                        | ``value[prev:prefix_len]``    | pages re-filling L2-only nodes|                                 |
-| ``insert`` SWA/Mamba values            | duplicates freed here         | the rest                      | -                               |
+| ``insert_with`` SWA/Mamba values       | duplicates freed here         | the rest                      | -                               |
 | ``evict`` (L1)                         | L1 pages of evicted nodes     | L2 copies (node -> L2-only)   | locked / in-flight nodes skipped|
 | ``evict_host`` (L2)                    | L2 pages of L2-only leaves    | -                             | host-locked nodes skipped       |
 | ``start_write`` -> write ``TierOp``    | L2 evicted if needed          | new L2 pages reserved         | node L1-locked (path), in flight|
@@ -28,11 +28,19 @@ Ownership of page indices (Full component; SWA behaves alike, Mamba with one slo
 | ``insert_host`` (prefetched pages)     | duplicate L2 pages            | the rest, as L2-only nodes    | -                               |
 
 ``TierOp.transfers[component] = (src_pages, dst_pages)`` in key order: device -> host for a
-write, host -> device for a load; a backup carries the host pages and ``hashes``. Every op
-must be finished exactly once (``fail_pending_ops`` fails them all, e.g. when the controller
-died). An operation records its last node and its page count; if a node is split while an op is
-in flight, the op's pages span the lower node and its new parent(s), and ``finish_*`` walks
-up from the recorded node over exactly that many pages, so splitting never strands a lock.
+write, host -> device for a load; a backup carries the host pages and ``hashes``.
+
+In-flight transfers: the tree owns what a ``TierOp`` holds (its reserved pages, its locks,
+the nodes' ``in_flight`` / ``loading`` marks) and releases it in ``finish_*``; it keeps no
+table of ops and gives them no id. Whoever starts an op keeps it and must hand it to its
+``finish_*`` exactly once (a second finish raises ``ValueError``); with a controller that is
+``hicache.tier_manager.TierManager``, whose registry holds every op in flight under the one
+op id the controller sees, and which fails them all when the controller is lost. The tree
+only counts them (``open_transfers``), so that the exact integrity check can refuse to run
+while pages are reserved for a transfer. An operation records its last node and its page
+count; if a node is split while an op is in flight, the op's pages span the lower node and
+its new parent(s), and ``finish_*`` walks up from the recorded node over exactly that many
+pages, so splitting never strands a lock.
 
 Keys: a key is a sequence of token ids, best an ``array('I')`` (any other sequence is
 converted, which costs a C-level pass over it); a tail shorter than a page is ignored.
@@ -44,7 +52,6 @@ with ``array_indices=True``); all allocators of one cache must agree.
 
 from __future__ import annotations
 
-import itertools
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -107,11 +114,37 @@ class LockToken:
     parts: tuple[Any, ...]
 
 
+@dataclass(frozen=True)
+class InsertParams:
+    """Everything ``UnifiedRadixCache.insert_with`` takes (see there for who owns what).
+
+    ``key``: token ids (page-aligned part used); ``value``: FULL L1 pages, one per page of
+    the key; ``prev_prefix_len``: the first tokens whose pages are already the tree's (the
+    request's match); ``swa_value``: SWA pages from ``swa_start_page`` on; ``swa_prefix_len``:
+    the tokens whose SWA pages are the tree's (None: ``prev_prefix_len``); ``mamba_value``:
+    the state slot after the key's last token.
+    """
+
+    key: Sequence[int]
+    value: Sequence[int]
+    cache_salt: str = ""
+    prev_prefix_len: int = 0
+    swa_value: Sequence[int] | None = None
+    swa_start_page: int = 0
+    swa_prefix_len: int | None = None
+    mamba_value: int | None = None
+
+
 @dataclass
 class TierOp:
-    """An in-flight transfer. ``transfers[component] = (src_pages, dst_pages)``."""
+    """An in-flight transfer, from its ``start_*`` to its ``finish_*`` (exactly once).
 
-    op_id: int
+    ``kind``: ``write``, ``load`` or ``backup``; ``node`` / ``npages``: the lowest node it
+    covers and its page count (the span survives splits);
+    ``transfers[component] = (src_pages, dst_pages)``; ``hashes``: a backup's page hashes;
+    ``done``: finished. It has no id: the tier layer files it under its controller op id.
+    """
+
     kind: str
     node: TreeNode
     npages: int
@@ -161,13 +194,14 @@ class UnifiedRadixCache:
     ``eviction_policy``: ``lru`` (default) or ``slru``. ``write_policy``: ``write_through``,
     ``write_through_selective`` (``hit_count >= write_through_threshold``) or ``write_back``.
 
-    Scheduler calls: ``match_prefix``, ``inc_lock_ref`` / ``dec_lock_ref``, ``insert``,
+    Scheduler calls: ``match_prefix``, ``inc_lock_ref`` / ``dec_lock_ref``, ``insert`` /
+    ``insert_with``,
     ``evict``, ``cache_finished_req``, ``cache_unfinished_req``, ``evictable_size`` /
     ``protected_size`` / ``total_size``, ``flush``, ``check_integrity``.
     Tier calls (see the module table): ``nodes_to_write_to_host``, ``start_write`` /
     ``finish_write``, ``start_load_back`` / ``finish_load_back``, ``start_backup`` /
     ``finish_backup``, ``evict_host``, ``protect_host`` / ``release_host``, ``insert_host``,
-    ``node_hashes`` / ``last_page_hash``, ``pending_ops`` / ``fail_pending_ops``.
+    ``node_hashes`` / ``last_page_hash``, ``open_transfers``.
     Not thread-safe: only the scheduler's loop calls it.
     """
 
@@ -213,8 +247,7 @@ class UnifiedRadixCache:
         self.write_through_threshold = write_through_threshold
         self.hicache = self.full.host_allocator is not None
         self._write_back_queue: dict[TreeNode, None] = {}
-        self._ops: dict[int, TierOp] = {}
-        self._op_ids = itertools.count(1)
+        self._open_transfers = 0  # TierOps started and not finished (their owner keeps them)
         self.evicted_device_tokens = 0  # monotonic: FULL tokens freed from L1 / L2 by eviction
         self.evicted_host_tokens = 0
         self._empty = self.full.allocator.empty
@@ -347,19 +380,15 @@ class UnifiedRadixCache:
         return node.salt or ""
 
     # ================================================================== insert
-    def insert(
-        self,
-        key: Sequence[int],
-        value: Sequence[int],
-        cache_salt: str = "",
-        *,
-        prev_prefix_len: int = 0,
-        swa_value: Sequence[int] | None = None,
-        swa_start_page: int = 0,
-        swa_prefix_len: int | None = None,
-        mamba_value: int | None = None,
-    ) -> InsertResult:
-        """Insert ``key`` (page-aligned part) with FULL L1 pages ``value`` (one per page).
+    def insert(self, key: Sequence[int], value: Sequence[int], cache_salt: str = "", *,
+               prev_prefix_len: int = 0) -> InsertResult:
+        """Insert ``key`` with FULL L1 pages ``value`` only: ``insert_with`` of
+        ``InsertParams(key, value, cache_salt, prev_prefix_len)`` (same contract), without
+        building the parameter object."""
+        return self._insert(key, value, cache_salt, prev_prefix_len, None)
+
+    def insert_with(self, p: InsertParams) -> InsertResult:
+        """Insert ``p.key`` (page-aligned part) with FULL L1 pages ``p.value`` (one per page).
 
         Returns ``prefix_len``, the tokens already on L1: the caller frees its pages
         ``value[prev_prefix_len // page_size : prefix_len // page_size]`` (its first
@@ -372,6 +401,13 @@ class UnifiedRadixCache:
         SWA pages before ``swa_prefix_len`` tokens (default ``prev_prefix_len``) are the
         tree's own and are neither stored nor freed.
         """
+        return self._insert(p.key, p.value, p.cache_salt, p.prev_prefix_len, p)
+
+    def _insert(self, key: Sequence[int], value: Sequence[int], cache_salt: str, prev_prefix_len: int,
+                p: InsertParams | None) -> InsertResult:
+        """The body of ``insert`` / ``insert_with``; ``p`` None: no SWA or Mamba values."""
+        swa_value, swa_start_page, swa_prefix_len, mamba_value = (
+            (None, 0, None, None) if p is None else (p.swa_value, p.swa_start_page, p.swa_prefix_len, p.mamba_value))
         core = self.core
         ps = self.page_size
         key, n = self._aligned(key)
@@ -681,10 +717,10 @@ class UnifiedRadixCache:
         pages = req.kv_pages
         res = None
         if npages > 0:
-            res = self.insert(req.token_ids[:aligned], pages[:npages], req.cache_salt,
-                              prev_prefix_len=req.prefix_len, swa_value=self._req_swa(req, npages),
-                              swa_start_page=req.swa_start_page, swa_prefix_len=req.swa_prefix_len,
-                              mamba_value=req.mamba_slot)
+            res = self.insert_with(InsertParams(
+                req.token_ids[:aligned], pages[:npages], req.cache_salt, prev_prefix_len=req.prefix_len,
+                swa_value=self._req_swa(req, npages), swa_start_page=req.swa_start_page,
+                swa_prefix_len=req.swa_prefix_len, mamba_value=req.mamba_slot))
             dup = pages[req.prefix_len // ps:res.prefix_len // ps]
             if dup:
                 self.full.allocator.free(dup)
@@ -731,8 +767,8 @@ class UnifiedRadixCache:
             if mamba_value is not None:
                 self.mamba.allocator.free([mamba_value])  # type: ignore[union-attr]
             return
-        res = self.insert(req.token_ids[:aligned], req.kv_pages[:npages], req.cache_salt,
-                          prev_prefix_len=req.prefix_len, mamba_value=mamba_value)
+        res = self.insert_with(InsertParams(req.token_ids[:aligned], req.kv_pages[:npages], req.cache_salt,
+                                            prev_prefix_len=req.prefix_len, mamba_value=mamba_value))
         dup = req.kv_pages[req.prefix_len // ps:res.prefix_len // ps]
         if dup:
             self.full.allocator.free(dup)
@@ -821,29 +857,36 @@ class UnifiedRadixCache:
                     return None
                 continue
             transfers[c.name] = (list(src), dst)
-        op = TierOp(next(self._op_ids), "write", node, self._npages(node), transfers)
+        op = TierOp("write", node, self._npages(node), transfers)
         self.full.lock(core, node)
         for c in self.aux:
             core.lock(node, c.slot)
         node.in_flight += 1
-        self._ops[op.op_id] = op
+        self._open_transfers += 1
         return op
 
     def _by_name(self, name: str) -> TreeComponent:
         return next(c for c in self.components if c.name == name)
 
-    def _take_op(self, op: TierOp, kind: str) -> None:
-        if op.done or self._ops.pop(op.op_id, None) is not op:
-            raise ValueError(f"operation {op.op_id} is not in flight")
+    def _close(self, op: TierOp, kind: str) -> None:
+        """Mark ``op`` finished; refuses one finished before or of another kind."""
+        if op.done:
+            raise ValueError(f"the {op.kind} of {op.node!r} is not in flight (finished already)")
         if op.kind != kind:
-            raise ValueError(f"operation {op.op_id} is a {op.kind}, not a {kind}")
+            raise ValueError(f"the operation on {op.node!r} is a {op.kind}, not a {kind}")
         op.done = True
+        self._open_transfers -= 1
+
+    @property
+    def open_transfers(self) -> int:
+        """How many ``TierOp`` were started and not yet finished."""
+        return self._open_transfers
 
     def finish_write(self, op: TierOp, ok: bool) -> list[TreeNode]:
         """Apply the controller's acknowledgement of a ``start_write``. Returns the nodes that
         now hold the written pages in L2, upper first (more than ``op.node`` when a split
         happened while the write was in flight); empty when ``ok`` is False."""
-        self._take_op(op, "write")
+        self._close(op, "write")
         core = self.core
         nodes = self._op_nodes(op.node, op.npages)
         for n in nodes:
@@ -934,15 +977,15 @@ class UnifiedRadixCache:
         transfers = {"full": (src_all, dev)}
         for name in aux_src:
             transfers[name] = (aux_src[name], aux_dst[name])
-        op = TierOp(next(self._op_ids), "load", match.last_host_node, need, transfers)
+        op = TierOp("load", match.last_host_node, need, transfers)
         self.full.lock(core, op.node)
-        self._ops[op.op_id] = op
+        self._open_transfers += 1
         return op
 
     def finish_load_back(self, op: TierOp, ok: bool) -> None:
         """Apply the acknowledgement of a ``start_load_back``; on failure the nodes are
         L2-only again and their new L1 pages are freed."""
-        self._take_op(op, "load")
+        self._close(op, "load")
         core = self.core
         nodes = self._op_nodes(op.node, op.npages)
         self.full.unlock(core, op.node)
@@ -970,35 +1013,21 @@ class UnifiedRadixCache:
                     if v is not None:
                         c.allocator.free(c.as_pages(v))
 
-    def pending_ops(self) -> list[TierOp]:
-        """Every operation started and not yet finished (oldest first)."""
-        return list(self._ops.values())
-
-    def fail_pending_ops(self) -> int:
-        """Finish every pending operation as failed (the controller died): each node goes
-        back to its state before the op, every lock the ops held is released."""
-        ops = self.pending_ops()
-        for op in ops:
-            {"write": self.finish_write, "load": self.finish_load_back,
-             "backup": self.finish_backup}[op.kind](op, False)
-        return len(ops)
-
     def start_backup(self, node: TreeNode) -> TierOp | None:
         """L3 backup of ``node``'s L2 pages: returns their L2 pages and page hashes, with the
         node host-locked until ``finish_backup``. None if the node has no L2 copy."""
         if node.parent is None or node.data[0].host_value is None:
             return None
         hashes = self.node_hashes(node)
-        op = TierOp(next(self._op_ids), "backup", node, self._npages(node),
-                    {"full": (list(node.data[0].host_value), [])}, hashes)
+        op = TierOp("backup", node, self._npages(node), {"full": (list(node.data[0].host_value), [])}, hashes)
         self.core.host_lock(node, 0)
         node.in_flight += 1
-        self._ops[op.op_id] = op
+        self._open_transfers += 1
         return op
 
     def finish_backup(self, op: TierOp, ok: bool) -> None:
         """Release the node of a ``start_backup`` (either way; L3 residency is not stored)."""
-        self._take_op(op, "backup")
+        self._close(op, "backup")
         for n in self._op_nodes(op.node, op.npages):
             n.in_flight -= 1
             self.core.host_unlock(n, 0)

@@ -241,8 +241,10 @@ def test_a_load_back_acknowledged_before_the_next_pass_joins_it() -> None:
         assert again.status == LOADING and sched.loads_pending
         wait = sched.load_join_wait_s()
         assert 0.0 < wait <= LOAD_JOIN_WAIT_MAX_S
+        assert again.hold is None
         rig.pump()  # the controller acknowledges the load
         assert not sched.loads_pending
+        assert again.hold is not None and again.load_done_at is not None  # locked at the ack
         sched.schedule()
         assert again.status == RUNNING and again.computed < again.prompt_len
         sched.forward()  # the loaded request is prefilled in this very pass
@@ -256,5 +258,42 @@ def test_a_load_back_acknowledged_before_the_next_pass_joins_it() -> None:
         assert rig.tokens("again") == rig.tokens("first")
         usage = rig.final("again").usage
         assert usage is not None and usage.cached_host > 0
+    finally:
+        rig.close()
+
+
+def test_a_load_back_lost_with_the_controller_is_recomputed_and_leaks_nothing() -> None:
+    """The controller dies while a request's prefix loads back: the load ends as failed
+    (its fresh L1 pages freed, the nodes L2-only again), nothing is locked for the request,
+    and it is served by recomputing, with the same tokens as before."""
+    from hicache.scheduler.request import LOADING
+
+    cfg = config_from_dict({
+        "cache": {"page_size": 4, "l1": {"tokens": 256}, "l2": {"tokens": 2048}, "l3": {"backend": "none"},
+                  "load_back_threshold": 0},
+    })
+    rng = random.Random(9)
+    prompt = [rng.randrange(1, 500) for _ in range(99)]
+    rig = L2Rig(cfg)
+    try:
+        rig.run([gen("first", prompt, 4)])
+        for i in range(4):  # push "first" out of L1 into L2
+            rig.run([gen(f"o{i}", [rng.randrange(1, 500) for _ in range(99)], 4)])
+        sched = rig.sched
+        sched.submit(gen("again", prompt, 4))
+        sched.schedule()
+        again = sched.by_rid["again"]
+        assert again.status == LOADING and again.load is not None
+        assert rig.tier.l1_held_by_loads()["full"] > 0
+        assert rig.tier.on_controller_lost() >= 1
+        rig.inbox.clear()  # what the dead controller never received
+        assert again.load.ok is False and again.hold is None
+        assert rig.tier.in_flight == 0 and rig.cache.open_transfers == 0
+        rig.cache.check_integrity()
+        rig.run([])
+        assert rig.tokens("again") == rig.tokens("first")
+        usage = rig.final("again").usage
+        assert usage is not None and usage.cached_host == 0 and usage.load_ms >= 0.0
+        assert rig.tier.counters.loads_failed == 1
     finally:
         rig.close()

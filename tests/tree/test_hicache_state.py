@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from hicache.tree import IntegrityError
+
 from .helpers import cache_seq, full_cache, toks
 
 
@@ -205,7 +207,18 @@ def test_insert_through_a_loading_node_survives_a_failed_load():
     r = cache.insert(toks("abcdefgh"), pages)
     assert r.prefix_len == 0  # the loading node did not count as cached
     cache.check_integrity()
-    assert cache.fail_pending_ops() == 1
+    assert cache.open_transfers == 1
+    with pytest.raises(IntegrityError):
+        cache.check_integrity(exact=True)  # the load's reserved pages are not the tree's yet
+    cache.finish_load_back(op, ok=False)
+    assert cache.open_transfers == 0
+    with pytest.raises(ValueError):
+        cache.finish_load_back(op, ok=False)  # exactly once
+    write = cache.start_write(cache.match_prefix(toks("abcdefgh")).last_device_node)
+    assert write is not None and cache.open_transfers == 1
+    with pytest.raises(ValueError):
+        cache.finish_load_back(write, ok=True)  # only as what it is
+    cache.finish_write(write, ok=False)
     m = cache.match_prefix(toks("abcdefgh"))
     assert m.device_indices == pages  # the request's valid pages stayed
     assert dev.used == 8  # the load's spare pages were freed

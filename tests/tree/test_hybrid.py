@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from hicache.memory.allocator import PageAllocator
-from hicache.tree import ComponentType, FullComponent, MambaComponent, SWAComponent, UnifiedRadixCache
+from hicache.tree import (
+    ComponentType,
+    FullComponent,
+    InsertParams,
+    MambaComponent,
+    SWAComponent,
+    UnifiedRadixCache,
+)
 
 from .helpers import toks
 
@@ -23,7 +30,7 @@ def swa_insert(cache, dev, swa, s: str):
     have = m.device_len
     full_pages = m.device_indices + dev.alloc(len(key) - have)
     swa_pages = [None] * have + swa.alloc(len(key) - have)  # matched part: the tree's own
-    r = cache.insert(key, full_pages, prev_prefix_len=have, swa_value=swa_pages)
+    r = cache.insert_with(InsertParams(key, full_pages, prev_prefix_len=have, swa_value=swa_pages))
     dev.free(full_pages[have:r.prefix_len])
     cache.check_integrity(exact=True)
     return r
@@ -79,7 +86,7 @@ def test_swa_tombstone_recovered_on_insert():
     key = toks("aaaabbbbcccc")
     full = dev.alloc(12)
     own = swa.alloc(12)  # a request that recomputed everything, SWA pages for all of it
-    r = cache.insert(key, full, swa_value=own)
+    r = cache.insert_with(InsertParams(key, full, swa_value=own))
     dev.free(full[:r.prefix_len])
     assert cache.data(a, SWA).value == own[:4]  # recovered from the request's pages
     assert swa.used == used + 4  # the other 8 were duplicates and were freed
@@ -92,7 +99,7 @@ def test_swa_partial_recovery_splits_at_window_start():
     cache.evict(swa_tokens=1)
     full = dev.alloc(12)
     own = swa.alloc(10)  # the request released its first 2 SWA pages (outside its window)
-    r = cache.insert(toks("aaaabbbbcccc"), full, swa_value=own, swa_start_page=2)
+    r = cache.insert_with(InsertParams(toks("aaaabbbbcccc"), full, swa_value=own, swa_start_page=2))
     dev.free(full[:r.prefix_len])
     assert a.key == toks("aa") and cache.data(a.parent, SWA).value is None
     assert a.parent.key == toks("aa") and cache.data(a, SWA).value == own[:2]
@@ -137,7 +144,7 @@ def mamba_insert(cache, dev, states, memory, s: str, with_state=True):
     if with_state:
         slot = states.alloc(1)[0]
         memory[slot] = [len(key)]
-    r = cache.insert(key, pages, prev_prefix_len=m.device_len, mamba_value=slot)
+    r = cache.insert_with(InsertParams(key, pages, prev_prefix_len=m.device_len, mamba_value=slot))
     dev.free(pages[m.device_len:r.prefix_len])
     cache.check_integrity(exact=True)
     return r

@@ -15,7 +15,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from hicache.memory.allocator import PageAllocator
-from hicache.tree import ComponentType, FullComponent, MambaComponent, SWAComponent, UnifiedRadixCache
+from hicache.tree import (
+    ComponentType,
+    FullComponent,
+    InsertParams,
+    MambaComponent,
+    SWAComponent,
+    UnifiedRadixCache,
+)
 
 keys = st.lists(st.integers(0, 2), min_size=1, max_size=12)
 
@@ -58,7 +65,7 @@ class HybridMachine(RuleBasedStateMachine):
             # pages below ``have`` are the tree's own and are never read
         elif npages:
             kw["mamba_value"] = self.aux.alloc(1)[0]
-        r = self.cache.insert(key, pages, prev_prefix_len=m.device_len, **kw)
+        r = self.cache.insert_with(InsertParams(key, pages, prev_prefix_len=m.device_len, **kw))
         self.dev.free(pages[have:r.prefix_len // ps])
 
     @rule(key=keys)
@@ -126,7 +133,12 @@ class HybridMachine(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "cache"):
             return
-        assert self.cache.fail_pending_ops() == len(self.writes) + len(self.loads)
+        assert self.cache.open_transfers == len(self.writes) + len(self.loads)
+        for op in self.writes:  # what a lost controller does: every op failed, once
+            self.cache.finish_write(op, False)
+        for op in self.loads:
+            self.cache.finish_load_back(op, False)
+        assert self.cache.open_transfers == 0
         for token, _node, _pages in self.locks:
             self.cache.dec_lock_ref(token)
         self.cache.flush()
