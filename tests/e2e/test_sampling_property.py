@@ -118,9 +118,10 @@ def test_no_sampling_value_takes_the_daemon_down(daemons: DaemonFactory) -> None
         if route == "/generate":
             assert 1 <= len(answer["output_ids"]) <= MAX_NEW and answer["meta_info"]["finish_reason"], answer
         else:
-            choice = answer["choices"][0]
-            assert choice["finish_reason"] in ("stop", "length"), answer
-            assert 1 <= answer["usage"]["completion_tokens"] <= MAX_NEW, answer
+            n = body.get("n") or 1  # accepted: an integer in [1, 128]
+            assert [c["index"] for c in answer["choices"]] == list(range(n)), answer
+            assert all(c["finish_reason"] in ("stop", "length") for c in answer["choices"]), answer
+            assert n <= answer["usage"]["completion_tokens"] <= MAX_NEW * n, answer  # the sum over the samples
 
     def property_of(route: str, field: str) -> Callable[[], None]:
         """Any value in ``field`` of ``route``, beside valid values of some other fields."""
