@@ -73,10 +73,11 @@ class Daemon:
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
-    def request(self, method: str, path: str, body: Any = None, timeout: float = 120.0) -> tuple[int, Any]:
+    def request(self, method: str, path: str, body: Any = None, timeout: float = 120.0,
+                headers: dict[str, str] | None = None) -> tuple[int, Any]:
         data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
         req = urllib.request.Request(self.url(path), data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **(headers or {})})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 raw = resp.read()
@@ -97,6 +98,16 @@ class Daemon:
     def get_text(self, path: str) -> str:
         with urllib.request.urlopen(self.url(path), timeout=30) as resp:
             return resp.read().decode()
+
+    def metric_samples(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+        """Every sample of ``/metrics``: (name, labels) -> value."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+        for family in text_string_to_metric_families(self.get_text("/metrics")):
+            for s in family.samples:
+                out[(s.name, frozenset(s.labels.items()))] = float(s.value)
+        return out
 
     def generate(self, ids: list[int], n: int = 8) -> dict[str, Any]:
         status, body = self.request("POST", "/generate", {

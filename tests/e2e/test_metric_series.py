@@ -10,7 +10,6 @@ from typing import Any
 
 from conftest import DaemonFactory
 from daemon import Daemon
-from prometheus_client.parser import text_string_to_metric_families
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -38,11 +37,7 @@ def _config(tmp: Path) -> dict[str, Any]:
 
 
 def _samples(d: Daemon) -> Samples:
-    out: Samples = {}
-    for family in text_string_to_metric_families(d.get_text("/metrics")):
-        for s in family.samples:
-            out[(s.name, frozenset(s.labels.items()))] = float(s.value)
-    return out
+    return d.metric_samples()
 
 
 def _store(root: Path) -> tuple[int, int]:

@@ -22,7 +22,6 @@ import pytest
 from conftest import DaemonFactory
 from daemon import Daemon, alive
 from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.metrics import Metrics
 
@@ -48,11 +47,7 @@ def _file_l3(tmp: Path) -> dict[str, Any]:
 
 
 def _samples(d: Daemon) -> Samples:
-    out: Samples = {}
-    for family in text_string_to_metric_families(d.get_text("/metrics")):
-        for s in family.samples:
-            out[(s.name, frozenset(s.labels.items()))] = float(s.value)
-    return out
+    return d.metric_samples()
 
 
 def _by_process(samples: Samples, name: str) -> dict[str, float]:

@@ -8,11 +8,8 @@ come inline, from a file and from an environment variable, and never reach the l
 
 from __future__ import annotations
 
-import json
 import random
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -28,20 +25,7 @@ KEY_ENV = "HC_E2E_TENANT_KEY_B"
 
 
 def _call(d: Daemon, method: str, path: str, body: Any = None, key: str | None = None) -> tuple[int, Any]:
-    headers = {"Content-Type": "application/json"}
-    if key is not None:
-        headers["Authorization"] = f"Bearer {key}"
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(d.url(path), data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            raw, status = resp.read(), resp.status
-    except urllib.error.HTTPError as exc:
-        raw, status = exc.read(), exc.code
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw.decode(errors="replace")
+    return d.request(method, path, body, headers=None if key is None else {"Authorization": f"Bearer {key}"})
 
 
 def _generate(d: Daemon, key: str, ids: list[int], salt: str | None = None) -> dict[str, Any]:
