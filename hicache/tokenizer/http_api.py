@@ -63,6 +63,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -438,7 +439,9 @@ class HttpApi:
         dead = sorted(name for name, pid in procs.items() if not _pid_alive(pid))
         limit = self.config.server.health_stale_s
         ages = heartbeat_ages(self.heartbeat_dir, tuple(n for n in HEARTBEAT_PROCESSES if n in procs))
-        stale = {name: round(age, 1) for name, age in sorted(ages.items()) if age > limit and name not in dead}
+        # tenths rounded up: a stale process never shows an age at or below the limit
+        stale = {name: math.ceil(age * 10) / 10 for name, age in sorted(ages.items())
+                 if age > limit and name not in dead}
         status = HealthStatus.DRAINING if self.draining else \
             HealthStatus.DEGRADED if dead or stale else HealthStatus.OK
         body: dict[str, Any] = {"status": status.value, "processes": procs}
