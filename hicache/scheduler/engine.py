@@ -10,11 +10,13 @@ One step:
 1. start the L2 writes the write policy asks for;
 2. walk the waiting queue in ``scheduler.policy`` order: match each request, start its L3
    prefetch or L2 load-back when the tier policy says so, and admit it when its prefix is
-   in L1 and there are enough free-or-evictable L1 pages for its prompt plus its whole
-   decode budget (it stays queued otherwise; nothing fails for lack of room);
+   in L1 and its L1 budget can reserve the pages for its prompt plus its whole decode
+   budget (it stays queued otherwise; nothing fails for lack of room);
 3. run one forward pass over every running request: one prefill chunk of at most
    ``chunked_prefill_tokens`` (all chunks together at most ``max_prefill_tokens``) or one
-   decode token each; cache each finished prefill chunk (``cache_unfinished_req``);
+   decode token each; cache each finished prefill chunk (``cache_unfinished_req``), for
+   full-attention models the last one too, so that a prompt admitted in one chunk is
+   matched by concurrent requests while it decodes;
 4. sample, emit tokens, and finish requests (``cache_finished_req`` gives their pages to
    the tree, which frees duplicates; the lock is released).
 
@@ -29,10 +31,16 @@ checking a submitted request answers it with an error too. Only the exceptions o
 scheduler's own bookkeeping outside any one request (tier writes, the integrity check)
 still propagate.
 
-Page accounting: a running request reserves, at admission, every L1 page it may still need
-(``reserved_pages``) and allocates them as it goes; admission counts ``free + evictable -
-reserved``. Whatever a finished or aborted request holds goes back to the tree or the
-allocator in ``cache_finished_req``: nothing leaks (``check_integrity`` when idle proves it).
+Page accounting: ``self.budget`` (``L1Budget``, ``hicache.scheduler.budget``) is the one
+place that holds and changes reservation numbers. At admission a request reserves every L1
+unit it may still need (Full pages; as many SWA pages; Mamba state slots), checked first
+with ``can_reserve`` against ``room`` = free + evictable - reserved - what in-flight
+load-backs hold; its allocations go through ``budget.take`` (which evicts when the
+allocator is short and lowers the reservation), and ``_finish`` / ``_unadmit`` release what
+is left. Whatever a finished or aborted request holds goes back to the tree or the allocator
+in ``cache_finished_req``: nothing leaks. ``check_idle`` proves both whenever the scheduler
+is idle: the tree's ``check_integrity`` and the budget's ``check_idle`` (each total equals
+the sum over requests, and nothing is reserved).
 
 Models: Full attention, optionally with SWA or Mamba layers (``("full",)``,
 ``("full", "swa")``, ``("full", "mamba")``); any other pattern (no full layer, or both swa
@@ -45,18 +53,21 @@ and mamba) is refused at construction with the reason. For hybrid models:
   pages that fell out of the window are kept until the request finishes). Its first
   ``prefix`` tokens' entries are the tree's pages (-1 for tombstones, which the runner
   never reads); the rest are the request's own, allocated with its Full pages and
-  reserved alike (``reserved_swa_pages``). ``cache_finished_req`` gives them to the tree;
-- Mamba: at admission the request gets its own state slot, a copy of the matched node's
-  state (or a fresh one when nothing matched). Each forward that crosses a page boundary
-  snapshots the state at the last one into the request's ``boundary_slot``; the prefill
-  also snapshots at the prompt's last page boundary before its last token
-  (``prompt_boundary``) into ``prompt_slot``, inserted at once with
-  ``cache_unfinished_req(mamba_value=...)`` so a repeated prompt matches it. At finish
-  the boundary snapshot, when it is the state after the last full page of the computed
-  tokens, is handed to ``cache_finished_req``; the scheduler frees the request's own slot
-  and any other snapshot. A request reserves its (up to three) slots at admission
-  (``reserved_state_slots``); a snapshot that still finds no slot is skipped (its state is
-  just not cached), never an error.
+  reserved alike. ``cache_finished_req`` gives them to the tree (a prefill chunk inserts
+  Full pages only, so those nodes are no valid SWA boundary until the request finishes);
+- Mamba: a running request's slots are its ``req.mamba`` (``MambaSlots``), the one object
+  that assigns and frees them; the tree's ``RequestState.mamba_slot`` is set from it at
+  admission (the own slot) and at the hand-over before ``cache_finished_req``. At
+  admission the request gets its own state slot, a copy of the matched node's state (or a
+  fresh one when nothing matched). Each forward that crosses a page boundary snapshots
+  the state at the last one into the boundary slot; the prefill also snapshots at the
+  prompt's last page boundary before its last token into the prompt slot, inserted at
+  once with ``cache_unfinished_req(mamba_value=...)`` so a repeated prompt matches it. At
+  finish the boundary snapshot, when it is the state after the last full page of the
+  computed tokens, is handed to ``cache_finished_req``; ``MambaSlots.hand_over`` frees the
+  request's own slot and any other snapshot. A request reserves its (up to three) slots
+  at admission; a snapshot that still finds no slot is skipped (its state is just not
+  cached), never an error.
 - L2: SWA pages and Mamba states move to and from L2 with their nodes' Full pages when
   the tree has L2 allocators for them (``cache.l2.state_slots: 0`` keeps Mamba L1-only);
   only Full KV goes to L3, so a prefix prefetched from L3 is a valid hybrid match only up
@@ -83,11 +94,14 @@ from hicache.model.loader import LoadedModel
 from hicache.model.runner import ForwardItem, ModelRunner
 from hicache.model.sampling import PenaltyState, sample_next, token_logprobs
 from hicache.model.sampling_params import finish_reason, from_wire, resolve_seed
+from hicache.scheduler.budget import L1Budget
 from hicache.scheduler.queue_policy import order_waiting
-from hicache.scheduler.request import LOADING, PREFETCH, RUNNING, WAITING, Request
+from hicache.scheduler.request import LOADING, PREFETCH, RUNNING, WAITING, MambaSlots, Request
 from hicache.tier_manager import LoadTicket, TierManager
 from hicache.tree.cache import LockToken, MatchResult, RequestState, UnifiedRadixCache
 from hicache.tree.node import KEY_TYPECODE, ComponentType, TreeNode
+
+FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
 
 log = logging.getLogger("hicache.scheduler")
 
@@ -145,6 +159,8 @@ class Scheduler:
         have = tuple(c.name for c in cache.components)
         if have != model.geometry.components:
             raise ValueError(f"the cache holds components {have}, the model needs {model.geometry.components}")
+        if l1 is not cache.full.allocator:
+            raise ValueError("l1 must be the cache's Full L1 allocator")
         self.cfg = cfg
         self.model = model
         self.runner = runner
@@ -161,12 +177,11 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.by_rid: dict[str, Request] = {}
-        self.reserved_pages = 0
         self.swa = cache.swa
         self.mamba = cache.mamba
         self.hybrid = bool(cache.aux)
-        self.reserved_swa_pages = 0
-        self.reserved_state_slots = 0
+        self.budget = L1Budget(cache, self._held_by_loads)
+        """Every running request's L1 reservation (the only place those numbers change)."""
         self.counters = SchedulerCounters()
         self.forward_s_ewma = 0.0  # recent forward-pass duration (s), for load_join_wait_s
         self._rng = random.Random(0)
@@ -356,10 +371,16 @@ class Scheduler:
         return any(r.status == LOADING and r.load is not None and not r.load.done for r in self.waiting)
 
     def check_idle(self) -> None:
-        """The integrity check, run by the loop when nothing is running or in flight."""
+        """The integrity checks, run by the loop when nothing is running or in flight: the
+        tree's (``check_integrity``) and the L1 budget's (totals equal the sums over
+        requests, and nothing is reserved)."""
         if not self.busy and (self.tier is None or not self.tier.in_flight):
             self.cache.check_integrity()
+            self.budget.check_idle()
             self.counters.integrity_checks += 1
+
+    def _held_by_loads(self) -> dict[str, int]:
+        return self.tier.l1_held_by_loads() if self.tier is not None else {}
 
     def _schedule(self) -> None:
         if not self.waiting:
@@ -421,7 +442,7 @@ class Scheduler:
             if m.host_hit_length and m.host_hit_length >= max(tier.load_back_threshold, 1):
                 load = None
                 # (a load takes L1 pages: never out of what running requests have reserved)
-                if self._l1_room_pages() >= m.host_hit_length // self.page_size:
+                if self.budget.room(FULL) >= m.host_hit_length // self.page_size:
                     load = tier.start_load_back(m, req.rid)
                 if load is not None:
                     req.load = load
@@ -434,10 +455,6 @@ class Scheduler:
                     # for them rather than recompute what L2 holds.
                     return False
         return self._admit(req, m)
-
-    def _l1_room_pages(self) -> int:
-        """L1 pages that are free or evictable and not reserved by running requests."""
-        return self.l1.free_count + self.cache.evictable_size() // self.page_size - self.reserved_pages
 
     @staticmethod
     def _timings_ms(req: Request) -> tuple[float, float, float]:
@@ -470,16 +487,17 @@ class Scheduler:
         prefix = min(m.device_len, (req.prompt_len - 1) // ps * ps)  # at least one token to compute
         total_pages = -(-(req.prompt_len + req.params.max_new_tokens) // ps)
         need = total_pages - prefix // ps
-        lock = self.cache.inc_lock_ref(m.last_device_node)
-        available = self._l1_room_pages()
-        slots = 0
+        amounts = {FULL: need}
+        if self.swa is not None:
+            amounts[SWA] = need
         if self.mamba is not None:  # its own state, the prompt snapshot (if still to take), a boundary one
-            slots = STATE_SLOTS_PER_REQUEST - (1 if (req.prompt_len - 1) // ps * ps <= prefix else 0)
-        if need > available or not self._aux_room(need, slots):
+            amounts[MAMBA] = MambaSlots.needed(req.prompt_len, prefix, ps)
+        lock = self.cache.inc_lock_ref(m.last_device_node)  # before the room: the match is not evictable
+        if not self.budget.can_reserve(amounts):
             self.cache.dec_lock_ref(lock)
             return False
         try:
-            return self._admit_locked(req, m, prefix, need, slots, lock)
+            return self._admit_locked(req, m, prefix, amounts, lock)
         except Exception:
             # give back the lock (held by req.tree once that is set) and the reservations
             if req.tree is None:
@@ -488,7 +506,7 @@ class Scheduler:
                 self._unadmit(req)
             raise
 
-    def _admit_locked(self, req: Request, m: MatchResult, prefix: int, need: int, slots: int,
+    def _admit_locked(self, req: Request, m: MatchResult, prefix: int, amounts: dict[ComponentType, int],
                       lock: LockToken) -> bool:
         """The rest of ``_admit`` once the match is locked and the room is there; on an
         exception ``_admit`` undoes what this did."""
@@ -499,68 +517,41 @@ class Scheduler:
                           m.last_device_node, lock)
         req.tree = st
         req.computed = prefix
-        req.reserved_pages = need
-        self.reserved_pages += need
+        self.budget.reserve(req.rid, amounts)
         if self.swa is not None:
             st.swa_pages = self._tree_swa_pages(m.last_device_node, prefix // ps)
             st.swa_start_page, st.swa_prefix_len = 0, prefix
-            req.reserved_swa_pages = need
-            self.reserved_swa_pages += need
         if self.mamba is not None:
-            req.reserved_state_slots = slots
-            self.reserved_state_slots += slots
-            slot = self._take_slot(req)
+            slots = req.mamba = MambaSlots.for_admission(self.mamba.allocator, lambda: self._take_slot(req), ps,
+                                                         req.prompt_len, prefix)
+            slot = slots.take_own()
             if slot is None:  # counted free or evictable, but not evictable now: queue
                 self._unadmit(req)
                 return False
-            st.mamba_slot = slot  # before the copy: ``_unadmit`` frees it if that fails
+            st.mamba_slot = slot  # the tree's view of it (``_unadmit`` frees it should the copy fail)
             if prefix > 0:
-                src = self.cache.data(m.last_device_node, ComponentType.MAMBA).value
+                src = self.cache.data(m.last_device_node, MAMBA).value
                 if src is None:
                     raise RuntimeError("the matched node has no Mamba state")
                 self.mamba.copy_state(src, slot)  # type: ignore[misc]
-            boundary = (req.prompt_len - 1) // ps * ps
-            req.prompt_boundary = boundary if boundary > prefix else 0
         req.status = RUNNING
         self._account_hits(req, prefix)
         return True
 
     def _unadmit(self, req: Request) -> None:
         """Undo a half-done ``_admit``: give back the lock, reservations and slots."""
+        self.budget.release(req.rid)
+        if req.mamba is not None:
+            req.mamba.free_all()
+            req.mamba = None
         st = req.tree
         if st is None:
             return
         if st.lock is not None:
             self.cache.dec_lock_ref(st.lock)
-        if st.mamba_slot is not None:
-            self.mamba.allocator.free([st.mamba_slot])  # type: ignore[union-attr]
+        st.mamba_slot = None  # freed with ``req.mamba``
         req.tree = None
         req.computed = 0
-        req.prompt_boundary = 0
-        self.reserved_pages -= req.reserved_pages
-        self.reserved_swa_pages -= req.reserved_swa_pages
-        self.reserved_state_slots -= req.reserved_state_slots
-        req.reserved_pages = req.reserved_swa_pages = req.reserved_state_slots = 0
-
-    def _aux_room(self, pages: int, slots: int) -> bool:
-        """Whether SWA can still promise ``pages`` pages and Mamba ``slots`` slots (free or
-        evictable, less what running requests reserved). Aux data of nodes being loaded
-        back is unlocked but not evictable until the load finishes: it is not counted."""
-        ps = self.page_size
-        if not self.hybrid:
-            return True
-        loading = self.tier.l1_held_by_loads() if self.tier is not None else {}
-        if self.swa is not None:
-            free = (self.swa.allocator.free_count + self.cache.evictable_size(ComponentType.SWA) // ps
-                    - loading.get(self.swa.name, 0))
-            if pages > free - self.reserved_swa_pages:
-                return False
-        if self.mamba is not None:
-            free = (self.mamba.allocator.free_count + self.cache.evictable_size(ComponentType.MAMBA)
-                    - loading.get(self.mamba.name, 0))
-            if slots > free - self.reserved_state_slots:
-                return False
-        return True
 
     def _tree_swa_pages(self, node: TreeNode, npages: int) -> list[int]:
         """The tree's SWA pages of the path ending at ``node`` (``npages`` pages), -1 for a
@@ -578,18 +569,9 @@ class Scheduler:
 
     def _take_slot(self, req: Request) -> int | None:
         """One L1 Mamba state slot for ``req`` (evicting a cached state if needed), taken
-        from its reservation; None when none can be had."""
-        alloc = self.mamba.allocator  # type: ignore[union-attr]
-        got = alloc.alloc(1)
-        if got is None:
-            self.cache.evict(mamba_states=1)
-            got = alloc.alloc(1)
-        if got is None:
-            return None
-        if req.reserved_state_slots > 0:
-            req.reserved_state_slots -= 1
-            self.reserved_state_slots -= 1
-        return got[0]
+        from its reservation; None when none can be had. Only ``req.mamba`` calls it."""
+        got = self.budget.take(req.rid, MAMBA, 1)
+        return got[0] if got is not None else None
 
     def _account_hits(self, req: Request, prefix: int) -> None:
         loaded = req.load.tokens if req.load is not None and req.load.ok else 0
@@ -610,16 +592,10 @@ class Scheduler:
         need = -(-upto // self.page_size) - len(req.tree.kv_pages)
         if need <= 0:
             return True
-        pages = self.l1.alloc(need)
-        if pages is None:
-            self.cache.evict(full_tokens=(need - self.l1.free_count) * self.page_size)
-            pages = self.l1.alloc(need)
+        pages = self.budget.take(req.rid, FULL, need)
         if pages is None:
             return False
         req.tree.kv_pages.extend(pages)
-        taken = min(need, req.reserved_pages)
-        req.reserved_pages -= taken
-        self.reserved_pages -= taken
         return self._ensure_swa_pages(req, upto)
 
     def _ensure_swa_pages(self, req: Request, upto: int) -> bool:
@@ -630,41 +606,11 @@ class Scheduler:
         need = -(-upto // self.page_size) - len(st.swa_pages)
         if need <= 0:
             return True
-        alloc = self.swa.allocator
-        pages = alloc.alloc(need)
-        if pages is None:
-            self.cache.evict(swa_tokens=(need - alloc.free_count) * self.page_size)
-            pages = alloc.alloc(need)
+        pages = self.budget.take(req.rid, SWA, need)
         if pages is None:
             return False
         st.swa_pages.extend(pages)
-        taken = min(need, req.reserved_swa_pages)
-        req.reserved_swa_pages -= taken
-        self.reserved_swa_pages -= taken
         return True
-
-    def _snapshots(self, req: Request, start: int, end: int) -> list[tuple[int, int]]:
-        """Mamba snapshots for computing ``[start, end)``: the prompt boundary (once) and the
-        last page boundary in ``(start, end]``. A snapshot no slot can be had for (reserved,
-        but the evictable state was busy) is skipped: that state is then not cached."""
-        if self.mamba is None:
-            return []
-        out: list[tuple[int, int]] = []
-        pb = req.prompt_boundary
-        if pb and req.prompt_slot is None and start < pb <= end:
-            slot = self._take_slot(req)
-            if slot is None:
-                req.prompt_boundary = 0
-            else:
-                req.prompt_slot = slot
-                out.append((pb, slot))
-        b = end // self.page_size * self.page_size
-        if b > start:
-            if req.boundary_slot is None:
-                req.boundary_slot = self._take_slot(req)
-            if req.boundary_slot is not None:
-                out.append((b, req.boundary_slot))
-        return out
 
     def _forward(self) -> None:
         chunk_cap = self.cfg.scheduler.chunked_prefill_tokens
@@ -691,11 +637,13 @@ class Scheduler:
                         continue
                     self._finish(req, "error", "L1 is out of pages for this request")
                     continue
-                snaps = self._snapshots(req, req.computed, req.computed + len(tokens))
+                # Mamba snapshots (a snapshot no slot can be had for, reserved but with the
+                # evictable state busy, is skipped: that state is then not cached)
+                snaps = req.mamba.snapshots(req.computed, req.computed + len(tokens)) if req.mamba else []
                 st = req.tree
                 batch.append((req, ForwardItem(tokens, req.computed, st.kv_pages,
                                                st.swa_pages if st.swa_pages is not None else (),
-                                               st.mamba_slot, snaps, logits)))
+                                               req.mamba.own if req.mamba else None, snaps, logits)))
         if not batch:
             return
         try:
@@ -705,34 +653,44 @@ class Scheduler:
         except Exception as exc:
             log.exception("the forward pass over %d requests failed", len(batch))
             for req, item in batch:
-                if item.snapshots:
+                if item.snapshots and req.mamba is not None:
                     # the failed pass may have written the snapshot slots: never hand one over
-                    req.boundary_pos = -1
+                    req.mamba.forward_failed()
                 self._fail_request(req, exc, "running the forward pass", logged=True)
             return
         self.counters.forward_passes += 1
         for (req, item), out in zip(batch, outputs, strict=True):
             with self._request_scope(req, "caching what its forward pass computed"):
-                self._advance(req, item, prefill_chunk=out is None)
+                self._advance(req, item)
             if out is not None and not req.finished:
                 with self._request_scope(req, "sampling its next token"):
                     self._append_token(req, out)
 
-    def _advance(self, req: Request, item: ForwardItem, *, prefill_chunk: bool) -> None:
-        """After a forward pass: ``req`` has computed ``item``; hand the tree what is new (the
-        prompt's Mamba state once passed; a prefill chunk without logits is cached)."""
+    def _advance(self, req: Request, item: ForwardItem) -> None:
+        """After a forward pass: ``req`` has computed ``item``; hand the tree what is new.
+
+        - Mamba: the prompt's state once the prefill passed its boundary (with the Full
+          pages up to there), so a repeat of the prompt matches it;
+        - every prefill chunk's Full pages (``cache_unfinished_req``). The last chunk (the
+          one with logits) too for full-attention models, so that a concurrent request
+          with the same prompt matches it while this one decodes. Not for hybrid models:
+          there a match ends at the prompt's last page boundary before its last token,
+          which Mamba's prompt state already covers, and SWA data is inserted only at
+          finish (a node inserted now is no valid SWA boundary until then, and an L2
+          copy made of it meanwhile would lack its SWA pages for good).
+        """
+        st = req.tree
+        assert st is not None
+        prefill = item.start < req.prompt_len
         req.computed = item.end
-        for pos, slot in item.snapshots:
-            if slot == req.boundary_slot:
-                req.boundary_pos = pos
-        if req.prompt_slot is not None and req.computed >= req.prompt_boundary:
-            # the prompt's state: a repeat of this prompt matches here
-            slot, req.prompt_slot = req.prompt_slot, None
-            self.cache.cache_unfinished_req(req.tree, committed_len=req.prompt_boundary,  # type: ignore[arg-type]
-                                            mamba_value=slot)
-            req.prompt_boundary = 0
-        if prefill_chunk:
-            self.cache.cache_unfinished_req(req.tree, committed_len=req.computed)  # type: ignore[arg-type]
+        if req.mamba is not None:
+            req.mamba.computed(list(item.snapshots))
+            prompt_state = req.mamba.pop_prompt(req.computed)
+            if prompt_state is not None:
+                pos, slot = prompt_state
+                self.cache.cache_unfinished_req(st, committed_len=pos, mamba_value=slot)
+        if prefill and (req.prefilling or not self.hybrid):
+            self.cache.cache_unfinished_req(st, committed_len=req.computed)
 
     def _append_token(self, req: Request, logits: torch.Tensor) -> None:
         params = req.params
@@ -771,24 +729,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ finishing
     def _hand_over_state(self, req: Request) -> None:
-        """Before ``cache_finished_req``: its ``mamba_slot`` becomes the boundary snapshot
-        when that holds the state after the last full page of the computed tokens (the key
-        the tree inserts), else None; the request's own slot and every other snapshot are
-        freed here."""
+        """Before ``cache_finished_req``: the tree's ``mamba_slot`` becomes the boundary
+        snapshot when that holds the state after the last full page of the computed tokens
+        (the key the tree inserts), else None; ``req.mamba`` frees the request's own slot
+        and every other snapshot."""
         st = req.tree
-        assert st is not None and self.mamba is not None  # the caller checks both
-        spare = [s for s in (st.mamba_slot, req.prompt_slot) if s is not None]
-        keep = None
-        aligned = req.computed // self.page_size * self.page_size
-        if req.boundary_slot is not None:
-            if aligned > 0 and req.boundary_pos == aligned:
-                keep = req.boundary_slot
-            else:
-                spare.append(req.boundary_slot)
-        req.prompt_slot = req.boundary_slot = None
-        st.mamba_slot = keep
-        if spare:
-            self.mamba.allocator.free(spare)
+        assert st is not None
+        slots, req.mamba = req.mamba, None
+        st.mamba_slot = slots.hand_over(req.computed) if slots is not None else None
 
     @contextmanager
     def _request_scope(self, req: Request, during: str) -> Iterator[None]:
@@ -822,6 +770,7 @@ class Scheduler:
             except Exception:
                 log.exception("request %s: giving back what it held failed", req.rid)
         log.error("request %s is dropped; what it held may be lost", req.rid)
+        self.budget.release(req.rid)  # its reservation is only a number: that is never lost
         self.by_rid.pop(req.rid, None)
         for queue in (self.waiting, self.running):
             if req in queue:
@@ -842,18 +791,13 @@ class Scheduler:
         if req.prefetch is not None and not req.prefetch.complete and self.tier is not None:
             self.tier.cancel_prefetch(req.prefetch)
         self._release_hold(req)
+        self.budget.release(req.rid)
         if req.tree is not None:
             req.tree.token_ids = req.all_tokens()
             if self.mamba is not None:
                 self._hand_over_state(req)
             self.cache.cache_finished_req(req.tree, committed_len=req.computed)
             req.tree = None
-        self.reserved_pages -= req.reserved_pages
-        req.reserved_pages = 0
-        self.reserved_swa_pages -= req.reserved_swa_pages
-        req.reserved_swa_pages = 0
-        self.reserved_state_slots -= req.reserved_state_slots
-        req.reserved_state_slots = 0
         if reason == "error":
             self.counters.requests_error += 1
         elif reason != "abort":

@@ -20,11 +20,29 @@ A running request's ``state`` (``RequestState``) is what the tree sees: its toke
 length and its lock. ``computed`` is how many of those tokens have KV in the pages; the
 last sampled token never has KV yet.
 
-Mamba models: besides its own state slot (``tree.mamba_slot``) a running request may hold
-two snapshot slots, both the scheduler's to give back: ``prompt_slot`` (the state after
-``prompt_boundary`` tokens, handed to the tree as soon as the prefill passes it) and
-``boundary_slot`` (the state after ``boundary_pos`` tokens, the latest page boundary its
-forward passes crossed; handed to the tree at finish when it is the last full page).
+L1 reservations (the pages and slots a running request may still allocate) are kept by the
+scheduler's ``L1Budget`` (``hicache.scheduler.budget``), keyed by the request id, not here.
+
+Mamba models: a running request's state slots are its ``mamba`` (``MambaSlots``), the one
+object that assigns and frees them: its own slot (``own``, which admission also sets as
+``tree.mamba_slot``, the tree's view), the prompt snapshot (``prompt``: the state after
+``prompt_pos`` tokens, handed to the tree as soon as the prefill passes it) and the
+boundary snapshot (``boundary``: the state after ``boundary_pos`` tokens, the latest page
+boundary its forward passes crossed; handed to the tree at finish when it is the last full
+page). Which call moves a slot where:
+
+==================  ==========================================  ==========================
+call                takes                                       gives away / frees
+==================  ==========================================  ==========================
+``take_own``        the own slot (admission)                    --
+``snapshots``       the prompt / boundary slots (first needed)  --
+``pop_prompt``      --                                          the prompt slot, to the
+                                                                caller (``cache_unfinished_req``)
+``hand_over``       --                                          the boundary slot to the
+                                                                caller when it is the last
+                                                                full page; frees the rest
+``free_all``        --                                          frees every slot
+==================  ==========================================  ==========================
 """
 
 from __future__ import annotations
@@ -32,8 +50,11 @@ from __future__ import annotations
 import enum
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from hicache.config import STATE_SLOTS_PER_REQUEST
+from hicache.memory.allocator import PageAllocator
 from hicache.model.sampling import PenaltyState
 from hicache.model.sampling_params import SamplingParams
 from hicache.tier_manager import LoadTicket, PrefetchTicket
@@ -53,6 +74,121 @@ WAITING, PREFETCH, LOADING, RUNNING = (RequestStatus.WAITING, RequestStatus.PREF
                                        RequestStatus.RUNNING)
 
 
+@dataclass(eq=False)
+class MambaSlots:
+    """A running request's Mamba state slots: the only code that assigns or frees them.
+
+    ``take`` gets one slot (from the request's L1 reservation: ``L1Budget.take``), or None
+    when none can be had; ``allocator`` is the L1 state-slot allocator they go back to.
+    ``prompt_pos``: the prompt's last page boundary before its last token, when that lies
+    past the matched prefix (the prompt snapshot is still to take), else 0.
+    ``boundary_pos``: the position ``boundary`` holds the state after; -1 once a failed
+    forward pass may have written it (it is then never handed over).
+    """
+
+    allocator: PageAllocator
+    take: Callable[[], int | None]
+    page_size: int
+    prompt_pos: int = 0
+    own: int | None = None
+    prompt: int | None = None
+    boundary: int | None = None
+    boundary_pos: int = 0
+
+    @staticmethod
+    def prompt_boundary(prompt_len: int, page_size: int) -> int:
+        """The prompt's last page boundary before its last token."""
+        return (prompt_len - 1) // page_size * page_size
+
+    @classmethod
+    def needed(cls, prompt_len: int, prefix: int, page_size: int) -> int:
+        """Slots a request admitted with ``prefix`` cached tokens reserves: its own, the
+        prompt snapshot (unless the prefix already reaches the prompt boundary) and a
+        boundary one."""
+        return STATE_SLOTS_PER_REQUEST - (1 if cls.prompt_boundary(prompt_len, page_size) <= prefix else 0)
+
+    @classmethod
+    def for_admission(cls, allocator: PageAllocator, take: Callable[[], int | None], page_size: int,
+                      prompt_len: int, prefix: int) -> MambaSlots:
+        b = cls.prompt_boundary(prompt_len, page_size)
+        return cls(allocator, take, page_size, prompt_pos=b if b > prefix else 0)
+
+    def take_own(self) -> int | None:
+        """The request's own state slot (once, at admission); None when none can be had."""
+        if self.own is not None:
+            raise RuntimeError("the request already has its own state slot")
+        self.own = self.take()
+        return self.own
+
+    def snapshots(self, start: int, end: int) -> list[tuple[int, int]]:
+        """``(position, slot)`` snapshots for computing ``[start, end)``: the prompt
+        boundary (once) and the last page boundary in ``(start, end]``. A snapshot no slot
+        can be had for is skipped: that state is then not cached, never an error."""
+        out: list[tuple[int, int]] = []
+        pb = self.prompt_pos
+        if pb and self.prompt is None and start < pb <= end:
+            slot = self.take()
+            if slot is None:
+                self.prompt_pos = 0
+            else:
+                self.prompt = slot
+                out.append((pb, slot))
+        b = end // self.page_size * self.page_size
+        if b > start:
+            if self.boundary is None:
+                self.boundary = self.take()
+            if self.boundary is not None:
+                out.append((b, self.boundary))
+        return out
+
+    def computed(self, snapshots: list[tuple[int, int]]) -> None:
+        """The forward pass that was given ``snapshots`` ran: record what they hold."""
+        for pos, slot in snapshots:
+            if slot == self.boundary:
+                self.boundary_pos = pos
+
+    def forward_failed(self) -> None:
+        """A forward pass with snapshots failed: the boundary slot's content is unknown."""
+        self.boundary_pos = -1
+
+    def pop_prompt(self, computed: int) -> tuple[int, int] | None:
+        """``(position, slot)`` of the prompt snapshot once ``computed`` tokens pass it; the
+        slot is the caller's from then on (``cache_unfinished_req(mamba_value=...)``)."""
+        if self.prompt is None or computed < self.prompt_pos:
+            return None
+        out = (self.prompt_pos, self.prompt)
+        self.prompt, self.prompt_pos = None, 0
+        return out
+
+    def hand_over(self, computed: int) -> int | None:
+        """At finish, before ``cache_finished_req``: the boundary slot when it holds the
+        state after the last full page of the ``computed`` tokens (the caller's from then
+        on), else None; every other slot, the own one included, is freed here."""
+        aligned = computed // self.page_size * self.page_size
+        keep = None
+        spare = [s for s in (self.own, self.prompt) if s is not None]
+        if self.boundary is not None:
+            if aligned > 0 and self.boundary_pos == aligned:
+                keep = self.boundary
+            else:
+                spare.append(self.boundary)
+        self._clear()
+        if spare:
+            self.allocator.free(spare)
+        return keep
+
+    def free_all(self) -> None:
+        """Free every slot held (an admission undone)."""
+        spare = [s for s in (self.own, self.prompt, self.boundary) if s is not None]
+        self._clear()
+        if spare:
+            self.allocator.free(spare)
+
+    def _clear(self) -> None:
+        self.own = self.prompt = self.boundary = None
+        self.prompt_pos = self.boundary_pos = 0
+
+
 @dataclass
 class Request:
     rid: str
@@ -66,13 +202,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     tree: RequestState | None = None
     computed: int = 0
-    reserved_pages: int = 0
-    reserved_swa_pages: int = 0
-    reserved_state_slots: int = 0
-    prompt_boundary: int = 0
-    prompt_slot: int | None = None
-    boundary_slot: int | None = None
-    boundary_pos: int = 0
+    mamba: MambaSlots | None = None
+    """Its Mamba state slots while admitted (Mamba models only)."""
     cached_device: int = 0
     cached_host: int = 0
     cached_storage: int = 0

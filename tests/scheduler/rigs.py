@@ -46,10 +46,12 @@ class Rig:
         self.assert_idle()
 
     def assert_idle(self) -> None:
+        """The scheduler's own idle checks (the tree's integrity and the L1 budget's: no
+        stray reservation), then the exact tree check (no leaked page or slot)."""
+        checks = self.sched.counters.integrity_checks
         self.sched.check_idle()
+        assert self.sched.counters.integrity_checks == checks + 1, "the scheduler was not idle"
         self.cache.check_integrity(exact=True)
-        s = self.sched
-        assert (s.reserved_pages, s.reserved_swa_pages, s.reserved_state_slots) == (0, 0, 0)
 
     def tokens(self, rid: str) -> list[int]:
         return [t for m in self.out[rid] for t in m.token_ids]

@@ -1,0 +1,230 @@
+"""The scheduler's L1 budget: what running requests may still allocate, per component.
+
+A request is admitted only when L1 can promise it every unit it may still need: Full KV
+pages for its prompt and whole decode budget, as many SWA pages for a sliding-window model,
+and up to ``STATE_SLOTS_PER_REQUEST`` state slots for a Mamba model. The promise is a
+*reservation*: nothing is allocated at admission; the request allocates as its forward
+passes need pages, and each allocation is taken from its reservation. ``L1Budget`` is the
+one place that holds and changes reservation numbers.
+
+Units are the allocator's: pages for FULL and SWA, state slots for MAMBA.
+
+``room(kind)`` is what a new reservation may use::
+
+    free + evictable - reserved - held by in-flight load-backs (SWA, MAMBA)
+
+A load-back sets its nodes' L1 values at once and locks their Full pages (so those are
+already outside ``evictable``); their SWA pages and Mamba states are unlocked but cannot be
+evicted until the load finishes, so they are subtracted here (``loads``, the tier manager's
+``l1_held_by_loads``).
+
+Contract (``holder`` is a request id; ``amounts`` maps a ``ComponentType`` to a count):
+
+==============================  =======================================================
+call                            changes
+==============================  =======================================================
+``room(kind)``                  nothing
+``can_reserve(amounts)``        nothing; True when every amount fits ``room``
+``reserve(holder, amounts)``    the holder's record and the totals, by ``amounts``
+                                (refused, nothing changed, when it does not fit or the
+                                holder already holds a reservation)
+``take(holder, kind, n)``       allocates ``n`` units (evicting from the cache when short)
+                                and lowers the holder's reservation by at most ``n``;
+                                ``None`` and nothing changed when L1 cannot give them
+``release(holder)``             drops the holder's record and its share of the totals
+                                (finish, abort, a failed or undone admission)
+``check()``                     nothing; raises ``BudgetError`` unless every total equals
+                                the sum over holders and no number is negative
+``check_idle()``                as ``check``, and also raises while anything is reserved
+==============================  =======================================================
+
+Every change of a number goes through ``_change``. The scheduler runs ``check_idle``
+with the tree's integrity check whenever it is idle (``Scheduler.check_idle``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from hicache.memory.allocator import PageAllocator, PageIndices
+from hicache.tree.cache import UnifiedRadixCache
+from hicache.tree.node import ComponentType
+
+Amounts = Mapping[ComponentType, int]
+"""Units per component kind (pages for FULL and SWA, state slots for MAMBA)."""
+
+_EVICT_ARG = {ComponentType.FULL: "full_tokens", ComponentType.SWA: "swa_tokens",
+              ComponentType.MAMBA: "mamba_states"}
+"""The ``UnifiedRadixCache.evict`` keyword of each kind."""
+
+
+class BudgetError(RuntimeError):
+    """The reservation numbers are inconsistent, or a reservation was refused."""
+
+
+@dataclass
+class _Kind:
+    """One component's L1: its allocator, the cache's unit size and the running total."""
+
+    kind: ComponentType
+    allocator: PageAllocator
+    unit_tokens: int
+    """Tokens per unit in the cache's size counters (page size when paged, else 1)."""
+    reserved: int = 0
+
+
+@dataclass
+class Reservation:
+    """One holder's outstanding reservation, per kind (owned by the budget)."""
+
+    holder: str
+    units: dict[ComponentType, int] = field(default_factory=dict)
+
+    def get(self, kind: ComponentType) -> int:
+        return self.units.get(kind, 0)
+
+
+@dataclass(eq=False)
+class L1Budget:
+    """The L1 reservations of running requests over the components of ``cache``.
+
+    ``loads``: L1 units held by in-flight load-backs, per component name (``full``,
+    ``swa``, ``mamba``); only the SWA and Mamba entries are used (see the module docstring).
+    """
+
+    cache: UnifiedRadixCache
+    loads: Callable[[], Mapping[str, int]] | None = None
+    _kinds: dict[ComponentType, _Kind] = field(init=False, repr=False)
+    _holders: dict[str, Reservation] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        ps = self.cache.page_size
+        self._kinds = {c.ctype: _Kind(c.ctype, c.allocator, ps if c.paged else 1) for c in self.cache.components}
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def kinds(self) -> tuple[ComponentType, ...]:
+        """The component kinds the cache has (FULL first)."""
+        return tuple(self._kinds)
+
+    def reserved(self, kind: ComponentType) -> int:
+        """Units of ``kind`` reserved by all holders together (0 for a kind the cache lacks)."""
+        k = self._kinds.get(kind)
+        return k.reserved if k is not None else 0
+
+    def held(self, holder: str, kind: ComponentType) -> int:
+        """Units of ``kind`` ``holder`` still has reserved (0 when it holds nothing)."""
+        r = self._holders.get(holder)
+        return r.get(kind) if r is not None else 0
+
+    def holders(self) -> Iterator[str]:
+        return iter(self._holders)
+
+    def room(self, kind: ComponentType) -> int:
+        """Units of ``kind`` a new reservation may use: free + evictable - reserved - what
+        in-flight load-backs hold that the cache still counts as evictable."""
+        k = self._kind(kind)
+        evictable = self.cache.evictable_size(kind) // k.unit_tokens
+        loading = 0
+        if kind is not ComponentType.FULL and self.loads is not None:
+            loading = self.loads().get(kind.wire_name, 0)
+        return k.allocator.free_count + evictable - loading - k.reserved
+
+    def can_reserve(self, amounts: Amounts) -> bool:
+        """Whether ``reserve`` of ``amounts`` would be accepted now; changes nothing."""
+        for kind, n in amounts.items():
+            if n < 0:
+                raise ValueError(f"a reservation of {n} {kind.wire_name} units")
+            if n and (kind not in self._kinds or n > self.room(kind)):
+                return False
+        return True
+
+    # ------------------------------------------------------------------ changing
+    def reserve(self, holder: str, amounts: Amounts) -> None:
+        """Reserve ``amounts`` for ``holder`` (admission). Raises ``BudgetError``, changing
+        nothing, when ``holder`` already holds a reservation or the amounts do not fit."""
+        if holder in self._holders:
+            raise BudgetError(f"{holder!r} already holds a reservation")
+        if not self.can_reserve(amounts):
+            wanted = ", ".join(f"{k.wire_name} {n} (room {self.room(k) if k in self._kinds else 0})"
+                               for k, n in amounts.items())
+            raise BudgetError(f"{holder!r}: the reservation does not fit: {wanted}")
+        self._holders[holder] = Reservation(holder)
+        for kind, n in amounts.items():
+            if n:
+                self._change(holder, kind, n)
+
+    def take(self, holder: str, kind: ComponentType, n: int) -> PageIndices | None:
+        """Allocate ``n`` units of ``kind`` for ``holder``, evicting unlocked cached data
+        when the allocator is short, and lower its reservation by what this covers (at
+        most what is left of it). None, with the reservation unchanged, when L1 cannot
+        give ``n`` units now."""
+        if holder not in self._holders:
+            raise BudgetError(f"{holder!r} holds no reservation")
+        k = self._kind(kind)
+        if n <= 0:
+            return k.allocator.empty()
+        got = k.allocator.alloc(n)
+        if got is None:
+            short = n - k.allocator.free_count
+            self.cache.evict(**{_EVICT_ARG[kind]: short * k.unit_tokens})
+            got = k.allocator.alloc(n)
+        if got is None:
+            return None
+        covered = min(n, self._holders[holder].get(kind))
+        if covered:
+            self._change(holder, kind, -covered)
+        return got
+
+    def release(self, holder: str) -> None:
+        """Give back everything ``holder`` has reserved; nothing when it holds nothing."""
+        r = self._holders.get(holder)
+        if r is None:
+            return
+        for kind, n in list(r.units.items()):
+            if n:
+                self._change(holder, kind, -n)
+        del self._holders[holder]
+
+    def _change(self, holder: str, kind: ComponentType, delta: int) -> None:
+        """The one place reservation numbers change: ``holder``'s and the total, together."""
+        r = self._holders[holder]
+        k = self._kind(kind)
+        left = r.get(kind) + delta
+        if left < 0 or k.reserved + delta < 0:
+            raise BudgetError(f"{holder!r}: {kind.wire_name} reservation would go negative")
+        r.units[kind] = left
+        k.reserved += delta
+
+    # ------------------------------------------------------------------ checks
+    def check(self) -> None:
+        """Raise ``BudgetError`` unless each kind's total equals the sum over holders and no
+        number is negative."""
+        for kind, k in self._kinds.items():
+            total = 0
+            for r in self._holders.values():
+                n = r.get(kind)
+                if n < 0:
+                    raise BudgetError(f"{r.holder!r} has {n} {kind.wire_name} units reserved")
+                total += n
+            if total != k.reserved:
+                raise BudgetError(f"{kind.wire_name}: {k.reserved} units reserved in total, "
+                                  f"{total} over the {len(self._holders)} holders")
+        for r in self._holders.values():
+            stray = [kind for kind in r.units if kind not in self._kinds]
+            if stray:
+                raise BudgetError(f"{r.holder!r} holds units of a kind the cache lacks: {stray}")
+
+    def check_idle(self) -> None:
+        """``check``, and nothing may be reserved: for when no request runs."""
+        self.check()
+        if self._holders:
+            raise BudgetError(f"nothing runs, yet {len(self._holders)} holders keep reservations: "
+                              f"{sorted(self._holders)[:5]}")
+
+    def _kind(self, kind: ComponentType) -> _Kind:
+        k = self._kinds.get(kind)
+        if k is None:
+            raise KeyError(f"the cache has no {kind.wire_name} component")
+        return k
