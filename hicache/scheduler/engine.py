@@ -62,7 +62,7 @@ and mamba) is refused at construction with the reason. For hybrid models:
   fresh one when nothing matched). Each forward that crosses a page boundary snapshots
   the state at the last one into the boundary slot; the prefill also snapshots at the
   prompt's last page boundary before its last token into the prompt slot, inserted at
-  once with ``cache_unfinished_req(mamba_value=...)`` so a repeated prompt matches it. At
+  once with ``cache_unfinished_req(aux={"mamba": slot})`` so a repeated prompt matches it. At
   finish the boundary snapshot, when it is the state after the last full page of the
   computed tokens, is handed to ``cache_finished_req``; ``MambaSlots.hand_over`` frees the
   request's own slot and any other snapshot. A request reserves its (up to three) slots
@@ -428,7 +428,7 @@ class Scheduler:
             req.status = WAITING
         # hybrid: match without the last prompt token, so the match is never truncated below
         key = req.input_ids[:-1] if self.hybrid else req.input_ids
-        m = cache.match_prefix(key, req.cache_salt, cow_mamba=False)
+        m = cache.match_prefix(key, req.cache_salt, copy_on_match=False)
         self._match_len[req.rid] = m.device_len + m.host_hit_length
         self._match_node[req.rid] = m.last_host_node
         if tier is not None and req.load is None:
@@ -688,7 +688,7 @@ class Scheduler:
             prompt_state = req.mamba.pop_prompt(req.computed)
             if prompt_state is not None:
                 pos, slot = prompt_state
-                self.cache.cache_unfinished_req(st, committed_len=pos, mamba_value=slot)
+                self.cache.cache_unfinished_req(st, committed_len=pos, aux={"mamba": slot})
         if prefill and (req.prefilling or not self.hybrid):
             self.cache.cache_unfinished_req(st, committed_len=req.computed)
 

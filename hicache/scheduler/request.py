@@ -153,7 +153,7 @@ class MambaSlots:
 
     def pop_prompt(self, computed: int) -> tuple[int, int] | None:
         """``(position, slot)`` of the prompt snapshot once ``computed`` tokens pass it; the
-        slot is the caller's from then on (``cache_unfinished_req(mamba_value=...)``)."""
+        slot is the caller's from then on (``cache_unfinished_req(aux={"mamba": slot})``)."""
         if self.prompt is None or computed < self.prompt_pos:
             return None
         out = (self.prompt_pos, self.prompt)

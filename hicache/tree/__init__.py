@@ -17,7 +17,15 @@ from hicache.tree.cache import (
     TierOp,
     UnifiedRadixCache,
 )
-from hicache.tree.components import FullComponent, MambaComponent, SWAComponent, TreeComponent
+from hicache.tree.components import (
+    FullComponent,
+    MambaComponent,
+    NoRoom,
+    PagedAuxComponent,
+    PagedInsert,
+    SWAComponent,
+    TreeComponent,
+)
 from hicache.tree.core import TreeCore
 from hicache.tree.integrity import IntegrityError, check_integrity
 from hicache.tree.node import ComponentData, ComponentType, TreeNode
@@ -26,6 +34,7 @@ from hicache.tree.policy import POLICIES, EvictionPolicy, LRUPolicy, SLRUPolicy,
 __all__ = [
     "POLICIES", "ComponentData", "ComponentType", "EvictResult", "EvictionPolicy", "FullComponent",
     "InsertParams", "InsertResult", "IntegrityError", "LRUPolicy", "LockToken", "MambaComponent", "MatchResult",
+    "NoRoom", "PagedAuxComponent", "PagedInsert",
     "RequestState", "SLRUPolicy", "SWAComponent", "TierOp", "TreeComponent", "TreeCore", "TreeNode",
     "UnifiedRadixCache", "check_integrity", "make_policy",
 ]

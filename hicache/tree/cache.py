@@ -53,13 +53,13 @@ with ``array_indices=True``); all allocators of one cache must agree.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from hicache.hashing import HashNamespace, PageHasher
 from hicache.memory.allocator import PageIndices
-from hicache.tree.components import FullComponent, MambaComponent, SWAComponent, TreeComponent
+from hicache.tree.components import FullComponent, MambaComponent, NoRoom, SWAComponent, TreeComponent
 from hicache.tree.core import TreeCore
 from hicache.tree.node import KEY_TYPECODE, ComponentData, ComponentType, Key, TreeNode
 from hicache.tree.policy import make_policy
@@ -73,8 +73,10 @@ class MatchResult:
 
     ``device_indices``: FULL L1 pages of the valid device prefix (``device_len`` tokens).
     ``last_device_node``: the node ending that prefix (a root when nothing matched).
-    ``host_hit_length``: tokens after it that are L2-only, ending at ``last_host_node``.
-    ``mamba_slot``: the request's own state slot (copy-on-write of ``mamba_cow_src``).
+    ``host_hit_length``: tokens after it that are L2-only, ending at ``last_host_node``
+    (a boundary valid for every component once loaded back).
+    ``copies``: per component name, the request's private copy of the matched node's data
+    (``TreeComponent.copy_on_match``: Mamba's state); the request owns and frees it.
     """
 
     device_indices: PageIndices
@@ -82,28 +84,38 @@ class MatchResult:
     last_host_node: TreeNode
     host_hit_length: int = 0
     device_len: int = 0
-    mamba_slot: int | None = None
-    mamba_cow_src: int | None = None
+    copies: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class InsertResult:
     """``prefix_len``: tokens already on L1 before the insert (the caller frees its pages
-    ``[prev_prefix_len, prefix_len)``); ``node``: the node ending the key;
-    ``mamba_exist``: the end node already had a state (the given one was freed)."""
+    ``[prev_prefix_len, prefix_len)``); ``node``: the node ending the key; ``already_held``:
+    the components whose end-node data the tree had already (the payload's was freed)."""
 
     prefix_len: int
     node: TreeNode
-    mamba_exist: bool = False
+    already_held: frozenset[str] = frozenset()
     host_pages_taken: int = 0
 
 
 @dataclass
 class EvictResult:
-    full_tokens: int = 0
-    swa_tokens: int = 0
-    mamba_states: int = 0
-    host_tokens: int = 0
+    """What ``evict`` freed, per component name, in tokens (paged components) or states."""
+
+    freed: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def full_tokens(self) -> int:
+        return self.freed.get("full", 0)
+
+    @property
+    def swa_tokens(self) -> int:
+        return self.freed.get("swa", 0)
+
+    @property
+    def mamba_states(self) -> int:
+        return self.freed.get("mamba", 0)
 
 
 @dataclass
@@ -120,19 +132,15 @@ class InsertParams:
 
     ``key``: token ids (page-aligned part used); ``value``: FULL L1 pages, one per page of
     the key; ``prev_prefix_len``: the first tokens whose pages are already the tree's (the
-    request's match); ``swa_value``: SWA pages from ``swa_start_page`` on; ``swa_prefix_len``:
-    the tokens whose SWA pages are the tree's (None: ``prev_prefix_len``); ``mamba_value``:
-    the state slot after the key's last token.
+    request's match); ``aux``: per component name, that component's payload (SWA: a
+    ``PagedInsert``; Mamba: the state slot after the key's last token), taken over entirely.
     """
 
     key: Sequence[int]
     value: Sequence[int]
     cache_salt: str = ""
     prev_prefix_len: int = 0
-    swa_value: Sequence[int] | None = None
-    swa_start_page: int = 0
-    swa_prefix_len: int | None = None
-    mamba_value: int | None = None
+    aux: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -185,19 +193,21 @@ class RequestState:
 
 
 class UnifiedRadixCache:
-    """One radix tree over FULL (+ SWA or MAMBA) data, with L1 and optional L2 state.
+    """One radix tree over FULL plus any auxiliary components, with L1 and optional L2 state.
 
-    ``components``: FULL first, then optionally one SWAComponent or MambaComponent; a
-    component built with a ``host_allocator`` has L2 state (L2 is on when FULL has one).
+    ``components``: a ``FullComponent`` first (the primary: its data decides whether a node
+    lives), then any auxiliary components with distinct names (SWA, Mamba, or another
+    ``TreeComponent``); the tree handles them only through their hooks. A component built
+    with a ``host_allocator`` has L2 state (L2 is on when FULL has one).
     ``hasher``: a ``PageHasher`` or ``HashNamespace`` for page hashes (computed lazily, on
     the tier path only; other salts derive from it with ``with_salt``).
     ``eviction_policy``: ``lru`` (default) or ``slru``. ``write_policy``: ``write_through``,
     ``write_through_selective`` (``hit_count >= write_through_threshold``) or ``write_back``.
 
     Scheduler calls: ``match_prefix``, ``inc_lock_ref`` / ``dec_lock_ref``, ``insert`` /
-    ``insert_with``,
-    ``evict``, ``cache_finished_req``, ``cache_unfinished_req``, ``evictable_size`` /
-    ``protected_size`` / ``total_size``, ``flush``, ``check_integrity``.
+    ``insert_with``, ``evict`` / ``evict_units``, ``cache_finished_req``,
+    ``cache_unfinished_req``, ``evictable_size`` / ``protected_size`` / ``total_size``,
+    ``flush``, ``check_integrity``.
     Tier calls (see the module table): ``nodes_to_write_to_host``, ``start_write`` /
     ``finish_write``, ``start_load_back`` / ``finish_load_back``, ``start_backup`` /
     ``finish_backup``, ``evict_host``, ``protect_host`` / ``release_host``, ``insert_host``,
@@ -218,8 +228,10 @@ class UnifiedRadixCache:
         comps = list(components)
         if not comps or not isinstance(comps[0], FullComponent):
             raise ValueError("the first component must be a FullComponent")
-        if len({type(c) for c in comps}) != len(comps):
-            raise ValueError("each component kind may appear once")
+        if any(isinstance(c, FullComponent) for c in comps[1:]):
+            raise ValueError("only the first component may be a FullComponent")
+        if len({c.name for c in comps}) != len(comps):
+            raise ValueError("each component name may appear once")
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}")
         for i, c in enumerate(comps):
@@ -228,11 +240,10 @@ class UnifiedRadixCache:
             c.slot = i
         self.components = comps
         self.page_size = page_size
-        self.full = comps[0]
+        self.full: FullComponent = comps[0]
         self.aux = comps[1:]
-        self._by_type = {c.ctype: c for c in comps}
-        self.mamba: MambaComponent | None = next((c for c in comps if isinstance(c, MambaComponent)), None)
-        self.swa: SWAComponent | None = next((c for c in comps if isinstance(c, SWAComponent)), None)
+        self._by_name = {c.name: c for c in comps}
+        self._lock_needs_token = any(c.lock_needs_token for c in comps)
         self.eviction_policy = eviction_policy
         make_policy(eviction_policy)  # validate the name now
         self.core = TreeCore(page_size, len(comps), [c.units for c in comps], [c.split for c in comps],
@@ -246,6 +257,7 @@ class UnifiedRadixCache:
         self.write_policy = write_policy
         self.write_through_threshold = write_through_threshold
         self.hicache = self.full.host_allocator is not None
+        self._write_back = self.hicache and write_policy == "write_back"
         self._write_back_queue: dict[TreeNode, None] = {}
         self._open_transfers = 0  # TierOps started and not finished (their owner keeps them)
         self.evicted_device_tokens = 0  # monotonic: FULL tokens freed from L1 / L2 by eviction
@@ -254,17 +266,35 @@ class UnifiedRadixCache:
         # what a match under an unknown salt returns as its node: locking it is a no-op
         self._void_root = TreeNode(None, array(KEY_TYPECODE), len(comps))
 
+    # ---- component lookup (for callers that serve a given model; the tree never needs it)
+    def component(self, kind: ComponentType | str) -> TreeComponent:
+        """The component named ``kind`` (a ``ComponentType`` or a name); KeyError if absent."""
+        return self._by_name[kind.wire_name if isinstance(kind, ComponentType) else kind]
+
+    def has(self, kind: ComponentType | str) -> bool:
+        return (kind.wire_name if isinstance(kind, ComponentType) else kind) in self._by_name
+
+    @property
+    def swa(self) -> SWAComponent | None:
+        c = self._by_name.get("swa")
+        return c if isinstance(c, SWAComponent) else None
+
+    @property
+    def mamba(self) -> MambaComponent | None:
+        c = self._by_name.get("mamba")
+        return c if isinstance(c, MambaComponent) else None
+
     # ================================================================== helpers
     def _aligned(self, key: Sequence[int]) -> tuple[Key, int]:
         """The key as ``array('I')`` (not copied when it already is one) and its
         page-aligned length. Token ids outside ``[0, 2**32)`` are refused."""
-        if type(key) is not array or key.typecode != KEY_TYPECODE:  # type: ignore[attr-defined]
+        if type(key) is not array or key.typecode != KEY_TYPECODE:
             try:
                 key = array(KEY_TYPECODE, key)
             except (OverflowError, TypeError) as exc:
                 raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from exc
         n = len(key)
-        return key, n - n % self.page_size  # type: ignore[return-value]
+        return key, n - n % self.page_size
 
     def _npages(self, node: TreeNode) -> int:
         return len(node.key) // self.page_size
@@ -272,15 +302,23 @@ class UnifiedRadixCache:
     def _op_nodes(self, node: TreeNode, npages: int) -> list[TreeNode]:
         """Nodes from ``node`` upward spanning exactly ``npages`` pages (lowest first)."""
         out = []
+        n: TreeNode | None = node
         while npages > 0:
-            if node is None or node.parent is None:
+            if n is None or n.parent is None:
                 raise RuntimeError("in-flight operation lost its nodes")
-            out.append(node)
-            npages -= self._npages(node)
-            node = node.parent
+            out.append(n)
+            npages -= self._npages(n)
+            n = n.parent
         if npages:
             raise RuntimeError("in-flight operation does not end on a node boundary")
         return out
+
+    def _free(self, c: TreeComponent, units: list[int], host: bool = False) -> None:
+        if units:
+            alloc = c.host_allocator if host else c.allocator
+            if alloc is None:
+                raise RuntimeError(f"{c.name} has no {'L2' if host else 'L1'} allocator")
+            alloc.free(units)
 
     def hasher_for(self, salt: str) -> PageHasher:
         """The page hasher of ``salt``'s namespace (the chain of docs/architecture.md §6); one per
@@ -295,13 +333,16 @@ class UnifiedRadixCache:
         return h
 
     # ================================================================== match
-    def match_prefix(self, key: Sequence[int], cache_salt: str = "", *, cow_mamba: bool = True) -> MatchResult:
+    def match_prefix(self, key: Sequence[int], cache_salt: str = "", *, copy_on_match: bool = True) -> MatchResult:
         """Longest cached prefix of ``key`` valid for every component.
 
         Splits a node where the key forks inside it and stops there. Refreshes the matched
-        path (access times, every LRU order, ``hit_count``). With a Mamba component and a
-        non-empty match, allocates the request's own state slot and copies the matched
-        state into it (copy-on-write); if no slot can be had, the match is empty.
+        path (access times, every LRU order, ``hit_count``). The L2-only part after a fully
+        valid device prefix (``host_hit_length``) ends at the last boundary that every
+        component's validator accepts with the L2 data counted. With ``copy_on_match``,
+        each component that asks for it (``TreeComponent.copy_on_match``: Mamba) gives the
+        request a private copy of the matched node's data (``MatchResult.copies``); if one
+        cannot, the match is empty.
         """
         core = self.core
         root = core.root(cache_salt, create=False)
@@ -317,14 +358,14 @@ class UnifiedRadixCache:
                 break
             ndev += 1
         best = ndev
-        if self.aux and ndev:
-            validators = [c.new_validator() for c in self.aux]
+        validators = [v for v in (c.new_validator() for c in self.aux) if v is not None]
+        if validators and ndev:
             best = 0
             for j in range(ndev):
                 node = path[j]
                 ok = True
-                for v in validators:
-                    if v is not None and not v(node):
+                for v in validators:  # every validator sees every node
+                    if not v(node, False):
                         ok = False
                 if ok:
                     best = j + 1
@@ -340,38 +381,39 @@ class UnifiedRadixCache:
         last_dev = path[best - 1] if best else root
         res = MatchResult(indices, last_dev, last_dev, 0, len(indices) * self.page_size)
         if best == ndev and ndev < len(path):
-            host_len = 0
+            run = host_len = 0
             last_host = last_dev
             for node in path[ndev:]:
                 if node.loading or node.data[0].host_value is None:
                     break
-                host_len += len(node.key)
-                last_host = node
+                run += len(node.key)
+                ok = True
+                for v in validators:
+                    if not v(node, True):
+                        ok = False
+                if ok:
+                    host_len, last_host = run, node
             res.host_hit_length, res.last_host_node = host_len, last_host
-        if self.mamba is not None and best and cow_mamba:
-            self._mamba_cow(res)
+        if copy_on_match and best:
+            self._copy_on_match(res)
         return res
 
-    def _mamba_cow(self, res: MatchResult) -> None:
-        m = self.mamba
+    def _copy_on_match(self, res: MatchResult) -> None:
         node = res.last_device_node
-        src = node.data[m.slot].value  # type: ignore[union-attr]
-        self.core.lock(node, m.slot)  # type: ignore[union-attr]
-        try:
-            dst = m.allocator.alloc(1)  # type: ignore[union-attr]
-            if dst is None:
-                self.evict(mamba_states=1)
-                dst = m.allocator.alloc(1)  # type: ignore[union-attr]
-        finally:
-            self.core.unlock(node, m.slot)  # type: ignore[union-attr]
-        if dst is None:
-            root = self.core.root(self._salt_of(node), create=False) or self._void_root
-            res.device_indices, res.last_device_node, res.last_host_node = self._empty(), root, root
-            res.device_len = res.host_hit_length = 0
-            return
-        if m.copy_state is not None:  # type: ignore[union-attr]
-            m.copy_state(src, dst[0])  # type: ignore[union-attr]
-        res.mamba_slot, res.mamba_cow_src = dst[0], src
+        for c in self.aux:
+            try:
+                v = c.copy_on_match(self.core, node, lambda c=c: self._evict_component(c, 1))  # type: ignore[misc]
+            except NoRoom:
+                for name, got in res.copies.items():  # give back the copies made so far
+                    done = self._by_name[name]
+                    self._free(done, done.as_pages(got))
+                root = self.core.root(self._salt_of(node), create=False) or self._void_root
+                res.device_indices, res.last_device_node, res.last_host_node = self._empty(), root, root
+                res.device_len = res.host_hit_length = 0
+                res.copies = {}
+                return
+            if v is not None:
+                res.copies[c.name] = v
 
     @staticmethod
     def _salt_of(node: TreeNode) -> str:
@@ -394,20 +436,15 @@ class UnifiedRadixCache:
         ``value[prev_prefix_len // page_size : prefix_len // page_size]`` (its first
         ``prev_prefix_len`` tokens are the tree's own pages, from its match). Pages after
         ``prefix_len`` belong to the tree from now on, including those that re-fill L2-only
-        nodes. ``swa_value`` (pages from ``swa_start_page`` on) and ``mamba_value`` (the state
-        after the key's last token) are taken over entirely: kept, or freed here when the
-        tree already holds them. SWA tombstones covered by the request's SWA pages are
-        recovered (split at ``swa_start_page`` when it falls inside a node). The request's
-        SWA pages before ``swa_prefix_len`` tokens (default ``prev_prefix_len``) are the
-        tree's own and are neither stored nor freed.
+        nodes. Every ``p.aux`` payload is taken over entirely by its component's insert
+        hooks: kept, or freed here when the tree already holds it (an SWA tombstone covered
+        by the request's pages is recovered, split where the request's own pages start).
         """
-        return self._insert(p.key, p.value, p.cache_salt, p.prev_prefix_len, p)
+        return self._insert(p.key, p.value, p.cache_salt, p.prev_prefix_len, p.aux or None)
 
     def _insert(self, key: Sequence[int], value: Sequence[int], cache_salt: str, prev_prefix_len: int,
-                p: InsertParams | None) -> InsertResult:
-        """The body of ``insert`` / ``insert_with``; ``p`` None: no SWA or Mamba values."""
-        swa_value, swa_start_page, swa_prefix_len, mamba_value = (
-            (None, 0, None, None) if p is None else (p.swa_value, p.swa_start_page, p.swa_prefix_len, p.mamba_value))
+                aux: Mapping[str, Any] | None) -> InsertResult:
+        """The body of ``insert`` / ``insert_with``; ``aux`` None: no auxiliary payloads."""
         core = self.core
         ps = self.page_size
         key, n = self._aligned(key)
@@ -416,25 +453,25 @@ class UnifiedRadixCache:
             raise ValueError(f"insert: {len(value)} pages given for {npages} pages of key")
         if prev_prefix_len % ps or prev_prefix_len > n:
             raise ValueError("prev_prefix_len must be page-aligned and within the key")
-        swa = self.swa
-        swa_prev = prev_prefix_len if swa_prefix_len is None else swa_prefix_len
-        if swa is not None and swa_value is not None and len(swa_value) < npages - swa_start_page:
-            raise ValueError("insert: swa_value is shorter than the key after swa_start_page")
+        payloads: list[tuple[TreeComponent, Any]] = []
+        if aux:
+            unknown = set(aux) - {c.name for c in self.aux}
+            if unknown:
+                raise ValueError(f"insert: no auxiliary component named {sorted(unknown)}")
+            payloads = [(c, aux[c.name]) for c in self.aux if aux.get(c.name) is not None]
+            for c, pl in payloads:
+                c.check_insert(pl, npages)
         root = core.root(cache_salt, create=True)
         if not isinstance(value, (list, array)):
             value = list(value)
-        if swa_value is not None and not isinstance(swa_value, (list, array)):
-            swa_value = list(swa_value)
         node = root
         off = 0
         prefix = 0
         device_run = True
         path: list[TreeNode] = []
-        swa_free: list[int] = []
-        children_get = None
+        spare: list[list[int]] = [[] for _ in payloads]
         while off < n:
-            children_get = node.children.get
-            child = children_get(key[off] if ps == 1 else key[off:off + ps].tobytes())
+            child = node.children.get(key[off] if ps == 1 else key[off:off + ps].tobytes())
             if child is None:
                 break
             ckey = child.key
@@ -453,69 +490,33 @@ class UnifiedRadixCache:
                 core.set_value(child, 0, value[off // ps:(off + kl) // ps])
             elif device_run:
                 prefix = off + kl
-            if swa is not None:
-                child = self._swa_overlap(child, off, swa_prev, swa_value, swa_start_page, swa_free)
+            for j, (c, pl) in enumerate(payloads):
+                c.insert_overlap(core, child, off // ps, pl, spare[j])  # child stays the lower part
             path.append(child)
             node = child
             off += kl
         if off < n:
-            if swa is not None and swa_value is not None and off // ps < swa_start_page < npages:
-                cut = swa_start_page * ps
-                mid = self._new_leaf(node, key[off:cut], value[off // ps:swa_start_page])
-                path.append(mid)
-                node, off = mid, cut
-            leaf = self._new_leaf(node, key[off:n], value[off // ps:npages])
-            if swa is not None and swa_value is not None and off // ps >= swa_start_page:
-                lo = off // ps - swa_start_page
-                core.set_value(leaf, swa.slot, swa_value[lo:lo + self._npages(leaf)])
-            path.append(leaf)
-            node = leaf
+            cuts = sorted({cut for c, pl in payloads for cut in c.insert_cuts(pl, off // ps, npages)})
+            for end in [*cuts, npages]:
+                leaf = core.new_child(node, key[off:end * ps])
+                core.set_value(leaf, 0, value[off // ps:end])
+                for c, pl in payloads:
+                    c.insert_new(core, leaf, off // ps, pl)
+                path.append(leaf)
+                node, off = leaf, end * ps
         core.touch(path)
-        if swa is not None and swa_free:
-            swa.allocator.free(swa_free)
-        res = InsertResult(prefix, node)
-        if self.mamba is not None and mamba_value is not None:
-            m = self.mamba
-            if node.parent is not None and node.data[m.slot].value is None:
-                core.set_value(node, m.slot, mamba_value)
-            else:
-                res.mamba_exist = True
-                m.allocator.free([mamba_value])
-        return res
-
-    def _new_leaf(self, parent: TreeNode, key: Key, pages: list[int]) -> TreeNode:
-        leaf = self.core.new_child(parent, key)
-        self.core.set_value(leaf, 0, pages)
-        return leaf
-
-    def _swa_overlap(self, node: TreeNode, off: int, prev: int, swa_value: Sequence[int] | None,
-                     swa_start: int, swa_free: list[int]) -> TreeNode:
-        """SWA on an overlapped node covering tokens [off, off+len): free the request's own
-        duplicate SWA pages or recover a tombstone from them."""
-        swa = self.swa
-        i = swa.slot  # type: ignore[union-attr]
-        if swa_value is None:
-            return node
-        ps = self.page_size
-        a, b = off // ps, (off + len(node.key)) // ps
-        own_lo = max(swa_start, prev // ps)  # request-owned SWA pages start here
-        if b <= own_lo:
-            return node
-        cd = node.data[i]
-        if cd.value is not None:
-            lo = max(a, own_lo)
-            swa_free.extend(swa_value[lo - swa_start:b - swa_start])
-            return node
-        if a < own_lo:
-            self.core.split(node, (own_lo - a) * ps)  # the upper part stays a tombstone
-            a = own_lo
-        self.core.set_value(node, i, swa_value[a - swa_start:b - swa_start])
-        return node
+        held = []
+        for j, (c, pl) in enumerate(payloads):
+            if c.insert_end(core, node, pl, spare[j]):
+                held.append(c.name)
+            self._free(c, spare[j])
+        return InsertResult(prefix, node, frozenset(held))
 
     # ================================================================== locks
     def inc_lock_ref(self, node: TreeNode) -> LockToken:
-        """Protect ``node``'s path from L1 eviction (FULL: to the root; SWA: until the window
-        is covered; MAMBA: the node). Returns the token ``dec_lock_ref`` needs."""
+        """Protect ``node``'s path from L1 eviction, each component its own way (FULL: to
+        the root; SWA: until the window is covered; MAMBA: the node). Returns the token
+        ``dec_lock_ref`` needs."""
         core = self.core
         if not self.aux:
             return LockToken(node, (self.full.lock(core, node),))
@@ -526,8 +527,8 @@ class UnifiedRadixCache:
         if isinstance(node, LockToken):
             token, node = node, node.node
         if token is None:
-            if self.swa is not None:
-                raise ValueError("dec_lock_ref needs the LockToken when an SWA component is present")
+            if self._lock_needs_token:
+                raise ValueError("dec_lock_ref needs the LockToken with these components")
             parts: tuple[Any, ...] = (None,) * len(self.components)
         else:
             if token.node is not node:
@@ -536,25 +537,26 @@ class UnifiedRadixCache:
         for c, p in zip(self.components, parts, strict=True):
             c.unlock(self.core, node, p)
 
-    def data(self, node: TreeNode, ctype: ComponentType) -> ComponentData:
-        """``node``'s data for component ``ctype`` (``node.data`` is indexed by slot)."""
-        return node.data[self._by_type[ctype].slot]
+    def data(self, node: TreeNode, kind: ComponentType | str) -> ComponentData:
+        """``node``'s data for component ``kind`` (``node.data`` is indexed by slot)."""
+        return node.data[self.component(kind).slot]
 
     # ================================================================== sizes
-    def evictable_size(self, ctype: ComponentType = ComponentType.FULL) -> int:
-        """L1 tokens (FULL/SWA) or states (MAMBA) not protected by a lock."""
-        c = self._by_type[ctype]
-        u = self.page_size if c.paged else 1
-        return (self.core.dev_total[c.slot] - self.core.dev_prot[c.slot]) * u
+    def evictable_size(self, kind: ComponentType | str = ComponentType.FULL) -> int:
+        """L1 tokens (paged components) or states of ``kind`` that no lock and no transfer
+        in flight protects: what ``evict`` frees when asked for everything, except data
+        waiting for its L2 write under ``write_back`` and the L1 data above an L2-only node
+        that is host-locked."""
+        c = self.component(kind)
+        return (self.core.dev_total[c.slot] - self.core.dev_prot[c.slot]) * c.unit_tokens(self.page_size)
 
-    def protected_size(self, ctype: ComponentType = ComponentType.FULL) -> int:
-        c = self._by_type[ctype]
-        u = self.page_size if c.paged else 1
-        return self.core.dev_prot[c.slot] * u
+    def protected_size(self, kind: ComponentType | str = ComponentType.FULL) -> int:
+        c = self.component(kind)
+        return self.core.dev_prot[c.slot] * c.unit_tokens(self.page_size)
 
-    def total_size(self, ctype: ComponentType = ComponentType.FULL) -> int:
-        c = self._by_type[ctype]
-        return self.core.dev_total[c.slot] * (self.page_size if c.paged else 1)
+    def total_size(self, kind: ComponentType | str = ComponentType.FULL) -> int:
+        c = self.component(kind)
+        return self.core.dev_total[c.slot] * c.unit_tokens(self.page_size)
 
     def host_evictable_size(self) -> int:
         return (self.core.host_total[0] - self.core.host_prot[0]) * self.page_size
@@ -564,30 +566,40 @@ class UnifiedRadixCache:
 
     # ================================================================== eviction
     def evict(self, full_tokens: int = 0, *, swa_tokens: int = 0, mamba_states: int = 0) -> EvictResult:
-        """Free at least the requested L1 amounts if unlocked data allows (LRU first).
+        """``evict_units`` with the amounts of the three known components by keyword (an
+        amount for a component this cache lacks is ignored)."""
+        return self.evict_units({"full": full_tokens, "swa": swa_tokens, "mamba": mamba_states})
 
-        FULL: device leaves (no child with L1 data); a node with an L2 copy stays as an
-        L2-only node, one without is deleted, except under ``write_back`` with L2 on, where
-        it is queued for writing instead. SWA / MAMBA: internal nodes become tombstones
-        (cascading to lower-or-equal priority), leaves cascade to every component.
+    def evict_units(self, amounts: Mapping[str, int]) -> EvictResult:
+        """Free at least the requested L1 amounts (per component name: tokens for a paged
+        component, states otherwise) if unlocked data allows, LRU first.
+
+        FULL: device leaves (no child with L1 data). A node with an L2 copy stays as an
+        L2-only node; one without is deleted (with the L2-only nodes below it), except
+        under ``write_back`` with L2 on, where it is queued for writing instead.
+        Auxiliary components: internal nodes become tombstones (cascading to the other
+        components of lower-or-equal priority there); a leaf whose FULL data can go goes
+        wholly, by the same rules as a FULL eviction.
         """
         res = EvictResult()
         ps = self.page_size
-        if full_tokens > 0:
-            res.full_tokens = self._evict_full(-(-full_tokens // ps)) * ps
-        for c in self.aux:
-            want = swa_tokens if c.ctype == ComponentType.SWA else mamba_states
+        for c in self.components:
+            want = amounts.get(c.name, 0)
             if want > 0:
-                got = self._evict_aux(c, -(-want // ps) if c.paged else want)
-                if c.paged:
-                    res.swa_tokens = got * ps
-                else:
-                    res.mamba_states = got
+                unit = c.unit_tokens(ps)
+                got = self._evict_component(c, -(-want // unit))
+                res.freed[c.name] = got * unit
         self.evicted_device_tokens += res.full_tokens
         return res
 
+    def _evict_component(self, c: TreeComponent, need: int) -> int:
+        return self._evict_full(need) if c is self.full else self._evict_aux(c, need)
+
     def _full_evictable(self, node: TreeNode) -> bool:
-        if node.in_flight or node.loading:
+        """No lock (of any component) and no child with L1 data. Transfers in flight hold
+        locks on what they need in L1 (a backup reads L2 only); ``loading`` is kept as a
+        guard."""
+        if node.loading:
             return False
         for cd in node.data:
             if cd.lock_ref:
@@ -595,19 +607,15 @@ class UnifiedRadixCache:
         for ch in node.children.values():
             if ch.data[0].value is not None:
                 return False
-        if node.data[0].host_value is None and node.children:
-            return False  # L2-only children need this node's L2 copy first
         return True
 
     def _evict_full(self, need: int) -> int:
         freed = 0
-        write_back = self.hicache and self.write_policy == "write_back"
         for node in self.core.dev_lru[0].candidates():
             if freed >= need:
                 break
             while freed < need and node.parent is not None and self._full_evictable(node):
-                if write_back and node.data[0].host_value is None:
-                    self._write_back_queue[node] = None
+                if not self._can_drop_device(node):
                     break
                 parent = node.parent
                 t = node.last_access_time
@@ -615,39 +623,70 @@ class UnifiedRadixCache:
                 # a parent that just became a leaf and is older than this node is now the
                 # least recently used candidate (the scan has passed it); a newer one is
                 # still ahead in the scan
-                if parent.last_access_time > t:  # type: ignore[union-attr]
+                if parent.last_access_time > t:
                     break
-                node = parent  # type: ignore[assignment]
+                node = parent
         return freed
 
+    def _can_drop_device(self, node: TreeNode) -> bool:
+        """Whether ``node``'s L1 data may go now (it passed ``_full_evictable``): yes with an
+        L2 copy; without one, under ``write_back`` it is queued for writing instead, and
+        otherwise the L2-only nodes below it must be deletable (they go with it)."""
+        if node.data[0].host_value is not None:
+            return True
+        if self._write_back:
+            self._write_back_queue[node] = None
+            return False
+        return self._l2_subtree_deletable(node)
+
+    def _l2_subtree_deletable(self, node: TreeNode) -> bool:
+        stack = list(node.children.values())
+        while stack:
+            x = stack.pop()
+            if x.in_flight or any(cd.host_lock_ref or cd.lock_ref for cd in x.data):
+                return False
+            stack.extend(x.children.values())
+        return True
+
     def _evict_node_device(self, node: TreeNode) -> int:
-        """Free every component's L1 data on ``node``; keep it L2-only or delete it.
-        Returns the FULL pages freed."""
+        """Free every component's L1 data on ``node``; keep it L2-only or delete it (with
+        the L2-only nodes below it). Returns the FULL pages freed."""
         core = self.core
         for c in self.aux:
             v = core.clear_value(node, c.slot)
             if v is not None:
-                c.allocator.free(c.as_pages(v))
+                self._free(c, c.as_pages(v))
         pages = core.clear_value(node, 0)
-        self.full.allocator.free(pages)
+        self._free(self.full, pages)
         self._write_back_queue.pop(node, None)
         if node.data[0].host_value is None:
+            for ch in list(node.children.values()):
+                self._delete_subtree(ch)
             self._delete(node)
         return len(pages)
 
-    def _delete(self, node: TreeNode) -> None:
+    def _delete_subtree(self, node: TreeNode) -> None:
+        """Delete an L2-only node and everything below it (``_l2_subtree_deletable`` said yes)."""
+        for ch in list(node.children.values()):
+            self._delete_subtree(ch)
+        hv = node.data[0].host_value
+        self.evicted_host_tokens += len(hv) * self.page_size if hv is not None else 0
+        self._delete(node, cascade=False)
+
+    def _delete(self, node: TreeNode, cascade: bool = True) -> None:
         core = self.core
         for c in self.components:
             v = core.clear_value(node, c.slot)
             if v is not None:
-                c.allocator.free(c.as_pages(v))
+                self._free(c, c.as_pages(v))
             hv = core.clear_host(node, c.slot)
             if hv is not None:
-                c.host_allocator.free(c.as_pages(hv))  # type: ignore[union-attr]
+                self._free(c, c.as_pages(hv), host=True)
+        self._write_back_queue.pop(node, None)
         parent = node.parent
         core.detach(node)
         # tombstone chain: a parent left with no FULL data anywhere and no child goes too
-        while (parent is not None and parent.parent is not None and not parent.children
+        while (cascade and parent is not None and parent.parent is not None and not parent.children
                and parent.data[0].value is None and parent.data[0].host_value is None):
             nxt = parent.parent
             core.detach(parent)
@@ -661,12 +700,12 @@ class UnifiedRadixCache:
             if freed >= need:
                 break
             cd = node.data[i]
-            if cd.lock_ref or node.in_flight or node.loading or cd.value is None:
+            if cd.lock_ref or node.loading or cd.value is None:
                 continue
             is_leaf = not node.children
             prio = c.priority(is_leaf)
             before = core.units[i](cd.value)
-            if is_leaf and self._full_evictable(node):
+            if is_leaf and self._full_evictable(node) and self._can_drop_device(node):
                 self._evict_node_device(node)
                 freed += before
                 continue
@@ -676,7 +715,7 @@ class UnifiedRadixCache:
                                   and other.priority(is_leaf) <= prio):
                     v = core.clear_value(node, other.slot)
                     if v is not None:
-                        other.allocator.free(other.as_pages(v))
+                        self._free(other, other.as_pages(v))
             freed += before
         return freed
 
@@ -690,14 +729,32 @@ class UnifiedRadixCache:
                 break
             while freed < need and self._host_evictable(node):
                 parent = node.parent
+                assert parent is not None  # _host_evictable refuses roots
                 t = node.host_time
-                freed += len(node.data[0].host_value)  # type: ignore[arg-type]
+                freed += len(node.data[0].host_value)
                 self._delete(node)
-                if parent.host_time > t:  # type: ignore[union-attr]
+                if parent.host_time > t:
                     break  # newer: still ahead in the scan
-                node = parent  # type: ignore[assignment]
+                node = parent
         self.evicted_host_tokens += freed * self.page_size
         return freed * self.page_size
+
+    def _evict_host_aux(self, c: TreeComponent, need: int) -> int:
+        """L2 eviction of one auxiliary component's data (``need`` units): the node keeps
+        its FULL copy and becomes an L2 tombstone of ``c``. Host-locked data and data of a
+        node with a transfer in flight stay."""
+        core = self.core
+        freed = 0
+        for node in core.host_lru[c.slot].candidates():
+            if freed >= need:
+                break
+            cd = node.data[c.slot]
+            if cd.host_lock_ref or node.in_flight or cd.host_value is None:
+                continue
+            hv = core.clear_host(node, c.slot)
+            freed += core.units[c.slot](hv)
+            self._free(c, c.as_pages(hv), host=True)
+        return freed
 
     @staticmethod
     def _host_evictable(node: TreeNode) -> bool:
@@ -709,7 +766,9 @@ class UnifiedRadixCache:
     def cache_finished_req(self, req: RequestState, committed_len: int | None = None) -> InsertResult | None:
         """Insert a finished request's computed tokens, free its duplicate and unaligned
         pages, and release its lock. ``committed_len``: tokens whose KV exists (default:
-        ``len(req.kv_pages) * page_size`` capped at the token count)."""
+        ``len(req.kv_pages) * page_size`` capped at the token count). Each auxiliary
+        component takes its part of ``req`` (``request_payload``) and gives up the rest
+        (``release_request``)."""
         ps = self.page_size
         n = self._committed(req, committed_len)
         aligned = n - n % ps
@@ -717,61 +776,53 @@ class UnifiedRadixCache:
         pages = req.kv_pages
         res = None
         if npages > 0:
-            res = self.insert_with(InsertParams(
-                req.token_ids[:aligned], pages[:npages], req.cache_salt, prev_prefix_len=req.prefix_len,
-                swa_value=self._req_swa(req, npages), swa_start_page=req.swa_start_page,
-                swa_prefix_len=req.swa_prefix_len, mamba_value=req.mamba_slot))
-            dup = pages[req.prefix_len // ps:res.prefix_len // ps]
-            if dup:
-                self.full.allocator.free(dup)
-        elif self.mamba is not None and req.mamba_slot is not None:
-            self.mamba.allocator.free([req.mamba_slot])
-        tail = pages[npages:]
-        if tail:
-            self.full.allocator.free(tail)
-        if self.swa is not None and req.swa_pages is not None:
-            extra = req.swa_pages[max(0, npages - req.swa_start_page):]
-            if extra:
-                self.swa.allocator.free(extra)
+            aux = {c.name: c.request_payload(req, npages) for c in self.aux}
+            res = self.insert_with(InsertParams(req.token_ids[:aligned], pages[:npages], req.cache_salt,
+                                                prev_prefix_len=req.prefix_len, aux=aux))
+            self._free(self.full, pages[req.prefix_len // ps:res.prefix_len // ps])
+        self._free(self.full, pages[npages:])
+        for c in self.aux:
+            spare: list[int] = []
+            c.release_request(req, npages, npages > 0, spare)
+            self._free(c, spare)
         if req.lock is not None:
             self.dec_lock_ref(req.lock)
         req.lock = None
         req.kv_pages = []
-        req.swa_pages = None
-        req.mamba_slot = None
         return res
 
     def cache_unfinished_req(self, req: RequestState, committed_len: int | None = None, *,
-                             mamba_value: int | None = None) -> None:
-        """Chunked prefill: insert what is computed so far (FULL pages only), replace the
-        request's duplicate pages by the tree's, and move its lock to the new deepest node.
+                             aux: Mapping[str, Any] | None = None) -> None:
+        """Chunked prefill: insert what is computed so far (FULL pages, plus the ``aux``
+        payloads given), replace the request's duplicate pages by the tree's, and move its
+        lock to the new deepest node.
 
-        SWA data is inserted only by ``cache_finished_req`` (the chunk's nodes are SWA
-        tombstones until then, which the final insert recovers from the request's own SWA
-        pages); the request keeps every SWA page and its state slot meanwhile.
-        ``mamba_value``: a snapshot slot (not ``req.mamba_slot``) holding the Mamba state
-        after exactly the committed tokens, which must then be page-aligned; it is taken
-        over: kept on the end node, or freed here when that node already has a state or
-        nothing new is inserted.
+        The request keeps every page of its own auxiliary components meanwhile (an SWA
+        node inserted here is a tombstone until ``cache_finished_req`` recovers it from the
+        request's pages). ``aux`` (e.g. ``{"mamba": slot}``: a snapshot slot, not
+        ``req.mamba_slot``, holding the state after exactly the committed tokens, which
+        must then be page-aligned) is taken over: kept on the end node, or freed here when
+        that node already has it or nothing new is inserted.
         """
         ps = self.page_size
         n = self._committed(req, committed_len)
         aligned = n - n % ps
         npages = aligned // ps
-        if mamba_value is not None:
-            if self.mamba is None:
-                raise ValueError("cache_unfinished_req: mamba_value given, but the cache has no Mamba component")
-            if aligned != n:
-                raise ValueError(f"cache_unfinished_req: a Mamba state needs a page-aligned committed_len, got {n}")
+        given = [(self._by_name[name], pl) for name, pl in (aux or {}).items() if pl is not None]
+        for name in aux or {}:
+            if name not in self._by_name or name == self.full.name:
+                raise ValueError(f"cache_unfinished_req: no auxiliary component named {name!r}")
+        if given and aligned != n:
+            raise ValueError(f"cache_unfinished_req: auxiliary data needs a page-aligned committed_len, got {n}")
         if npages == 0 or aligned <= req.prefix_len:
-            if mamba_value is not None:
-                self.mamba.allocator.free([mamba_value])  # type: ignore[union-attr]
+            for c, pl in given:
+                spare: list[int] = []
+                c.discard(self.core, pl, spare)
+                self._free(c, spare)
             return
         res = self.insert_with(InsertParams(req.token_ids[:aligned], req.kv_pages[:npages], req.cache_salt,
-                                            prev_prefix_len=req.prefix_len, mamba_value=mamba_value))
-        dup = req.kv_pages[req.prefix_len // ps:res.prefix_len // ps]
-        if dup:
-            self.full.allocator.free(dup)
+                                            prev_prefix_len=req.prefix_len, aux={c.name: pl for c, pl in given}))
+        self._free(self.full, req.kv_pages[req.prefix_len // ps:res.prefix_len // ps])
         values = []
         node = res.node
         while node.parent is not None:
@@ -793,12 +844,6 @@ class UnifiedRadixCache:
     def _committed(self, req: RequestState, committed_len: int | None) -> int:
         n = len(req.token_ids) if committed_len is None else committed_len
         return min(n, len(req.token_ids), len(req.kv_pages) * self.page_size)
-
-    @staticmethod
-    def _req_swa(req: RequestState, npages: int) -> list[int] | None:
-        if req.swa_pages is None:
-            return None
-        return req.swa_pages[:max(0, npages - req.swa_start_page)]
 
     # ================================================================== tiers (§5)
     def nodes_to_write_to_host(self, limit: int | None = None) -> list[TreeNode]:
@@ -831,9 +876,11 @@ class UnifiedRadixCache:
         return d
 
     def start_write(self, node: TreeNode) -> TierOp | None:
-        """Reserve L2 pages for ``node``'s L1 data (evicting L2 if needed) and lock it in L1
-        until ``finish_write``. Returns None (nothing changed) if L2 has no room or the
-        node is not writable (L2 already there, no L1 data, transfer in flight)."""
+        """Reserve L2 pages for ``node``'s L1 data (evicting L2 if needed: FULL's by
+        ``evict_host``, an auxiliary component's by tombstoning its own L2 data) and lock it
+        in L1 until ``finish_write``. Returns None (nothing changed) if L2 has no room for
+        the FULL pages or the node is not writable (L2 already there, no L1 data, transfer
+        in flight); an auxiliary component without room is left out of the write."""
         if not self.hicache:
             raise RuntimeError("start_write needs an L2 allocator")
         core = self.core
@@ -843,17 +890,21 @@ class UnifiedRadixCache:
         transfers: dict[str, tuple[list[int], list[int]]] = {}
         for c in self.components:
             cd = node.data[c.slot]
-            if c.host_allocator is None or cd.value is None or cd.host_value is not None:
+            host = c.host_allocator
+            if host is None or cd.value is None or cd.host_value is not None:
                 continue
             src = c.as_pages(cd.value)
-            dst = c.host_allocator.alloc(len(src))
-            if dst is None and c is self.full:
-                self.evict_host((len(src) - c.host_allocator.free_count) * self.page_size)
-                dst = c.host_allocator.alloc(len(src))
+            dst = host.alloc(len(src))
+            if dst is None:
+                if c is self.full:
+                    self.evict_host((len(src) - host.free_count) * self.page_size)
+                else:
+                    self._evict_host_aux(c, len(src) - host.free_count)
+                dst = host.alloc(len(src))
             if dst is None:
                 if c is self.full:
                     for name, (_s, d) in transfers.items():
-                        self._by_name(name).host_allocator.free(d)  # type: ignore[union-attr]
+                        self._free(self._by_name[name], d, host=True)
                     return None
                 continue
             transfers[c.name] = (list(src), dst)
@@ -864,9 +915,6 @@ class UnifiedRadixCache:
         node.in_flight += 1
         self._open_transfers += 1
         return op
-
-    def _by_name(self, name: str) -> TreeComponent:
-        return next(c for c in self.components if c.name == name)
 
     def _close(self, op: TierOp, kind: str) -> None:
         """Mark ``op`` finished; refuses one finished before or of another kind."""
@@ -892,19 +940,20 @@ class UnifiedRadixCache:
         for n in nodes:
             n.in_flight -= 1
         for c in self.aux:
-            for n in (nodes if c.paged else nodes[:1]):
+            for n in c.op_span(nodes):
                 core.unlock(n, c.slot)
         self.full.unlock(core, op.node)
         for name, (_src, dst) in op.transfers.items():
-            c = self._by_name(name)
+            c = self._by_name[name]
             if not ok:
-                c.host_allocator.free(dst)  # type: ignore[union-attr]
+                self._free(c, dst, host=True)
                 continue
-            if not c.paged:
-                core.set_host(op.node, c.slot, c.from_pages(dst))
+            span = c.op_span(nodes)
+            if len(span) == 1:
+                core.set_host(span[0], c.slot, c.from_pages(dst))
                 continue
             start = 0
-            for n in reversed(nodes):  # upper first: parents older than children in L2 order
+            for n in reversed(span):  # upper first: parents older than children in L2 order
                 k = self._npages(n)
                 core.set_host(n, c.slot, dst[start:start + k])
                 start += k
@@ -917,15 +966,17 @@ class UnifiedRadixCache:
     def start_load_back(self, match: MatchResult) -> TierOp | None:
         """Allocate L1 pages for the L2-only tail of ``match`` (evicting L1 if needed) and
         return what to copy (``src_pages`` = L2, ``dst_pages`` = L1, in key order). The
-        nodes get their L1 ``value`` now but stay unreadable (``loading``) until
-        ``finish_load_back``; the path is L1-locked and the nodes host-locked meanwhile.
-        None (nothing changed) when there is nothing to load or no room."""
+        nodes get their L1 ``value`` (FULL, and each auxiliary component's that has L2
+        data and finds room) now but stay unreadable (``loading``) until
+        ``finish_load_back``; meanwhile the path is L1-locked, the new auxiliary data
+        locked, and the nodes host-locked. None (nothing changed) when there is nothing to
+        load or no room."""
         core = self.core
         if match.host_hit_length <= 0:
             return None
         top = match.last_device_node
         nodes = []
-        n = match.last_host_node
+        n: TreeNode | None = match.last_host_node
         while n is not top:
             if n is None or n.parent is None or n.data[0].value is not None or n.in_flight or n.loading:
                 return None
@@ -958,7 +1009,7 @@ class UnifiedRadixCache:
         aux_dst: dict[str, list[int]] = {}
         for x in nodes:
             k = self._npages(x)
-            src_all.extend(x.data[0].host_value)  # type: ignore[arg-type]
+            src_all.extend(x.data[0].host_value)
             core.set_value(x, 0, dev[off:off + k])
             off += k
             x.loading = True
@@ -972,9 +1023,10 @@ class UnifiedRadixCache:
                 if d is None:
                     continue
                 core.set_value(x, c.slot, c.from_pages(d))
+                core.lock(x, c.slot)  # not evictable until the load finishes
                 aux_src.setdefault(c.name, []).extend(pages)
                 aux_dst.setdefault(c.name, []).extend(d)
-        transfers = {"full": (src_all, dev)}
+        transfers = {self.full.name: (src_all, dev)}
         for name in aux_src:
             transfers[name] = (aux_src[name], aux_dst[name])
         op = TierOp("load", match.last_host_node, need, transfers)
@@ -989,7 +1041,8 @@ class UnifiedRadixCache:
         core = self.core
         nodes = self._op_nodes(op.node, op.npages)
         self.full.unlock(core, op.node)
-        dev = op.transfers["full"][1]
+        loaded = {name: set(dst) for name, (_src, dst) in op.transfers.items() if name != self.full.name}
+        dev = op.transfers[self.full.name][1]
         end = len(dev)
         for x in nodes:  # lowest first: its pages are the last ones
             k = self._npages(x)
@@ -1000,18 +1053,23 @@ class UnifiedRadixCache:
                 cd = x.data[c.slot]
                 if cd.host_value is not None and cd.host_lock_ref > 0:
                     core.host_unlock(x, c.slot)
+            for c in self.aux:  # the lock start_load_back took on the data it placed here
+                cd = x.data[c.slot]
+                if cd.value is not None and c.name in loaded and set(c.as_pages(cd.value)) <= loaded[c.name]:
+                    core.unlock(x, c.slot)
             if not x.loading:
                 # an insert re-filled it with a request's own pages meanwhile: ours are spare
-                self.full.allocator.free(mine)
+                self._free(self.full, mine)
             elif not ok:
                 pages = core.clear_value(x, 0)
-                self.full.allocator.free(pages)
+                self._free(self.full, pages)
             x.loading = False
             if not ok:
                 for c in self.aux:  # what the failed load put there is not valid data
-                    v = core.clear_value(x, c.slot)
-                    if v is not None:
-                        c.allocator.free(c.as_pages(v))
+                    cd = x.data[c.slot]
+                    if cd.value is not None and c.name in loaded and set(c.as_pages(cd.value)) <= loaded[c.name]:
+                        v = core.clear_value(x, c.slot)
+                        self._free(c, c.as_pages(v))
 
     def start_backup(self, node: TreeNode) -> TierOp | None:
         """L3 backup of ``node``'s L2 pages: returns their L2 pages and page hashes, with the

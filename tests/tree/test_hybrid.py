@@ -8,6 +8,7 @@ from hicache.tree import (
     FullComponent,
     InsertParams,
     MambaComponent,
+    PagedInsert,
     SWAComponent,
     UnifiedRadixCache,
 )
@@ -30,7 +31,8 @@ def swa_insert(cache, dev, swa, s: str):
     have = m.device_len
     full_pages = m.device_indices + dev.alloc(len(key) - have)
     swa_pages = [None] * have + swa.alloc(len(key) - have)  # matched part: the tree's own
-    r = cache.insert_with(InsertParams(key, full_pages, prev_prefix_len=have, swa_value=swa_pages))
+    r = cache.insert_with(InsertParams(key, full_pages, prev_prefix_len=have,
+                                       aux={"swa": PagedInsert(swa_pages, 0, have)}))
     dev.free(full_pages[have:r.prefix_len])
     cache.check_integrity(exact=True)
     return r
@@ -86,7 +88,7 @@ def test_swa_tombstone_recovered_on_insert():
     key = toks("aaaabbbbcccc")
     full = dev.alloc(12)
     own = swa.alloc(12)  # a request that recomputed everything, SWA pages for all of it
-    r = cache.insert_with(InsertParams(key, full, swa_value=own))
+    r = cache.insert_with(InsertParams(key, full, aux={"swa": PagedInsert(own)}))
     dev.free(full[:r.prefix_len])
     assert cache.data(a, SWA).value == own[:4]  # recovered from the request's pages
     assert swa.used == used + 4  # the other 8 were duplicates and were freed
@@ -99,7 +101,7 @@ def test_swa_partial_recovery_splits_at_window_start():
     cache.evict(swa_tokens=1)
     full = dev.alloc(12)
     own = swa.alloc(10)  # the request released its first 2 SWA pages (outside its window)
-    r = cache.insert_with(InsertParams(toks("aaaabbbbcccc"), full, swa_value=own, swa_start_page=2))
+    r = cache.insert_with(InsertParams(toks("aaaabbbbcccc"), full, aux={"swa": PagedInsert(own, 2)}))
     dev.free(full[:r.prefix_len])
     assert a.key == toks("aa") and cache.data(a.parent, SWA).value is None
     assert a.parent.key == toks("aa") and cache.data(a, SWA).value == own[:2]
@@ -138,13 +140,13 @@ def mamba_cache():
 
 def mamba_insert(cache, dev, states, memory, s: str, with_state=True):
     key = toks(s)
-    m = cache.match_prefix(key, cow_mamba=False)
+    m = cache.match_prefix(key, copy_on_match=False)
     pages = m.device_indices + dev.alloc(len(key) - m.device_len)
     slot = None
     if with_state:
         slot = states.alloc(1)[0]
         memory[slot] = [len(key)]
-    r = cache.insert_with(InsertParams(key, pages, prev_prefix_len=m.device_len, mamba_value=slot))
+    r = cache.insert_with(InsertParams(key, pages, prev_prefix_len=m.device_len, aux={"mamba": slot}))
     dev.free(pages[m.device_len:r.prefix_len])
     cache.check_integrity(exact=True)
     return r
@@ -156,7 +158,7 @@ def test_mamba_match_truncated_to_deepest_node_with_state():
     mamba_insert(cache, dev, states, memory, "aaaabbbb", with_state=False)
     m = cache.match_prefix(toks("aaaabbbbcc"))
     assert m.device_len == 4 and m.last_device_node.key == toks("aaaa")
-    states.free([m.mamba_slot])
+    states.free([m.copies["mamba"]])
     cache.check_integrity(exact=True)
 
 
@@ -164,11 +166,12 @@ def test_mamba_copy_on_write_keeps_cached_state():
     cache, dev, states, memory = mamba_cache()
     mamba_insert(cache, dev, states, memory, "aaaa")
     m = cache.match_prefix(toks("aaaa"))
-    assert m.mamba_slot is not None and m.mamba_slot != m.mamba_cow_src
-    memory[m.mamba_slot].append(999)  # decoding mutates the request's own copy
-    assert memory[m.mamba_cow_src] == [4]
-    assert cache.data(m.last_device_node, MAMBA).value == m.mamba_cow_src
-    states.free([m.mamba_slot])
+    src = cache.data(m.last_device_node, MAMBA).value
+    own = m.copies["mamba"]
+    assert own is not None and own != src
+    memory[own].append(999)  # decoding mutates the request's own copy
+    assert memory[src] == [4]
+    states.free([own])
     cache.check_integrity(exact=True)
 
 
@@ -176,7 +179,7 @@ def test_mamba_single_node_lock_and_eviction():
     cache, dev, states, memory = mamba_cache()
     mamba_insert(cache, dev, states, memory, "aaaa")
     mamba_insert(cache, dev, states, memory, "aaaabbbb")
-    m = cache.match_prefix(toks("aaaabbbb"), cow_mamba=False)
+    m = cache.match_prefix(toks("aaaabbbb"), copy_on_match=False)
     leaf = m.last_device_node
     lock = cache.inc_lock_ref(leaf)
     assert cache.data(leaf, MAMBA).lock_ref == 1 and cache.data(leaf.parent, MAMBA).lock_ref == 0
@@ -193,7 +196,7 @@ def test_mamba_single_node_lock_and_eviction():
 def test_mamba_state_stays_on_lower_node_when_split():
     cache, dev, states, memory = mamba_cache()
     mamba_insert(cache, dev, states, memory, "aaaabbbb")
-    m = cache.match_prefix(toks("aaaaXXXX"), cow_mamba=False)
+    m = cache.match_prefix(toks("aaaaXXXX"), copy_on_match=False)
     assert m.last_device_node.parent is None  # no state at the split point: nothing valid
     (upper,) = m.last_device_node.children.values()
     assert upper.key == toks("aaaa") and cache.data(upper, MAMBA).value is None
@@ -201,7 +204,7 @@ def test_mamba_state_stays_on_lower_node_when_split():
     assert cache.data(lower, MAMBA).value is not None
     assert m.device_len == 0
     r = mamba_insert(cache, dev, states, memory, "aaaabbbb")
-    assert r.mamba_exist and states.used == 1
+    assert r.already_held == {"mamba"} and states.used == 1
     cache.check_integrity(exact=True)
 
 

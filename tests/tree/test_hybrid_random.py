@@ -20,6 +20,7 @@ from hicache.tree import (
     FullComponent,
     InsertParams,
     MambaComponent,
+    PagedInsert,
     SWAComponent,
     UnifiedRadixCache,
 )
@@ -51,8 +52,8 @@ class HybridMachine(RuleBasedStateMachine):
         ps = self.page_size
         key = array("I", key)
         m = self.cache.match_prefix(key)
-        if m.mamba_slot is not None:
-            self.aux.free([m.mamba_slot])
+        if "mamba" in m.copies:
+            self.aux.free([m.copies["mamba"]])
         npages = len(key) // ps
         have = len(m.device_indices)
         pages = m.device_indices + self.dev.alloc(npages - have)
@@ -60,23 +61,23 @@ class HybridMachine(RuleBasedStateMachine):
         if self.kind == "swa":
             start = min(swa_start, npages)
             own_from = max(start, have)
-            kw["swa_start_page"] = start
-            kw["swa_value"] = [0] * (own_from - start) + self.aux.alloc(npages - own_from)
+            kw["swa"] = PagedInsert([0] * (own_from - start) + self.aux.alloc(npages - own_from), start,
+                                    m.device_len)
             # pages below ``have`` are the tree's own and are never read
         elif npages:
-            kw["mamba_value"] = self.aux.alloc(1)[0]
-        r = self.cache.insert_with(InsertParams(key, pages, prev_prefix_len=m.device_len, **kw))
+            kw["mamba"] = self.aux.alloc(1)[0]
+        r = self.cache.insert_with(InsertParams(key, pages, prev_prefix_len=m.device_len, aux=kw))
         self.dev.free(pages[have:r.prefix_len // ps])
 
     @rule(key=keys)
     def match(self, key):
         m = self.cache.match_prefix(array("I", key))
-        if m.mamba_slot is not None:
-            self.aux.free([m.mamba_slot])
+        if "mamba" in m.copies:
+            self.aux.free([m.copies["mamba"]])
 
     @rule(key=keys)
     def lock(self, key):
-        m = self.cache.match_prefix(array("I", key), cow_mamba=False)
+        m = self.cache.match_prefix(array("I", key), copy_on_match=False)
         node = m.last_device_node
         self.locks.append((self.cache.inc_lock_ref(node), node, list(m.device_indices)))
 
@@ -109,7 +110,7 @@ class HybridMachine(RuleBasedStateMachine):
 
     @rule(key=keys, ok=st.booleans(), finish=st.booleans())
     def load_back(self, key, ok, finish):
-        m = self.cache.match_prefix(array("I", key), cow_mamba=False)
+        m = self.cache.match_prefix(array("I", key), copy_on_match=False)
         op = self.cache.start_load_back(m)
         if op is not None:
             self.loads.append(op)

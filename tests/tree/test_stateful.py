@@ -83,17 +83,25 @@ class Reference:
         n = len(p) + self.ps
         return [pg for q, pg in self.pages.items() if len(q) == n and q[:len(p)] == p]
 
+    def descendants(self, p: tuple[int, ...]) -> list[tuple[int, ...]]:
+        return [q for q in self.pages if len(q) > len(p) and q[:len(p)] == p]
+
     def evict(self, k: int) -> None:
+        """A page without an L2 copy goes with the (L2-only) pages below it, which must
+        then all be unlocked."""
         for _ in range(k):
             cands = [(pg.tick, p) for p, pg in self.pages.items()
                      if pg.device and pg.lock == 0 and not any(c.device for c in self.children(p))
-                     and (pg.host or not self.children(p))]
+                     and (pg.host or all(self.pages[q].host_lock == 0 and self.pages[q].lock == 0
+                                         for q in self.descendants(p)))]
             if not cands:
                 raise AssertionError("reference: nothing left to evict")
             _, p = min(cands)
             pg = self.pages[p]
             pg.device = False
             if not pg.host:
+                for q in self.descendants(p):
+                    del self.pages[q]
                 del self.pages[p]
 
     def evict_host(self, k: int) -> None:
