@@ -490,9 +490,13 @@ class UnifiedRadixCache:
                 core.set_value(child, 0, value[off // ps:(off + kl) // ps])
             elif device_run:
                 prefix = off + kl
-            for j, (c, pl) in enumerate(payloads):
-                c.insert_overlap(core, child, off // ps, pl, spare[j])  # child stays the lower part
-            path.append(child)
+            if payloads:
+                for piece, first in self._cut(child, off // ps, payloads):
+                    for j, (c, pl) in enumerate(payloads):
+                        c.insert_overlap(core, piece, first, pl, spare[j])
+                    path.append(piece)
+            else:
+                path.append(child)
             node = child
             off += kl
         if off < n:
@@ -511,6 +515,19 @@ class UnifiedRadixCache:
                 held.append(c.name)
             self._free(c, spare[j])
         return InsertResult(prefix, node, frozenset(held))
+
+    def _cut(self, node: TreeNode, first: int, payloads: list[tuple[TreeComponent, Any]]
+             ) -> list[tuple[TreeNode, int]]:
+        """Split ``node`` (starting at page ``first``) at every component's ``overlap_cuts``;
+        returns the pieces with their first pages, upper first (``node`` is the last)."""
+        cuts = sorted({x for c, pl in payloads for x in c.overlap_cuts(self.core, node, first, pl)})
+        pieces = []
+        cur = first
+        for x in cuts:
+            pieces.append((self.core.split(node, (x - cur) * self.page_size), cur))
+            cur = x
+        pieces.append((node, cur))
+        return pieces
 
     # ================================================================== locks
     def inc_lock_ref(self, node: TreeNode) -> LockToken:

@@ -153,10 +153,16 @@ class TreeComponent:
         cut, so that each new node is either wholly covered by the payload or not at all."""
         return []
 
+    def overlap_cuts(self, core: TreeCore, node: TreeNode, first_page: int, payload: Any) -> list[int]:
+        """Page offsets inside existing ``node`` (its key starts at page ``first_page``)
+        where the insert must split it first, so that ``insert_overlap`` sees only nodes
+        wholly on one side of each of this component's own boundaries."""
+        return []
+
     def insert_overlap(self, core: TreeCore, node: TreeNode, first_page: int, payload: Any,
                        spare: list[int]) -> None:
         """The insert walks over existing ``node`` (its key starts at page ``first_page``):
-        take what the payload gives for it (may split ``node``; ``node`` stays the lower part)."""
+        take what the payload gives for it, or give the request's duplicate to ``spare``."""
 
     def insert_new(self, core: TreeCore, node: TreeNode, first_page: int, payload: Any) -> None:
         """The insert created ``node`` (no data of this component yet) at page ``first_page``."""
@@ -237,6 +243,15 @@ class PagedAuxComponent(TreeComponent):
             return [payload.start_page]
         return []
 
+    def overlap_cuts(self, core: TreeCore, node: TreeNode, first_page: int, payload: PagedInsert | None
+                     ) -> list[int]:
+        # a tombstone that the request's own pages cover only in part: split where they
+        # start (the upper part stays a tombstone, the lower one is recovered)
+        if payload is None or node.data[self.slot].value is not None:
+            return []
+        own_lo = self._own_from(payload, core.page_size)
+        return [own_lo] if first_page < own_lo < first_page + len(node.key) // core.page_size else []
+
     def insert_overlap(self, core: TreeCore, node: TreeNode, first_page: int, payload: PagedInsert | None,
                        spare: list[int]) -> None:
         if payload is None:
@@ -252,8 +267,7 @@ class PagedAuxComponent(TreeComponent):
             spare.extend(payload.pages[max(a, own_lo) - start:b - start])
             return
         if a < own_lo:
-            core.split(node, (own_lo - a) * ps)  # the upper part stays a tombstone
-            a = own_lo
+            raise RuntimeError(f"{self.name}: a tombstone to recover in part was not split first")
         core.set_value(node, self.slot, list(payload.pages[a - start:b - start]))
 
     def insert_new(self, core: TreeCore, node: TreeNode, first_page: int, payload: PagedInsert | None) -> None:

@@ -1,14 +1,18 @@
-"""Randomised operation sequences on hybrid caches (FULL+SWA, FULL+MAMBA) with L2 on.
+"""Randomised operation sequences on hybrid caches with L2 on: FULL with SWA, with Mamba,
+with both, and with both plus ``TagComponent``, a fourth kind defined here only (the tree
+is not edited for it: it must work through the component hooks alone).
 
 No reference model here (the differential test covers FULL); these check that every
 sequence of match / insert / lock / unlock / evict (per component) / write / L2 evict /
-load back keeps ``check_integrity()`` true, that locked data is never evicted, and that
-every allocator returns to empty once the cache is unlocked and flushed.
+load back keeps ``check_integrity()`` true, that locked data is never evicted, that
+evicting everything evictable leaves nothing evictable (evictable means ``evict`` can free
+it), and that every allocator returns to empty once the cache is unlocked and flushed.
 """
 
 from __future__ import annotations
 
 from array import array
+from typing import Any
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -20,60 +24,108 @@ from hicache.tree import (
     FullComponent,
     InsertParams,
     MambaComponent,
+    PagedAuxComponent,
     PagedInsert,
     SWAComponent,
+    TreeComponent,
     UnifiedRadixCache,
 )
+from hicache.tree.node import TreeNode
 
 keys = st.lists(st.integers(0, 2), min_size=1, max_size=12)
 
 
+class TagComponent(PagedAuxComponent):
+    """A toy kind: one index per page, needed on every node of a match (like FULL), locked
+    along the whole path, evicted before FULL and after SWA on internal nodes."""
+
+    ctype = None
+    name = "tag"
+
+    def priority(self, is_leaf: bool) -> int:
+        return 0 if is_leaf else 1
+
+    def new_validator(self):
+        i = self.slot
+        state = [True]  # every node so far has data
+
+        def step(node: TreeNode, from_host: bool) -> bool:
+            cd = node.data[i]
+            state[0] = state[0] and (cd.host_value if from_host else cd.value) is not None
+            return state[0]
+
+        return step
+
+    def lock(self, core, node: TreeNode) -> None:
+        while node.parent is not None:
+            core.lock(node, self.slot)
+            node = node.parent
+
+    def unlock(self, core, node: TreeNode, token: Any = None) -> None:
+        n = node
+        while n.parent is not None:
+            if n.data[self.slot].lock_ref <= 0:
+                raise ValueError("tag lock below zero")
+            n = n.parent
+        while node.parent is not None:
+            core.unlock(node, self.slot)
+            node = node.parent
+
+
 class HybridMachine(RuleBasedStateMachine):
-    kind = "swa"
+    kinds: tuple[str, ...] = ("swa",)
     page_size = 1
 
     @initialize()
     def setup(self):
         self.dev = PageAllocator(2000, "full")
         self.host = PageAllocator(2000, "full-l2")
-        self.aux = PageAllocator(2000, self.kind)
-        self.aux_host = PageAllocator(2000, self.kind + "-l2")
-        if self.kind == "swa":
-            extra = SWAComponent(self.aux, sliding_window=3, host_allocator=self.aux_host)
-        else:
-            extra = MambaComponent(self.aux, host_allocator=self.aux_host)
-        self.cache = UnifiedRadixCache([FullComponent(self.dev, self.host), extra], self.page_size)
+        self.allocs: dict[str, tuple[PageAllocator, PageAllocator]] = {}
+        comps: list[TreeComponent] = [FullComponent(self.dev, self.host)]
+        for kind in self.kinds:
+            # small L2 pools for the auxiliary kinds: their own L2 eviction runs too
+            a, h = PageAllocator(2000, kind), PageAllocator(12, kind + "-l2")
+            self.allocs[kind] = (a, h)
+            if kind == "swa":
+                comps.append(SWAComponent(a, sliding_window=3, host_allocator=h))
+            elif kind == "mamba":
+                comps.append(MambaComponent(a, host_allocator=h))
+            else:
+                comps.append(TagComponent(a, host_allocator=h))
+        self.cache = UnifiedRadixCache(comps, self.page_size)
         self.locks = []
         self.writes = []
         self.loads = []
+
+    def _free_copies(self, m) -> None:
+        for name, v in m.copies.items():
+            self.allocs[name][0].free([v])
 
     @rule(key=keys, computed=st.integers(0, 12), swa_start=st.integers(0, 6))
     def insert(self, key, computed, swa_start):
         ps = self.page_size
         key = array("I", key)
         m = self.cache.match_prefix(key)
-        if "mamba" in m.copies:
-            self.aux.free([m.copies["mamba"]])
+        self._free_copies(m)
         npages = len(key) // ps
         have = len(m.device_indices)
         pages = m.device_indices + self.dev.alloc(npages - have)
-        kw = {}
-        if self.kind == "swa":
-            start = min(swa_start, npages)
+        aux: dict[str, Any] = {}
+        for kind, (a, _h) in self.allocs.items():
+            # pages below the match are the tree's own and are never read: placeholders
+            if kind == "mamba":
+                if npages:
+                    aux[kind] = a.alloc(1)[0]
+                continue
+            start = min(swa_start, npages) if kind == "swa" else 0
             own_from = max(start, have)
-            kw["swa"] = PagedInsert([0] * (own_from - start) + self.aux.alloc(npages - own_from), start,
-                                    m.device_len)
-            # pages below ``have`` are the tree's own and are never read
-        elif npages:
-            kw["mamba"] = self.aux.alloc(1)[0]
-        r = self.cache.insert_with(InsertParams(key, pages, prev_prefix_len=m.device_len, aux=kw))
+            aux[kind] = PagedInsert([0] * (own_from - start) + a.alloc(npages - own_from), start, m.device_len)
+        r = self.cache.insert_with(InsertParams(key, pages, prev_prefix_len=m.device_len, aux=aux))
         self.dev.free(pages[have:r.prefix_len // ps])
 
     @rule(key=keys)
     def match(self, key):
-        m = self.cache.match_prefix(array("I", key))
-        if "mamba" in m.copies:
-            self.aux.free([m.copies["mamba"]])
+        self._free_copies(self.cache.match_prefix(array("I", key)))
 
     @rule(key=keys)
     def lock(self, key):
@@ -87,12 +139,17 @@ class HybridMachine(RuleBasedStateMachine):
         token, _node, _pages = self.locks.pop(i % len(self.locks))
         self.cache.dec_lock_ref(token)
 
-    @rule(full=st.integers(0, 8), aux=st.integers(0, 8))
-    def evict(self, full, aux):
-        if self.kind == "swa":
-            self.cache.evict(full, swa_tokens=aux)
-        else:
-            self.cache.evict(full, mamba_states=aux)
+    @rule(full=st.integers(0, 8), aux=st.integers(0, 8), which=st.integers(0, 3))
+    def evict(self, full, aux, which):
+        kinds = list(self.allocs)
+        self.cache.evict_units({"full": full, kinds[which % len(kinds)]: aux})
+
+    @rule(which=st.integers(0, 3))
+    def evict_everything(self, which):
+        """Asking one component for more than it holds frees all its evictable data."""
+        c = self.cache.components[which % len(self.cache.components)]
+        self.cache.evict_units({c.name: self.cache.total_size(c.name) + 1})
+        assert self.cache.evictable_size(c.name) == 0, c.name
 
     @rule(i=st.integers(0, 50), ok=st.booleans(), finish=st.booleans())
     def write(self, i, ok, finish):
@@ -145,24 +202,41 @@ class HybridMachine(RuleBasedStateMachine):
         self.cache.flush()
         self.cache.check_integrity()
         assert self.dev.used == 0 and self.host.used == 0
-        assert self.aux.used == 0 and self.aux_host.used == 0
+        for a, h in self.allocs.values():
+            assert a.used == 0 and h.used == 0
         assert self.cache.total_size(ComponentType.FULL) == 0
 
 
 class MambaMachine(HybridMachine):
-    kind = "mamba"
+    kinds = ("mamba",)
 
 
 class SWAMachinePage2(HybridMachine):
     page_size = 2
 
 
+class SWAMambaMachine(HybridMachine):
+    kinds = ("swa", "mamba")
+
+
+class SWAMambaMachinePage2(HybridMachine):
+    kinds = ("swa", "mamba")
+    page_size = 2
+
+
+class FourComponentMachine(HybridMachine):
+    kinds = ("swa", "mamba", "tag")
+
+
 # fewer examples than the differential test: these only guard the hybrid code paths
 _few = settings(max_examples=max(10, settings.default.max_examples // 3))
-HybridMachine.TestCase.settings = _few
-MambaMachine.TestCase.settings = _few
-SWAMachinePage2.TestCase.settings = _few
+for _m in (HybridMachine, MambaMachine, SWAMachinePage2, SWAMambaMachine, SWAMambaMachinePage2,
+           FourComponentMachine):
+    _m.TestCase.settings = _few
 
 TestHybridSWA = HybridMachine.TestCase
 TestHybridMamba = MambaMachine.TestCase
 TestHybridSWAPage2 = SWAMachinePage2.TestCase
+TestHybridSWAMamba = SWAMambaMachine.TestCase
+TestHybridSWAMambaPage2 = SWAMambaMachinePage2.TestCase
+TestFourComponents = FourComponentMachine.TestCase
