@@ -208,16 +208,6 @@ class TierManager:
             out[e.kind.value] = out.get(e.kind.value, 0) + 1
         return out
 
-    def l1_held_by_loads(self) -> dict[str, int]:
-        """L1 units (pages; slots for Mamba) that the load-backs in flight hold, per
-        component name: set as the nodes' ``value`` but not evictable until they finish."""
-        out: dict[str, int] = {}
-        for e in self._inflight.values():
-            if e.kind is OpKind.LOAD and e.transfer is not None:
-                for name, (_src, dst) in e.transfer.transfers.items():
-                    out[name] = out.get(name, 0) + len(dst)
-        return out
-
     def oldest_op_age(self) -> float:
         """Seconds since the oldest in-flight op was sent (0 with none): a hung controller shows here."""
         if not self._inflight:

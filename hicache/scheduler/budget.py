@@ -11,12 +11,11 @@ Units are the allocator's: pages for FULL and SWA, state slots for MAMBA.
 
 ``room(kind)`` is what a new reservation may use::
 
-    free + evictable - reserved - held by in-flight load-backs (SWA, MAMBA)
+    free + evictable - reserved
 
-A load-back sets its nodes' L1 values at once and locks their Full pages (so those are
-already outside ``evictable``); their SWA pages and Mamba states are unlocked but cannot be
-evicted until the load finishes, so they are subtracted here (``loads``, the tier manager's
-``l1_held_by_loads``).
+The tree's ``evictable`` is exactly what its eviction can free: data that in-flight
+transfers hold (a load-back's new L1 pages and states, a write's source) is locked, so it
+is not counted.
 
 Contract (``holder`` is a request id; ``amounts`` maps a ``ComponentType`` to a count):
 
@@ -44,7 +43,7 @@ with the tree's integrity check whenever it is idle (``Scheduler.check_idle``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from hicache.memory.allocator import PageAllocator, PageIndices
@@ -54,9 +53,6 @@ from hicache.tree.node import ComponentType
 Amounts = Mapping[ComponentType, int]
 """Units per component kind (pages for FULL and SWA, state slots for MAMBA)."""
 
-_EVICT_ARG = {ComponentType.FULL: "full_tokens", ComponentType.SWA: "swa_tokens",
-              ComponentType.MAMBA: "mamba_states"}
-"""The ``UnifiedRadixCache.evict`` keyword of each kind."""
 
 
 class BudgetError(RuntimeError):
@@ -87,14 +83,9 @@ class Reservation:
 
 @dataclass(eq=False)
 class L1Budget:
-    """The L1 reservations of running requests over the components of ``cache``.
-
-    ``loads``: L1 units held by in-flight load-backs, per component name (``full``,
-    ``swa``, ``mamba``); only the SWA and Mamba entries are used (see the module docstring).
-    """
+    """The L1 reservations of running requests over the components of ``cache``."""
 
     cache: UnifiedRadixCache
-    loads: Callable[[], Mapping[str, int]] | None = None
     _kinds: dict[ComponentType, _Kind] = field(init=False, repr=False)
     _holders: dict[str, Reservation] = field(init=False, default_factory=dict)
 
@@ -122,14 +113,9 @@ class L1Budget:
         return iter(self._holders)
 
     def room(self, kind: ComponentType) -> int:
-        """Units of ``kind`` a new reservation may use: free + evictable - reserved - what
-        in-flight load-backs hold that the cache still counts as evictable."""
+        """Units of ``kind`` a new reservation may use: free + evictable - reserved."""
         k = self._kind(kind)
-        evictable = self.cache.evictable_size(kind) // k.unit_tokens
-        loading = 0
-        if kind is not ComponentType.FULL and self.loads is not None:
-            loading = self.loads().get(kind.wire_name, 0)
-        return k.allocator.free_count + evictable - loading - k.reserved
+        return k.allocator.free_count + self.cache.evictable_size(kind) // k.unit_tokens - k.reserved
 
     def can_reserve(self, amounts: Amounts) -> bool:
         """Whether ``reserve`` of ``amounts`` would be accepted now; changes nothing."""
@@ -168,7 +154,7 @@ class L1Budget:
         got = k.allocator.alloc(n)
         if got is None:
             short = n - k.allocator.free_count
-            self.cache.evict(**{_EVICT_ARG[kind]: short * k.unit_tokens})
+            self.cache.evict_units({kind.wire_name: short * k.unit_tokens})
             got = k.allocator.alloc(n)
         if got is None:
             return None

@@ -180,7 +180,7 @@ class Scheduler:
         self.swa = cache.swa
         self.mamba = cache.mamba
         self.hybrid = bool(cache.aux)
-        self.budget = L1Budget(cache, self._held_by_loads)
+        self.budget = L1Budget(cache)
         """Every running request's L1 reservation (the only place those numbers change)."""
         self.counters = SchedulerCounters()
         self.forward_s_ewma = 0.0  # recent forward-pass duration (s), for load_join_wait_s
@@ -378,9 +378,6 @@ class Scheduler:
             self.cache.check_integrity()
             self.budget.check_idle()
             self.counters.integrity_checks += 1
-
-    def _held_by_loads(self) -> dict[str, int]:
-        return self.tier.l1_held_by_loads() if self.tier is not None else {}
 
     def _schedule(self) -> None:
         if not self.waiting:

@@ -65,10 +65,10 @@ def test_a_load_is_known_by_the_id_the_controller_sees_and_ends_once() -> None:
     assert ticket is not None and ticket.rid == "r1" and ticket.node is m.last_host_node
     (msg,) = rig.take(protos.LoadToDevice)
     assert msg.op_id == ticket.op_id and ticket.op_id > 0
-    assert rig.tier.l1_held_by_loads() == {"full": 6}
+    assert rig.cache.protected_size() == 6  # the load's new L1 pages: locked until it ends
     assert rig.cache.open_transfers == 1 and rig.tier.in_flight == 1
     assert rig.ok(msg) is ticket and ticket.ok is True
-    assert rig.tier.l1_held_by_loads() == {} and rig.cache.open_transfers == 0
+    assert rig.cache.protected_size() == 0 and rig.cache.open_transfers == 0
     assert rig.ok(msg) is None  # a second answer for the same id changes nothing
     assert rig.tier.counters.loads == 1
     assert rig.cache.match_prefix(_key("abcdef")).device_len == 6

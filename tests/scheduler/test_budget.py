@@ -14,11 +14,10 @@ FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
 PS = 4
 
 
-def _budget(pages: int = 16, slots: int = 8, loads: dict[str, int] | None = None
-            ) -> tuple[L1Budget, UnifiedRadixCache]:
+def _budget(pages: int = 16, slots: int = 8) -> tuple[L1Budget, UnifiedRadixCache]:
     cache = UnifiedRadixCache([FullComponent(PageAllocator(pages, "full")),
                                MambaComponent(PageAllocator(slots, "mamba"), copy_state=lambda s, d: None)], PS)
-    return L1Budget(cache, (lambda: loads) if loads is not None else None), cache
+    return L1Budget(cache), cache
 
 
 def test_reserve_take_release_keep_the_totals_and_the_room() -> None:
@@ -67,13 +66,6 @@ def test_take_evicts_cached_data_when_the_allocator_is_short() -> None:
     b.release("b")
     cache.full.allocator.free(got)
     b.check_idle()
-
-
-def test_loads_in_flight_count_against_aux_room_only() -> None:
-    # a load-back's Full pages are locked by the tree (already not evictable); its Mamba
-    # states are not, but cannot be evicted until it finishes
-    b, _ = _budget(loads={"full": 5, "mamba": 2})
-    assert b.room(FULL) == 16 and b.room(MAMBA) == 6
 
 
 def test_errors_name_the_problem() -> None:

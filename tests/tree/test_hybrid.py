@@ -227,3 +227,40 @@ def test_swa_chunked_prefill_then_finish():
     assert first.key == toks("abcdef") and cache.data(first, SWA).value is not None  # recovered
     assert cache.protected_size() == 0 and dev.used == 10 and swa.used == 10
     assert cache.total_size(SWA) == 10  # no SWA page leaked
+
+
+def test_a_load_back_protects_the_auxiliary_data_it_places():
+    """Evictable means evict can free it: a load in flight locks the state it loads."""
+    dev, host = PageAllocator(32, "full"), PageAllocator(32, "full-l2")
+    states, states_host = PageAllocator(8, "mamba"), PageAllocator(8, "mamba-l2")
+    cache = UnifiedRadixCache([FullComponent(dev, host), MambaComponent(states, states_host)], 1)
+    key = toks("aaaabbbb")
+    r = cache.insert_with(InsertParams(key, dev.alloc(8), aux={"mamba": states.alloc(1)[0]}))
+    op = cache.start_write(r.node)
+    cache.finish_write(op, True)
+    cache.evict(100)  # L2-only now, with its state in L2
+    assert cache.total_size(MAMBA) == 0 and states.used == 0
+    m = cache.match_prefix(key, copy_on_match=False)
+    assert m.host_hit_length == 8  # valid once loaded: the state comes back too
+    load = cache.start_load_back(m)
+    assert load is not None and set(load.transfers) == {"full", "mamba"}
+    assert cache.total_size(MAMBA) == 1 and cache.evictable_size(MAMBA) == 0
+    assert cache.evictable_size() == 0
+    assert cache.evict(100, mamba_states=5).mamba_states == 0  # nothing evictable was hidden
+    cache.finish_load_back(load, True)
+    assert cache.evictable_size(MAMBA) == 1 and cache.evictable_size() == 8
+    assert cache.match_prefix(key, copy_on_match=False).device_len == 8
+    cache.check_integrity(exact=True)
+
+
+def test_host_hit_ends_where_the_l2_data_is_valid():
+    """An L2-only tail is reported only up to a boundary whose Mamba state is in L2."""
+    dev, host = PageAllocator(32, "full"), PageAllocator(32, "full-l2")
+    states = PageAllocator(8, "mamba")
+    cache = UnifiedRadixCache([FullComponent(dev, host), MambaComponent(states, PageAllocator(0, "m2"))], 1)
+    r = cache.insert_with(InsertParams(toks("aaaabbbb"), dev.alloc(8), aux={"mamba": states.alloc(1)[0]}))
+    cache.finish_write(cache.start_write(r.node), True)  # no L2 room for the state: Full only
+    cache.evict(100)
+    m = cache.match_prefix(toks("aaaabbbb"), copy_on_match=False)
+    assert m.device_len == 0 and m.host_hit_length == 0  # loading it back would give no valid match
+    cache.check_integrity(exact=True)
