@@ -55,6 +55,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from hicache.hashing import HashNamespace, PageHasher
@@ -156,7 +157,7 @@ class TierOp:
     kind: str
     node: TreeNode
     npages: int
-    transfers: dict[str, tuple[list[int], list[int]]]
+    transfers: dict[str, tuple[list[int], PageIndices]]
     hashes: list[str] = field(default_factory=list)
     done: bool = False
 
@@ -165,7 +166,7 @@ class TierOp:
         return self.transfers["full"][0]
 
     @property
-    def dst_pages(self) -> list[int]:
+    def dst_pages(self) -> PageIndices:
         return self.transfers["full"][1]
 
 
@@ -313,7 +314,7 @@ class UnifiedRadixCache:
             raise RuntimeError("in-flight operation does not end on a node boundary")
         return out
 
-    def _free(self, c: TreeComponent, units: list[int], host: bool = False) -> None:
+    def _free(self, c: TreeComponent, units: Sequence[int], host: bool = False) -> None:
         if units:
             alloc = c.host_allocator if host else c.allocator
             if alloc is None:
@@ -345,7 +346,7 @@ class UnifiedRadixCache:
         cannot, the match is empty.
         """
         core = self.core
-        root = core.root(cache_salt, create=False)
+        root = core.root(cache_salt)
         if root is None:  # nothing cached under this salt (its root comes with the first insert)
             return MatchResult(self._empty(), self._void_root, self._void_root)
         key, n = self._aligned(key)
@@ -402,12 +403,12 @@ class UnifiedRadixCache:
         node = res.last_device_node
         for c in self.aux:
             try:
-                v = c.copy_on_match(self.core, node, lambda c=c: self._evict_component(c, 1))  # type: ignore[misc]
+                v = c.copy_on_match(self.core, node, partial(self._evict_component, c, 1))
             except NoRoom:
                 for name, got in res.copies.items():  # give back the copies made so far
                     done = self._by_name[name]
                     self._free(done, done.as_pages(got))
-                root = self.core.root(self._salt_of(node), create=False) or self._void_root
+                root = self.core.root(self._salt_of(node)) or self._void_root
                 res.device_indices, res.last_device_node, res.last_host_node = self._empty(), root, root
                 res.device_len = res.host_hit_length = 0
                 res.copies = {}
@@ -461,7 +462,7 @@ class UnifiedRadixCache:
             payloads = [(c, aux[c.name]) for c in self.aux if aux.get(c.name) is not None]
             for c, pl in payloads:
                 c.check_insert(pl, npages)
-        root = core.root(cache_salt, create=True)
+        root = core.ensure_root(cache_salt)
         if not isinstance(value, (list, array)):
             value = list(value)
         node = root
@@ -536,7 +537,8 @@ class UnifiedRadixCache:
         ``dec_lock_ref`` needs."""
         core = self.core
         if not self.aux:
-            return LockToken(node, (self.full.lock(core, node),))
+            self.full.lock(core, node)
+            return LockToken(node, (None,))
         return LockToken(node, tuple([c.lock(core, node) for c in self.components]))
 
     def dec_lock_ref(self, node: TreeNode | LockToken, token: LockToken | None = None) -> None:
@@ -904,7 +906,7 @@ class UnifiedRadixCache:
         if (node.parent is None or node.in_flight or node.loading or node.data[0].value is None
                 or node.data[0].host_value is not None):
             return None
-        transfers: dict[str, tuple[list[int], list[int]]] = {}
+        transfers: dict[str, tuple[list[int], PageIndices]] = {}
         for c in self.components:
             cd = node.data[c.slot]
             host = c.host_allocator
@@ -1150,7 +1152,7 @@ class UnifiedRadixCache:
         hp = list(host_pages)
         if len(hp) != npages - start_page:
             raise ValueError("insert_host: host_pages must cover the key from start_page on")
-        root = core.root(cache_salt, create=True)
+        root = core.ensure_root(cache_salt)
         path = core.walk(root, key, n)
         have = sum(len(x.key) for x in path)
         node = path[-1] if path else root

@@ -98,7 +98,7 @@ class TreeComponent:
         return value  # type: ignore[no-any-return]
 
     @staticmethod
-    def from_pages(pages: list[int]) -> Any:
+    def from_pages(pages: Sequence[int]) -> Any:
         return pages
 
     def unit_tokens(self, page_size: int) -> int:
@@ -130,7 +130,7 @@ class TreeComponent:
         both up), the lowest for a state (a split leaves it there)."""
         return nodes if self.paged else nodes[:1]
 
-    def copy_on_match(self, core: TreeCore, node: TreeNode, evict_one: Callable[[], None]) -> Any:
+    def copy_on_match(self, core: TreeCore, node: TreeNode, evict_one: Callable[[], object]) -> Any:
         """A private copy of ``node``'s data for the request that matched it (data a request
         mutates). Returns the copy's value, None when the component needs none, or raises
         ``NoRoom`` when no index can be had even after ``evict_one``."""
@@ -344,7 +344,7 @@ class SWAComponent(PagedAuxComponent):
                     uid = cd.metadata.get("uuid")
                     if uid is None:
                         uid = cd.metadata["uuid"] = next(_uuids)
-                    return uid  # type: ignore[no-any-return]
+                    return int(uid)
             node = node.parent
         return None
 
@@ -404,7 +404,7 @@ class MambaComponent(TreeComponent):
         return [value]
 
     @staticmethod
-    def from_pages(pages: list[int]) -> Any:
+    def from_pages(pages: Sequence[int]) -> Any:
         return pages[0]
 
     def priority(self, is_leaf: bool) -> int:
@@ -422,7 +422,7 @@ class MambaComponent(TreeComponent):
     def split(self, upper: ComponentData, lower: ComponentData, pages: int) -> None:
         pass  # the state belongs to the end of the key: it stays on the lower node
 
-    def copy_on_match(self, core: TreeCore, node: TreeNode, evict_one: Callable[[], None]) -> int:
+    def copy_on_match(self, core: TreeCore, node: TreeNode, evict_one: Callable[[], object]) -> int:
         src = node.data[self.slot].value
         core.lock(node, self.slot)  # the source must survive the eviction below
         try:

@@ -24,10 +24,11 @@ component's ``value``, in its L2 order iff it has its ``host_value``) in step.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hicache.tree.node import ComponentData, Key, TreeNode
+from hicache.tree.node import KEY_TYPECODE, ComponentData, Key, TreeNode
 from hicache.tree.policy import EvictionPolicy
 
 
@@ -63,10 +64,15 @@ class TreeCore:
         self.unwritten: dict[TreeNode, None] = {}
 
     # ------------------------------------------------------------------ structure
-    def root(self, salt: str, create: bool) -> TreeNode | None:
+    def root(self, salt: str) -> TreeNode | None:
+        """``salt``'s root, None when nothing was ever inserted under it."""
+        return self.roots.get(salt)
+
+    def ensure_root(self, salt: str) -> TreeNode:
+        """``salt``'s root, created (holding every component's data, locked) if needed."""
         r = self.roots.get(salt)
-        if r is None and create:
-            r = TreeNode(None, [], self.n)
+        if r is None:
+            r = TreeNode(None, array(KEY_TYPECODE), self.n)
             r.salt = salt
             for cd in r.data:  # the root holds "data" for every component and is never evicted
                 cd.value = []

@@ -79,7 +79,7 @@ def check_integrity(cache: UnifiedRadixCache, exact: bool = False) -> None:
             cd = node.data[i]
             if cd.lock_ref < 0 or cd.host_lock_ref < 0:
                 _fail(f"{node!r}: negative lock count in {c.name}")
-            for val, pages, total, prot, locked, member in (
+            for val, tier_pages, total, prot, locked, member in (
                 (cd.value, dev_pages, dev_total, dev_prot, cd.lock_ref, in_dev),
                 (cd.host_value, host_pages, host_total, host_prot, cd.host_lock_ref, in_host),
             ):
@@ -88,7 +88,7 @@ def check_integrity(cache: UnifiedRadixCache, exact: bool = False) -> None:
                 p = c.as_pages(val)
                 if c.paged and len(p) != npages:
                     _fail(f"{node!r}: {c.name} holds {len(p)} pages for {npages} pages of key")
-                pages[i].extend(p)
+                tier_pages[i].extend(p)
                 u = c.units(val)
                 total[i] += u
                 if locked:
@@ -106,13 +106,13 @@ def check_integrity(cache: UnifiedRadixCache, exact: bool = False) -> None:
         ):
             if got != want:
                 _fail(f"{c.name}: {name} counter {got} but the tree sums to {want}")
-        for tier, policy, member in (("L1", core.dev_lru[i], in_dev[i]), ("L2", core.host_lru[i], in_host[i])):
+        for tier, policy, holders in (("L1", core.dev_lru[i], in_dev[i]), ("L2", core.host_lru[i], in_host[i])):
             try:
                 policy.check()
             except AssertionError as exc:
                 raise IntegrityError(f"{c.name} {tier} order: {exc}") from exc
             ids = [id(link.owner) for link in policy.links()]
-            if len(ids) != len(member) or set(ids) != member:
+            if len(ids) != len(holders) or set(ids) != holders:
                 _fail(f"{c.name}: the {tier} order does not hold exactly the nodes with {tier} data")
         if i == 0:
             want_unwritten = {id(n) for n in core.iter_nodes()
@@ -130,9 +130,9 @@ def check_integrity(cache: UnifiedRadixCache, exact: bool = False) -> None:
                 _fail(f"{c.name} {tier}: free + used != capacity")
             if len(set(pages)) != len(pages):
                 _fail(f"{c.name} {tier}: a page is held by two nodes")
-            for p in pages if alloc.checked else ():
-                if alloc.is_free(p):
-                    _fail(f"{c.name} {tier}: page {p} is held by the tree but free")
+            for page in pages if alloc.checked else ():
+                if alloc.is_free(page):
+                    _fail(f"{c.name} {tier}: page {page} is held by the tree but free")
             if len(pages) > alloc.used:
                 _fail(f"{c.name} {tier}: the tree holds more pages than are used")
             if exact and len(pages) != alloc.used:

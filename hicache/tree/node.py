@@ -9,9 +9,14 @@ from __future__ import annotations
 
 from array import array
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-Key = array
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    Key: TypeAlias = array[int]
+else:
+    Key = array
 """Token ids as ``array('I')`` (uint32): slices and comparisons are C-level memory copies
 and compares, and the bytes are exactly what page hashing consumes."""
 
@@ -105,12 +110,13 @@ class TreeNode:
         return self.parent is None
 
     @property
-    def value(self) -> list[int] | None:
+    def value(self) -> Any:
         """FULL-component L1 pages (None when the node is L2-only)."""
         return self.data[0].value
 
     @property
-    def host_value(self) -> list[int] | None:
+    def host_value(self) -> Any:
+        """FULL-component L2 pages (None without an L2 copy)."""
         return self.data[0].host_value
 
     @property

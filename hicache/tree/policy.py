@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterator
+from typing import Any
 
 from hicache.tree.node import LruLink, TreeNode
 
@@ -223,8 +224,8 @@ class LFUPolicy(EvictionPolicy):
     name = "lfu"
 
     def __init__(self) -> None:
-        self._heap: list[list] = []
-        self._entry: dict[LruLink, list] = {}
+        self._heap: list[list[Any]] = []
+        self._entry: dict[LruLink, list[Any]] = {}
         self._seq = itertools.count()
         self.age = 0  # L: the highest priority removed so far
 
@@ -256,7 +257,7 @@ class LFUPolicy(EvictionPolicy):
 
     def candidates(self) -> Iterator[TreeNode]:
         heap = self._heap
-        taken: list[list] = []
+        taken: list[list[Any]] = []
         try:
             while heap:
                 e = heapq.heappop(heap)
