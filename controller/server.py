@@ -90,6 +90,10 @@ with cores to spare may raise this."""
 ACCEPTS = protos.accepted_by("controller")
 """What the controller's inbox decodes (``protos.table``)."""
 
+_OP_MESSAGES = (protos.WriteToHost, protos.LoadToDevice, protos.BackupToStorage, protos.PrefetchFetch,
+                protos.PrefetchQuery)
+"""The messages that start an op (each has an ``op_id``); ``ControllerServer._handlers`` starts them."""
+
 
 @dataclass(frozen=True)
 class ControllerArgs:
@@ -116,7 +120,7 @@ class _Op:
 
 
 class ControllerServer:
-    def __init__(self, args: ControllerArgs, ctx: zmq.Context) -> None:
+    def __init__(self, args: ControllerArgs, ctx: zmq.SyncContext) -> None:
         self.args = args
         self.ctx = ctx
         self.pools = attach_pools(args.layout)
@@ -135,7 +139,7 @@ class ControllerServer:
                     log.error("the %s L3 store refused the daemon: %s; serving without L3 (fix cache.l3 and "
                               "attach it with PUT /cache/storage)", args.storage.kind, exc)
         self.storage = StorageIO(self.pools, backend, args.storage.kind if backend is not None else "none")
-        self.inbox: PullSocket[protos.ControllerMessage] = PullSocket(
+        self.inbox: PullSocket[protos.Message] = PullSocket(
             ctx, args.endpoints.address("controller"), ACCEPTS, bind=True)
         self.outbox: PushSocket[protos.Message] = PushSocket(ctx, args.endpoints.address("scheduler"))
         self._done_addr = f"inproc://controller-done-{id(self)}"
@@ -151,7 +155,7 @@ class ControllerServer:
         self.stopping = False
         self._last_health = 0.0
         self.heartbeat = HeartbeatWriter(None, "controller")  # controller_main sets the real one
-        self._handlers: dict[type, Callable[[Any], None]] = {
+        self._handlers: dict[type[protos.Message], Callable[[Any], None]] = {
             protos.WriteToHost: self._start_copy, protos.LoadToDevice: self._start_copy,
             protos.BackupToStorage: self._start_l3, protos.PrefetchFetch: self._start_l3,
             protos.PrefetchQuery: self._start_l3,
@@ -177,13 +181,12 @@ class ControllerServer:
     # -- dispatch ------------------------------------------------------------------
 
     def handle(self, msg: protos.Message) -> None:
-        start = self._handlers.get(type(msg))
-        if start is not None:
-            op_id = msg.op_id  # type: ignore[attr-defined]
+        if isinstance(msg, _OP_MESSAGES):
+            op_id = msg.op_id
             if op_id in self.ops:
                 self._reject(op_id, f"duplicate op id {op_id}: an op with this id is still running")
                 return
-            start(msg)
+            self._handlers[type(msg)](msg)
         elif isinstance(msg, protos.Shutdown):
             log.info("shutdown requested: %s", msg.reason)
             self.stopping = True
@@ -273,8 +276,7 @@ class ControllerServer:
         except Exception as exc:  # the backends never raise for store trouble; this is a bug
             log.exception("L3 op %d failed", op.op_id)
             return protos.OpDone(op.op_id, "error", 0, f"{type(exc).__name__}: {exc}")
-        status = "ok" if done == len(msg.hashes) else "failed"
-        return protos.OpDone(op.op_id, status, done)
+        return protos.OpDone(op.op_id, "ok" if done == len(msg.hashes) else "failed", done)
 
     def _run_and_answer(self, op: _Op, work: Callable[[], protos.Message]) -> None:
         try:
@@ -433,7 +435,12 @@ def controller_main(args: ControllerArgs) -> None:
         ready.send(protos.Ready("controller", os.getpid()))
         ready.close(linger_ms=5000)
     log.info("controller ready: components %s, L3 %s", list(server.pools.components), server.storage.backend_name)
-    watcher = threading.Thread(target=lambda: (stop.wait(), setattr(server, "stopping", True)), daemon=True)
+
+    def stop_on_signal() -> None:
+        stop.wait()
+        server.stopping = True
+
+    watcher = threading.Thread(target=stop_on_signal, daemon=True)
     watcher.start()
     try:
         server.serve()

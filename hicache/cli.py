@@ -47,7 +47,7 @@ def _available(module: str) -> bool:
         return False
 
 
-def _add(subparsers: argparse._SubParsersAction, name: str, module: str, help_text: str) -> None:
+def _add(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], name: str, module: str, help_text: str) -> None:
     if not _available(module):
         return
     parser = subparsers.add_parser(name, help=help_text, description=help_text)
@@ -71,7 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     for name, (module, help_text) in BENCHMARKS.items():
         _add(bench_sub, name, module, help_text)
-    bench.set_defaults(_run=lambda _args: (bench.print_help(), 2)[1])
+
+    def bench_help(_args: argparse.Namespace) -> int:
+        bench.print_help()
+        return 2
+
+    bench.set_defaults(_run=bench_help)
     return parser
 
 

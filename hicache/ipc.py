@@ -215,21 +215,21 @@ def load_curve_keys(keys_dir: str | os.PathLike[str]) -> CurveKeys:
     return CurveKeys(str(root), server_public, server_secret, client_public, client_secret, str(authorized))
 
 
-def curve_server(socket: zmq.Socket, keys: CurveKeys) -> None:
+def curve_server(socket: zmq.SyncSocket, keys: CurveKeys) -> None:
     """Make ``socket`` a CURVE server with the daemon's key pair (before it binds)."""
     socket.setsockopt(zmq.CURVE_SERVER, 1)
     socket.setsockopt(zmq.CURVE_PUBLICKEY, keys.server_public)
     socket.setsockopt(zmq.CURVE_SECRETKEY, keys.server_secret)
 
 
-def curve_client(socket: zmq.Socket, keys: CurveClientKeys) -> None:
+def curve_client(socket: zmq.SyncSocket, keys: CurveClientKeys) -> None:
     """Make ``socket`` a CURVE client of the server whose public key ``keys`` holds (before it connects)."""
     socket.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
     socket.setsockopt(zmq.CURVE_PUBLICKEY, keys.client_public)
     socket.setsockopt(zmq.CURVE_SECRETKEY, keys.client_secret)
 
 
-class SecureContext(zmq.Context):  # type: ignore[type-arg]
+class SecureContext(zmq.Context[zmq.Socket[bytes]]):
     """A context whose socket wrappers (below) use CURVE with ``curve_keys``.
 
     ``start`` runs a ZAP authenticator (``zmq.auth.thread.ThreadAuthenticator``) that admits
@@ -263,7 +263,7 @@ class SecureContext(zmq.Context):  # type: ignore[type-arg]
         super().destroy(linger)
 
 
-def open_context(endpoints: Endpoints | None = None, *, keys: CurveKeys | None = None) -> zmq.Context:
+def open_context(endpoints: Endpoints | None = None, *, keys: CurveKeys | None = None) -> zmq.SyncContext:
     """The ZeroMQ context of one process: a plain one, or, when ``keys`` is given or
     ``endpoints.curve_keys_dir`` is set, a ``SecureContext`` with its authenticator running
     (the keys are loaded from the directory here; CurveKeyError when they cannot be)."""
@@ -280,11 +280,11 @@ def open_context(endpoints: Endpoints | None = None, *, keys: CurveKeys | None =
     return ctx
 
 
-def _curve_of(ctx: zmq.Context) -> CurveKeys | None:
+def _curve_of(ctx: zmq.SyncContext) -> CurveKeys | None:
     return ctx.curve_keys if isinstance(ctx, SecureContext) else None
 
 
-def _bind_or_connect(ctx: zmq.Context, socket: zmq.Socket, address: str, bind: bool) -> None:
+def _bind_or_connect(ctx: zmq.SyncContext, socket: zmq.SyncSocket, address: str, bind: bool) -> None:
     """Bind (a CURVE server) or connect (a CURVE client) ``socket``; plain when ``ctx`` has no keys."""
     keys = _curve_of(ctx)
     if keys is not None:
@@ -324,16 +324,18 @@ class Endpoints:
         raise ValueError(f"unknown transport {self.transport!r}")
 
 
-def _check_type(msg: Message, accepts: tuple[type[Message], ...]) -> None:
+def _check_type(msg: Message, accepts: tuple[type[M], ...]) -> M:
+    """``msg`` as one of the ``accepts`` types; ProtocolError if it is none of them."""
     if not isinstance(msg, accepts):
         names = ", ".join(c.__name__ for c in accepts)
         raise ProtocolError(f"{type(msg).__name__} is not accepted on this endpoint (accepts {names})")
+    return msg
 
 
 class PushSocket(Generic[M]):
     """Sends messages of type ``M`` to one PULL endpoint."""
 
-    def __init__(self, ctx: zmq.Context, address: str, *, bind: bool = False) -> None:
+    def __init__(self, ctx: zmq.SyncContext, address: str, *, bind: bool = False) -> None:
         self.socket = ctx.socket(zmq.PUSH)
         self.socket.setsockopt(zmq.LINGER, 0)
         _bind_or_connect(ctx, self.socket, address, bind)
@@ -346,7 +348,7 @@ class PushSocket(Generic[M]):
         self.socket.close(linger=linger_ms)
 
 
-def _poller_for(socket: zmq.Socket) -> zmq.Poller:
+def _poller_for(socket: zmq.SyncSocket) -> zmq.Poller:
     """A poller watching ``socket`` for input (made once per wrapper: ``Socket.poll`` builds a
     new ``Poller`` on every call)."""
     poller = zmq.Poller()
@@ -354,21 +356,19 @@ def _poller_for(socket: zmq.Socket) -> zmq.Poller:
     return poller
 
 
-def _recv_typed(socket: zmq.Socket, poller: zmq.Poller, accepts: tuple[type[Message], ...],
-                timeout_ms: int | None) -> Message | None:
+def _recv_typed(socket: zmq.SyncSocket, poller: zmq.Poller, accepts: tuple[type[M], ...],
+                timeout_ms: int | None) -> M | None:
     """The next message of an accepted type, or None if none arrived within ``timeout_ms``
     (None = block). A bad frame is consumed and raises ProtocolError."""
     if timeout_ms is not None and not poller.poll(timeout_ms):
         return None
-    msg = decode(socket.recv(copy=True))
-    _check_type(msg, accepts)
-    return msg
+    return _check_type(decode(socket.recv(copy=True)), accepts)
 
 
 class PullSocket(Generic[M]):
     """Receives messages whose types are in ``accepts``; garbage raises ProtocolError."""
 
-    def __init__(self, ctx: zmq.Context, address: str, accepts: tuple[type[M], ...], *, bind: bool = True) -> None:
+    def __init__(self, ctx: zmq.SyncContext, address: str, accepts: tuple[type[M], ...], *, bind: bool = True) -> None:
         self.socket = ctx.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.accepts = accepts
@@ -377,7 +377,7 @@ class PullSocket(Generic[M]):
 
     def recv(self, timeout_ms: int | None = None) -> M | None:
         """The next message, or None if none arrived within ``timeout_ms`` (None = block)."""
-        return _recv_typed(self.socket, self._poller, self.accepts, timeout_ms)  # type: ignore[return-value]
+        return _recv_typed(self.socket, self._poller, self.accepts, timeout_ms)
 
     def recv_ready(self) -> M | None:
         """The next message if one is queued now, else None; never waits.
@@ -388,9 +388,7 @@ class PullSocket(Generic[M]):
             frame = self.socket.recv(zmq.NOBLOCK, copy=True)
         except zmq.Again:
             return None
-        msg = decode(frame)
-        _check_type(msg, self.accepts)
-        return msg  # type: ignore[return-value]
+        return _check_type(decode(frame), self.accepts)
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -399,7 +397,7 @@ class PullSocket(Generic[M]):
 class DealerSocket(Generic[M]):
     """Request side of a DEALER/ROUTER pair: sends any message, receives ``accepts``."""
 
-    def __init__(self, ctx: zmq.Context, address: str, accepts: tuple[type[M], ...], *, identity: bytes | None = None) -> None:
+    def __init__(self, ctx: zmq.SyncContext, address: str, accepts: tuple[type[M], ...], *, identity: bytes | None = None) -> None:
         self.socket = ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         if identity:
@@ -412,7 +410,7 @@ class DealerSocket(Generic[M]):
         self.socket.send(encode(msg), copy=False)
 
     def recv(self, timeout_ms: int | None = None) -> M | None:
-        return _recv_typed(self.socket, self._poller, self.accepts, timeout_ms)  # type: ignore[return-value]
+        return _recv_typed(self.socket, self._poller, self.accepts, timeout_ms)
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -425,7 +423,7 @@ class RouterSocket(Generic[M]):
     answer it with an ``ErrorReply`` and keep serving.
     """
 
-    def __init__(self, ctx: zmq.Context, address: str, accepts: tuple[type[M], ...]) -> None:
+    def __init__(self, ctx: zmq.SyncContext, address: str, accepts: tuple[type[M], ...]) -> None:
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.accepts = accepts
@@ -440,11 +438,10 @@ class RouterSocket(Generic[M]):
             raise PeerProtocolError(frames[0], f"expected 2 frames (identity, message), got {len(frames)}")
         peer, frame = frames
         try:
-            msg = decode(frame)
-            _check_type(msg, self.accepts)
+            msg = _check_type(decode(frame), self.accepts)
         except ProtocolError as exc:
             raise PeerProtocolError(peer, str(exc)) from None
-        return peer, msg  # type: ignore[return-value]
+        return peer, msg
 
     def send(self, peer: bytes, msg: Message) -> None:
         self.socket.send_multipart([peer, encode(msg)], copy=False)
@@ -469,7 +466,7 @@ class ResettablePush(Generic[M]):
     to the new peer.
     """
 
-    def __init__(self, ctx: zmq.Context, address: str) -> None:
+    def __init__(self, ctx: zmq.SyncContext, address: str) -> None:
         self.ctx = ctx
         self.address = address
         self._push: PushSocket[M] = PushSocket(ctx, address)
@@ -478,7 +475,7 @@ class ResettablePush(Generic[M]):
         self._push.send(msg)
 
     @property
-    def socket(self) -> zmq.Socket:
+    def socket(self) -> zmq.SyncSocket:
         return self._push.socket
 
     def reset(self) -> None:

@@ -208,7 +208,7 @@ def mark_process_dead(pid: int) -> None:
         return
     from prometheus_client import multiprocess
 
-    multiprocess.mark_process_dead(pid, path)
+    multiprocess.mark_process_dead(pid, path)  # type: ignore[no-untyped-call]  # unannotated in prometheus_client
 
 
 _current: Metrics | None = None
@@ -235,7 +235,7 @@ def init_process_metrics(config: MetricsConfig, process: str) -> Metrics:
         # before the directory was exported (a launcher that imported it early), switch now,
         # before any metric of this process exists.
         if not getattr(values.ValueClass, "_multiprocess", False):
-            values.ValueClass = values.MultiProcessValue()
+            values.ValueClass = values.MultiProcessValue()  # type: ignore[no-untyped-call]  # unannotated in prometheus_client
     else:
         log.warning("%s is not set: /metrics shows the metrics of the %s process only", MULTIPROC_ENV, process)
     _current = Metrics(CollectorRegistry(auto_describe=True))
@@ -260,7 +260,7 @@ def render_metrics() -> bytes | None:
         from prometheus_client import multiprocess
 
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry, path)
+        multiprocess.MultiProcessCollector(registry, path)  # type: ignore[no-untyped-call]  # unannotated in prometheus_client
         return generate_latest(registry)
     return generate_latest(m.registry) if m.registry is not None else None
 

@@ -223,11 +223,12 @@ def _run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear report
         if args.sweep == "auto":
             caps = auto_capacities(unique)
         else:
-            caps = [pages_of(x, "--sweep") for x in args.sweep.split(",") if x.strip()]
-            if any(c is None or c < 1 for c in caps):
+            wanted = [pages_of(x, "--sweep") for x in args.sweep.split(",") if x.strip()]
+            caps = [c for c in wanted if c is not None and c >= 1]
+            if len(caps) != len(wanted):
                 raise ValueError("--sweep capacities must be bounded and at least one page")
         bar = _progress(show, len(caps) * (len(policies) + 1), "sweep")
-        res = run_sweep(work, caps, policies, bar.update)  # type: ignore[arg-type]
+        res = run_sweep(work, caps, policies, bar.update)
         bar.close()
         print(f"\nsweep (single tier; hit rate, and as a fraction of Belady) in {res.seconds:.1f} s:")
         print(f"{'tokens':>10} {'blocks':>9} " + " ".join(f"{p:>17}" for p in policies) + f" {'Belady':>8}")

@@ -26,6 +26,8 @@ from hicache.storage_settings import storage_settings_from_config
 if TYPE_CHECKING:
     from storage_backends import FileSettings, RedisSettings
     from storage_backends.base import StorageBackend
+    from storage_backends.file_backend import FileBackend
+    from storage_backends.redis_backend import RedisBackend
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +72,7 @@ def _settings(args: argparse.Namespace) -> FileSettings | RedisSettings | None:
             max_size_gb=b.max_size_gb if b else 0.0,
             fsync=b.fsync if b else False,
             scan_on_start=True,
-            **({"resilience": res} if res else {}),
+            resilience=res or ResilienceSettings(),
         )
     if kind == "redis":
         b2 = base if isinstance(base, RedisSettings) else None
@@ -93,15 +95,33 @@ def _progress(iterable: Any, desc: str) -> Any:
     return tqdm(iterable, desc=desc, unit=" pages", file=sys.stderr, disable=None, mininterval=0.5)
 
 
+def _file_store(be: StorageBackend) -> FileBackend:
+    from storage_backends.file_backend import FileBackend
+
+    if not isinstance(be, FileBackend):
+        raise TypeError(f"a {be.kind} backend is not the file store")
+    return be
+
+
+def _redis_store(be: StorageBackend) -> RedisBackend:
+    from storage_backends.redis_backend import RedisBackend
+
+    if not isinstance(be, RedisBackend):
+        raise TypeError(f"a {be.kind} backend is not a Redis store")
+    return be
+
+
 def _stats(be: StorageBackend, args: argparse.Namespace) -> int:
     usage = be.usage()
     out: dict[str, Any] = {"backend": be.kind, "pages": usage.pages, "bytes": usage.bytes}
     if be.kind == "file":
-        out["dir"] = be.root  # type: ignore[attr-defined]
-        out["max_size_gb"] = be.settings.max_size_gb  # type: ignore[attr-defined]
+        store = _file_store(be)
+        out["dir"] = store.root
+        out["max_size_gb"] = store.settings.max_size_gb
     else:
-        out["url"] = be.name  # type: ignore[attr-defined]
-        out.update(be.server_info())  # type: ignore[attr-defined]
+        redis = _redis_store(be)
+        out["url"] = redis.name
+        out.update(redis.server_info())
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
     else:
@@ -166,9 +186,10 @@ def _gc(be: StorageBackend, args: argparse.Namespace) -> int:
     if args.to_gb < 0:
         print("--to-gb must be >= 0", file=sys.stderr)
         return 2
-    be.wait_scan()  # type: ignore[attr-defined]
-    before = be.used_bytes  # type: ignore[attr-defined]
-    pages, freed = be.gc(int(args.to_gb * 2**30))  # type: ignore[attr-defined]
+    store = _file_store(be)
+    store.wait_scan()
+    before = store.used_bytes
+    pages, freed = store.gc(int(args.to_gb * 2**30))
     print(f"evicted {pages} pages, {freed / 2**30:.3f} GiB; {(before - freed) / 2**30:.3f} GiB remain")
     return 0
 

@@ -9,6 +9,10 @@ against bare chained ``hashlib.sha256`` over the same bytes already packed.
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from protos import Message
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
 
 
-def _sample_messages(pages: int) -> list:
+def _sample_messages(pages: int) -> list[Message]:
     import protos as p
 
     hashes = [f"{i:064x}" for i in range(pages)]
@@ -49,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     figures: list[Figure] = []
     msgs = _sample_messages(args.pages)
     dicts = [msgpack.unpackb(protos.encode(m)) for m in msgs]  # the same maps, as plain dicts
-    n = args.messages
+    n: int = args.messages
     per = n // len(msgs)
 
     def ours() -> int:

@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def print_table(title: str, figures: Sequence[Figure]) -> None:
             print("  " + "  ".join("-" * w for w in widths))
 
 
-def write_json(path: str, benchmark: str, figures: Sequence[Figure], extra: dict | None = None) -> None:
+def write_json(path: str, benchmark: str, figures: Sequence[Figure], extra: dict[str, Any] | None = None) -> None:
     doc = {
         "benchmark": benchmark,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -139,11 +139,15 @@ class Soak:
         from hicache.config import load_config
 
         vocab = load_config(self.repo / "deploy/bench/soak.yaml").model.reference.vocab_size
+        if vocab is None:  # load_config fills it from the preset
+            raise RuntimeError("deploy/bench/soak.yaml: model.reference.vocab_size is not set")
         rng = random.Random(self.args.seed)
         systems = [[rng.randrange(1, vocab) for _ in range(SYSTEM_PROMPT_TOKENS)] for _ in range(4)]
         reference = Reference(self.reference_daemon.port)
         start_procs = self._processes()
-        launcher = self.daemon.proc.pid  # type: ignore[union-attr]
+        if self.daemon.proc is None:
+            raise RuntimeError("the daemon under test is not running")
+        launcher = self.daemon.proc.pid
         self._log(f"daemon {start_procs}, reference on port {self.reference_daemon.port}, redis {self.redis.url}, "
                   f"{self.args.clients} clients for {self.args.minutes:g} min; output in {self.out}")
         clients = [Client(i, self.daemon.port, reference, self.tally, systems, vocab, self.args.seed * 1000 + i)

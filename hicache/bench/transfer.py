@@ -14,6 +14,7 @@ In one run, on the same shared-memory tensors:
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
             raise RuntimeError("the controller did not start")
         op_ids = iter(range(1, 10**9))
 
-        def call(msg: protos.Message, outbox: PushSocket = outbox, inbox: PullSocket = inbox) -> protos.Message:
+        def call(msg: protos.Message, outbox: PushSocket[protos.Message] = outbox,
+                 inbox: PullSocket[protos.Message] = inbox) -> protos.Message:
             outbox.send(msg)
             answer = inbox.recv(60_000)
             if not isinstance(answer, protos.OpDone) or answer.status != "ok":
@@ -128,12 +130,13 @@ def run(args: argparse.Namespace) -> int:
                             dev_t: torch.Tensor = dev_t) -> None:
                     src6.index_copy_(2, dev_t, torch.index_select(l2, 0, host_t).movedim(0, 2))
 
-                for direction, ours, raw in (
-                    ("L1->L2", lambda ids=op_ids, d=dev, h=host: call(protos.WriteToHost(next(ids), {"full": d}, {"full": h})),
-                     raw_d2h),
-                    ("L2->L1", lambda ids=op_ids, d=dev, h=host: call(protos.LoadToDevice(next(ids), {"full": h}, {"full": d})),
-                     raw_h2d),
-                ):
+                def to_host(ids: Iterator[int] = op_ids, d: list[int] = dev, h: list[int] = host) -> protos.Message:
+                    return call(protos.WriteToHost(next(ids), {"full": d}, {"full": h}))
+
+                def to_device(ids: Iterator[int] = op_ids, d: list[int] = dev, h: list[int] = host) -> protos.Message:
+                    return call(protos.LoadToDevice(next(ids), {"full": h}, {"full": d}))
+
+                for direction, ours, raw in (("L1->L2", to_host, raw_d2h), ("L2->L1", to_device, raw_h2d)):
                     ours()
                     raw()
                     t_ours, t_raw = [], []

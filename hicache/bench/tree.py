@@ -23,6 +23,10 @@ from __future__ import annotations
 
 import argparse
 from array import array
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hicache.memory.allocator import PageIndices
 
 SGLANG_REQ_PER_S = {1: 9400.0, 16: 8100.0, 64: 6700.0}
 
@@ -42,23 +46,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def make_workload(requests: int, conversations: int, system_prompts: int, seed: int,
-                  vocab: int = 32000) -> list[tuple[array, array]]:
+                  vocab: int = 32000) -> list[tuple[array[int], array[int]]]:
     """``(input_ids, output_ids)`` per request, in arrival order (seeded). Token ids are
     ``array('I')``, the form a request carries them in (see ``hicache.tree.node.Key``)."""
     import random
 
     rng = random.Random(seed)
 
-    def toks(n: int) -> array:
+    def toks(n: int) -> array[int]:
         return array("I", [rng.randrange(vocab) for _ in range(n)])
 
     prompts = [toks(rng.randint(1000, 4000)) for _ in range(system_prompts)]
     turns_left = [0] * conversations
     for _ in range(requests):
         turns_left[rng.randrange(conversations)] += 1
-    history: list[array | None] = [None] * conversations
+    history: list[array[int] | None] = [None] * conversations
     active = [i for i in range(conversations) if turns_left[i]]
-    out: list[tuple[array, array]] = []
+    out: list[tuple[array[int], array[int]]] = []
     while active:
         j = rng.randrange(len(active))
         conv = active[j]
@@ -75,7 +79,16 @@ def make_workload(requests: int, conversations: int, system_prompts: int, seed: 
     return out
 
 
-def run_workload(workload: list[tuple[array, array]], page_size: int, capacity: int,
+def _joined(a: PageIndices, b: PageIndices) -> PageIndices:
+    """``a + b``: two runs from one allocator, so both lists or both arrays."""
+    if isinstance(a, list) and isinstance(b, list):
+        return a + b
+    if isinstance(a, array) and isinstance(b, array):
+        return a + b
+    raise TypeError(f"page runs of two kinds: {type(a).__name__} and {type(b).__name__}")
+
+
+def run_workload(workload: list[tuple[array[int], array[int]]], page_size: int, capacity: int,
                  policy: str = "lru", array_indices: bool = False) -> tuple[int, int, int, float]:
     """Replay once through a fresh cache; returns (requests, matched tokens, input tokens,
     seconds spent in the request loop)."""
@@ -107,7 +120,7 @@ def run_workload(workload: list[tuple[array, array]], page_size: int, capacity: 
             new = alloc.alloc(need)
             if new is None:
                 raise RuntimeError("benchmark: out of pages with everything unlocked")
-        pages = m.device_indices + new
+        pages = _joined(m.device_indices, new)
         aligned = len(seq) // ps
         r = cache.insert(seq, pages, prev_prefix_len=m.device_len)
         dup = pages[have:r.prefix_len // ps]

@@ -19,6 +19,7 @@ and the first token). Medians over ``--repeats``; ratios against cold in the sam
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 CASES = ("cold", "L1", "L2", "L3")
 
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = [f"cache.l3.file.dir={tmp.name}/l3", *args.overrides]
     daemon = ManagedDaemon(config, overrides, log_path=f"{tmp.name}/daemon.log")
 
-    def post(path: str, body: dict | None) -> tuple[float, dict]:
+    def post(path: str, body: dict[str, Any] | None) -> tuple[float, dict[str, Any]]:
         data = json.dumps(body).encode() if body is not None else b""
         req = urllib.request.Request(daemon.url + path, data=data, method="POST",
                                      headers={"Content-Type": "application/json"})
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
             out = json.load(resp)
         return time.perf_counter() - t0, out
 
-    def generate(ids: list[int]) -> tuple[float, dict]:
+    def generate(ids: list[int]) -> tuple[float, dict[str, Any]]:
         return post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
 
     rng = random.Random(0)

@@ -48,8 +48,15 @@ MAX_BACKOFF_S = 8.0
 SEND_WAIT_MS = 20
 """How long a fire-and-forget send waits for a connection to the daemon before it gives up."""
 
-ANSWERS = protos.accepted_by("engine")
-"""What the cache server answers an engine (``protos.table``)."""
+EngineCall = protos.EngineRegister | protos.Lookup | protos.Reserve
+"""What an engine sends and waits for an answer to; each carries a ``req`` from ``next_req``."""
+
+EngineAnswer = protos.EngineRegistered | protos.LookupResult | protos.ReserveResult | protos.EngineError
+"""What the cache server answers an engine; each carries the ``req`` of the call it answers."""
+
+ANSWERS: tuple[type[EngineAnswer], ...] = (protos.EngineRegistered, protos.LookupResult, protos.ReserveResult,
+                                           protos.EngineError)
+"""What the cache server answers an engine (the messages ``protos.table`` routes to engines)."""
 
 SERVER_PUBLIC_KEY = "curve_server_public_file"
 CLIENT_SECRET_KEY = "curve_client_secret_file"
@@ -99,7 +106,7 @@ class EngineClient:
         self.timeout_ms = timeout_ms
         self.clock = clock
         self.curve = curve
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.SyncContext = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
@@ -144,7 +151,7 @@ class EngineClient:
         except zmq.Again:
             return False
 
-    def call(self, msg: protos.Message, timeout_ms: int | None = None) -> protos.Message | None:
+    def call(self, msg: EngineCall, timeout_ms: int | None = None) -> EngineAnswer | None:
         """Send ``msg`` (its ``req`` set by ``next_req``) and return the answer with its ``req``,
         or None: down, not connected, or no answer in time (then down for a backoff)."""
         if self.down:
@@ -152,7 +159,7 @@ class EngineClient:
         if not self.send(msg, self.timeout_ms if timeout_ms is None else timeout_ms):
             self._mark_down()
             return None
-        want = msg.req  # type: ignore[attr-defined]
+        want = msg.req
         deadline = self.clock() + (self.timeout_ms if timeout_ms is None else timeout_ms) / 1000
         while (left := deadline - self.clock()) > 0:
             if not self._poller.poll(max(1, int(left * 1000))):
@@ -210,7 +217,7 @@ class CacheSession:
         self._start_heartbeat(answer.lease_ttl_s)
         return answer
 
-    def call(self, make: Callable[[int, int], protos.Message]) -> protos.Message | None:
+    def call(self, make: Callable[[int, int], EngineCall]) -> EngineAnswer | None:
         """``make(req, session)`` built and sent within the session; re-registers once when
         the daemon no longer knows the session. None when no answer could be had."""
         for _ in range(2):

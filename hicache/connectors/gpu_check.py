@@ -17,11 +17,16 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from hicache.connectors.kv_copy import PoolRef
 from hicache.memory.shm import SharedSegment, TensorSpec
+
+if TYPE_CHECKING:
+    from hicache.connectors.kv_copy_cuda import CudaBlockCopier
 
 
 def _layouts(num_blocks: int, bs: int, heads: int, dim: int) -> dict[str, tuple[int, ...]]:
@@ -94,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if out["ok"] else 1
 
 
-def _bandwidth(copier: object, views: list[torch.Tensor], pages: torch.Tensor,
+def _bandwidth(copier: CudaBlockCopier, views: list[torch.Tensor], pages: torch.Tensor,
                case: tuple[list[int], list[int]], repeats: int) -> dict[str, float]:
     """GB/s of copier loads / saves against torch copies of the same bytes (pinned <-> device)."""
     pg, bl = case
@@ -102,19 +107,19 @@ def _bandwidth(copier: object, views: list[torch.Tensor], pages: torch.Tensor,
     pinned = torch.empty((len(pg), *pages.shape[1:]), dtype=pages.dtype).pin_memory()
     device = torch.empty(pinned.shape, dtype=pages.dtype, device="cuda")
 
-    def timed(fn: object) -> float:
+    def timed(fn: Callable[[], object]) -> float:
         times = []
         for _ in range(repeats):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            fn()  # type: ignore[operator]
+            fn()
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         return nbytes / statistics.median(times) / 1e9
 
     res = {
-        "load_gbps": timed(lambda: copier.load(pg, bl)),  # type: ignore[attr-defined]
-        "save_gbps": timed(lambda: copier.save(bl, pg)),  # type: ignore[attr-defined]
+        "load_gbps": timed(lambda: copier.load(pg, bl)),
+        "save_gbps": timed(lambda: copier.save(bl, pg)),
         "raw_h2d_gbps": timed(lambda: device.copy_(pinned, non_blocking=True)),
         "raw_d2h_gbps": timed(lambda: pinned.copy_(device, non_blocking=True)),
     }

@@ -32,10 +32,17 @@ one layout is only read by the same layout (the layout is part of the page ident
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hicache.connectors.kv_copy import L2Pages, PoolRef
 from hicache.memory.pools import page_runs
+
+
+def _cudart() -> Any:
+    """The CUDA runtime bindings (``cudaHostRegister`` / ``cudaHostUnregister``)."""
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]  # unannotated in torch
 
 
 def block_first(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -59,7 +66,7 @@ class CudaBlockCopier:
         self.num_blocks = num_blocks
         self.dtype = layers[0].dtype
         self.device = layers[0].device
-        self.stream = torch.cuda.Stream(device=self.device)
+        self.stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]  # unannotated in torch
         self.layer_events: list[torch.cuda.Event | None] = [None] * len(layers)
         self.l2 = L2Pages(len(layers), self.block_elems, self.dtype)
         self._pinned_ptr: int | None = None
@@ -77,7 +84,7 @@ class CudaBlockCopier:
         pages = self.l2.tensor
         assert pages is not None
         nbytes = pool.pages * pool.page_bytes
-        rc = torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), nbytes, 0)
+        rc = _cudart().cudaHostRegister(pages.data_ptr(), nbytes, 0)
         if int(rc) != 0:
             self.l2.detach()
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of L2 failed with CUDA error {int(rc)}")
@@ -86,7 +93,7 @@ class CudaBlockCopier:
     def detach(self) -> None:
         if self._pinned_ptr is not None:
             self.stream.synchronize()
-            torch.cuda.cudart().cudaHostUnregister(self._pinned_ptr)
+            _cudart().cudaHostUnregister(self._pinned_ptr)
             self._pinned_ptr = None
         self.l2.detach()
 
@@ -102,7 +109,7 @@ class CudaBlockCopier:
             for i, view in enumerate(self.views):
                 for p, b, n in runs:
                     view[b : b + n].copy_(l2[p : p + n, i].view(n, *self.block_shape), non_blocking=True)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
                 event.record(self.stream)
                 self.layer_events[i] = event
         return len(pages) * l2[0].numel() * l2.element_size()

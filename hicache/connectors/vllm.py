@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,11 +53,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import protos
 from hicache.connectors.engine_client import (
     CacheSession,
+    EngineAnswer,
+    EngineCall,
     EngineClient,
     RegistrationRefused,
     curve_keys_for,
@@ -179,6 +183,7 @@ class HiCacheConnector(KVConnectorBase_V1):
                                    "the daemon must run in engine mode (engine.kind: vllm)")
         group = kv_cache_config.kv_cache_groups[0]
         spec = group.kv_cache_spec
+        assert isinstance(spec, FullAttentionSpec)  # _check_setup refused every other kind
         self.layer_names = list(group.layer_names)
         self.block_size = spec.block_size
         self.num_blocks = kv_cache_config.num_blocks
@@ -187,6 +192,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             raise ConnectorRefused(f"KV dtype {spec.dtype} is not supported (supported: {', '.join(_DTYPE_NAMES.values())})")
         self.kv_dtype = spec.dtype
         layout = kv_cache_config.kv_cache_layout
+        assert layout is not None  # _check_setup accepted only LBHNC
         model = vllm_config.model_config.model
         self.geometry = EngineKVGeometry(engine_identity(model, dtype, layout), dtype, spec.block_size,
                                          len(self.layer_names), spec.num_kv_heads, spec.head_size, layout)
@@ -251,20 +257,22 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._refused_until = time.monotonic() + REFUSED_RETRY_S
         log.error("hicache: the daemon refused this engine (%s); serving without hicache", exc)
 
-    def _call(self, make: Any) -> protos.Message | None:
+    def _call(self, make: Callable[[int, int], EngineCall]) -> EngineAnswer | None:
         """A request within the session (see ``CacheSession.call``); None without an answer."""
-        if self._open() is None:
+        if self._open() is None or self.session is None:  # _open is None without a session
             return None
         try:
-            return self.session.call(make)  # type: ignore[union-attr]
+            return self.session.call(make)
         except RegistrationRefused as exc:  # the daemon restarted as one that serves other pages
             self._refuse(exc)
             return None
 
     def _release(self, hit: _Hit | None, loaded_pages: int = 0) -> None:
-        reg = self.session.registered if self.session is not None else None
-        if hit is not None and hit.lease and reg is not None:
-            self.session.send(protos.Release(reg.session, hit.lease, loaded_pages))  # type: ignore[union-attr]
+        if hit is None or not hit.lease or self.session is None:
+            return
+        reg = self.session.registered
+        if reg is not None:
+            self.session.send(protos.Release(reg.session, hit.lease, loaded_pages))
 
     @staticmethod
     def _cacheable(request: Request) -> bool:
@@ -403,8 +411,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         for plan in meta.loads:
             loaded = 0
             try:
-                self._attach(meta)
-                self.copier.load(plan.pages, plan.blocks)  # type: ignore[union-attr]
+                self._attach(meta).load(plan.pages, plan.blocks)
                 loaded = len(plan.pages)
             except Exception as exc:  # vLLM recomputes what could not be loaded
                 log.warning("hicache: loading %d blocks of %s failed (%s): vLLM recomputes them",
@@ -412,12 +419,14 @@ class HiCacheConnector(KVConnectorBase_V1):
                 self._load_errors.update(plan.blocks)
             self.worker_client.send(protos.Release(meta.session, plan.lease, loaded))
 
-    def _attach(self, meta: HiCacheConnectorMetadata) -> None:
+    def _attach(self, meta: HiCacheConnectorMetadata) -> BlockCopier:
+        """The copier, attached to the step's L2 pool."""
         if self.copier is None:
             raise RuntimeError("register_kv_caches was not called")
         if meta.pool is None:
             raise RuntimeError("no L2 pool is known")
         self.copier.attach(meta.pool)
+        return self.copier
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # every load completed in start_load_kv, before the forward pass
@@ -431,8 +440,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         for plan in meta.saves:
             ok = False
             try:
-                self._attach(meta)
-                self.copier.save(plan.blocks, plan.pages)  # type: ignore[union-attr]
+                self._attach(meta).save(plan.blocks, plan.pages)
                 ok = True
             except Exception as exc:
                 log.warning("hicache: saving %d blocks of %s failed: %s", len(plan.blocks), plan.rid, exc)

@@ -17,11 +17,17 @@ import hashlib
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hicache.config import DType
 
 ENGINE_IDENTITY_VERSION = b"hicache-engine-identity-v1"
 
 KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+_MODEL_DTYPES: dict[str, DType] = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+"""The KV dtypes (``KV_DTYPE_BYTES``) as ``ModelConfig.dtype`` values."""
 
 
 class EngineModelError(ValueError):
@@ -109,8 +115,11 @@ def engine_identity(model_dir: str, kv_dtype: str, kv_layout: str) -> str:
     from hicache.config import ModelConfig
     from hicache.model.fingerprint import model_identity
 
+    dtype = _MODEL_DTYPES.get(kv_dtype)
+    if dtype is None:
+        raise EngineModelError(f"KV dtype {kv_dtype!r} is not one of {', '.join(_MODEL_DTYPES)}")
     try:
-        weights = model_identity(ModelConfig(kind="hf", path=model_dir, dtype=kv_dtype))  # type: ignore[arg-type]
+        weights = model_identity(ModelConfig(kind="hf", path=model_dir, dtype=dtype))
     except (OSError, ValueError) as exc:
         raise EngineModelError(f"cannot fingerprint the checkpoint {model_dir}: {exc}") from exc
     h = hashlib.sha256(ENGINE_IDENTITY_VERSION)

@@ -60,7 +60,7 @@ class _Query:
     peer: bytes
     req: int
     session: int
-    key: array
+    key: array[int]
     cache_salt: str
     deadline: float
 
@@ -139,7 +139,7 @@ class CacheServer:
         return protos.EngineError(req, "unknown_session",
                                   f"session {session} is not open (the daemon restarted or the session expired)")
 
-    def _request_key(self, msg: protos.Lookup | protos.Reserve) -> array | protos.EngineError:
+    def _request_key(self, msg: protos.Lookup | protos.Reserve) -> array[int] | protos.EngineError:
         """Renew the request's session and return its tokens as a key, or the error to answer."""
         if self.leases.touch(msg.session, self.clock()) is None:
             return self._session_error(msg.req, msg.session)
@@ -200,8 +200,13 @@ class CacheServer:
 
     def _finish_prefetch(self, slot: tuple[int, str], query: _Query) -> protos.Message:
         ticket = self._prefetches.pop(slot)
-        self.tier.cancel_prefetch(ticket)  # type: ignore[union-attr]
+        self._cancel_prefetch(ticket)
         return self._answer(query, ticket.arrived_tokens // self.cache.page_size)
+
+    def _cancel_prefetch(self, ticket: PrefetchTicket) -> None:
+        if self.tier is None:  # tickets come from the tier manager: there are none without one
+            raise RuntimeError("a prefetch ticket on a cache server without a tier manager")
+        self.tier.cancel_prefetch(ticket)
 
     def deliver(self) -> list[tuple[bytes, protos.Message]]:
         """The deferred lookup answers due now: ``(peer, answer)`` pairs to send."""
@@ -326,7 +331,7 @@ class CacheServer:
             self._end(lease)
         live = self.leases.sessions
         for slot in [s for s in self._prefetches if s[0] not in live]:
-            self.tier.cancel_prefetch(self._prefetches.pop(slot))  # type: ignore[union-attr]
+            self._cancel_prefetch(self._prefetches.pop(slot))
             self._deferred.pop(slot, None)
         if ended:
             log.warning("expired %d leases of engines that stopped answering", len(ended))
@@ -376,7 +381,7 @@ class CacheServer:
         return out
 
 
-def _key(token_ids: list[int]) -> array:
+def _key(token_ids: list[int]) -> array[int]:
     try:
         return array(KEY_TYPECODE, token_ids)
     except (OverflowError, TypeError) as exc:

@@ -6,8 +6,6 @@ the tier manager keep, so nothing is counted twice.
 
 from __future__ import annotations
 
-from typing import Any
-
 from hicache.engine_server.server import CacheServer
 from hicache.metrics import Metrics
 
@@ -16,7 +14,7 @@ class EngineTelemetry:
     def __init__(self, metrics: Metrics, server: CacheServer) -> None:
         self.metrics = metrics
         self.server = server
-        self._last: dict[str, Any] = {}
+        self._last: dict[str, int] = {}
 
     def _delta(self, key: str, value: int) -> int:
         d = value - self._last.get(key, 0)

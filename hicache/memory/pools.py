@@ -254,7 +254,7 @@ class SharedPools:
 
     def unlink(self) -> None:
         for name in self.layout.segments:
-            SharedSegment(name, 0, None, self.layout.directory, owner=True).unlink()  # type: ignore[arg-type]
+            SharedSegment(name, 0, None, self.layout.directory, owner=True).unlink()
 
 
 def create_pools(layout: PoolLayout) -> SharedPools:

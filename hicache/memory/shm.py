@@ -66,9 +66,11 @@ class TensorSpec:
 
 
 class SharedSegment:
-    """One mapped segment. Not thread-safe to close while another thread uses its tensors."""
+    """One mapped segment. Not thread-safe to close while another thread uses its tensors.
 
-    def __init__(self, name: str, size: int, mapping: mmap.mmap, directory: str, owner: bool) -> None:
+    ``mapping`` None: a handle on the name only (to ``unlink`` it), with nothing mapped."""
+
+    def __init__(self, name: str, size: int, mapping: mmap.mmap | None, directory: str, owner: bool) -> None:
         self.name = name
         self.size = size
         self.directory = directory

@@ -86,7 +86,8 @@ class KVPools:
                 raise ValueError(f"{name}: expected shape {want}, got {tuple(t.shape)}")
             if t.dtype != torch_dtype(m.dtype):
                 raise ValueError(f"{name}: expected dtype {m.dtype}, got {t.dtype}")
-        if m is not None and self.mamba_conv.shape[1] != self.mamba_ssm.shape[1]:  # type: ignore[union-attr]
+        conv, ssm = self.mamba_conv, self.mamba_ssm  # both given when m is not None (checked above)
+        if m is not None and conv is not None and ssm is not None and conv.shape[1] != ssm.shape[1]:
             raise ValueError("mamba_conv and mamba_ssm must have the same number of state slots")
 
 

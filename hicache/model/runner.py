@@ -185,7 +185,7 @@ class ModelRunner:
                 h = h + self._attention(x, i, kind, items, offsets, cos, sin, slots[kind], tables[kind])
             x = rms_norm(h, lw.post_norm, spec.rms_eps)
             gu = linear(x, lw.gate_up)
-            gate, up = gu.split(spec.intermediate_size, dim=-1)
+            gate, up = torch.split(gu, spec.intermediate_size, dim=-1)
             h = h + linear(silu(gate) * up, lw.down)
 
         rows: list[int] = []
@@ -277,7 +277,7 @@ class ModelRunner:
         for n, it in enumerate(items):
             sl = slice(offsets[n], offsets[n + 1])
             state = ssm_pool[li, it.state_slot].clone() if it.start > 0 else torch.zeros((di, n_state))
-            wanted = {pos - it.start: [] for pos, _ in it.snapshots}
+            wanted: dict[int, list[int]] = {pos - it.start: [] for pos, _ in it.snapshots}
             for pos, snap in it.snapshots:
                 wanted[pos - it.start].append(snap)
 

@@ -33,8 +33,14 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from hicache.replay_sim.trace import KEY_TYPECODE
+from hicache.tree.node import KEY_TYPECODE
+
+if TYPE_CHECKING:
+    from hicache.memory.allocator import PageIndices
+    from hicache.tree.cache import MatchResult
+    from hicache.tree.node import TreeNode
 
 DIRECTIONS = ("d2h", "h2d", "h2s", "s2h")
 
@@ -107,7 +113,7 @@ class SimReport:
     def hit_rate(self) -> float:
         return self.hit_tokens / self.total_tokens if self.total_tokens else 0.0
 
-    def to_dict(self) -> dict[str, object]:
+    def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["hit_rate"] = self.hit_rate
         return d
@@ -150,6 +156,13 @@ class _L3Store:
         return new
 
 
+def _page_list(run: PageIndices) -> list[int]:
+    """``run`` as the list it is: the simulator's allocators hand out lists (``array_indices`` off)."""
+    if not isinstance(run, list):
+        raise TypeError(f"replay: expected a list of page indices, got {type(run).__name__}")
+    return run
+
+
 class TieredSimulator:
     """Replays keys through a fresh cache built for one ``SimConfig``.
 
@@ -182,7 +195,7 @@ class TieredSimulator:
         self.l2_taken = 0  # L2 pages the tree took (written or prefetched)
 
     # ------------------------------------------------------------------ one request
-    def step(self, key: array) -> None:
+    def step(self, key: array[int]) -> None:
         cache, cfg, ps = self.cache, self.cfg, self.ps
         npages = len(key) // ps
         self.total += npages
@@ -197,7 +210,7 @@ class TieredSimulator:
                 m = cache.match_prefix(key)
                 host = min(host, m.host_hit_length // ps)
         loaded = 0
-        pages = m.device_indices
+        pages = _page_list(m.device_indices)
         last = m.last_device_node
         have = m.device_len // ps
         if m.host_hit_length > 0 and m.host_hit_length * self._unit >= cfg.load_back_threshold:
@@ -206,16 +219,17 @@ class TieredSimulator:
                 cache.finish_load_back(op, True)
                 loaded = op.npages
                 self.pages["h2d"] += loaded
-                pages = pages + op.dst_pages
+                pages = pages + _page_list(op.dst_pages)
                 last = m.last_host_node
                 have += loaded
         from_l2 = min(host, loaded)
         self.hits[0] += dev
         self.hits[1] += from_l2
         self.hits[2] += min(storage, loaded - from_l2)
-        new = self.l1.alloc(npages - have)
-        if new is None:  # pragma: no cover - the pool keeps room for the longest request
+        fresh = self.l1.alloc(npages - have)
+        if fresh is None:  # pragma: no cover - the pool keeps room for the longest request
             raise RuntimeError("replay: L1 working space exhausted")
+        new = _page_list(fresh)
         lock = cache.inc_lock_ref(last) if last.parent is not None else None
         res = cache.insert(key, pages + new, prev_prefix_len=have * ps)
         dup = (pages + new)[have:res.prefix_len // ps]
@@ -233,16 +247,17 @@ class TieredSimulator:
         return self.cfg.page_tokens // self.ps if self.ps > 1 else self.cfg.page_tokens
 
     # ------------------------------------------------------------------ tiers
-    def _prefetch(self, key: array, m: object, npages: int) -> int:
-        cache, ps = self.cache, self.ps
-        start = (m.device_len + m.host_hit_length) // ps  # type: ignore[attr-defined]
+    def _prefetch(self, key: array[int], m: MatchResult, npages: int) -> int:
+        cache, ps, l3 = self.cache, self.ps, self.l3
+        assert l3 is not None  # step prefetches only with L3 on
+        start = (m.device_len + m.host_hit_length) // ps
         rest = npages - start
         if rest <= 0 or rest * self.cfg.page_tokens < max(self.cfg.prefetch_threshold, 1):
             return 0
-        node = m.last_host_node  # type: ignore[attr-defined]
+        node = m.last_host_node
         parent = cache.last_page_hash(node) if node.parent is not None else None
         hashes = cache.hasher_for("").hash_pages(key[start * ps:npages * ps], parent)
-        n = self.l3.consecutive(hashes)  # type: ignore[union-attr]
+        n = l3.consecutive(hashes)
         if n == 0 or n * self.cfg.page_tokens < max(self.cfg.prefetch_threshold, 1):
             return 0
         l2 = self.l2
@@ -256,15 +271,15 @@ class TieredSimulator:
         got = l2.alloc(n) if n else None
         if not got:
             return 0
-        self.l3.touch(hashes[:n])  # type: ignore[union-attr]
+        l3.touch(hashes[:n])
         self.pages["s2h"] += n
         res = cache.insert_host(key[:(start + n) * ps], got, start_page=start)
         self.l2_taken += res.host_pages_taken
         return res.host_pages_taken
 
-    def _write_node(self, node: object) -> None:
+    def _write_node(self, node: TreeNode) -> None:
         cache = self.cache
-        op = cache.start_write(node)  # type: ignore[arg-type]
+        op = cache.start_write(node)
         if op is None:
             return
         cache.finish_write(op, True)
@@ -276,18 +291,18 @@ class TieredSimulator:
                 self.pages["h2s"] += self.l3.put(bop.hashes)
                 cache.finish_backup(bop, True)
 
-    def _write_path(self, node: object) -> None:
+    def _write_path(self, node: TreeNode) -> None:
         cfg = self.cfg
         thr = cfg.write_through_threshold if cfg.write_policy == "write_through_selective" else 0
-        path = []
+        path: list[TreeNode] = []
         n = node
-        while n.parent is not None:  # type: ignore[attr-defined]
-            d = n.data[0]  # type: ignore[attr-defined]
+        while n.parent is not None:
+            d = n.data[0]
             if d.host_value is not None:
                 break  # written parents first: everything above already has its copy
-            if d.value is not None and n.hit_count >= thr:  # type: ignore[attr-defined]
+            if d.value is not None and n.hit_count >= thr:
                 path.append(n)
-            n = n.parent  # type: ignore[attr-defined]
+            n = n.parent
         for n in reversed(path):
             self._write_node(n)
 
@@ -327,7 +342,7 @@ class TieredSimulator:
                          {d: t * cfg.bytes_per_token for d, t in moved.items()}, seconds)
 
 
-def simulate(keys: Sequence[array], cfg: SimConfig, tree_page_size: int = 1,
+def simulate(keys: Sequence[Sequence[int]], cfg: SimConfig, tree_page_size: int = 1,
              progress: Callable[[int], None] | None = None,
              longest_pages: int | None = None) -> SimReport:
     """Replay ``keys`` (one per request, in key units of the tree) under ``cfg``.

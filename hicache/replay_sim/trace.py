@@ -127,7 +127,7 @@ def check_geometry(block_size: int, page_size: int) -> int:
     return block_size // page_size
 
 
-def page_keys(trace: Trace, pages_per_block: int) -> list[array]:
+def page_keys(trace: Trace, pages_per_block: int) -> list[array[int]]:
     """One key per request: page ``j`` of block ``b`` is the token ``b*pages_per_block + j``
     (a tree page size of 1 then replays pages). ``ValueError`` if an id overflows 32 bits."""
     k = pages_per_block

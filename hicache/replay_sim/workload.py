@@ -7,10 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import overload
 
-from hicache.replay_sim.trace import KEY_TYPECODE, Trace, check_geometry, infer_block_size, page_keys
+from hicache.replay_sim.trace import Trace, check_geometry, infer_block_size, page_keys
+from hicache.tree.node import KEY_TYPECODE
 
 
-class TokenKeys(Sequence[array]):
+class TokenKeys(Sequence["array[int]"]):  # a string: array is not subscriptable before 3.12
     """Real synthetic token keys (block ``b`` -> ``b*B .. b*B+B-1``), built per request on
     access so a large trace never holds all of them at once."""
 
@@ -22,11 +23,11 @@ class TokenKeys(Sequence[array]):
         return len(self._blocks)
 
     @overload
-    def __getitem__(self, i: int) -> array: ...
+    def __getitem__(self, i: int) -> array[int]: ...
     @overload
-    def __getitem__(self, i: slice) -> list[array]: ...
+    def __getitem__(self, i: slice) -> list[array[int]]: ...
 
-    def __getitem__(self, i: int | slice) -> array | list[array]:
+    def __getitem__(self, i: int | slice) -> array[int] | list[array[int]]:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         b = self._b
@@ -46,7 +47,7 @@ class Workload:
     block_size: int
     page_size: int
     token_level: bool
-    pages: list[array]
+    pages: list[array[int]]
 
     @classmethod
     def build(cls, trace: Trace, block_size: int | None = None, page_size: int | None = None,
@@ -72,7 +73,7 @@ class Workload:
         return self.page_size if self.token_level else 1
 
     @property
-    def keys(self) -> Sequence[array]:
+    def keys(self) -> Sequence[array[int]]:
         return TokenKeys(self.trace, self.block_size) if self.token_level else self.pages
 
     @property

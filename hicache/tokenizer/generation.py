@@ -36,7 +36,7 @@ not send one), ``completion_tokens`` = the number of token ids returned to the c
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import protos
 from hicache.metrics import RequestTracker, TokenCounts
@@ -60,7 +60,7 @@ def final_usage(req: PreparedRequest, latest: protos.Usage | None, completion_to
 
 
 async def generate_steps(link: SchedulerLink, tokenizer: Tokenizer, req: PreparedRequest,
-                         tracker: RequestTracker) -> AsyncIterator[Step]:
+                         tracker: RequestTracker) -> AsyncGenerator[Step, None]:
     """Yield the steps of ``req``. Streaming: one per ``TokenOutput`` that adds text or ids,
     the last with ``finish_reason`` and ``usage``. Otherwise: one step, the whole output."""
     channel = link.generate(req.to_message())

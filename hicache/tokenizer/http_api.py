@@ -66,7 +66,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from http import HTTPStatus
 from typing import Any
@@ -506,7 +506,7 @@ class HttpApi:
 _DONE = object()
 
 
-async def _merged(streams: list[AsyncIterator[Step]]) -> AsyncIterator[tuple[int, Step]]:
+async def _merged(streams: list[AsyncGenerator[Step, None]]) -> AsyncGenerator[tuple[int, Step], None]:
     """The steps of several samples as ``(index, step)``, in the order they come. One stream
     is iterated directly; several run as tasks. The first exception of any ends the merge
     (re-raised here); leaving early cancels the rest, and each stream is closed
@@ -518,7 +518,7 @@ async def _merged(streams: list[AsyncIterator[Step]]) -> AsyncIterator[tuple[int
         return
     queue: asyncio.Queue[tuple[int, Step | None, object]] = asyncio.Queue()
 
-    async def pump(index: int, stream: AsyncIterator[Step]) -> None:
+    async def pump(index: int, stream: AsyncGenerator[Step, None]) -> None:
         try:
             async with aclosing(stream) as steps:
                 async for step in steps:
@@ -532,14 +532,14 @@ async def _merged(streams: list[AsyncIterator[Step]]) -> AsyncIterator[tuple[int
     try:
         running = len(tasks)
         while running:
-            index, step, outcome = await queue.get()
+            index, got, outcome = await queue.get()
             if outcome is _DONE:
                 running -= 1
             elif isinstance(outcome, BaseException):
                 raise outcome
             else:
-                assert step is not None
-                yield index, step
+                assert got is not None  # pump sends a step with no outcome
+                yield index, got
     finally:
         for task in tasks:
             task.cancel()

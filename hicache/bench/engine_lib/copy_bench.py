@@ -168,9 +168,15 @@ def _run_copy(sizes_mib: list[float], num_layers: int, kv_heads: int, block_size
                     for i, layer in enumerate(plain_layers):
                         plain_pages[:, i].index_copy_(0, pg_t, layer.index_select(0, bl_t))
 
+                def our_load(pg: list[int] = pg, bl: list[int] = bl) -> int:
+                    return rig.copier.load(pg, bl)
+
+                def our_save(pg: list[int] = pg, bl: list[int] = bl) -> int:
+                    return rig.copier.save(bl, pg)
+
                 runs: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
-                    "load": (lambda pg=pg, bl=bl: rig.copier.load(pg, bl), ref_load),
-                    "save": (lambda pg=pg, bl=bl: rig.copier.save(bl, pg), ref_save),
+                    "load": (our_load, ref_load),
+                    "save": (our_save, ref_save),
                 }
                 for op, (ours, ref) in runs.items():
                     ours()
@@ -180,7 +186,7 @@ def _run_copy(sizes_mib: list[float], num_layers: int, kv_heads: int, block_size
                     for _ in range(repeats):
                         a.append(nbytes / _time_per_call(ours, min_s) / GiB)
                         b.append(nbytes / _time_per_call(ref, min_s) / GiB)
-                    row = {"op": op, "pattern": pat, "size_mib": nbytes / (1 << 20), "pages": n,
+                    row: dict[str, Any] = {"op": op, "pattern": pat, "size_mib": nbytes / (1 << 20), "pages": n,
                            "hicache_gib_s": statistics.median(a), "torch_gib_s": statistics.median(b)}
                     row["ratio"] = row["hicache_gib_s"] / row["torch_gib_s"]
                     results.append(row)

@@ -258,7 +258,8 @@ def run_multiturn(b: Bench, shape: ChatShape, kv_space_gib: float | None) -> tup
         daemon.stop()
 
     def tput(run: dict[str, Any]) -> float:
-        return sum(run["round_tokens"]) / sum(run["round_s"])
+        tokens_per_s: float = sum(run["round_tokens"]) / sum(run["round_s"])
+        return tokens_per_s
 
     same_answers = alone["answers"] == with_hc["answers"]
     same_probes = alone["probe_tokens"] == with_hc["probe_tokens"]

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     kw: dict[str, Any] = {}
     if args.hicache_config:
@@ -86,7 +87,13 @@ def main(argv: list[str] | None = None) -> int:
             answer({"error": f"unknown op {op!r}"})
             continue
         salt = req.get("cache_salt")
-        prompts = [{"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})} for ids in req["prompts"]]
+        prompts: list[TokensPrompt] = []
+        for ids in req["prompts"]:
+            # vLLM marks the optional keys with typing.NotRequired, unknown to mypy for Python 3.10
+            prompt = TokensPrompt(prompt_token_ids=ids)  # type: ignore[typeddict-item]
+            if salt:
+                prompt["cache_salt"] = salt
+            prompts.append(prompt)
         params = SamplingParams(max_tokens=int(req.get("max_tokens", 8)), temperature=0.0, ignore_eos=True)
         t0 = time.perf_counter()
         results = llm.generate(prompts, params, use_tqdm=False)
@@ -164,7 +171,8 @@ class VllmProcess:
             if sel.select(timeout=1.0):
                 line = self.proc.stdout.readline()
                 if line:
-                    return json.loads(line)
+                    message: dict[str, Any] = json.loads(line)  # the driver answers one JSON object a line
+                    return message
             if self.proc.poll() is not None:
                 break
         raise VllmError(f"vLLM (pid {self.proc.pid}) gave no answer (exit code {self.proc.poll()}); "
@@ -233,9 +241,11 @@ def save_random_model(out_dir: str | Path, *, arch: str = "llama", layers: int =
     out = Path(out_dir)
     if (out / "config.json").is_file():
         return out
-    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+    common: dict[str, Any] = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=8192,
                   torch_dtype=dtype)
+    cfg: transformers.PretrainedConfig
+    cls: type[transformers.PreTrainedModel]
     if arch == "llama":
         cfg = transformers.LlamaConfig(head_dim=head_dim, **common)
         cls = transformers.LlamaForCausalLM

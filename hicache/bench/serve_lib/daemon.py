@@ -79,7 +79,7 @@ class ManagedDaemon:
     def _healthy(self) -> bool:
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                return resp.status == 200 and json.loads(resp.read()).get("status") == "ok"
+                return bool(resp.status == 200 and json.loads(resp.read()).get("status") == "ok")
         except (OSError, urllib.error.URLError, ValueError, AttributeError):
             return False
 

@@ -44,7 +44,7 @@ def ttft_cdf(runs: Sequence[dict[str, Any]], path: str, title: str | None = None
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    spans = []
+    spans: list[float] = []
     for s in runs:
         values = sorted(r["ttft_s"] * 1000 for r in s["records"] if r["ok"] and r["ttft_s"] is not None)
         if not values:

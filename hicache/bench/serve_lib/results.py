@@ -204,7 +204,8 @@ def compare_figures(a: dict[str, Any], b: dict[str, Any]) -> list[Figure]:
         return float("nan") if v is None else v
 
     def timing(s: dict[str, Any], name: str) -> float | None:
-        return (s.get("server_timings_ms") or {}).get(name, {}).get("p50")
+        p50: float | None = (s.get("server_timings_ms") or {}).get(name, {}).get("p50")
+        return p50
 
     la, lb = a["label"], b["label"]
     breakdown = []

@@ -215,7 +215,7 @@ def long_doc_qa(documents: int, doc_len: int, questions: int, question_len: int,
     _positive("output_len", output_len)
     rng = np.random.default_rng(seed)
     docs = [tokens.draw(rng, doc_len) for _ in range(documents)]
-    convs = []
+    convs: list[Conversation] = []
     for _ in range(questions):
         order = rng.permutation(documents) if shuffle else np.arange(documents)
         for d in order:
@@ -312,7 +312,8 @@ def trace_workload(path: str | Path, *, block_tokens_n: int | None = None, limit
         want = output_len if output_len is not None else max(1, outs[i] or 1)
         if output_len is None and max_output_len is not None:
             want = min(want, max_output_len)
-        at = (stamps[i] - t0) / 1000.0 if timed and stamps[i] is not None else None
+        stamp = stamps[i]
+        at = (stamp - t0) / 1000.0 if timed and stamp is not None else None
         convs.append(Conversation(i, (Turn(tuple(prompt), want, at),)))
     return Workload("trace", tuple(convs), dict(
         trace=str(path), records=n, trace_block_size=trace_b, block_tokens=b, output_len=output_len,
