@@ -60,12 +60,20 @@ from typing import Any
 
 from hicache.hashing import HashNamespace, PageHasher
 from hicache.memory.allocator import PageIndices
-from hicache.tree.components import FullComponent, MambaComponent, NoRoom, SWAComponent, TreeComponent
+from hicache.tree.components import (
+    FullComponent,
+    MambaComponent,
+    NoRoom,
+    SWAComponent,
+    TreeComponent,
+    Validator,
+)
 from hicache.tree.core import TreeCore
 from hicache.tree.node import KEY_TYPECODE, ComponentData, ComponentType, Key, TreeNode
 from hicache.tree.policy import make_policy
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+_NO_VALIDATORS: list[Validator] = []
 
 
 @dataclass
@@ -359,7 +367,7 @@ class UnifiedRadixCache:
                 break
             ndev += 1
         best = ndev
-        validators = [v for v in (c.new_validator() for c in self.aux) if v is not None]
+        validators = [v for v in (c.new_validator() for c in self.aux) if v is not None] if self.aux else _NO_VALIDATORS
         if validators and ndev:
             best = 0
             for j in range(ndev):
@@ -501,8 +509,10 @@ class UnifiedRadixCache:
             node = child
             off += kl
         if off < n:
-            cuts = sorted({cut for c, pl in payloads for cut in c.insert_cuts(pl, off // ps, npages)})
-            for end in [*cuts, npages]:
+            ends = [npages]
+            if payloads:
+                ends[:0] = sorted({cut for c, pl in payloads for cut in c.insert_cuts(pl, off // ps, npages)})
+            for end in ends:
                 leaf = core.new_child(node, key[off:end * ps])
                 core.set_value(leaf, 0, value[off // ps:end])
                 for c, pl in payloads:
@@ -510,6 +520,8 @@ class UnifiedRadixCache:
                 path.append(leaf)
                 node, off = leaf, end * ps
         core.touch(path)
+        if not payloads:
+            return InsertResult(prefix, node)
         held = []
         for j, (c, pl) in enumerate(payloads):
             if c.insert_end(core, node, pl, spare[j]):
@@ -602,6 +614,12 @@ class UnifiedRadixCache:
         """
         res = EvictResult()
         ps = self.page_size
+        if not self.aux:  # FULL only: the common case, without the per-component loop
+            want = amounts.get("full", 0)
+            if want > 0:
+                res.freed["full"] = self._evict_full(-(-want // ps)) * ps
+                self.evicted_device_tokens += res.freed["full"]
+            return res
         for c in self.components:
             want = amounts.get(c.name, 0)
             if want > 0:
@@ -676,11 +694,12 @@ class UnifiedRadixCache:
             if v is not None:
                 self._free(c, c.as_pages(v))
         pages = core.clear_value(node, 0)
-        self._free(self.full, pages)
+        self.full.allocator.free(pages)
         self._write_back_queue.pop(node, None)
         if node.data[0].host_value is None:
-            for ch in list(node.children.values()):
-                self._delete_subtree(ch)
+            if node.children:  # L2-only nodes below (``_can_drop_device`` allowed it)
+                for ch in list(node.children.values()):
+                    self._delete_subtree(ch)
             self._delete(node)
         return len(pages)
 
