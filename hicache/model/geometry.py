@@ -29,8 +29,10 @@ from dataclasses import dataclass
 from hicache.config import DTYPE_BYTES, ModelConfig
 from hicache.model.spec import DecoderSpec, spec_for
 
-SUPPORTED_COMPONENTS: tuple[tuple[str, ...], ...] = (("full",), ("full", "swa"), ("full", "mamba"))
-"""The component sets the scheduler's tree can hold: Full KV plus at most one auxiliary one."""
+SUPPORTED_COMPONENTS: tuple[tuple[str, ...], ...] = (
+    ("full",), ("full", "swa"), ("full", "mamba"), ("full", "swa", "mamba"))
+"""The component sets the scheduler serves: Full KV plus any of SWA and Mamba (in this order,
+the order of ``ModelGeometry.components`` and of the tree's components)."""
 
 MAMBA_STATE_DTYPE = "float32"
 """Mamba states are kept in float32 whatever the model dtype: they accumulate over the
@@ -129,9 +131,9 @@ def geometry_for(model: ModelConfig) -> ModelGeometry:
 def unsupported_reason(geometry: ModelGeometry) -> str | None:
     """None if the scheduler can serve a model of this geometry, else why not.
 
-    The tree holds Full KV plus at most one auxiliary component (``SUPPORTED_COMPONENTS``),
-    so a model needs at least one ``full`` layer and may add either ``swa`` or ``mamba``
-    layers, not both.
+    The tree holds Full KV plus any auxiliary components (``SUPPORTED_COMPONENTS``), so a
+    model needs at least one ``full`` layer and may add ``swa`` layers, ``mamba`` layers or
+    both.
     """
     comps = geometry.components
     if comps in SUPPORTED_COMPONENTS:
@@ -139,5 +141,4 @@ def unsupported_reason(geometry: ModelGeometry) -> str | None:
     kinds = ", ".join(sorted(set(geometry.layer_kinds)))
     if "full" not in comps:
         return f"model layers ({kinds}): at least one full-attention layer is required"
-    return (f"model layers ({kinds}): a model may combine full attention with either swa or mamba "
-            "layers, not both")
+    return f"model layers ({kinds}): the component set {comps} is not supported"

@@ -2,8 +2,8 @@
 
 Shared by the scheduler process (pools in shared memory) and by tests (plain tensors).
 
-Components (``ModelGeometry.components``): ``("full",)``, ``("full", "swa")`` or
-``("full", "mamba")``. Every component gets its own L1 index allocator and, when L2 is on,
+Components (``ModelGeometry.components``, the cache's in this order): ``("full",)``,
+``("full", "swa")``, ``("full", "mamba")`` or ``("full", "swa", "mamba")``. Every component gets its own L1 index allocator and, when L2 is on,
 its own L2 allocator:
 
 =========  ===============================  ==============================================

@@ -42,9 +42,11 @@ in ``cache_finished_req``: nothing leaks. ``check_idle`` proves both whenever th
 is idle: the tree's ``check_integrity`` and the budget's ``check_idle`` (each total equals
 the sum over requests, and nothing is reserved).
 
-Models: Full attention, optionally with SWA or Mamba layers (``("full",)``,
-``("full", "swa")``, ``("full", "mamba")``); any other pattern (no full layer, or both swa
-and mamba) is refused at construction with the reason. For hybrid models:
+Models: Full attention, optionally with SWA layers, Mamba layers or both (``("full",)``,
+``("full", "swa")``, ``("full", "mamba")``, ``("full", "swa", "mamba")``: the cache's
+components, in that order); a pattern without a full layer is refused at construction
+with the reason. For hybrid models (with both aux components, each part below applies to
+the same request, and its reservation holds both kinds):
 
 - matching uses the prompt without its last token, so the match ends at a boundary valid
   for every component and is used as is (a truncated match would not be valid for SWA or
@@ -62,7 +64,9 @@ and mamba) is refused at construction with the reason. For hybrid models:
   fresh one when nothing matched). Each forward that crosses a page boundary snapshots
   the state at the last one into the boundary slot; the prefill also snapshots at the
   prompt's last page boundary before its last token into the prompt slot, inserted at
-  once with ``cache_unfinished_req(aux={"mamba": slot})`` so a repeated prompt matches it. At
+  once with ``cache_unfinished_req(aux={"mamba": slot})`` so a repeated prompt matches it
+  (with SWA layers too, that insert carries the request's SWA pages up to there, which
+  become the tree's: ``_insert_prompt_state``). At
   finish the boundary snapshot, when it is the state after the last full page of the
   computed tokens, is handed to ``cache_finished_req``; ``MambaSlots.hand_over`` frees the
   request's own slot and any other snapshot. A request reserves its (up to three) slots
@@ -99,6 +103,7 @@ from hicache.scheduler.queue_policy import order_waiting
 from hicache.scheduler.request import LOADING, PREFETCH, RUNNING, WAITING, MambaSlots, Request
 from hicache.tier_manager import LoadTicket, TierManager
 from hicache.tree.cache import LockToken, MatchResult, RequestState, UnifiedRadixCache
+from hicache.tree.components import PagedInsert
 from hicache.tree.node import KEY_TYPECODE, ComponentType, TreeNode
 
 FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
@@ -684,10 +689,38 @@ class Scheduler:
             req.mamba.computed(list(item.snapshots))
             prompt_state = req.mamba.pop_prompt(req.computed)
             if prompt_state is not None:
-                pos, slot = prompt_state
-                self.cache.cache_unfinished_req(st, committed_len=pos, aux={"mamba": slot})
+                self._insert_prompt_state(req, *prompt_state)
         if prefill and (req.prefilling or not self.hybrid):
             self.cache.cache_unfinished_req(st, committed_len=req.computed)
+
+    def _insert_prompt_state(self, req: Request, pos: int, slot: int) -> None:
+        """Insert the prompt's Mamba state ``slot`` (the state after ``pos`` tokens, a page
+        boundary) with the Full pages up to there (``cache_unfinished_req``).
+
+        With SWA layers too, the insert carries the request's SWA pages up to ``pos``:
+        without them the node would be no valid boundary until the request finishes, and an
+        L2 copy made of it meanwhile (write-through) would lack its SWA pages for good, so
+        that it could never be loaded back. The tree takes those pages over (keeping them,
+        or freeing them where it has the same tokens' pages already), so the request's SWA
+        table up to ``pos`` becomes the tree's pages, like its Full pages; they stay valid
+        while it runs, as the lock the insert moves to the new node covers the window
+        before it (earlier pages are never read again).
+        """
+        st = req.tree
+        assert st is not None
+        aux: dict[str, object] = {"mamba": slot}
+        with_swa = st.swa_pages is not None and pos > st.prefix_len
+        if with_swa:
+            assert st.swa_pages is not None and st.swa_start_page == 0
+            aux["swa"] = PagedInsert(st.swa_pages[: pos // self.page_size], 0, st.swa_prefix_len)
+        self.cache.cache_unfinished_req(st, committed_len=pos, aux=aux)
+        if with_swa:
+            if st.prefix_len != pos:
+                raise RuntimeError(f"the prompt state's insert ended at {st.prefix_len}, not {pos}")
+            assert st.swa_pages is not None and st.last_node is not None
+            npages = pos // self.page_size
+            st.swa_pages[:npages] = self._tree_swa_pages(st.last_node, npages)
+            st.swa_prefix_len = pos
 
     def _append_token(self, req: Request, logits: torch.Tensor) -> None:
         params = req.params

@@ -428,7 +428,7 @@ MODEL_KEY: dict[str, str | None] = {
 
 def all_check_config_runs(checkpoint: Path, tmp: Path) -> dict[str, list[str] | CheckRun]:
     """Every check-config run of the deploy tests, by name: each config of deploy/config (with
-    the checkpoint, and without it where it names one), hybrid.yaml with full+swa+mamba, and
+    the checkpoint, and without it where it names one), hybrid.yaml with full+swa+mamba (accepted), and
     each Kubernetes Deployment's ConfigMap config with its hicache container's arguments and
     environment (``k8s:NAME``), and the same without the variables it gets from a Secret
     (``k8s:NAME without the Secret``)."""

@@ -1,5 +1,5 @@
-"""End to end with hybrid models: a real ``hicache serve`` of a Full + Mamba and of a
-Full + SWA reference model.
+"""End to end with hybrid models: a real ``hicache serve`` of a Full + Mamba, a Full + SWA
+and a Full + SWA + Mamba reference model.
 
 Greedy outputs must be identical whether the prompt's prefix (Full KV and the Mamba state
 or SWA KV) came from L1, from L2 (both components loaded back by the controller) or was
@@ -45,9 +45,12 @@ def _wait_for(d: Daemon, what: str, check, timeout_s: float = 20.0) -> dict:  # 
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("aux", ["mamba", "swa"])
-def test_hybrid_model_reuses_its_prefix_from_l1_and_l2(tmp_path: Path, aux: str) -> None:
-    d = Daemon(tmp_path, _config(tmp_path, ["full", aux]))
+LAYERS = {"mamba": ["full", "mamba"], "swa": ["full", "swa"], "swa+mamba": ["full", "swa", "mamba", "full"]}
+
+
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_hybrid_model_reuses_its_prefix_from_l1_and_l2(tmp_path: Path, kind: str) -> None:
+    d = Daemon(tmp_path, _config(tmp_path, LAYERS[kind]))
     d.start()
     assert d.proc is not None
     prefix = f"hicache-{d.proc.pid}-"
@@ -60,9 +63,11 @@ def test_hybrid_model_reuses_its_prefix_from_l1_and_l2(tmp_path: Path, aux: str)
         boundary = (len(prompt) - 1) // PS * PS  # the prompt's last page boundary before its last token
         assert again["meta_info"]["cached_tokens"] == boundary
         assert again["meta_info"]["cached_tokens_details"]["device"] == boundary
-        used = "used_slots" if aux == "mamba" else "used_tokens"
-        stats = _wait_for(d, f"{aux} data written to L2", lambda s: s.get("l2", {}).get(aux, {}).get(used, 0) >= 2)
-        assert stats["l1"][aux]["cached_states" if aux == "mamba" else "cached_tokens"] >= 2
+        for aux in (a for a in ("swa", "mamba") if a in LAYERS[kind]):
+            used = "used_slots" if aux == "mamba" else "used_tokens"
+            stats = _wait_for(d, f"{aux} data written to L2",
+                              lambda s, aux=aux, used=used: s.get("l2", {}).get(aux, {}).get(used, 0) >= 2)
+            assert stats["l1"][aux]["cached_states" if aux == "mamba" else "cached_tokens"] >= 2
         # other prompts push it out of L1 (64 pages, 27 per request); its L2 copy stays
         for _ in range(4):
             d.generate([rng.randrange(1, 250) for _ in range(99)])

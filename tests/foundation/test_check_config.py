@@ -51,8 +51,8 @@ def _hf(path: str, **cache: Any) -> dict[str, Any]:
 CASES: list[tuple[str, Any, str, str]] = [
     ("cuda", lambda t: {"device": "cuda"}, "device", "host memory"),
     ("cuda-n", lambda t: {"device": "cuda:1"}, "device", "host memory"),
-    ("swa-and-mamba", lambda t: {"model": {"reference": {"layers": ["full", "swa", "mamba"]}}},
-     "model.reference.layers", "not both"),
+    ("swa-and-mamba-no-full", lambda t: {"model": {"reference": {"layers": ["swa", "mamba"]}}},
+     "model.reference.layers", "full-attention"),
     ("no-full-layer", lambda t: {"model": {"reference": {"layers": ["swa", "swa"]}}},
      "model.reference.layers", "full-attention"),
     ("hf-missing", lambda t: _hf(str(t / "nowhere")), "model.path", "does not exist"),
@@ -92,6 +92,13 @@ def test_every_start_problem_is_reported_at_once(tmp_path: Path) -> None:
     assert "  model.path:" in out.stderr and "  tokenizer.path:" in out.stderr
 
 
+@pytest.mark.parametrize("layers", [["full", "swa", "mamba"], ["mamba", "full", "swa", "full"]])
+def test_full_swa_and_mamba_together_pass(tmp_path: Path, layers: list[str]) -> None:
+    out = _run(tmp_path, "check-config", {"model": {"reference": {"layers": layers}}})
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout)["model"]["reference"]["layers"] == layers
+
+
 def test_a_servable_hf_config_passes(tmp_path: Path) -> None:
     out = _run(tmp_path, "check-config", _hf(_checkpoint(tmp_path, "llama", LLAMA)))
     assert out.returncode == 0, out.stderr
@@ -99,7 +106,7 @@ def test_a_servable_hf_config_passes(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("make", "path"), [
-    (lambda t: {"model": {"reference": {"layers": ["full", "swa", "mamba"]}}}, "model.reference.layers"),
+    (lambda t: {"model": {"reference": {"layers": ["swa", "mamba"]}}}, "model.reference.layers"),
     (lambda t: _hf(_checkpoint(t, "bin", LLAMA, "pytorch_model.bin")), "model.path"),
 ], ids=["layers", "hf-weights"])
 def test_serve_refuses_the_same_configs_before_starting(tmp_path: Path, make: Any, path: str) -> None:

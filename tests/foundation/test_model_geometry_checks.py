@@ -25,7 +25,8 @@ def _geometry(kinds: tuple[str, ...]) -> ModelGeometry:
                          8 if "swa" in kinds else None)
 
 
-@pytest.mark.parametrize("kinds", [("full",), ("full", "swa", "full"), ("mamba", "full")])
+@pytest.mark.parametrize("kinds", [("full",), ("full", "swa", "full"), ("mamba", "full"), ("full", "swa", "mamba"),
+                                   ("mamba", "swa", "full", "full")])
 def test_supported_layer_patterns_pass(kinds: tuple[str, ...]) -> None:
     g = _geometry(kinds)
     assert g.components in SUPPORTED_COMPONENTS
@@ -35,12 +36,16 @@ def test_supported_layer_patterns_pass(kinds: tuple[str, ...]) -> None:
 @pytest.mark.parametrize(("kinds", "says"), [
     (("swa",), "at least one full-attention layer"),
     (("mamba", "mamba"), "at least one full-attention layer"),
-    (("full", "swa", "mamba"), "not both"),
+    (("swa", "mamba"), "at least one full-attention layer"),
 ])
 def test_unsupported_layer_patterns_say_why(kinds: tuple[str, ...], says: str) -> None:
     reason = unsupported_reason(_geometry(kinds))
     assert reason is not None and says in reason
     assert ", ".join(sorted(set(kinds))) in reason
+
+
+def test_full_swa_and_mamba_together_need_all_three_components_in_order() -> None:
+    assert _geometry(("mamba", "swa", "full")).components == ("full", "swa", "mamba")
 
 
 def test_a_mamba_state_slot_holds_conv_and_ssm_state_of_every_layer() -> None:

@@ -1,4 +1,4 @@
-"""The scheduler serving hybrid models in-process: Full + SWA and Full + Mamba.
+"""The scheduler serving hybrid models in-process: Full + SWA, Full + Mamba and Full + SWA + Mamba.
 
 The oracle is the same as for full attention: a request's greedy output with the cache
 must equal its output on a cold cache, bit for bit. After every run the cache must be
@@ -21,7 +21,9 @@ from hicache.tree.node import ComponentType
 from tests.scheduler.rigs import L2Rig, L3AckRig, Rig, cold_tokens, gen
 
 WINDOW = 16
-PATTERNS = {"swa": ("full", "swa"), "mamba": ("full", "mamba")}
+PATTERNS = {"swa": ("full", "swa"), "mamba": ("full", "mamba"), "swa+mamba": ("full", "swa", "mamba", "full")}
+HAS_SWA = {kind for kind, layers in PATTERNS.items() if "swa" in layers}
+HAS_MAMBA = {kind for kind, layers in PATTERNS.items() if "mamba" in layers}
 
 
 def _cfg(layers: tuple[str, ...], page_size: int, *, tokens: int | None = None, state_slots: int = 64,
@@ -34,7 +36,7 @@ def _cfg(layers: tuple[str, ...], page_size: int, *, tokens: int | None = None, 
     })
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("kind", list(PATTERNS))
 def test_shared_and_repeated_prompts_equal_cold_outputs(kind: str, page_size: int) -> None:
     cfg = _cfg(PATTERNS[kind], page_size)
@@ -51,12 +53,12 @@ def test_shared_and_repeated_prompts_equal_cold_outputs(kind: str, page_size: in
         assert rig.tokens(rid) == expected[rid], rid
     # a repeated prompt matches up to its last page boundary before its last token
     assert rig.cached("dup") == (len(prompts["dup"]) - 1) // page_size * page_size
-    if kind == "swa":  # every page boundary inside the shared prefix is valid for SWA
+    if kind == "swa":  # every page boundary inside the shared prefix is valid for SWA (not for Mamba)
         for rid in ("r1", "r2", "r3"):
             assert rig.cached(rid) >= 40 // page_size * page_size, rid
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("kind", list(PATTERNS))
 def test_multi_turn_conversation_reuses_the_previous_turn(kind: str, page_size: int) -> None:
     """Each turn's prompt is the previous prompt + its output + new text; the previous turn
@@ -118,10 +120,14 @@ def test_abort_mid_run_gives_everything_back(kind: str) -> None:
     assert rig.cached("after") > 0
 
 
-@pytest.mark.parametrize("kind", list(PATTERNS))
-def test_admission_queues_when_aux_memory_is_short(kind: str) -> None:
+@pytest.mark.parametrize(("kind", "short"), [(kind, short) for kind in PATTERNS for short in ("swa", "mamba", "both")
+                                             if short == "both" and kind in HAS_SWA & HAS_MAMBA
+                                             or short == "swa" and kind in HAS_SWA
+                                             or short == "mamba" and kind in HAS_MAMBA])
+def test_admission_queues_when_aux_memory_is_short(kind: str, short: str) -> None:
     # mamba: 4 state slots = one running request at a time; swa: L1 for about one and a half
-    cfg = _cfg(PATTERNS[kind], 4, tokens=96 if kind == "swa" else 512, state_slots=4, chunked_prefill_tokens=32)
+    cfg = _cfg(PATTERNS[kind], 4, tokens=512 if short == "mamba" else 96, state_slots=64 if short == "swa" else 4,
+               chunked_prefill_tokens=32)
     rig = Rig(cfg)
     prompts = {f"q{i}": [i + 1] * 40 for i in range(4)}
     rig.run([gen(rid, ids, 20) for rid, ids in prompts.items()])
@@ -130,10 +136,11 @@ def test_admission_queues_when_aux_memory_is_short(kind: str) -> None:
         assert rig.tokens(rid) == cold_tokens(_cfg(PATTERNS[kind], 4), rid, ids, 20), rid
 
 
-def test_mamba_match_gives_the_request_its_own_copy_of_the_state() -> None:
+@pytest.mark.parametrize("kind", sorted(HAS_MAMBA))
+def test_mamba_match_gives_the_request_its_own_copy_of_the_state(kind: str) -> None:
     """Two identical prompts decoding side by side from one cached state: each mutates its
     own copy, and the cached state stays intact for a third."""
-    cfg = _cfg(PATTERNS["mamba"], 4)
+    cfg = _cfg(PATTERNS[kind], 4)
     rig = Rig(cfg)
     prompt = [random.Random(3).randrange(1, 500) for _ in range(33)]
     rig.run([gen("warm", prompt, 4)])
@@ -145,16 +152,56 @@ def test_mamba_match_gives_the_request_its_own_copy_of_the_state() -> None:
     assert rig.cache.total_size(ComponentType.MAMBA) >= 2
 
 
-@pytest.mark.parametrize("layers", [("full", "swa", "full", "mamba"), ("swa",), ("mamba", "mamba")])
-def test_unsupported_patterns_are_refused_with_the_reason(layers: tuple[str, ...]) -> None:
+@pytest.mark.parametrize("layers", [("swa",), ("mamba", "mamba"), ("swa", "mamba")])
+def test_patterns_without_a_full_layer_are_refused_with_the_reason(layers: tuple[str, ...]) -> None:
     cfg = _cfg(layers, 4)
     reason = unsupported_reason(geometry_for(cfg.model))
-    assert reason is not None
-    assert ("not both" in reason) if "full" in layers else ("full-attention layer" in reason)
+    assert reason is not None and "full-attention layer" in reason
     model = load_model(cfg.model)
     pools = allocate_pools(model.geometry, 64, 4, 8)
     with pytest.raises(ValueError, match="layers"):
         build_cache(cfg, model, 64, None, pools=pools)
+
+
+@pytest.mark.parametrize("layers", [("full", "swa", "full", "mamba"), ("mamba", "full", "swa"),
+                                    ("swa", "mamba", "full")])
+def test_full_swa_and_mamba_together_are_served_in_component_order(layers: tuple[str, ...]) -> None:
+    """Whatever the layer order, the cache holds FULL, SWA, MAMBA (``geometry.components``)."""
+    cfg = _cfg(layers, 4)
+    geometry = geometry_for(cfg.model)
+    assert unsupported_reason(geometry) is None
+    assert geometry.components == ("full", "swa", "mamba")
+    rig = Rig(cfg)
+    assert [c.ctype for c in rig.cache.components] == [ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA]
+    prompt = [random.Random(4).randrange(1, 500) for _ in range(45)]
+    rig.run([gen("a", prompt, 20)])
+    rig.run([gen("b", prompt, 20)])
+    assert rig.tokens("a") == rig.tokens("b") == cold_tokens(cfg, "x", prompt, 20)
+    assert rig.cached("b") == 44
+    stats = rig.sched.stats()["l1"]
+    assert {"full", "swa", "mamba"} <= set(stats)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("chunk", [None, 2])
+@pytest.mark.parametrize("kind", list(PATTERNS))
+def test_identical_prompts_prefilled_side_by_side_equal_cold_outputs(kind: str, chunk: int | None,
+                                                                     page_size: int) -> None:
+    """Two requests with the same prompt prefilled in the same passes: the second one's
+    inserts find the first one's pages (its own duplicates are freed and it reads the tree's
+    from then on) while both decode past the window; a third reuses what they left."""
+    sched = {"chunked_prefill_tokens": chunk * page_size, "max_prefill_tokens": 4 * chunk * page_size} if chunk else {}
+    cfg = _cfg(PATTERNS[kind], page_size, **sched)
+    rng = random.Random(30 + page_size)
+    prompt = [rng.randrange(1, 500) for _ in range(3 * page_size + 37)]
+    want = cold_tokens(_cfg(PATTERNS[kind], page_size), "x", prompt, 24)
+    rig = Rig(cfg)
+    rig.run([gen("a", prompt, 24), gen("b", prompt, 24)])
+    rig.run([gen("c", prompt, 24), gen("d", prompt + want[:5], 10)])
+    assert rig.tokens("a") == rig.tokens("b") == rig.tokens("c") == want
+    assert rig.tokens("d") == cold_tokens(_cfg(PATTERNS[kind], page_size), "x", prompt + want[:5], 10)
+    assert rig.cached("c") == (len(prompt) - 1) // page_size * page_size
+    assert rig.cached("d") >= rig.cached("c")
 
 
 @pytest.mark.parametrize("kind", list(PATTERNS))
