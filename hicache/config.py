@@ -509,7 +509,7 @@ def _convert(hint: Any, value: Any, path: str, problems: list[ConfigProblem]) ->
             return None
         inner = [a for a in args if a is not type(None)]
         return _convert(inner[0], value, path, problems)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value, path, problems)
     if origin is Literal:
         if value not in args or isinstance(value, bool):
@@ -885,4 +885,4 @@ def dump_yaml(cfg: HicacheConfig) -> str:
     from storage_backends.settings import redact_url
 
     redis_section["url"] = redact_url(redis_section["url"])
-    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None)
+    return str(yaml.safe_dump(data, sort_keys=False, default_flow_style=None))

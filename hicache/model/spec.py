@@ -198,7 +198,7 @@ def spec_from_hf_config(raw: dict[str, Any], dtype: str = "float32", where: str 
     archs = raw.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs else None
     family = SUPPORTED_ARCHITECTURES.get(arch) if isinstance(arch, str) else None
-    if family is None:
+    if family is None or not isinstance(arch, str):
         supported = ", ".join(SUPPORTED_ARCHITECTURES)
         raise CheckpointError(
             f"{where}: unsupported architecture {arch!r} (model_type {raw.get('model_type')!r}); supported: {supported}"

@@ -91,7 +91,10 @@ class L1Budget:
 
     def __post_init__(self) -> None:
         ps = self.cache.page_size
-        self._kinds = {c.ctype: _Kind(c.ctype, c.allocator, ps if c.paged else 1) for c in self.cache.components}
+        self._kinds = {c.ctype: _Kind(c.ctype, c.allocator, c.unit_tokens(ps))
+                       for c in self.cache.components if c.ctype is not None}
+        if len(self._kinds) != len(self.cache.components):
+            raise ValueError("the L1 budget serves caches of the known component kinds only")
 
     # ------------------------------------------------------------------ reading
     @property

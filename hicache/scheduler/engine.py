@@ -95,7 +95,7 @@ import protos
 from hicache.config import STATE_SLOTS_PER_REQUEST, HicacheConfig
 from hicache.memory.allocator import PageAllocator
 from hicache.model.loader import LoadedModel
-from hicache.model.runner import ForwardItem, ModelRunner
+from hicache.model.runner import ForwardItem, LogitsMode, ModelRunner
 from hicache.model.sampling import PenaltyState, sample_next, token_logprobs
 from hicache.model.sampling_params import finish_reason, from_wire, resolve_seed
 from hicache.scheduler.budget import L1Budget
@@ -391,8 +391,8 @@ class Scheduler:
             min(r.prompt_len - r.computed, self.cfg.scheduler.chunked_prefill_tokens)
             for r in self.running if r.prefilling)
         order = order_waiting(self.waiting, self.cfg.scheduler.policy,
-                              lambda r: self._match_len.get(r.rid, 0),  # type: ignore[attr-defined]
-                              lambda r: self._match_node.get(r.rid), self._rng)  # type: ignore[attr-defined]
+                              lambda r: self._match_len.get(r.rid, 0),
+                              lambda r: self._match_node.get(r.rid), self._rng)
         for req in order:
             if len(self.running) >= self.cfg.scheduler.max_running_requests or budget <= 0:
                 break
@@ -627,7 +627,7 @@ class Scheduler:
                         continue
                     budget -= n
                     tokens = req.input_ids[req.computed : req.computed + n]
-                    logits = "last" if req.computed + n == req.prompt_len else "none"
+                    logits: LogitsMode = "last" if req.computed + n == req.prompt_len else "none"
                 else:
                     tokens = array(KEY_TYPECODE, [req.output_ids[-1]])
                     logits = "last"

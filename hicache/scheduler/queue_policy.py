@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 
 class _Waiting(Protocol):
     arrival: float
 
 
-def order_waiting(requests: Sequence[_Waiting], policy: str, match_len: Callable[[object], int],
-                  group_of: Callable[[object], object], rng: random.Random) -> list:
+W = TypeVar("W", bound=_Waiting)
+
+
+def order_waiting(requests: Sequence[W], policy: str, match_len: Callable[[W], int],
+                  group_of: Callable[[W], object], rng: random.Random) -> list[W]:
     """``requests`` in the order the policy considers them (a new list)."""
     reqs = list(requests)
     if policy == "fcfs":
@@ -28,7 +31,7 @@ def order_waiting(requests: Sequence[_Waiting], policy: str, match_len: Callable
     if policy == "lpm":
         return sorted(reqs, key=lambda r: (-match_len(r), r.arrival))
     if policy == "dfs-weight":
-        groups: dict[int, list] = {}
+        groups: dict[int, list[W]] = {}
         for r in sorted(reqs, key=lambda r: r.arrival):
             groups.setdefault(id(group_of(r)), []).append(r)
         ordered = sorted(groups.values(), key=lambda g: (-len(g), g[0].arrival))

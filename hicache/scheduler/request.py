@@ -192,7 +192,7 @@ class MambaSlots:
 @dataclass
 class Request:
     rid: str
-    input_ids: array
+    input_ids: array[int]
     params: SamplingParams
     seed: int
     stream: bool
@@ -238,7 +238,7 @@ class Request:
     def cached_tokens(self) -> int:
         return self.cached_device + self.cached_host + self.cached_storage
 
-    def all_tokens(self) -> array:
+    def all_tokens(self) -> array[int]:
         """Prompt + output so far (what the tree keys this request by)."""
         out = array(self.input_ids.typecode, self.input_ids)
         out.extend(self.output_ids)

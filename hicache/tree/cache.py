@@ -189,7 +189,7 @@ class RequestState:
     prefill inserts FULL pages only, so it leaves this unchanged).
     """
 
-    token_ids: list[int]
+    token_ids: Sequence[int]
     kv_pages: list[int]
     cache_salt: str = ""
     prefix_len: int = 0
