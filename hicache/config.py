@@ -209,6 +209,10 @@ class CacheConfig:
     load_back_threshold: int = 16
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     eviction: EvictionPolicy = "lru"
+    mamba_branch_interval: int = 512
+    """Models with Mamba layers: a prefill also caches the state after every this many
+    tokens (a multiple of ``page_size``; 0: only at the prompt's end and where the prompt
+    forks from a cached path), so that later prompts sharing a prefix find a state in it."""
 
 
 # --------------------------------------------------------------------------- the rest
@@ -624,6 +628,10 @@ def validate(cfg: HicacheConfig) -> list[ConfigProblem]:
         bad("cache.l1.state_slots", f"must be >= {MIN_L1_STATE_SLOTS} (a running request of a Mamba model "
             f"holds up to {STATE_SLOTS_PER_REQUEST} besides the cached state it matched), got {c.l1.state_slots}")
     non_negative("cache.l2.state_slots", c.l2.state_slots)
+    non_negative("cache.mamba_branch_interval", c.mamba_branch_interval)
+    if _power_of_two(c.page_size) and c.mamba_branch_interval % c.page_size:
+        bad("cache.mamba_branch_interval",
+            f"must be a multiple of cache.page_size ({c.page_size}), got {c.mamba_branch_interval}")
     if c.l2.enabled and 0 < c.l2.tokens < c.l1.tokens and cfg.engine.kind == "builtin":
         bad("cache.l2.tokens", f"must be >= cache.l1.tokens ({c.l1.tokens}) when L2 is enabled")
     if c.l3.backend != "none" and not c.l2.enabled:

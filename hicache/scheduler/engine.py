@@ -524,8 +524,9 @@ class Scheduler:
             st.swa_pages = self._tree_swa_pages(m.last_device_node, prefix // ps)
             st.swa_start_page, st.swa_prefix_len = 0, prefix
         if self.mamba is not None:
-            slots = req.mamba = MambaSlots.for_admission(self.mamba.allocator, lambda: self._take_slot(req), ps,
-                                                         req.prompt_len, prefix)
+            slots = req.mamba = MambaSlots.for_admission(
+                self.mamba.allocator, lambda: self._take_slot(req), ps, req.prompt_len, prefix,
+                fork=m.walked_len, interval=self.cfg.cache.mamba_branch_interval)
             slot = slots.take_own()
             if slot is None:  # counted free or evictable, but not evictable now: queue
                 self._unadmit(req)
@@ -571,7 +572,10 @@ class Scheduler:
 
     def _take_slot(self, req: Request) -> int | None:
         """One L1 Mamba state slot for ``req`` (evicting a cached state if needed), taken
-        from its reservation; None when none can be had. Only ``req.mamba`` calls it."""
+        from its reservation; past it (further branch snapshots) only out of the room no
+        request has reserved. None when none can be had. Only ``req.mamba`` calls it."""
+        if self.budget.held(req.rid, MAMBA) == 0 and self.budget.room(MAMBA) <= 0:
+            return None
         got = self.budget.take(req.rid, MAMBA, 1)
         return got[0] if got is not None else None
 
@@ -687,9 +691,8 @@ class Scheduler:
         req.computed = item.end
         if req.mamba is not None:
             req.mamba.computed(list(item.snapshots))
-            prompt_state = req.mamba.pop_prompt(req.computed)
-            if prompt_state is not None:
-                self._insert_prompt_state(req, *prompt_state)
+            for pos, slot in req.mamba.pop_branches(req.computed):  # ascending
+                self._insert_prompt_state(req, pos, slot)
         if prefill and (req.prefilling or not self.hybrid):
             self.cache.cache_unfinished_req(st, committed_len=req.computed)
 

@@ -86,6 +86,9 @@ class MatchResult:
     (a boundary valid for every component once loaded back).
     ``copies``: per component name, the request's private copy of the matched node's data
     (``TreeComponent.copy_on_match``: Mamba's state); the request owns and frees it.
+    ``walked_len``: with auxiliary components, the tokens of the key the tree holds on
+    the matched path in any tier, before the validators cut it (where the key forks from
+    the tree or ends): a branch point whose state a request computing through it may add.
     """
 
     device_indices: PageIndices
@@ -94,6 +97,7 @@ class MatchResult:
     host_hit_length: int = 0
     device_len: int = 0
     copies: dict[str, Any] = field(default_factory=dict)
+    walked_len: int = 0
 
 
 @dataclass
@@ -389,6 +393,8 @@ class UnifiedRadixCache:
                 indices.extend(path[j].data[0].value)
         last_dev = path[best - 1] if best else root
         res = MatchResult(indices, last_dev, last_dev, 0, len(indices) * self.page_size)
+        if validators:
+            res.walked_len = sum(len(x.key) for x in path)
         if best == ndev and ndev < len(path):
             run = host_len = 0
             last_host = last_dev

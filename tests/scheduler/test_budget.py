@@ -120,18 +120,18 @@ def test_mamba_slots_hand_over_only_the_last_full_page_state_and_free_the_rest()
 
     slots = MambaSlots.for_admission(alloc, take, PS, prompt_len=10, prefix=0)
     assert MambaSlots.needed(10, 0, PS) == 3 and MambaSlots.needed(10, 8, PS) == 2
-    assert slots.prompt_pos == 8 and slots.take_own() is not None
+    assert slots.branch_positions == [8] and slots.take_own() is not None
     snaps = slots.snapshots(0, 10)  # the prompt boundary and the last page boundary: both at 8
     assert [pos for pos, _ in snaps] == [8, 8] and alloc.used == 3
     slots.computed(snaps)
-    prompt = slots.pop_prompt(10)
-    assert prompt is not None and prompt[0] == 8 and slots.pop_prompt(10) is None
+    (prompt,) = slots.pop_branches(10)
+    assert prompt[0] == 8 and slots.pop_branches(10) == []
     alloc.free([prompt[1]])  # what the tree does with it
     keep = slots.hand_over(9)  # 9 tokens computed: the last full page ends at 8
     assert keep == snaps[1][1] and alloc.used == 1
     alloc.free([keep])
     again = MambaSlots.for_admission(alloc, take, PS, prompt_len=10, prefix=8)
-    assert again.prompt_pos == 0 and again.take_own() is not None
+    assert again.branch_positions == [] and again.take_own() is not None
     again.computed(again.snapshots(8, 12))
     again.forward_failed()  # the boundary snapshot may be garbage: never handed over
     assert again.hand_over(12) is None and alloc.used == 0
@@ -140,3 +140,35 @@ def test_mamba_slots_hand_over_only_the_last_full_page_state_and_free_the_rest()
     third.snapshots(0, 10)
     third.free_all()
     assert alloc.used == 0 and third.own is None
+
+
+def test_branch_points_are_the_prompt_end_the_fork_and_every_interval_past_the_prefix() -> None:
+    from hicache.scheduler.request import MambaSlots
+
+    assert MambaSlots.branch_points(100, 0, PS) == [96]
+    assert MambaSlots.branch_points(100, 0, PS, fork=40) == [40, 96]
+    assert MambaSlots.branch_points(100, 16, PS, fork=40, interval=32) == [32, 40, 64, 96]
+    assert MambaSlots.branch_points(100, 64, PS, fork=40, interval=32) == [96]  # at or below the prefix: cached
+    assert MambaSlots.branch_points(100, 0, PS, fork=98) == [96]  # past the prompt boundary: not a branch
+
+
+def test_branch_snapshots_are_taken_in_the_pass_that_reaches_them_and_handed_over_in_order() -> None:
+    from hicache.scheduler.request import MambaSlots
+
+    alloc = PageAllocator(16, "mamba")
+
+    def take() -> int | None:
+        got = alloc.alloc(1)
+        return got[0] if got is not None else None
+
+    slots = MambaSlots.for_admission(alloc, take, PS, prompt_len=50, prefix=0, fork=12, interval=16)
+    assert slots.branch_positions == [12, 16, 32, 48]
+    slots.take_own()
+    first = slots.snapshots(0, 20)  # one chunk of 20 tokens: branches 12 and 16, boundary 20
+    assert [p for p, _ in first] == [12, 16, 20]
+    slots.computed(first)
+    assert [p for p, _ in slots.pop_branches(20)] == [12, 16]
+    second = slots.snapshots(20, 50)
+    assert [p for p, _ in second] == [32, 48, 48]
+    slots.computed(second)
+    assert slots.boundary_pos == 48 and [p for p, _ in slots.pop_branches(50)] == [32, 48]
