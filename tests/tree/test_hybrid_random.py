@@ -72,6 +72,63 @@ class TagComponent(PagedAuxComponent):
             node = node.parent
 
 
+def naive_match(cache: UnifiedRadixCache, key: list[int]) -> tuple[int, int]:
+    """``(device_len, host_hit_length)`` of a match of ``key``, derived page by page from
+    the tree's data without its matching code: a flat map of every cached page prefix to
+    what each component holds there, then the rules of docs/architecture.md §4 (a match
+    ends at a node end; every component must accept it; the L2-only tail ends at the last
+    node end every component accepts with the L2 data counted)."""
+    ps = cache.page_size
+    pages: dict[tuple[int, ...], tuple[TreeNode, bool]] = {}  # page prefix -> (node, ends the node)
+    stack = [(r, ()) for r in cache.core.roots.values() if r.salt == ""]
+    while stack:
+        node, prefix = stack.pop()
+        if node.parent is not None:
+            full = prefix + tuple(node.key)
+            for i in range(len(prefix) + ps, len(full) + 1, ps):
+                pages[full[:i]] = (node, i == len(full))
+            prefix = full
+        stack.extend((c, prefix) for c in node.children.values())
+    walk = []
+    for i in range(ps, len(key) - len(key) % ps + 1, ps):
+        if tuple(key[:i]) not in pages:
+            break
+        walk.append(pages[tuple(key[:i])])
+    ndev = 0
+    while ndev < len(walk) and walk[ndev][0].value is not None and not walk[ndev][0].loading:
+        ndev += 1
+
+    def valid(upto: int) -> bool:  # the boundary after ``upto`` pages, pages past ndev from L2
+        for c in cache.aux:
+            def has(j: int, c: TreeComponent = c) -> bool:
+                cd = walk[j][0].data[c.slot]
+                return (cd.host_value if j >= ndev else cd.value) is not None
+            if isinstance(c, SWAComponent):
+                run = 0
+                while run < upto and has(upto - 1 - run):
+                    run += 1
+                if not (run * ps >= c.sliding_window or run == upto):
+                    return False
+            elif isinstance(c, MambaComponent):
+                if not has(upto - 1):
+                    return False
+            elif not all(has(j) for j in range(upto)):  # the tag kind: every page
+                return False
+        return True
+
+    ends = [j + 1 for j, (_n, end) in enumerate(walk) if end]
+    dev_ok = [b for b in ends if b <= ndev and valid(b)]
+    best = max(dev_ok, default=0)
+    host = 0
+    if best == ndev and ndev < len(walk):
+        j = ndev
+        while j < len(walk) and not walk[j][0].loading and walk[j][0].host_value is not None:
+            j += 1
+        host_ok = [b for b in ends if ndev < b <= j and valid(b)]
+        host = (max(host_ok) - ndev) * ps if host_ok else 0
+    return best * ps, host
+
+
 class HybridMachine(RuleBasedStateMachine):
     kinds: tuple[str, ...] = ("swa",)
     page_size = 1
@@ -125,7 +182,12 @@ class HybridMachine(RuleBasedStateMachine):
 
     @rule(key=keys)
     def match(self, key):
-        self._free_copies(self.cache.match_prefix(array("I", key)))
+        m = self.cache.match_prefix(array("I", key))
+        self._free_copies(m)
+        # the match splits at most at the fork and changes no data: the tree as it is now
+        # is what it matched against
+        want = naive_match(self.cache, key)
+        assert (m.device_len, m.host_hit_length) == want, (m.device_len, m.host_hit_length, want)
 
     @rule(key=keys)
     def lock(self, key):
@@ -230,9 +292,12 @@ class FourComponentMachine(HybridMachine):
 
 # fewer examples than the differential test: these only guard the hybrid code paths
 _few = settings(max_examples=max(10, settings.default.max_examples // 3))
-for _m in (HybridMachine, MambaMachine, SWAMachinePage2, SWAMambaMachine, SWAMambaMachinePage2,
-           FourComponentMachine):
+for _m in (HybridMachine, MambaMachine, SWAMachinePage2):
     _m.TestCase.settings = _few
+# the three- and four-component machines run the full example count: the naive match model
+# needs L2-only tails with part of their auxiliary data missing, which take longer to reach
+for _m in (SWAMambaMachine, SWAMambaMachinePage2, FourComponentMachine):
+    _m.TestCase.settings = settings(max_examples=max(100, settings.default.max_examples), deadline=None)
 
 TestHybridSWA = HybridMachine.TestCase
 TestHybridMamba = MambaMachine.TestCase
