@@ -41,6 +41,12 @@ prefetch L2 pages      this class (``_prefetch_        ``PrefetchHits`` (reserve
                        reserved``), via the ticket                                 tree (``insert_host``) or freed
 =====================  ==============================  ==========================  ==============================
 
+Auxiliary components (SWA, Mamba) go through L3 with the Full pages: a backup carries the
+node's auxiliary L2 units and their keys (``TierOp.aux_keys``); a prefetch query asks
+which auxiliary objects exist for the queried pages, the fetch reads those into L2 units
+reserved here (``PrefetchTicket.aux_units``) and ``insert_host`` gives the tree the ones
+that arrived verified; the rest are freed at the fetch's end.
+
 ``on_controller_lost`` ends every entry at once, each exactly once (locks released, fresh
 pages freed, nodes as before the op); answers that arrive later for those ids are ignored.
 The caller must also drop messages not yet delivered to the dead controller
