@@ -246,6 +246,7 @@ class ControllerServer:
         try:
             pages = None if isinstance(msg, protos.PrefetchQuery) else msg.host_pages
             self.storage.check(msg.component, pages, msg.hashes)
+            self.storage.check_aux(msg.aux_keys, None if isinstance(msg, protos.PrefetchQuery) else msg.aux_pages)
         except ValueError as exc:
             self._reject(msg.op_id, str(exc))
             return
@@ -256,7 +257,10 @@ class ControllerServer:
     def _l3(self, op: _Op, msg: protos.BackupToStorage | protos.PrefetchFetch | protos.PrefetchQuery) -> protos.Message:
         if isinstance(msg, protos.PrefetchQuery):
             op.started = True
-            return protos.PrefetchHits(op.op_id, self.storage.query(msg.hashes))
+            n = self.storage.query(msg.hashes)
+            present = {name: [i for i, p in enumerate(self.storage.query_aux(keys[:n])) if p]
+                       for name, keys in msg.aux_keys.items()} if n else {}
+            return protos.PrefetchHits(op.op_id, n, present)
         if op.cancelled:
             return protos.OpDone(op.op_id, "cancelled")
         op.started = True
@@ -269,14 +273,21 @@ class ControllerServer:
                     done = self.storage.backup(msg.component, msg.host_pages, msg.hashes, lambda: op.cancelled)
                 metrics.transfer_bytes("h2s", (self.storage.counters.backup_pages - written_before) * page_bytes)
                 metrics.storage_error("set", len(msg.hashes) - done)
+                for name, units in msg.aux_pages.items():  # after the Full pages, each on its own
+                    stored = self.storage.backup_aux(name, units, msg.aux_keys[name])
+                    metrics.storage_error("set", len(units) - stored)
+                aux_done: dict[str, list[bool]] = {}
             else:
                 with metrics.transfer("s2h", 0):
                     done = self.storage.fetch(msg.component, msg.hashes, msg.host_pages)
-                metrics.transfer_bytes("s2h", done * page_bytes)
+                    aux_done = {name: self.storage.fetch_aux(name, msg.aux_keys[name], units)
+                                for name, units in msg.aux_pages.items()}
+                metrics.transfer_bytes("s2h", done * page_bytes + sum(
+                    sum(ok) * self.pools[name].layout.l2_page_bytes for name, ok in aux_done.items()))
         except Exception as exc:  # the backends never raise for store trouble; this is a bug
             log.exception("L3 op %d failed", op.op_id)
             return protos.OpDone(op.op_id, "error", 0, f"{type(exc).__name__}: {exc}")
-        return protos.OpDone(op.op_id, "ok" if done == len(msg.hashes) else "failed", done)
+        return protos.OpDone(op.op_id, "ok" if done == len(msg.hashes) else "failed", done, None, aux_done)
 
     def _run_and_answer(self, op: _Op, work: Callable[[], protos.Message]) -> None:
         try:

@@ -1,7 +1,13 @@
 """L2 <-> L3 operations for the cache controller: backup, existence query, fetch, admin.
 
 Pages move between the store and L2 *in place*: a backup hands the store memoryviews of
-the L2 pages, a fetch reads into them. Only paged components (full, swa) go to L3.
+the L2 pages, a fetch reads into them. Every component with L2 goes to L3, each under
+its own keys and layout: Full and SWA KV one object per page (``PAGED_LAYOUT_ID``), a
+Mamba state one object per state (``STATE_LAYOUT_ID``: the slot's bytes of each of the
+component's L2 tensors, in pool order; staged through one buffer, as they are separate
+byte ranges). An auxiliary object is written and read on its own (``backup_aux``,
+``query_aux``, ``fetch_aux``): its absence or a refused (corrupt, mismatched) object only
+shortens what the scheduler can match, never gives it other data.
 
 Store trouble never raises out of here: the backends already turn it into misses and
 dropped writes. With no store attached every op is a counted no-op (0 hits, 0 pages).
@@ -27,6 +33,10 @@ log = logging.getLogger(__name__)
 PAGED_LAYOUT_ID = 1
 """Layout id of ``[layers, 2, page_size, kv_heads, head_dim]`` pages (the L2 page layout)."""
 
+STATE_LAYOUT_ID = 2
+"""Layout id of a state object: one L2 state slot of every tensor of the component
+(``[layers, *shape]`` each), concatenated in pool order; its shape is the element count."""
+
 
 @dataclass
 class StorageCounters:
@@ -48,10 +58,52 @@ class StorageIO:
         self.backend = backend
         self.backend_name = backend_name if backend is not None else "none"
         self.counters = StorageCounters()
+        self._layouts: dict[str, PageLayout] = {}
 
     def layout_for(self, component: str) -> PageLayout:
         comp = self.pools[component].layout
-        return PageLayout(PAGED_LAYOUT_ID, comp.dtype, comp.l2_page_shape)
+        if comp.kind == "paged":
+            return PageLayout(PAGED_LAYOUT_ID, comp.dtype, comp.l2_page_shape)
+        itemsize = self.pools[component].l2[0].element_size() if self.pools[component].l2 else 1
+        return PageLayout(STATE_LAYOUT_ID, comp.dtype, (comp.l2_page_bytes // itemsize,))
+
+    def _layout(self, component: str) -> PageLayout:
+        lay = self._layouts.get(component)
+        if lay is None:
+            lay = self._layouts[component] = self.layout_for(component)
+        return lay
+
+    def _unit_views(self, component: str, unit: int) -> list[memoryview]:
+        """The bytes of L2 unit ``unit`` of ``component``, in place: one view for a page,
+        one per tensor for a state slot."""
+        comp = self.pools[component]
+        if comp.layout.kind == "paged":
+            return [comp.host_page_view(unit)]
+        out = []
+        for seg, t in zip(comp.l2_segments, comp.l2, strict=True):
+            size = t[0].numel() * t.element_size()
+            out.append(memoryview(seg.buffer)[unit * size:(unit + 1) * size])
+        return out
+
+    def check_aux(self, aux_keys: dict[str, list[str]], aux_pages: dict[str, list[int]] | None) -> None:
+        """Raise ValueError if an op's auxiliary components, keys, units or lengths are wrong."""
+        if aux_pages is not None and aux_pages.keys() != aux_keys.keys():
+            raise ValueError(f"auxiliary components differ: keys {sorted(aux_keys)} vs pages {sorted(aux_pages)}")
+        for name, keys in aux_keys.items():
+            if name not in self.pools.components:
+                raise ValueError(f"unknown component {name!r}")
+            if not self.pools[name].layout.l2_pages:
+                raise ValueError(f"component {name!r} has no L2 pool")
+            bad = next((h for h in keys if not is_page_hash(h)), None)
+            if bad is not None:
+                raise ValueError(f"{name}: not a key (64 lowercase hex characters): {bad!r:.80}")
+            if aux_pages is not None:
+                units = aux_pages[name]
+                if len(units) != len(keys):
+                    raise ValueError(f"{name}: {len(keys)} keys but {len(units)} host pages")
+                problem = self.pools[name].pages_problem("l2", units)
+                if problem:
+                    raise ValueError(problem)
 
     def check(self, component: str, host_pages: list[int] | None, hashes: list[str]) -> None:
         """Raise ValueError if the op's component, pages, hashes or lengths are wrong."""
@@ -95,6 +147,59 @@ class StorageIO:
         self.counters.backup_failed += len(ok) - written
         self.counters.bytes_written += written * comp.layout.l2_page_bytes
         return done
+
+    def backup_aux(self, component: str, units: list[int], keys: list[str]) -> int:
+        """Write auxiliary objects (each on its own) unless L3 has them; returns how many
+        L3 holds afterwards."""
+        backend = self.backend
+        if backend is None or not keys:
+            return 0
+        present = backend.exists_each(keys)
+        todo = [i for i, p in enumerate(present) if not p]
+        self.counters.backup_skipped += len(keys) - len(todo)
+        if not todo:
+            return len(keys)
+        layout = self._layout(component)
+        pages: list[memoryview | bytes] = []
+        for i in todo:
+            views = self._unit_views(component, units[i])
+            pages.append(views[0] if len(views) == 1 else b"".join(views))
+        ok = backend.batch_set([keys[i] for i in todo], pages, layout)
+        written = sum(ok)
+        self.counters.backup_pages += written
+        self.counters.backup_failed += len(ok) - written
+        self.counters.bytes_written += written * layout.payload_size
+        return len(keys) - len(todo) + written
+
+    def query_aux(self, keys: list[str]) -> list[bool]:
+        """Which auxiliary objects L3 holds (each on its own; all False with no store)."""
+        if self.backend is None or not keys:
+            return [False] * len(keys)
+        return self.backend.exists_each(keys)
+
+    def fetch_aux(self, component: str, keys: list[str], units: list[int]) -> list[bool]:
+        """Read auxiliary objects into L2 units; ``[i]`` is True iff object ``i`` arrived
+        verified (a state is copied into its slot only then)."""
+        backend = self.backend
+        if backend is None or not keys:
+            return [False] * len(keys)
+        layout = self._layout(component)
+        if self.pools[component].layout.kind == "paged":
+            ok = backend.batch_get(keys, [self._unit_views(component, u)[0] for u in units], layout)
+        else:
+            staging = [bytearray(layout.payload_size) for _ in keys]
+            ok = backend.batch_get(keys, [memoryview(b) for b in staging], layout)
+            for good, buf, unit in zip(ok, staging, units, strict=True):
+                if good:
+                    off = 0
+                    for view in self._unit_views(component, unit):
+                        view[:] = buf[off:off + view.nbytes]
+                        off += view.nbytes
+        got = sum(ok)
+        self.counters.fetch_pages += got
+        self.counters.fetch_missed += len(keys) - got
+        self.counters.bytes_read += got * layout.payload_size
+        return ok
 
     def query(self, hashes: list[str]) -> int:
         """How many consecutive pages of this chain L3 holds (0 with no store)."""

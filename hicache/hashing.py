@@ -11,6 +11,18 @@ of that.
 
 Hashes travel as 64-character lowercase hex strings (``PageHash``); the chain itself is
 computed over the raw 32-byte digests.
+
+Auxiliary components (SWA KV pages, Mamba states) live in L3 as their own objects, under
+keys of their own namespace derived from the Full chain (``component_key``)::
+
+    k_i(component) = SHA-256(b"hicache-aux-v1" || field(component) || h_i)
+
+``h_i`` already names the model, dtype, page size, tenant and every token up to the end of
+page ``i``, so ``k_i`` names exactly that prefix *and* the component: an SWA page object
+is the SWA KV of page ``i`` of that prefix, a Mamba state object is the state after the
+last token of page ``i`` of that prefix, and neither is ever found for another prefix or
+mistaken for a Full page. Deriving from ``h_i`` (one hash per page instead of a second
+chain from the root) lets a node's keys come from its cached Full hashes.
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ from dataclasses import dataclass
 from itertools import islice
 
 NAMESPACE_TAG = b"hicache-ns-v1"
+AUX_TAG = b"hicache-aux-v1"
 HASH_HEX_LEN = 64
 MAX_TOKEN_ID = 2**32 - 1
 
@@ -77,6 +90,21 @@ class HashNamespace:
         return HashNamespace(
             self.model_identity, self.kv_dtype, self.page_size, self.component, cache_salt
         )
+
+
+def component_key(component: str, page_hash: PageHash) -> PageHash:
+    """The L3 key of ``component``'s object for the prefix ending with the page whose Full
+    hash is ``page_hash`` (see the module docstring). ``full`` keys are the page hashes."""
+    if component == "full":
+        return page_hash
+    if not is_page_hash(page_hash):
+        raise ValueError(f"not a page hash: {page_hash!r}")
+    return hashlib.sha256(AUX_TAG + _field(component) + bytes.fromhex(page_hash)).hexdigest()
+
+
+def component_keys(component: str, page_hashes: Sequence[PageHash]) -> list[PageHash]:
+    """``component_key`` of every hash."""
+    return [component_key(component, h) for h in page_hashes]
 
 
 def tokens_to_bytes(tokens: Sequence[int], count: int | None = None) -> bytes:

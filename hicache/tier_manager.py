@@ -41,6 +41,12 @@ prefetch L2 pages      this class (``_prefetch_        ``PrefetchHits`` (reserve
                        reserved``), via the ticket                                 tree (``insert_host``) or freed
 =====================  ==============================  ==========================  ==============================
 
+Auxiliary components (SWA, Mamba) go through L3 with the Full pages: a backup carries the
+node's auxiliary L2 units and their keys (``TierOp.aux_keys``); a prefetch query asks
+which auxiliary objects exist for the queried pages, the fetch reads those into L2 units
+reserved here (``PrefetchTicket.aux_units``) and ``insert_host`` gives the tree the ones
+that arrived verified; the rest are freed at the fetch's end.
+
 ``on_controller_lost`` ends every entry at once, each exactly once (locks released, fresh
 pages freed, nodes as before the op); answers that arrive later for those ids are ignored.
 The caller must also drop messages not yet delivered to the dead controller
@@ -59,6 +65,7 @@ from dataclasses import dataclass, field
 
 import protos
 from hicache.config import PrefetchConfig
+from hicache.hashing import component_keys
 from hicache.tree.cache import MatchResult, TierOp, UnifiedRadixCache
 from hicache.tree.node import TreeNode
 
@@ -82,6 +89,8 @@ class TierCounters:
     prefetch_tokens: int = 0
     prefetch_failed: int = 0
     prefetch_revoked_pages: int = 0
+    prefetch_aux_units: int = 0
+    """Auxiliary L2 units (SWA pages, Mamba states) that a prefetch brought and the tree took."""
     controller_losses: int = 0
     rejected: int = 0
 
@@ -127,6 +136,11 @@ class PrefetchTicket:
     fetch_op: int | None = None
     """The op id of its ``PrefetchFetch``, once sent."""
     host_pages: list[int] = field(default_factory=list)
+    aux_keys: dict[str, list[str]] = field(default_factory=dict)
+    """Per auxiliary component, the L3 key of its object for each page of ``hashes``."""
+    aux_units: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    """Per auxiliary component, the objects being fetched: (page index into ``hashes``, the
+    L2 unit reserved for it), in the order the fetch names them."""
     hit_tokens: int = 0
     arrived_tokens: int = 0
     complete: bool = False
@@ -196,6 +210,7 @@ class TierManager:
         self._inflight: dict[int, InFlightOp] = {}
         self._ids = itertools.count(1)
         self._prefetch_reserved = 0
+        self._aux_reserved: dict[str, int] = {}
 
     # ------------------------------------------------------------------ queries
     @property
@@ -260,7 +275,9 @@ class TierManager:
             return
         op_id = next(self._ids)
         self._register(op_id, OpKind.BACKUP, transfer=op)
-        self.send(protos.BackupToStorage(op_id, list(op.transfers["full"][0]), list(op.hashes)))
+        aux_pages = {name: list(op.transfers[name][0]) for name in op.aux_keys}
+        self.send(protos.BackupToStorage(op_id, list(op.transfers["full"][0]), list(op.hashes), "full",
+                                         aux_pages, {name: list(k) for name, k in op.aux_keys.items()}))
 
     # ------------------------------------------------------------------ L3 -> L2
     def start_prefetch(self, rid: str, token_ids: Sequence[int], match: MatchResult,
@@ -285,12 +302,14 @@ class TierManager:
             deadline = self.clock() + cfg.timeout_base_s + cfg.timeout_per_ki_token_s * rest_pages * ps / 1024
         ticket = PrefetchTicket(rid, list(token_ids[: start + rest_pages * ps]), cache_salt, start, hashes,
                                 cfg.policy, deadline, next(self._ids))
+        ticket.aux_keys = {c.name: component_keys(c.name, hashes) for c in self.cache.aux
+                           if c.host_allocator is not None}
         self._register(ticket.query_op, OpKind.QUERY, prefetch=ticket)
         self.counters.prefetch_queries += 1
-        self.send(protos.PrefetchQuery(ticket.query_op, hashes))
+        self.send(protos.PrefetchQuery(ticket.query_op, hashes, "full", ticket.aux_keys))
         return ticket
 
-    def _on_hits(self, ticket: PrefetchTicket, n: int) -> None:
+    def _on_hits(self, ticket: PrefetchTicket, n: int, aux_present: dict[str, list[int]] | None = None) -> None:
         ps = self.cache.page_size
         self.counters.prefetch_hit_tokens += n * ps
         if n * ps < max(self.prefetch_cfg.threshold_tokens, 1):
@@ -310,11 +329,37 @@ class TierManager:
             return
         ticket.host_pages = list(pages)
         self._prefetch_reserved += len(pages)
+        self._reserve_aux(ticket, len(pages), aux_present or {})
         ticket.fetch_op = next(self._ids)
         self._register(ticket.fetch_op, OpKind.FETCH, prefetch=ticket)
-        self.send(protos.PrefetchFetch(ticket.fetch_op, ticket.hashes[: len(pages)], ticket.host_pages))
+        aux_keys = {name: [ticket.aux_keys[name][i] for i, _u in got] for name, got in ticket.aux_units.items()}
+        aux_pages = {name: [u for _i, u in got] for name, got in ticket.aux_units.items()}
+        self.send(protos.PrefetchFetch(ticket.fetch_op, ticket.hashes[: len(pages)], ticket.host_pages, "full",
+                                       aux_keys, aux_pages))
 
-    def _on_fetched(self, ticket: PrefetchTicket, pages_done: int) -> None:
+    def _reserve_aux(self, ticket: PrefetchTicket, npages: int, aux_present: dict[str, list[int]]) -> None:
+        """Reserve an L2 unit for each auxiliary object L3 holds for the first ``npages``
+        pages, the deepest first when room is short (the last boundaries are the ones a
+        match reaches); at most ``max_reserved_fraction`` of each pool. Objects left out
+        only shorten the valid match."""
+        for name, present in aux_present.items():
+            if name not in ticket.aux_keys:
+                continue
+            alloc = self.cache.component(name).host_allocator
+            if alloc is None:
+                continue
+            idx = sorted({i for i in present if 0 <= i < npages})
+            cap = int(alloc.capacity * self.prefetch_cfg.max_reserved_fraction)
+            cap -= self._aux_reserved.get(name, 0)
+            take = idx[len(idx) - max(0, min(len(idx), cap, alloc.free_count)):]
+            units = alloc.alloc(len(take)) if take else None
+            if not units:
+                continue
+            ticket.aux_units[name] = list(zip(take, units, strict=True))
+            self._aux_reserved[name] = self._aux_reserved.get(name, 0) + len(units)
+
+    def _on_fetched(self, ticket: PrefetchTicket, pages_done: int,
+                    aux_done: dict[str, list[bool]] | None = None) -> None:
         ps = self.cache.page_size
         pages = ticket.host_pages
         self._prefetch_reserved -= len(pages)
@@ -323,12 +368,29 @@ class TierManager:
         if pages_done < len(pages):
             host_alloc.free(pages[pages_done:])
             self.counters.prefetch_revoked_pages += len(pages) - pages_done
+        first = ticket.start_tokens // ps
+        aux: dict[str, dict[int, int]] = {}
+        for name, got in ticket.aux_units.items():
+            self._aux_reserved[name] -= len(got)
+            arrived = (aux_done or {}).get(name, [])
+            keep = aux[name] = {}
+            spare = []
+            for k, (i, unit) in enumerate(got):
+                if k < len(arrived) and arrived[k] and i < pages_done:
+                    keep[first + i] = unit
+                else:  # absent, refused or past the Full pages that arrived: unusable
+                    spare.append(unit)
+            alloc = self.cache.component(name).host_allocator
+            if spare and alloc is not None:
+                alloc.free(spare)
+        ticket.aux_units = {}
         if pages_done:
             end = ticket.start_tokens + pages_done * ps
             res = self.cache.insert_host(ticket.key[:end], pages[:pages_done], ticket.cache_salt,
-                                         start_page=ticket.start_tokens // ps)
+                                         start_page=first, aux=aux)
             ticket.arrived_tokens = res.host_pages_taken * ps
             self.counters.prefetch_tokens += pages_done * ps
+            self.counters.prefetch_aux_units += sum(len(m) for m in aux.values())
         ticket.host_pages = []
         ticket.complete = True
 
@@ -349,7 +411,7 @@ class TierManager:
             e = self._inflight.pop(msg.op_id, None)
             if e is not None and e.kind is OpKind.QUERY:
                 assert e.prefetch is not None
-                self._on_hits(e.prefetch, msg.n)
+                self._on_hits(e.prefetch, msg.n, msg.aux_present)
             return None
         if not isinstance(msg, protos.OpDone):
             return None
@@ -360,9 +422,10 @@ class TierManager:
         e = self._inflight.pop(msg.op_id, None)
         if e is None:
             return None
-        return self._end(e, msg.status == "ok", msg.pages_done)
+        return self._end(e, msg.status == "ok", msg.pages_done, msg.aux_done)
 
-    def _end(self, e: InFlightOp, ok: bool, pages_done: int) -> LoadTicket | None:
+    def _end(self, e: InFlightOp, ok: bool, pages_done: int,
+             aux_done: dict[str, list[bool]] | None = None) -> LoadTicket | None:
         """End an entry already taken out of the registry: apply its outcome to the tree and
         its ticket (each entry is ended exactly once). Returns its ticket for a load."""
         cache = self.cache
@@ -398,7 +461,7 @@ class TierManager:
             e.prefetch.complete = True
         elif e.kind is OpKind.FETCH:
             assert e.prefetch is not None
-            self._on_fetched(e.prefetch, pages_done if pages_done >= 0 else 0)
+            self._on_fetched(e.prefetch, pages_done if pages_done >= 0 else 0, aux_done)
         return None
 
     def on_controller_lost(self) -> int:

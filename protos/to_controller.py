@@ -43,33 +43,49 @@ class LoadToDevice(ControllerMessage):
 @message("backup")
 @dataclass(slots=True)
 class BackupToStorage(ControllerMessage):
-    """Write L2 pages to L3 under their page hashes; pages L3 already holds are skipped."""
+    """Write L2 pages to L3 under their page hashes; pages L3 already holds are skipped.
+
+    ``aux_pages[name]`` / ``aux_keys[name]``: an auxiliary component's L2 units (SWA pages,
+    Mamba state slots) and the L3 key of each (``hicache.hashing.component_key``), equal
+    lengths; written after the ``component`` pages, each object on its own."""
 
     op_id: int
     host_pages: list[int]
     hashes: list[str]
     component: str = "full"
+    aux_pages: dict[str, list[int]] = field(default_factory=dict)
+    aux_keys: dict[str, list[str]] = field(default_factory=dict)
 
 
 @message("prefetch_query")
 @dataclass(slots=True)
 class PrefetchQuery(ControllerMessage):
-    """How many consecutive pages of this hash chain does L3 hold? Answered by ``PrefetchHits``."""
+    """How many consecutive pages of this hash chain does L3 hold? Answered by ``PrefetchHits``.
+
+    ``aux_keys[name][i]``: the key of an auxiliary component's object for page ``i`` of
+    the chain; ``PrefetchHits.aux_present`` says which of them L3 holds."""
 
     op_id: int
     hashes: list[str]
     component: str = "full"
+    aux_keys: dict[str, list[str]] = field(default_factory=dict)
 
 
 @message("prefetch_fetch")
 @dataclass(slots=True)
 class PrefetchFetch(ControllerMessage):
-    """Read these L3 pages into these L2 pages; ``OpDone.pages_done`` says how many arrived."""
+    """Read these L3 pages into these L2 pages; ``OpDone.pages_done`` says how many arrived.
+
+    ``aux_keys[name]`` / ``aux_pages[name]``: auxiliary objects to read into these L2 units
+    (equal lengths), each on its own; ``OpDone.aux_done[name][i]`` says whether object
+    ``i`` arrived verified (the units of the others hold nothing usable)."""
 
     op_id: int
     hashes: list[str]
     host_pages: list[int]
     component: str = "full"
+    aux_keys: dict[str, list[str]] = field(default_factory=dict)
+    aux_pages: dict[str, list[int]] = field(default_factory=dict)
 
 
 @message("cancel")

@@ -79,21 +79,27 @@ class OpDone(SchedulerMessage):
     memory: bad indices, an unknown component, a duplicate op id).
 
     ``pages_done`` counts the pages that were completely moved (a prefix of the op's pages).
+    ``aux_done[name][i]`` (a ``PrefetchFetch`` only): whether auxiliary object ``i`` of
+    component ``name`` arrived verified.
     """
 
     op_id: int
     status: OpStatus
     pages_done: int = 0
     error: str | None = None
+    aux_done: dict[str, list[bool]] = field(default_factory=dict)
 
 
 @message("prefetch_hits")
 @dataclass(slots=True)
 class PrefetchHits(SchedulerMessage):
-    """Answer to ``PrefetchQuery``: L3 holds the first ``n`` pages of the queried chain."""
+    """Answer to ``PrefetchQuery``: L3 holds the first ``n`` pages of the queried chain.
+
+    ``aux_present[name]``: the indices ``i < n`` whose ``aux_keys[name][i]`` L3 holds."""
 
     op_id: int
     n: int
+    aux_present: dict[str, list[int]] = field(default_factory=dict)
 
 
 @message("storage_status")

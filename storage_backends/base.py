@@ -62,16 +62,28 @@ class StorageBackend(ABC):
         A store that is down answers 0.
         """
 
-    @abstractmethod
-    def batch_get(self, hashes: Sequence[str], into: Sequence[memoryview]) -> list[bool]:
-        """Read page ``hashes[i]`` into ``into[i]``; result ``i`` is True iff it was a verified hit."""
+    def exists_each(self, hashes: Sequence[str]) -> list[bool]:
+        """Whether each page exists, independently of the others (a store that is down
+        answers all False). Backends override this with one batched round trip."""
+        return [self.batch_exists([h]) == 1 for h in check_hashes(hashes)]
 
     @abstractmethod
-    def batch_set(self, hashes: Sequence[str], pages: Sequence[Buffer]) -> list[bool]:
+    def batch_get(self, hashes: Sequence[str], into: Sequence[memoryview],
+                  layout: PageLayout | None = None) -> list[bool]:
+        """Read page ``hashes[i]`` into ``into[i]``; result ``i`` is True iff it was a verified hit.
+
+        ``layout``: what the objects must look like (default: the backend's own). One store
+        holds the objects of several layouts (one per cache component); an object read
+        under a layout its header does not match is corrupt, counted and deleted."""
+
+    @abstractmethod
+    def batch_set(self, hashes: Sequence[str], pages: Sequence[Buffer],
+                  layout: PageLayout | None = None) -> list[bool]:
         """Store ``pages[i]`` under ``hashes[i]``; result ``i`` is True iff the page is stored.
 
         A page that already exists counts as stored (content under a hash never changes).
-        Each page must be exactly ``layout.payload_size`` bytes.
+        Each page must be exactly ``layout.payload_size`` bytes (``layout``: as in
+        ``batch_get``).
         """
 
     @abstractmethod
@@ -121,10 +133,11 @@ class StorageBackend(ABC):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _read_targets(self, hashes: Sequence[str], into: Sequence[Buffer]) -> tuple[list[str], list[memoryview]]:
+    def _read_targets(self, hashes: Sequence[str], into: Sequence[Buffer],
+                      layout: PageLayout | None = None) -> tuple[list[str], list[memoryview]]:
         """Validate a ``batch_get``: the hashes, and one writable, contiguous buffer of exactly
         the page size per hash; returns the hashes and flat byte views of the buffers."""
-        layout = self._require_layout()
+        layout = layout or self._require_layout()
         checked = check_hashes(hashes)
         if len(into) != len(checked):
             raise ValueError(f"{len(checked)} hashes but {len(into)} buffers")
@@ -138,10 +151,11 @@ class StorageBackend(ABC):
             views.append(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
         return checked, views
 
-    def _write_sources(self, hashes: Sequence[str], pages: Sequence[Buffer]) -> tuple[list[str], list[memoryview]]:
+    def _write_sources(self, hashes: Sequence[str], pages: Sequence[Buffer],
+                       layout: PageLayout | None = None) -> tuple[list[str], list[memoryview]]:
         """Validate a ``batch_set``: the hashes, and one contiguous page of exactly the page
         size per hash; returns the hashes and flat byte views of the pages (read only)."""
-        layout = self._require_layout()
+        layout = layout or self._require_layout()
         checked = check_hashes(hashes)
         if len(pages) != len(checked):
             raise ValueError(f"{len(checked)} hashes but {len(pages)} pages")

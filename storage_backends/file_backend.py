@@ -223,9 +223,24 @@ class FileBackend(StorageBackend):
                 return i, True
         return len(hashes), False
 
-    def batch_get(self, hashes: Sequence[str], into: Sequence[memoryview]) -> list[bool]:
-        layout = self._require_layout()
-        hashes, views = self._read_targets(hashes, into)
+    def exists_each(self, hashes: Sequence[str]) -> list[bool]:
+        hashes = check_hashes(hashes)
+        self._ensure_process()
+        if not hashes or self._closed or not self._breaker.up:
+            return [False] * len(hashes)
+        out = []
+        for h in hashes:
+            try:
+                os.stat(self._path(h))
+                out.append(True)
+            except OSError:
+                out.append(False)
+        return out
+
+    def batch_get(self, hashes: Sequence[str], into: Sequence[memoryview],
+                  layout: PageLayout | None = None) -> list[bool]:
+        layout = layout or self._require_layout()
+        hashes, views = self._read_targets(hashes, into, layout)
         self._ensure_process()
         if not hashes:
             return []
@@ -235,9 +250,10 @@ class FileBackend(StorageBackend):
         batch = self._run(layout, hashes, lambda i, h: self._read_one(layout, h, views[i]))
         return self._account_reads(batch, layout)
 
-    def batch_set(self, hashes: Sequence[str], pages: Sequence[Buffer]) -> list[bool]:
-        layout = self._require_layout()
-        hashes, views = self._write_sources(hashes, pages)
+    def batch_set(self, hashes: Sequence[str], pages: Sequence[Buffer],
+                  layout: PageLayout | None = None) -> list[bool]:
+        layout = layout or self._require_layout()
+        hashes, views = self._write_sources(hashes, pages, layout)
         self._ensure_process()
         if not hashes:
             return []

@@ -348,9 +348,24 @@ class RedisBackend(StorageBackend):
                 break
         return count
 
-    def batch_get(self, hashes: Sequence[str], into: Sequence[memoryview]) -> list[bool]:
-        layout = self._require_layout()
-        hashes, views = self._read_targets(hashes, into)
+    def exists_each(self, hashes: Sequence[str]) -> list[bool]:
+        hashes = check_hashes(hashes)
+        present = [False] * len(hashes)
+        if not hashes or self._closed or not self._breaker.up:
+            return present
+
+        def consume(idx: list[int], results: list[Any]) -> int:
+            for i, res in zip(idx, results, strict=True):
+                present[i] = not isinstance(res, Exception) and bool(res)
+            return sum(isinstance(res, Exception) for res in results)
+
+        self._run_groups("EXISTS", hashes, 0, lambda p, i: p.exists(self._key(hashes[i])), consume)
+        return present
+
+    def batch_get(self, hashes: Sequence[str], into: Sequence[memoryview],
+                  layout: PageLayout | None = None) -> list[bool]:
+        layout = layout or self._require_layout()
+        hashes, views = self._read_targets(hashes, into, layout)
         n = len(hashes)
         out = [False] * n
         if not n:
@@ -395,9 +410,10 @@ class RedisBackend(StorageBackend):
             self._delete_keys(corrupt)
         return out
 
-    def batch_set(self, hashes: Sequence[str], pages: Sequence[Buffer]) -> list[bool]:
-        layout = self._require_layout()
-        hashes, views = self._write_sources(hashes, pages)
+    def batch_set(self, hashes: Sequence[str], pages: Sequence[Buffer],
+                  layout: PageLayout | None = None) -> list[bool]:
+        layout = layout or self._require_layout()
+        hashes, views = self._write_sources(hashes, pages, layout)
         n = len(hashes)
         out = [False] * n
         if not n:

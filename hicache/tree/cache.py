@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from hicache.hashing import HashNamespace, PageHasher
+from hicache.hashing import HashNamespace, PageHasher, component_keys
 from hicache.memory.allocator import PageIndices
 from hicache.tree.components import (
     FullComponent,
@@ -163,6 +163,8 @@ class TierOp:
     ``kind``: ``write``, ``load`` or ``backup``; ``node`` / ``npages``: the lowest node it
     covers and its page count (the span survives splits);
     ``transfers[component] = (src_pages, dst_pages)``; ``hashes``: a backup's page hashes;
+    ``aux_keys[component]``: a backup's L3 keys of each auxiliary component in
+    ``transfers`` (one per L2 unit: ``hicache.hashing.component_key``);
     ``done``: finished. It has no id: the tier layer files it under its controller op id.
     """
 
@@ -172,6 +174,7 @@ class TierOp:
     transfers: dict[str, tuple[list[int], PageIndices]]
     hashes: list[str] = field(default_factory=list)
     done: bool = False
+    aux_keys: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def src_pages(self) -> list[int]:
@@ -1116,12 +1119,26 @@ class UnifiedRadixCache:
                         self._free(c, c.as_pages(v))
 
     def start_backup(self, node: TreeNode) -> TierOp | None:
-        """L3 backup of ``node``'s L2 pages: returns their L2 pages and page hashes, with the
-        node host-locked until ``finish_backup``. None if the node has no L2 copy."""
+        """L3 backup of ``node``'s L2 data: returns its FULL L2 pages and page hashes and,
+        for each auxiliary component with L2 data on the node, its L2 units
+        (``transfers[name]``) and their L3 keys (``aux_keys[name]``: an SWA page per page, a
+        Mamba state for the node's last page), with the node and that data host-locked
+        until ``finish_backup``. None if the node has no L2 copy."""
         if node.parent is None or node.data[0].host_value is None:
             return None
         hashes = self.node_hashes(node)
         op = TierOp("backup", node, self._npages(node), {"full": (list(node.data[0].host_value), [])}, hashes)
+        for c in self.aux:
+            hv = node.data[c.slot].host_value
+            if hv is None or c.host_allocator is None:
+                continue
+            units = list(c.as_pages(hv))
+            keys = component_keys(c.name, hashes if c.paged else hashes[-1:])
+            if len(keys) != len(units):
+                continue
+            op.transfers[c.name] = (units, [])
+            op.aux_keys[c.name] = keys
+            self.core.host_lock(node, c.slot)
         self.core.host_lock(node, 0)
         node.in_flight += 1
         self._open_transfers += 1
@@ -1130,9 +1147,14 @@ class UnifiedRadixCache:
     def finish_backup(self, op: TierOp, ok: bool) -> None:
         """Release the node of a ``start_backup`` (either way; L3 residency is not stored)."""
         self._close(op, "backup")
-        for n in self._op_nodes(op.node, op.npages):
+        nodes = self._op_nodes(op.node, op.npages)
+        for n in nodes:
             n.in_flight -= 1
             self.core.host_unlock(n, 0)
+        for name in op.aux_keys:
+            c = self._by_name[name]
+            for n in c.op_span(nodes):
+                self.core.host_unlock(n, c.slot)
 
     def protect_host(self, node: TreeNode) -> int:
         """Host-lock ``node`` (its FULL L2 copy); returns the page count to pass back to
@@ -1163,11 +1185,19 @@ class UnifiedRadixCache:
         return [p for run in reversed(runs) for p in run]
 
     def insert_host(self, key: Sequence[int], host_pages: Sequence[int], cache_salt: str = "",
-                    *, start_page: int = 0) -> InsertResult:
+                    *, start_page: int = 0, aux: Mapping[str, Mapping[int, int]] | None = None) -> InsertResult:
         """Insert prefetched pages as L2-only nodes: ``host_pages`` are the FULL L2 pages of
         the key's pages from ``start_page`` on. Pages the tree already holds are freed here,
         as are all of them when the tree no longer holds the key's first ``start_page``
-        pages. ``host_pages_taken`` says how many the tree kept."""
+        pages. ``host_pages_taken`` says how many the tree kept.
+
+        ``aux[name]`` maps a page ``j`` of the key (counted from 0, ``j >= start_page``) to an
+        auxiliary component's L2 unit: for a paged one (SWA) its page ``j``, for a state
+        (Mamba) the state after page ``j``. The new nodes are cut so that a paged
+        component's run of pages and a state's boundary fall on node edges; an existing
+        node with a FULL L2 copy, no transfer and no such data gets it where it covers the
+        node whole (a state: where it ends the node). Every unit the tree does not keep is
+        freed here."""
         if not self.hicache:
             raise RuntimeError("insert_host needs an L2 allocator")
         core = self.core
@@ -1177,6 +1207,14 @@ class UnifiedRadixCache:
         hp = list(host_pages)
         if len(hp) != npages - start_page:
             raise ValueError("insert_host: host_pages must cover the key from start_page on")
+        units: dict[str, dict[int, int]] = {}
+        for name, m in (aux or {}).items():
+            c = self._by_name.get(name)
+            if c is None or c is self.full or c.host_allocator is None:
+                raise ValueError(f"insert_host: no auxiliary L2 component {name!r}")
+            if any(not start_page <= j < npages for j in m):
+                raise ValueError(f"insert_host: {name} pages outside the inserted part of the key")
+            units[name] = dict(m)
         root = core.ensure_root(cache_salt)
         path = core.walk(root, key, n)
         have = sum(len(x.key) for x in path)
@@ -1184,17 +1222,76 @@ class UnifiedRadixCache:
         res = InsertResult(have, node)
         if have < start_page * ps:
             self.full.host_allocator.free(hp)  # type: ignore[union-attr]
+            self._free_aux_units(units)
             return res
         dup = hp[:have // ps - start_page]
         if dup:
             self.full.host_allocator.free(dup)  # type: ignore[union-attr]
+        if units:  # existing nodes past start_page: take what they lack and is given whole
+            first = 0
+            for x in path:
+                k = self._npages(x)
+                if first + k > start_page and x.data[0].host_value is not None and not x.in_flight \
+                        and not x.loading:
+                    self._take_aux(x, first, units)
+                first += k
         if have < n:
-            leaf = core.new_child(node, key[have:n])
-            core.set_host(leaf, 0, hp[have // ps - start_page:])
-            core.touch(path + [leaf])
-            res.node = leaf
+            cuts = {have // ps, npages}
+            for name, m in units.items():
+                c = self._by_name[name]
+                for j in m:
+                    if j >= have // ps:
+                        if c.paged:
+                            cuts.update((j, j + 1))
+                        else:
+                            cuts.add(j + 1)
+            edges = sorted(cuts)
+            if any(not self._by_name[name].paged for name in units) or len(edges) > 2:
+                edges = self._merge_edges(edges, units, have // ps)
+            parent, made = node, []
+            for a, b in zip(edges, edges[1:], strict=False):
+                leaf = core.new_child(parent, key[a * ps:b * ps])
+                core.set_host(leaf, 0, hp[a - start_page:b - start_page])
+                self._take_aux(leaf, a, units)
+                made.append(leaf)
+                parent = leaf
+            core.touch(path + made)
+            res.node = made[-1]
             res.host_pages_taken = npages - have // ps
+        self._free_aux_units(units)
         return res
+
+    def _merge_edges(self, edges: list[int], units: dict[str, dict[int, int]], lo: int) -> list[int]:
+        """Keep only the cuts where a paged component's presence changes or a state
+        boundary is: fewer, longer nodes."""
+        keep = [edges[0]]
+        for e in edges[1:-1]:
+            state_edge = any(not self._by_name[name].paged and (e - 1) in m for name, m in units.items())
+            change = any(self._by_name[name].paged and ((e - 1) in m) != (e in m) for name, m in units.items())
+            if state_edge or change:
+                keep.append(e)
+        keep.append(edges[-1])
+        return keep
+
+    def _take_aux(self, node: TreeNode, first: int, units: dict[str, dict[int, int]]) -> None:
+        """Give ``node`` (its key starts at page ``first``) the auxiliary L2 units of
+        ``units`` that cover it whole, removing them from ``units``."""
+        k = self._npages(node)
+        for name, m in units.items():
+            c = self._by_name[name]
+            if node.data[c.slot].host_value is not None:
+                continue
+            if c.paged:
+                if all(j in m for j in range(first, first + k)):
+                    self.core.set_host(node, c.slot, [m.pop(j) for j in range(first, first + k)])
+            elif first + k - 1 in m:
+                self.core.set_host(node, c.slot, c.from_pages([m.pop(first + k - 1)]))
+
+    def _free_aux_units(self, units: dict[str, dict[int, int]]) -> None:
+        for name, m in units.items():
+            if m:
+                self._free(self._by_name[name], list(m.values()), host=True)
+            m.clear()
 
     # ================================================================== hashes
     def node_hashes(self, node: TreeNode) -> list[str]:

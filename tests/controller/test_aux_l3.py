@@ -1,0 +1,279 @@
+"""SWA pages and Mamba states through L3: the controller's L2 <-> L3 half (``StorageIO``)
+in process over real shared pools, the tree's backup / insert_host of auxiliary data, and
+the tier manager's messages, with a file store and (when installed) a real Redis.
+
+A corrupt or mismatched auxiliary object must be refused (a miss, deleted), never copied
+into L2; an absent one only shortens the match.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import protos
+from controller.storage_io import StorageIO
+from hicache.config import PrefetchConfig
+from hicache.hashing import HashNamespace, PageHasher, component_key, component_keys
+from hicache.local_redis import find_redis_server, started
+from hicache.memory.allocator import PageAllocator
+from hicache.memory.pools import (
+    PoolLayout,
+    SharedPools,
+    create_pools,
+    default_directory,
+    new_instance_id,
+    paged_layout,
+    state_layout,
+)
+from hicache.tier_manager import TierManager
+from hicache.tree.cache import InsertParams, UnifiedRadixCache
+from hicache.tree.components import FullComponent, MambaComponent, PagedInsert, SWAComponent
+from storage_backends import FileSettings, RedisSettings, create_backend
+
+PS = 4
+NS = HashNamespace("aux-test-model", "float32", PS)
+
+
+def _layout() -> PoolLayout:
+    inst = new_instance_id()
+    return PoolLayout(inst, default_directory(), (
+        paged_layout(inst, "full", PS, 32, 64, num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32"),
+        paged_layout(inst, "swa", PS, 32, 64, num_layers=1, num_kv_heads=2, head_dim=4, dtype="float32"),
+        state_layout(inst, "mamba", 8, 16, num_layers=1, shapes=((3, 4), (4, 2)), dtype="float32"),
+    ))
+
+
+@pytest.fixture
+def pools() -> Iterator[SharedPools]:
+    p = create_pools(_layout())
+    try:
+        yield p
+    finally:
+        p.close()
+        p.unlink()
+
+
+def _backend(kind: str, tmp: Path, io: StorageIO) -> Any:
+    if kind == "file":
+        return create_backend(FileSettings(dir=str(tmp / "l3")), io.layout_for("full"))
+    return create_backend(RedisSettings(url=kind, key_prefix="auxtest"), io.layout_for("full"))
+
+
+@pytest.fixture(params=["file", "redis"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "file":
+        yield "file"
+        return
+    if find_redis_server() is None:
+        pytest.skip("redis-server not installed (apt-get install redis-server)")
+    with started(tmp_path / "redis") as server:
+        yield server.url
+
+
+def _fill(pools: SharedPools, name: str, units: list[int], seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for u in units:
+        vals = []
+        for t in pools[name].l2:
+            t[u].copy_(torch.randn(t[u].shape, generator=gen))
+            vals.append(t[u].clone())
+        out.append(torch.cat([v.flatten() for v in vals]))
+    return out
+
+
+def _read(pools: SharedPools, name: str, unit: int) -> torch.Tensor:
+    return torch.cat([t[unit].flatten() for t in pools[name].l2])
+
+
+def _zero(pools: SharedPools, name: str) -> None:
+    for t in pools[name].l2:
+        t.zero_()
+
+
+def test_aux_objects_round_trip_bit_exact_and_query(pools: SharedPools, tmp_path: Path, store: str) -> None:
+    io = StorageIO(pools, None)
+    io.backend = _backend(store, tmp_path, io)
+    hashes = PageHasher(NS).hash_pages(list(range(1, 1 + 3 * PS)))
+    swa_keys, mamba_keys = component_keys("swa", hashes), component_keys("mamba", hashes[-1:])
+    assert len(set(swa_keys) | set(mamba_keys) | set(hashes)) == 7  # separate namespaces
+    swa_want = _fill(pools, "swa", [3, 4, 5], 1)
+    mamba_want = _fill(pools, "mamba", [2], 2)
+    assert io.backup_aux("swa", [3, 4, 5], swa_keys) == 3
+    assert io.backup_aux("mamba", [2], mamba_keys) == 1
+    assert io.backup_aux("swa", [3, 4, 5], swa_keys) == 3  # already there: skipped
+    assert io.query_aux(swa_keys + mamba_keys + component_keys("mamba", hashes[:1])) == [True] * 4 + [False]
+    _zero(pools, "swa")
+    _zero(pools, "mamba")
+    assert io.fetch_aux("swa", swa_keys, [10, 11, 12]) == [True, True, True]
+    assert io.fetch_aux("mamba", mamba_keys + component_keys("mamba", hashes[:1]), [7, 8]) == [True, False]
+    for u, want in zip([10, 11, 12], swa_want, strict=True):
+        assert torch.equal(_read(pools, "swa", u), want)
+    assert torch.equal(_read(pools, "mamba", 7), mamba_want[0])
+    assert torch.count_nonzero(_read(pools, "mamba", 8)) == 0  # a miss leaves its slot alone
+    io.detach()
+
+
+def test_corrupt_and_mismatched_aux_objects_are_refused(pools: SharedPools, tmp_path: Path) -> None:
+    io = StorageIO(pools, None)
+    io.backend = _backend("file", tmp_path, io)
+    hashes = PageHasher(NS).hash_pages(list(range(1, 1 + 2 * PS)))
+    mkeys = component_keys("mamba", hashes)
+    skeys = component_keys("swa", hashes)
+    _fill(pools, "mamba", [0, 1], 3)
+    _fill(pools, "swa", [0, 1], 4)
+    assert io.backup_aux("mamba", [0, 1], mkeys) == 2
+    assert io.backup_aux("swa", [0, 1], skeys) == 2
+    # flip one payload byte of a state object and of an SWA page: checksum mismatch
+    for key in (mkeys[0], skeys[1]):
+        path = tmp_path / "l3" / key[:2] / f"{key}.page"
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    _zero(pools, "mamba")
+    _zero(pools, "swa")
+    assert io.fetch_aux("mamba", mkeys, [5, 6]) == [False, True]
+    assert torch.count_nonzero(_read(pools, "mamba", 5)) == 0  # never copied into the slot
+    assert io.fetch_aux("swa", skeys, [5, 6]) == [True, False]
+    assert not (tmp_path / "l3" / mkeys[0][:2] / f"{mkeys[0]}.page").exists()  # deleted
+    assert io.query_aux([mkeys[0], skeys[1]]) == [False, False]
+    # an SWA page read as a Mamba state (a key under the wrong component) is refused too
+    assert io.fetch_aux("mamba", [skeys[0]], [9]) == [False]
+    assert torch.count_nonzero(_read(pools, "mamba", 9)) == 0
+    stats = io.backend.stats().as_dict()
+    assert stats["corrupt"] >= 3
+    io.detach()
+
+
+def test_aux_checks_refuse_bad_ops(pools: SharedPools) -> None:
+    io = StorageIO(pools, None)
+    good = "a" * 64
+    io.check_aux({"swa": [good]}, {"swa": [1]})
+    for keys, pages in (({"nope": [good]}, {"nope": [1]}), ({"swa": ["x"]}, {"swa": [1]}),
+                        ({"swa": [good]}, {"swa": [1, 2]}), ({"mamba": [good]}, {"mamba": [10**6]}),
+                        ({"swa": [good]}, {"mamba": [1]})):
+        with pytest.raises(ValueError):
+            io.check_aux(keys, pages)
+
+
+def test_component_keys_name_the_prefix_and_component() -> None:
+    h = PageHasher(NS).hash_pages(list(range(2 * PS)))
+    other = PageHasher(NS).hash_pages([9] + list(range(1, 2 * PS)))
+    assert component_key("full", h[1]) == h[1]
+    assert component_key("swa", h[1]) != component_key("mamba", h[1])
+    assert component_key("mamba", h[1]) != component_key("mamba", other[1])
+    assert component_key("mamba", h[0]) != component_key("mamba", h[1])
+    with pytest.raises(ValueError):
+        component_key("swa", "not-a-hash")
+
+
+# ---- the tree and the tier manager, with StorageIO playing the controller ----------------
+
+class AuxRig:
+    """A full+swa+mamba tree with L2, a TierManager whose messages StorageIO executes."""
+
+    def __init__(self, pools: SharedPools, backend: Any, window: int = 2 * PS) -> None:
+        lay = pools.layout
+        self.pools = pools
+        self.io = StorageIO(pools, backend, "file")
+        self.l1 = {c.name: PageAllocator(c.l1_pages, "l1") for c in lay.components}
+        self.l2 = {c.name: PageAllocator(c.l2_pages, "l2") for c in lay.components}
+        self.cache = UnifiedRadixCache(
+            [FullComponent(self.l1["full"], self.l2["full"]),
+             SWAComponent(self.l1["swa"], window, self.l2["swa"]),
+             MambaComponent(self.l1["mamba"], self.l2["mamba"])], PS, hasher=NS)
+        self.sent: list[protos.Message] = []
+        self.tier = TierManager(self.cache, self.sent.append, load_back_threshold=0,
+                                prefetch=PrefetchConfig(threshold_tokens=PS, policy="wait_complete"),
+                                l3_enabled=True)
+
+    def run(self) -> None:
+        """Execute every message sent (copies as no-ops, L3 through StorageIO) until none is left."""
+        while self.sent:
+            msg = self.sent.pop(0)
+            if isinstance(msg, (protos.WriteToHost, protos.LoadToDevice)):
+                self.tier.on_message(protos.OpDone(msg.op_id, "ok", 0))
+            elif isinstance(msg, protos.BackupToStorage):
+                done = self.io.backup(msg.component, msg.host_pages, msg.hashes)
+                for name, units in msg.aux_pages.items():
+                    self.io.backup_aux(name, units, msg.aux_keys[name])
+                self.tier.on_message(protos.OpDone(msg.op_id, "ok", done))
+            elif isinstance(msg, protos.PrefetchQuery):
+                n = self.io.query(msg.hashes)
+                present = {k: [i for i, p in enumerate(self.io.query_aux(v[:n])) if p] for k, v in msg.aux_keys.items()}
+                self.tier.on_message(protos.PrefetchHits(msg.op_id, n, present))
+            elif isinstance(msg, protos.PrefetchFetch):
+                done = self.io.fetch(msg.component, msg.hashes, msg.host_pages)
+                aux = {k: self.io.fetch_aux(k, msg.aux_keys[k], u) for k, u in msg.aux_pages.items()}
+                self.tier.on_message(protos.OpDone(msg.op_id, "ok", done, None, aux))
+
+    def compute(self, tokens: list[int]) -> None:
+        """A finished request: Full and SWA pages for every page, the Mamba state at the end."""
+        n = len(tokens) // PS
+        full = self.l1["full"].alloc(n)
+        swa = self.l1["swa"].alloc(n)
+        slot = self.l1["mamba"].alloc(1)
+        assert full is not None and swa is not None and slot is not None
+        res = self.cache.insert_with(InsertParams(tokens, list(full), aux={"swa": PagedInsert(list(swa)),
+                                                                           "mamba": slot[0]}))
+        if res.prefix_len:  # the tree's pages already: the caller's duplicates
+            self.l1["full"].free(list(full)[:res.prefix_len // PS])
+        self.tier.issue_writes()
+        self.run()
+
+
+def test_hybrid_prefix_survives_l2_eviction_through_l3(pools: SharedPools, tmp_path: Path) -> None:
+    io = StorageIO(pools, None)
+    backend = _backend("file", tmp_path, io)
+    rig = AuxRig(pools, backend)
+    prompt = list(range(1, 1 + 6 * PS))
+    rig.compute(prompt)
+    assert rig.io.counters.backup_pages == 6 + 6 + 1  # Full, SWA pages, one Mamba state
+    rig.cache.flush()
+    rig.cache.check_integrity(exact=True)
+    m = rig.cache.match_prefix(prompt)
+    assert m.device_len == 0 and m.host_hit_length == 0
+    ticket = rig.tier.start_prefetch("r", prompt, m)
+    assert ticket is not None
+    rig.run()
+    assert ticket.complete and ticket.arrived_tokens == 6 * PS
+    m = rig.cache.match_prefix(prompt, copy_on_match=False)
+    assert m.host_hit_length == 6 * PS  # valid for SWA and Mamba from L2
+    assert rig.tier.counters.prefetch_aux_units == 7
+    rig.cache.flush()
+    rig.cache.check_integrity(exact=True)
+    rig.io.detach()
+
+
+def test_missing_or_corrupt_aux_gives_a_shorter_match_never_other_data(pools: SharedPools, tmp_path: Path) -> None:
+    io = StorageIO(pools, None)
+    backend = _backend("file", tmp_path, io)
+    rig = AuxRig(pools, backend)
+    short = list(range(1, 1 + 3 * PS))
+    prompt = short + list(range(100, 100 + 3 * PS))
+    rig.compute(short)  # a Mamba state after page 3
+    rig.compute(prompt)  # and after page 6
+    hashes = PageHasher(NS).hash_pages(prompt)
+    deep = component_key("mamba", hashes[5])
+    path = tmp_path / "l3" / deep[:2] / f"{deep}.page"
+    raw = bytearray(path.read_bytes())
+    raw[100] ^= 1
+    path.write_bytes(bytes(raw))
+    rig.cache.flush()
+    ticket = rig.tier.start_prefetch("r", prompt, rig.cache.match_prefix(prompt))
+    assert ticket is not None
+    rig.run()
+    m = rig.cache.match_prefix(prompt, copy_on_match=False)
+    assert m.host_hit_length == 3 * PS  # the corrupt deeper state was refused
+    assert not os.path.exists(path)
+    rig.cache.flush()
+    rig.cache.check_integrity(exact=True)
+    for name in ("full", "swa", "mamba"):
+        assert rig.l2[name].free_count == rig.l2[name].capacity
+    rig.io.detach()
