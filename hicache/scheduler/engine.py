@@ -74,8 +74,9 @@ the same request, and its reservation holds both kinds):
   cached), never an error.
 - L2: SWA pages and Mamba states move to and from L2 with their nodes' Full pages when
   the tree has L2 allocators for them (``cache.l2.state_slots: 0`` keeps Mamba L1-only);
-  only Full KV goes to L3, so a prefix prefetched from L3 is a valid hybrid match only up
-  to the last boundary whose SWA / Mamba data is still in L1 or L2.
+  L3 backups and prefetches carry them too, so a prefix prefetched from L3 is a valid
+  hybrid match up to the last boundary whose SWA window and Mamba state L3 (or L1 / L2)
+  still holds.
 """
 
 from __future__ import annotations
