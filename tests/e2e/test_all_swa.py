@@ -87,6 +87,12 @@ def test_all_swa_reference_model_reuses_its_prefix_from_l1_and_l2(tmp_path: Path
         stats = d.get("/cache/stats")
         assert {"full", "swa"} <= set(stats["l1"]), stats["l1"]
         _check_reuse(d, prompt, [[rng.randrange(1, 250) for _ in range(99)] for _ in range(4)])
+        # L3 stores Full pages only: attaching one at run time is refused too
+        status, body = d.request("PUT", "/cache/storage", {"backend": "file", "file": {"dir": str(tmp_path / "l3")}})
+        assert status != 200 and "index-only" in str(body), (status, body)
+        status, body = d.request("GET", "/cache/storage")
+        assert status == 200 and body["backend"] == "none", body
+        assert not (tmp_path / "l3").exists()
     finally:
         _stop(d)
 
