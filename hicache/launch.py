@@ -243,6 +243,9 @@ class Launcher:
         """The pools of every component the model needs: ``full`` (and ``swa``, with as many
         pages) from ``cache.l1.tokens`` / ``cache.l2.tokens``; ``mamba`` state slots from
         ``cache.l1.state_slots`` / ``cache.l2.state_slots``. No L2 pools when L2 is off.
+        A model without full-attention layers gets a zero-layer ``full`` (index-only: its
+        page count bounds the cached token pages, its tensors hold no bytes and get no
+        segment).
         Raises ValueError for a model the scheduler cannot serve."""
         from hicache.memory.pools import (
             PoolLayout,
@@ -263,7 +266,7 @@ class Launcher:
             raise ValueError(problem)
         full = geometry.full
         if full is None:  # unsupported_reason refuses such models; keeps the type checker informed
-            raise ValueError("the model has no full-attention layer")
+            raise ValueError("the model has no attention layer")
         ps = cfg.cache.page_size
         l1_pages = cfg.cache.l1.tokens // ps
         l2_pages = cfg.cache.l2.tokens // ps if cfg.cache.l2.enabled else 0

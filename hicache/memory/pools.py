@@ -14,6 +14,11 @@ For an attention component one L2 page is one contiguous byte range, so an L3 ob
 written from and read into L2 without an extra copy (``host_page_view``). A Mamba "page" is
 one state slot. Each tensor lives in its own segment named ``{instance}-{component}-{tier}-{i}``.
 
+A tensor of zero bytes (the index-only Full component of a model without full-attention
+layers: ``[0, 2, ...]``, see ``hicache.model.geometry``) has no segment: each process makes
+its own empty tensor, the copy plans of such a component are empty and its L2 page views
+are empty (``MappedComponent.holds_bytes``).
+
 Who does what: the process that owns the daemon creates the segments (``create_pools``) and
 unlinks them at shutdown (``SharedPools.unlink``); the scheduler and the cache controller
 attach (``attach_pools``). Page *indices* are allocated and freed by the scheduler alone
@@ -31,7 +36,7 @@ from typing import Literal
 
 import torch
 
-from hicache.memory.shm import SharedSegment, TensorSpec, shm_dir
+from hicache.memory.shm import TORCH_DTYPES, SharedSegment, TensorSpec, shm_dir
 
 Tier = Literal["l1", "l2"]
 
@@ -92,7 +97,8 @@ class PoolLayout:
 
     @property
     def segments(self) -> list[str]:
-        return [spec.segment for c in self.components for spec in (*c.l1, *c.l2)]
+        """The shared-memory segments (a zero-byte tensor has none)."""
+        return [spec.segment for c in self.components for spec in (*c.l1, *c.l2) if spec.nbytes]
 
 
 def new_instance_id() -> str:
@@ -169,6 +175,11 @@ class MappedComponent:
             self.l1_axis = 1
         self.l1_page_major = [t.movedim(self.l1_axis, 0) for t in self.l1_paged]
 
+    @cached_property
+    def holds_bytes(self) -> bool:
+        """False for a component whose pages are zero bytes (index-only Full): nothing to copy."""
+        return any(t.numel() for t in (*self.l1, *self.l2))
+
     def pages_problem(self, tier: Tier, pages: list[int]) -> str | None:
         """None if every index is a valid page of ``tier``, else the reason."""
         limit = self.layout.l1_pages if tier == "l1" else self.layout.l2_pages
@@ -183,13 +194,18 @@ class MappedComponent:
         One pair per run of consecutive pages (``page_runs``) and tensor, both views with the
         page index on axis 0 and the same shape. Makes views only (one slice per side, of
         views made once in ``__post_init__``): no bytes move and no index is checked here.
+        Empty for a component of zero-byte pages (``holds_bytes``).
         """
+        if not self.holds_bytes:
+            return []
         return [(dst[dst_start : dst_start + n], src[src_start : src_start + n])
                 for (src_start, dst_start, n) in page_runs(l1_pages, l2_pages)
                 for src, dst in zip(self.l1_page_major, self.l2, strict=True)]
 
     def plan_l2_to_l1(self, l2_pages: list[int], l1_pages: list[int]) -> list[CopyPair]:
         """The pairs that set L1[l1_pages[i]] = L2[l2_pages[i]]; see ``plan_l1_to_l2``."""
+        if not self.holds_bytes:
+            return []
         return [(dst[dst_start : dst_start + n], src[src_start : src_start + n])
                 for (src_start, dst_start, n) in page_runs(l2_pages, l1_pages)
                 for src, dst in zip(self.l2, self.l1_page_major, strict=True)]
@@ -199,6 +215,8 @@ class MappedComponent:
         if self.layout.kind != "paged":
             raise ValueError(f"{self.layout.name} pages are not single byte ranges")
         size = self.layout.l2_page_bytes
+        if size == 0:  # zero-byte pages (index-only Full): no segment to view
+            return memoryview(bytearray())
         return memoryview(self.l2_segments[0].buffer)[page * size : (page + 1) * size]
 
 
@@ -230,11 +248,18 @@ class SharedPools:
         self.layout = layout
         self._segments = segments
         by_name = {s.name: s for s in segments}
+
+        def mapped(spec: TensorSpec) -> torch.Tensor:
+            if not spec.nbytes:  # no segment: an empty tensor of the right shape, local to this process
+                return torch.empty(spec.shape, dtype=TORCH_DTYPES[spec.dtype])
+            return by_name[spec.segment].tensor(spec)
+
         self.components: dict[str, MappedComponent] = {}
         for c in layout.components:
-            l1 = [by_name[spec.segment].tensor(spec) for spec in c.l1]
-            l2 = [by_name[spec.segment].tensor(spec) for spec in c.l2]
-            self.components[c.name] = MappedComponent(c, l1, l2, [by_name[spec.segment] for spec in c.l2])
+            l1 = [mapped(spec) for spec in c.l1]
+            l2 = [mapped(spec) for spec in c.l2]
+            self.components[c.name] = MappedComponent(c, l1, l2, [by_name[spec.segment] for spec in c.l2
+                                                                  if spec.nbytes])
 
     def __getitem__(self, name: str) -> MappedComponent:
         try:
@@ -263,6 +288,8 @@ def create_pools(layout: PoolLayout) -> SharedPools:
     try:
         for c in layout.components:
             for spec in (*c.l1, *c.l2):
+                if not spec.nbytes:
+                    continue  # zero bytes: no segment (module doc)
                 made.append(SharedSegment.create(spec.segment, spec.nbytes, layout.directory))
         return SharedPools(layout, made)
     except BaseException:

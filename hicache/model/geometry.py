@@ -19,6 +19,15 @@ mamba      conv ``[mamba.num_layers, num_state_slots, *mamba.conv_shape]`` and
 
 The layer axis counts only the layers of that kind, in model order (the ``i``-th ``swa``
 layer of the model is index ``i`` of the SWA tensor).
+
+A model with sliding-window layers but no full-attention layer (every layer ``swa``, or
+``swa`` and ``mamba``) still has a ``full`` component, *index-only*: ``full.num_layers ==
+0`` (``ModelGeometry.full_index_only``). The tree's first component must be Full (its pages
+decide which nodes exist), so the Full page indices are allocated as for any model and
+bound the number of cached token pages, but its pools hold no bytes (``[0, 2, S_full, ...]``
+tensors, no shared-memory segment, copies of it move nothing) and every KV byte lives in
+the SWA pool, with its window semantics. L3 stores only Full pages, so such a model is
+served without L3 (``hicache.startup_checks`` refuses ``cache.l3.backend`` for it).
 """
 
 from __future__ import annotations
@@ -32,7 +41,8 @@ from hicache.model.spec import DecoderSpec, spec_for
 SUPPORTED_COMPONENTS: tuple[tuple[str, ...], ...] = (
     ("full",), ("full", "swa"), ("full", "mamba"), ("full", "swa", "mamba"))
 """The component sets the scheduler serves: Full KV plus any of SWA and Mamba (in this order,
-the order of ``ModelGeometry.components`` and of the tree's components)."""
+the order of ``ModelGeometry.components`` and of the tree's components). ``full`` may be
+index-only (no layers) when the model has ``swa`` layers."""
 
 MAMBA_STATE_DTYPE = "float32"
 """Mamba states are kept in float32 whatever the model dtype: they accumulate over the
@@ -41,7 +51,10 @@ whole sequence and low precision would drift."""
 
 @dataclass(frozen=True)
 class AttentionGeometry:
-    """KV of one attention component (``full`` or ``swa``)."""
+    """KV of one attention component (``full`` or ``swa``).
+
+    ``num_layers == 0`` only for an index-only ``full`` component (a model without
+    full-attention layers, see the module doc): zero bytes per token."""
 
     num_layers: int
     num_kv_heads: int
@@ -87,7 +100,9 @@ class MambaGeometry:
 
 @dataclass(frozen=True)
 class ModelGeometry:
-    """The pool-relevant shape of a model. A component is None when the model has no layer of it."""
+    """The pool-relevant shape of a model. ``swa`` / ``mamba`` are None when the model has no
+    layer of that kind; ``full`` is None only when it has no attention layer at all (a model
+    with ``swa`` but no ``full`` layers gets an index-only ``full``: see ``full_index_only``)."""
 
     layer_kinds: tuple[str, ...]
     full: AttentionGeometry | None
@@ -100,12 +115,21 @@ class ModelGeometry:
         """The cache components this model needs, in priority order (``full`` first)."""
         return tuple(name for name in ("full", "swa", "mamba") if getattr(self, name) is not None)
 
+    @property
+    def full_index_only(self) -> bool:
+        """True when the ``full`` component holds no layers (the model has ``swa`` layers and no
+        ``full`` ones): its page indices structure the tree, its pools hold no bytes."""
+        return self.full is not None and self.full.num_layers == 0
+
     @classmethod
     def from_spec(cls, spec: DecoderSpec) -> ModelGeometry:
         def attention(kind: str) -> AttentionGeometry | None:
             n = spec.count(kind)
             return AttentionGeometry(n, spec.num_kv_heads, spec.head_dim, spec.dtype) if n else None
 
+        full = attention("full")
+        if full is None and spec.count("swa"):  # index-only: page indices, no layers (module doc)
+            full = AttentionGeometry(0, spec.num_kv_heads, spec.head_dim, spec.dtype)
         n_mamba = spec.count("mamba")
         mamba = None
         if n_mamba:
@@ -116,7 +140,7 @@ class ModelGeometry:
             )
         return cls(
             layer_kinds=spec.layer_kinds,
-            full=attention("full"),
+            full=full,
             swa=attention("swa"),
             mamba=mamba,
             sliding_window=spec.sliding_window if spec.count("swa") else None,
@@ -132,13 +156,15 @@ def unsupported_reason(geometry: ModelGeometry) -> str | None:
     """None if the scheduler can serve a model of this geometry, else why not.
 
     The tree holds Full KV plus any auxiliary components (``SUPPORTED_COMPONENTS``), so a
-    model needs at least one ``full`` layer and may add ``swa`` layers, ``mamba`` layers or
-    both.
+    model needs at least one attention layer: ``full`` layers, ``swa`` layers (then the Full
+    component is index-only when there is no ``full`` layer) or both, with or without
+    ``mamba`` layers. A model of ``mamba`` layers only is refused.
     """
     comps = geometry.components
     if comps in SUPPORTED_COMPONENTS:
         return None
     kinds = ", ".join(sorted(set(geometry.layer_kinds)))
     if "full" not in comps:
-        return f"model layers ({kinds}): at least one full-attention layer is required"
+        return (f"model layers ({kinds}): at least one attention layer (full or sliding-window) is required; "
+                "mamba layers alone are not supported")
     return f"model layers ({kinds}): the component set {comps} is not supported"

@@ -32,7 +32,10 @@ class KVPools:
     - ``swa_kv``: same for the SWA layers, with its own page numbering.
     - ``mamba_conv`` / ``mamba_ssm``: ``[mamba_layers, num_state_slots, *shape]``.
 
-    A tensor is None exactly when the model has no layer of that kind.
+    A tensor is None exactly when the model has no layer of that kind, except ``full_kv``:
+    a model with ``swa`` but no ``full`` layers has an index-only Full component
+    (``ModelGeometry.full_index_only``) whose tensor has zero layers (no bytes); its page
+    tables are checked as usual and no layer reads or writes it.
     """
 
     page_size: int

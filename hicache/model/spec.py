@@ -6,7 +6,8 @@ derived from. It is built either from the reference model's config
 and is torch-free so that the scheduler can size pools without importing torch.
 
 Supported Hugging Face families: Llama, Qwen2, Qwen3 and Mistral (``*ForCausalLM``). A
-Mistral config with ``sliding_window`` set maps every layer to ``swa``; a config with
+Mistral config with ``sliding_window`` set maps every layer to ``swa`` (served with an
+index-only Full component: ``hicache.model.geometry``); a config with
 ``layer_types`` (``full_attention`` / ``sliding_attention``) maps layer by layer.
 """
 

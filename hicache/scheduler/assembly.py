@@ -3,7 +3,9 @@
 Shared by the scheduler process (pools in shared memory) and by tests (plain tensors).
 
 Components (``ModelGeometry.components``, the cache's in this order): ``("full",)``,
-``("full", "swa")``, ``("full", "mamba")`` or ``("full", "swa", "mamba")``. Every component gets its own L1 index allocator and, when L2 is on,
+``("full", "swa")``, ``("full", "mamba")`` or ``("full", "swa", "mamba")``; for a model with
+no full-attention layer ``full`` is index-only (zero-layer pools: its allocator bounds the
+cached token pages, the KV is all SWA's; ``ModelGeometry.full_index_only``). Every component gets its own L1 index allocator and, when L2 is on,
 its own L2 allocator:
 
 =========  ===============================  ==============================================

@@ -134,8 +134,8 @@ class Driver:
             first = 0
             if kind == "swa":
                 first = max(0, tokens - geo.sliding_window) // ps  # pages holding the last `window` tokens
-            layers, _, _, heads, dim = pool.shape
-            paged = pool.view(layers, 2, -1, ps, heads, dim)
+            layers, _, slots, heads, dim = pool.shape  # layers is 0 for an index-only Full pool
+            paged = pool.view(layers, 2, slots // ps, ps, heads, dim)
             l2 = paged[:, :, src_pages[first:k]].permute(2, 0, 1, 3, 4, 5).contiguous()
             dst = [free.pop(0) for _ in range(first, k)]
             paged[:, :, dst] = l2.permute(1, 2, 0, 3, 4, 5)

@@ -15,6 +15,8 @@ PATTERNS = {
     "full_swa": ("full", "swa"),
     "full_mamba": ("full", "mamba"),
     "mixed": ("swa", "full", "mamba", "swa"),
+    "all_swa": ("swa", "swa"),
+    "swa_mamba": ("swa", "mamba", "swa"),
 }
 N_NEW = 6
 

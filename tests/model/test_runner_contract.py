@@ -30,6 +30,24 @@ def test_geometry_matches_pool_contract() -> None:
     assert geometry_for(load_config(None, ["model.reference.layers=[full, swa, mamba, full]"]).model) == geo
 
 
+def test_all_swa_model_has_an_index_only_full_pool() -> None:
+    """No full layer: the Full pool has zero layers (page indices only), the KV is SWA's."""
+    geo = geometry_for(ModelConfig(reference=ReferenceModelConfig(layers=("swa", "swa"))))
+    assert geo.components == ("full", "swa") and geo.full_index_only
+    pools = allocate_pools(geo, num_pages=5, page_size=4)
+    assert pools.full_kv is not None and tuple(pools.full_kv.shape) == (0, 2, 20, 2, 16)
+    assert pools.full_kv.numel() == 0 and pools.num_full_pages == 5
+    model = tiny_model(("swa", "swa"))
+    runner = ModelRunner(model, pools)
+    out = runner.forward([ForwardItem([1, 2, 3, 4, 5], 0, full_pages=[0, 1], swa_pages=[3, 4])])
+    assert out[0] is not None and pools.swa_kv is not None and pools.swa_kv[:, :, 12:17].abs().sum() > 0
+    with pytest.raises(ValueError, match="full_pages holds a page index outside"):
+        runner.forward([ForwardItem([1, 2, 3], 0, full_pages=[9], swa_pages=[0])])
+    pools.full_kv = None
+    with pytest.raises(ValueError, match="full_kv: the model needs this pool"):
+        ModelRunner(model, pools)
+
+
 def test_identity_depends_on_seed_config_dtype() -> None:
     base = ModelConfig()
     assert model_identity(base) == model_identity(ModelConfig())

@@ -1,4 +1,5 @@
-"""The scheduler serving hybrid models in-process: Full + SWA, Full + Mamba and Full + SWA + Mamba.
+"""The scheduler serving hybrid models in-process: Full + SWA, Full + Mamba, Full + SWA + Mamba
+and all-SWA (no full-attention layer: the Full component is index-only, every KV byte is SWA's).
 
 The oracle is the same as for full attention: a request's greedy output with the cache
 must equal its output on a cold cache, bit for bit. After every run the cache must be
@@ -21,7 +22,8 @@ from hicache.tree.node import ComponentType
 from tests.scheduler.rigs import L2Rig, L3AckRig, Rig, cold_tokens, gen
 
 WINDOW = 16
-PATTERNS = {"swa": ("full", "swa"), "mamba": ("full", "mamba"), "swa+mamba": ("full", "swa", "mamba", "full")}
+PATTERNS = {"swa": ("full", "swa"), "mamba": ("full", "mamba"), "swa+mamba": ("full", "swa", "mamba", "full"),
+            "all-swa": ("swa", "swa")}
 HAS_SWA = {kind for kind, layers in PATTERNS.items() if "swa" in layers}
 HAS_MAMBA = {kind for kind, layers in PATTERNS.items() if "mamba" in layers}
 
@@ -152,25 +154,45 @@ def test_mamba_match_gives_the_request_its_own_copy_of_the_state(kind: str) -> N
     assert rig.cache.total_size(ComponentType.MAMBA) >= 2
 
 
-@pytest.mark.parametrize("layers", [("swa",), ("mamba", "mamba"), ("swa", "mamba")])
-def test_patterns_without_a_full_layer_are_refused_with_the_reason(layers: tuple[str, ...]) -> None:
+@pytest.mark.parametrize("layers", [("mamba",), ("mamba", "mamba")])
+def test_patterns_without_an_attention_layer_are_refused_with_the_reason(layers: tuple[str, ...]) -> None:
     cfg = _cfg(layers, 4)
     reason = unsupported_reason(geometry_for(cfg.model))
-    assert reason is not None and "full-attention layer" in reason
+    assert reason is not None and "at least one attention layer" in reason
     model = load_model(cfg.model)
     pools = allocate_pools(model.geometry, 64, 4, 8)
     with pytest.raises(ValueError, match="layers"):
         build_cache(cfg, model, 64, None, pools=pools)
 
 
+@pytest.mark.parametrize("layers", [("swa",), ("swa", "swa", "swa")])
+def test_all_swa_models_get_an_index_only_full_component(layers: tuple[str, ...]) -> None:
+    """No full-attention layer: the tree still starts with FULL (zero layers, so its pool
+    holds no bytes) and all KV is SWA's; a repeated prompt longer than the window hits."""
+    cfg = _cfg(layers, 4)
+    geometry = geometry_for(cfg.model)
+    assert unsupported_reason(geometry) is None
+    assert geometry.components == ("full", "swa") and geometry.full_index_only
+    assert geometry.full is not None and geometry.full.num_layers == 0 and geometry.full.bytes_per_token == 0
+    rig = Rig(cfg)
+    assert [c.ctype for c in rig.cache.components] == [ComponentType.FULL, ComponentType.SWA]
+    prompt = [random.Random(6).randrange(1, 500) for _ in range(3 * WINDOW + 5)]
+    rig.run([gen("a", prompt, 2 * WINDOW)])
+    rig.run([gen("b", prompt, 2 * WINDOW)])
+    assert rig.tokens("a") == rig.tokens("b") == cold_tokens(cfg, "x", prompt, 2 * WINDOW)
+    assert rig.cached("b") == (len(prompt) - 1) // 4 * 4
+
+
 @pytest.mark.parametrize("layers", [("full", "swa", "full", "mamba"), ("mamba", "full", "swa"),
-                                    ("swa", "mamba", "full")])
+                                    ("swa", "mamba", "full"), ("swa", "mamba"), ("mamba", "swa", "swa")])
 def test_full_swa_and_mamba_together_are_served_in_component_order(layers: tuple[str, ...]) -> None:
-    """Whatever the layer order, the cache holds FULL, SWA, MAMBA (``geometry.components``)."""
+    """Whatever the layer order, the cache holds FULL, SWA, MAMBA (``geometry.components``);
+    without a full layer the FULL component is index-only."""
     cfg = _cfg(layers, 4)
     geometry = geometry_for(cfg.model)
     assert unsupported_reason(geometry) is None
     assert geometry.components == ("full", "swa", "mamba")
+    assert geometry.full_index_only == ("full" not in layers)
     rig = Rig(cfg)
     assert [c.ctype for c in rig.cache.components] == [ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA]
     prompt = [random.Random(4).randrange(1, 500) for _ in range(45)]
