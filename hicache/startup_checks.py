@@ -21,7 +21,7 @@ key path                        problem
                                 available (the reference model's is checked by ``validate``)
 ``cache.l3.backend``            an L3 backend for a model without full-attention layers
                                 (index-only Full component: ``ModelGeometry.full_index_only``;
-                                L3 stores only Full pages, which hold no KV for such a model)
+                                its Full pages hold no KV, and L3 for it is not built)
 ``tokenizer.path``              names no tokenizer.json (a file, or a directory holding one)
 ==============================  ===========================================================
 
@@ -119,8 +119,8 @@ def _model_geometry(cfg: HicacheConfig, out: list[ConfigProblem]) -> ModelGeomet
 
 
 L3_WITHOUT_FULL_LAYERS = (
-    "the model has no full-attention layer (its KV is all sliding-window, in the SWA pools) and L3 stores "
-    "only Full pages, which hold no KV for it: set cache.l3.backend: none")
+    "the model has no full-attention layer (its KV is all sliding-window, in the SWA pools): L3 is not "
+    "supported for such a model yet: set cache.l3.backend: none")
 
 
 def _check_l3(cfg: HicacheConfig, geometry: ModelGeometry, out: list[ConfigProblem]) -> None:
