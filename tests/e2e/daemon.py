@@ -19,6 +19,11 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 
 
+def shm_segments(prefix: str = "hicache-") -> set[str]:
+    """The shared-memory segments whose names start with ``prefix``."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)} if os.path.isdir("/dev/shm") else set()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -108,6 +113,17 @@ class Daemon:
             for s in family.samples:
                 out[(s.name, frozenset(s.labels.items()))] = float(s.value)
         return out
+
+    def wait_for_stats(self, what: str, check: Any, timeout_s: float = 20.0) -> dict[str, Any]:
+        """Poll ``/cache/stats`` until ``check(stats)`` holds; fail naming ``what``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.get("/cache/stats")
+            if check(stats):
+                return stats  # type: ignore[no-any-return]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what} did not happen within {timeout_s} s: {stats}\n{self.log()}")
+            time.sleep(0.2)
 
     def generate(self, ids: list[int], n: int = 8) -> dict[str, Any]:
         status, body = self.request("POST", "/generate", {

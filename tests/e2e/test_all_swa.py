@@ -11,32 +11,18 @@ cold output must be the one ``transformers`` generates.
 
 from __future__ import annotations
 
-import os
 import random
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon import Daemon
+from daemon import Daemon, shm_segments
 
 PS = 4
 WINDOW = 16
 
 
-def _segments(prefix: str) -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)} if os.path.isdir("/dev/shm") else set()
 
-
-def _wait_for(d: Daemon, what: str, check: Any, timeout_s: float = 20.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = d.get("/cache/stats")
-        if check(stats):
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {timeout_s} s: {stats}\n{d.log()}")
-        time.sleep(0.2)
 
 
 def _cache(l1_tokens: int = 256) -> dict[str, Any]:
@@ -47,7 +33,7 @@ def _check_reuse(d: Daemon, prompt: list[int], others: list[list[int]], n: int =
     """Cold run, L1 hit, L2 hit after ``others`` pushed the prefix out of L1: one output."""
     assert d.proc is not None
     prefix = f"hicache-{d.proc.pid}-"
-    segments = _segments(prefix)
+    segments = shm_segments(prefix)
     assert segments and not any("-full-" in s for s in segments), segments  # index-only Full: no segment
     first = d.generate(prompt, n)
     again = d.generate(prompt, n)
@@ -56,7 +42,7 @@ def _check_reuse(d: Daemon, prompt: list[int], others: list[list[int]], n: int =
     assert boundary > WINDOW
     assert again["meta_info"]["cached_tokens"] == boundary
     assert again["meta_info"]["cached_tokens_details"]["device"] == boundary
-    _wait_for(d, "swa data written to L2", lambda s: s.get("l2", {}).get("swa", {}).get("used_tokens", 0) >= 2)
+    d.wait_for_stats("swa data written to L2", lambda s: s.get("l2", {}).get("swa", {}).get("used_tokens", 0) >= 2)
     for other in others:
         d.generate(other, n)
     third = d.generate(prompt, n)
@@ -72,7 +58,7 @@ def _stop(d: Daemon) -> None:
     prefix = f"hicache-{d.proc.pid}-"
     code = d.stop()
     assert code == 0, d.log()
-    assert not _segments(prefix), "shared memory left behind"
+    assert not shm_segments(prefix), "shared memory left behind"
 
 
 def test_all_swa_reference_model_reuses_its_prefix_from_l1_and_l2(tmp_path: Path) -> None:

@@ -8,13 +8,11 @@ computed on a cold cache, and the hits must be reported.
 
 from __future__ import annotations
 
-import os
 import random
-import time
 from pathlib import Path
 
 import pytest
-from daemon import Daemon
+from daemon import Daemon, shm_segments
 
 PS = 4
 
@@ -30,19 +28,7 @@ def _config(tmp: Path, layers: list[str]) -> dict:
     }
 
 
-def _segments(prefix: str) -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)} if os.path.isdir("/dev/shm") else set()
 
-
-def _wait_for(d: Daemon, what: str, check, timeout_s: float = 20.0) -> dict:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = d.get("/cache/stats")
-        if check(stats):
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {timeout_s} s: {stats}\n{d.log()}")
-        time.sleep(0.2)
 
 
 LAYERS = {"mamba": ["full", "mamba"], "swa": ["full", "swa"], "swa+mamba": ["full", "swa", "mamba", "full"]}
@@ -65,7 +51,7 @@ def test_hybrid_model_reuses_its_prefix_from_l1_and_l2(tmp_path: Path, kind: str
         assert again["meta_info"]["cached_tokens_details"]["device"] == boundary
         for aux in (a for a in ("swa", "mamba") if a in LAYERS[kind]):
             used = "used_slots" if aux == "mamba" else "used_tokens"
-            stats = _wait_for(d, f"{aux} data written to L2",
+            stats = d.wait_for_stats(f"{aux} data written to L2",
                               lambda s, aux=aux, used=used: s.get("l2", {}).get(aux, {}).get(used, 0) >= 2)
             assert stats["l1"][aux]["cached_states" if aux == "mamba" else "cached_tokens"] >= 2
         # other prompts push it out of L1 (64 pages, 27 per request); its L2 copy stays
@@ -79,4 +65,4 @@ def test_hybrid_model_reuses_its_prefix_from_l1_and_l2(tmp_path: Path, kind: str
     finally:
         code = d.stop()
     assert code == 0, d.log()
-    assert not _segments(prefix), "shared memory left behind"
+    assert not shm_segments(prefix), "shared memory left behind"

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from daemon import Daemon, alive
+from daemon import Daemon, alive, shm_segments
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -31,11 +31,8 @@ def _config(tmp: Path, **cache: object) -> dict:
 def _owned(d: Daemon) -> set[str]:
     """The shared-memory segments of this daemon (named after its launcher's pid)."""
     assert d.proc is not None
-    return _segments(f"hicache-{d.proc.pid}-")
+    return shm_segments(f"hicache-{d.proc.pid}-")
 
-
-def _segments(prefix: str = "hicache-") -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)} if os.path.isdir("/dev/shm") else set()
 
 
 @pytest.fixture
@@ -164,7 +161,7 @@ def test_killed_launcher_leaves_no_orphans_and_next_start_cleans_up(tmp_path: Pa
     d2 = Daemon(tmp_path, _config(tmp_path), "next")
     d2.start()
     try:
-        assert not (stale & _segments())  # ... the next start removed them
+        assert not (stale & shm_segments())  # ... the next start removed them
         assert _owned(d2)
     finally:
         assert d2.stop() == 0
@@ -182,13 +179,13 @@ def test_a_port_in_use_is_refused_before_anything_starts(tmp_path: Path) -> None
         d = Daemon(tmp_path, _config(tmp_path))
         cfg_text = d.config_path.read_text().replace(f"port: {d.port}", f"port: {holder.getsockname()[1]}")
         d.config_path.write_text(cfg_text)
-        before = _segments()
+        before = shm_segments()
         d.launch()
         assert d.proc is not None
         code = d.proc.wait(60)
         assert code == 1, d.log()
         assert f"cannot listen on 127.0.0.1:{holder.getsockname()[1]}" in d.log()
         assert "controller ready" not in d.log()  # no process was started
-        assert _segments() == before
+        assert shm_segments() == before
     finally:
         holder.close()
