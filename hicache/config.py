@@ -17,6 +17,7 @@ import os
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -49,6 +50,65 @@ DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 STATE_SLOTS_PER_REQUEST = 3
 """A running request of a Mamba model holds up to three L1 state slots: its own state, the
 prompt-boundary snapshot and the latest page-boundary snapshot."""
+
+def swa_request_pages(sliding_window: int, tokens: int, page_size: int) -> int:
+    """The most SWA L1 pages a running request is charged for while its forward passes
+    compute up to ``tokens`` tokens each (a prefill chunk; 1 while decoding).
+
+    ``ceil(tokens / ps) + 2 * ceil(window / ps) + 1``: the pages of the tokens being
+    computed, the window before them (kept down to the window before the last page
+    boundary, so that the tokens cached at finish end on a valid SWA boundary; one page
+    more for the partial page), and the window before the prompt's last page boundary,
+    which the request hands to the tree (so a repeat of the prompt matches it) and which
+    stays charged to it until it finishes. Pages wholly before that are freed as the
+    request's computed position advances (the runner never reads them again).
+    """
+    def cdiv(a: int) -> int:
+        return -(-a // page_size)
+
+    return cdiv(tokens) + 2 * cdiv(sliding_window) + 1
+
+
+def swa_min_pages(sliding_window: int, tokens: int, page_size: int) -> int:
+    """The smallest SWA L1 pool that serves any request: one request's
+    ``swa_request_pages`` and the window of SWA pages its match keeps locked."""
+    return swa_request_pages(sliding_window, tokens, page_size) + -(-sliding_window // page_size) + 1
+
+
+def swa_pool_tokens(cfg: HicacheConfig, sliding_window: int) -> tuple[int, int]:
+    """``(L1, L2)`` SWA pool sizes in tokens for a model with swa layers (L2 0 when off).
+
+    Set by ``cache.l1.swa_tokens`` / ``cache.l2.swa_tokens``; unset, L1 gets::
+
+        2 * max_running_requests * swa_request_pages(window, 1)
+          + ceil((max_prefill_tokens + chunk) / page_size)          (pages)
+
+    (chunk = ``min(chunked_prefill_tokens, max_prefill_tokens)``): every running request's
+    decode windows, the prefill chunks one forward pass computes (the admission step stops
+    once ``max_prefill_tokens`` are taken, overshooting by at most one chunk), and as much
+    again for the windows the tree keeps cached; never less than one prefilling request's
+    ``swa_min_pages``, never more than the Full pool. L2 gets the same
+    share of ``cache.l2.tokens``.
+    """
+    c, s = cfg.cache, cfg.scheduler
+    ps = c.page_size
+    full1 = c.l1.tokens // ps
+    chunk = min(s.chunked_prefill_tokens, s.max_prefill_tokens)
+    if c.l1.swa_tokens is not None:
+        l1 = c.l1.swa_tokens // ps
+    else:
+        derived = (2 * s.max_running_requests * swa_request_pages(sliding_window, 1, ps)
+                   + -(-(s.max_prefill_tokens + chunk) // ps))
+        l1 = min(full1, max(derived, swa_min_pages(sliding_window, chunk, ps)))
+    if not c.l2.enabled:
+        return l1 * ps, 0
+    full2 = c.l2.tokens // ps
+    if c.l2.swa_tokens is not None:
+        l2 = c.l2.swa_tokens // ps
+    else:
+        l2 = min(full2, -(-full2 * l1 // full1)) if full1 else full2
+    return l1 * ps, l2 * ps
+
 
 MIN_L1_STATE_SLOTS = STATE_SLOTS_PER_REQUEST + 1
 """One more than a request holds: the cached state it matched stays locked while it runs,
@@ -117,21 +177,27 @@ class TokenizerConfig:
 
 @dataclass(frozen=True)
 class L1Config:
-    """L1 (device) pools. ``tokens``: Full-attention KV capacity (SWA layers get as many
-    pages); ``state_slots``: Mamba state slots (models with mamba layers only; each running
-    request holds up to three: its own state and two snapshots; at least four)."""
+    """L1 (device) pools. ``tokens``: Full-attention KV capacity; ``swa_tokens``: the
+    sliding-window KV pool (models with swa layers only; unset: ``swa_pool_tokens``'
+    default, far below ``tokens``, since a request keeps only its windows; at most
+    ``tokens``); ``state_slots``: Mamba state slots (models with mamba layers only; each
+    running request holds up to three: its own state and two snapshots; at least four)."""
 
     tokens: int = 65536
+    swa_tokens: int | None = None
     state_slots: int = 256
 
 
 @dataclass(frozen=True)
 class L2Config:
-    """L2 (host) pools. ``state_slots``: Mamba state slots in L2; 0 keeps Mamba states
-    L1-only (a node evicted from L1 then loses its state and is no match boundary)."""
+    """L2 (host) pools. ``swa_tokens``: the sliding-window KV pool in L2 (unset: the same
+    share of ``tokens`` as L1's SWA pool has of L1's; at most ``tokens``); ``state_slots``:
+    Mamba state slots in L2; 0 keeps Mamba states L1-only (a node evicted from L1 then
+    loses its state and is no match boundary)."""
 
     enabled: bool = True
     tokens: int = 262144
+    swa_tokens: int | None = None
     state_slots: int = 1024
 
 
@@ -551,14 +617,26 @@ def _convert(hint: Any, value: Any, path: str, problems: list[ConfigProblem]) ->
 
 
 def _resolve(cfg: HicacheConfig) -> HicacheConfig:
-    """Fill the reference model's unset fields from its preset."""
+    """Fill the reference model's unset fields from its preset, and for a reference model
+    with swa layers the SWA pool sizes (``swa_pool_tokens``) left unset (an ``hf`` model's
+    window is known only from its checkpoint: the launcher derives its sizes)."""
     ref = cfg.model.reference
     preset = REFERENCE_PRESETS[ref.preset]
     filled = {k: v for k, v in preset.items() if getattr(ref, k) is None}
-    if not filled:
-        return cfg
-    ref = dataclasses.replace(ref, **filled)
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, reference=ref))
+    if filled:
+        ref = dataclasses.replace(ref, **filled)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, reference=ref))
+    c = cfg.cache
+    window = ref.sliding_window
+    if (cfg.model.kind == "reference" and "swa" in (ref.layers or ()) and window is not None and window > 0
+            and _power_of_two(c.page_size) and c.l1.tokens > 0 and (c.l1.swa_tokens is None or
+                                                                     c.l2.swa_tokens is None)):
+        l1, l2 = swa_pool_tokens(cfg, window)
+        cfg = dataclasses.replace(cfg, cache=dataclasses.replace(
+            c, l1=dataclasses.replace(c.l1, swa_tokens=l1 if c.l1.swa_tokens is None else c.l1.swa_tokens),
+            l2=dataclasses.replace(c.l2, swa_tokens=l2 if c.l2.enabled and c.l2.swa_tokens is None
+                                   else c.l2.swa_tokens)))
+    return cfg
 
 
 # --------------------------------------------------------------------------- validation
@@ -566,6 +644,34 @@ def _resolve(cfg: HicacheConfig) -> HicacheConfig:
 
 def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+def _validate_swa_pools(cfg: HicacheConfig, bad: Callable[[str, str], None]) -> None:
+    """``cache.l1.swa_tokens`` / ``cache.l2.swa_tokens``: positive page multiples, at most
+    the Full pool of their tier; L1's large enough for one prefilling request (reference
+    models, whose window is known here; the scheduler refuses a request that needs more)."""
+    c, ps = cfg.cache, cfg.cache.page_size
+    for tier, value, full in (("l1", c.l1.swa_tokens, c.l1.tokens), ("l2", c.l2.swa_tokens, c.l2.tokens)):
+        path = f"cache.{tier}.swa_tokens"
+        if value is None or (tier == "l2" and not c.l2.enabled):
+            continue
+        if value <= 0:
+            bad(path, f"must be > 0, got {value}")
+        elif _power_of_two(ps) and value % ps:
+            bad(path, f"must be a multiple of cache.page_size ({ps}), got {value}")
+        elif value > full > 0:
+            bad(path, f"must be <= cache.{tier}.tokens ({full}): the SWA pool never needs more pages "
+                      f"than the Full pool, got {value}")
+    ref = cfg.model.reference
+    window, value = ref.sliding_window, c.l1.swa_tokens
+    if (cfg.model.kind == "reference" and "swa" in (ref.layers or ()) and window and window > 0 and value
+            and _power_of_two(ps) and value % ps == 0 and value < c.l1.tokens):
+        chunk = min(cfg.scheduler.chunked_prefill_tokens, cfg.scheduler.max_prefill_tokens)
+        need = swa_min_pages(window, max(chunk, 1), ps) * ps
+        if value < need:
+            bad("cache.l1.swa_tokens", f"must hold one prefilling request's SWA pages and its match's window "
+                                       f"(the sliding window {window} three times + one prefill chunk of "
+                                       f"{chunk} + two pages): at least {need} tokens, got {value}")
 
 
 def kv_bytes_per_token(cfg: HicacheConfig) -> int | None:
@@ -624,6 +730,7 @@ def validate(cfg: HicacheConfig) -> list[ConfigProblem]:
             bad("cache.l1.tokens", f"must be a multiple of cache.page_size ({c.page_size}), got {c.l1.tokens}")
         if c.l2.tokens % c.page_size:
             bad("cache.l2.tokens", f"must be a multiple of cache.page_size ({c.page_size}), got {c.l2.tokens}")
+    _validate_swa_pools(cfg, bad)
     if c.l1.state_slots < MIN_L1_STATE_SLOTS:
         bad("cache.l1.state_slots", f"must be >= {MIN_L1_STATE_SLOTS} (a running request of a Mamba model "
             f"holds up to {STATE_SLOTS_PER_REQUEST} besides the cached state it matched), got {c.l1.state_slots}")

@@ -240,13 +240,14 @@ class Launcher:
 
     # ------------------------------------------------------------------ setup
     def _layout(self) -> PoolLayout:
-        """The pools of every component the model needs: ``full`` (and ``swa``, with as many
-        pages) from ``cache.l1.tokens`` / ``cache.l2.tokens``; ``mamba`` state slots from
+        """The pools of every component the model needs: ``full`` from ``cache.l1.tokens`` /
+        ``cache.l2.tokens``, ``swa`` from ``hicache.config.swa_pool_tokens``; ``mamba`` state slots from
         ``cache.l1.state_slots`` / ``cache.l2.state_slots``. No L2 pools when L2 is off.
         A model without full-attention layers gets a zero-layer ``full`` (index-only: its
         page count bounds the cached token pages, its tensors hold no bytes and get no
         segment).
         Raises ValueError for a model the scheduler cannot serve."""
+        from hicache.config import swa_pool_tokens
         from hicache.memory.pools import (
             PoolLayout,
             default_directory,
@@ -275,7 +276,9 @@ class Launcher:
                               full.num_kv_heads, full.head_dim, full.dtype)]
         if geometry.swa is not None:
             swa = geometry.swa
-            comps.append(paged_layout(inst, "swa", ps, l1_pages, l2_pages, swa.num_layers,
+            assert geometry.sliding_window is not None  # geometry_for sets it with swa layers
+            swa_l1, swa_l2 = (n // ps for n in swa_pool_tokens(cfg, geometry.sliding_window))
+            comps.append(paged_layout(inst, "swa", ps, swa_l1, swa_l2, swa.num_layers,
                                       swa.num_kv_heads, swa.head_dim, swa.dtype))
         if geometry.mamba is not None:
             mamba = geometry.mamba

@@ -12,9 +12,14 @@ its own L2 allocator:
 component  L1 allocator                     L2 allocator (only when L2 is on)
 =========  ===============================  ==============================================
 full       ``l1_pages`` pages               ``l2_pages`` pages
-swa        ``swa_l1_pages`` (= ``l1_pages``)  ``swa_l2_pages`` (= ``l2_pages``)
+swa        ``swa_l1_pages``                 ``swa_l2_pages``
 mamba      ``cache.l1.state_slots`` slots   ``cache.l2.state_slots`` slots (0: L1-only)
 =========  ===============================  ==============================================
+
+The SWA sizes default to ``hicache.config.swa_pool_tokens`` (the configured
+``cache.l1.swa_tokens`` / ``cache.l2.swa_tokens``, else a default far below the Full pool:
+a running request keeps only its windows, see ``swa_request_pages``), in pages, capped at
+``l1_pages`` / ``l2_pages``.
 
 Only Full KV goes to L3 (the controller stores the first paged component, ``full``).
 
@@ -28,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from hicache.config import HicacheConfig
+from hicache.config import HicacheConfig, swa_pool_tokens
 from hicache.hashing import HashNamespace
 from hicache.memory.allocator import PageAllocator
 from hicache.memory.pools import SharedPools
@@ -71,8 +76,9 @@ def build_cache(cfg: HicacheConfig, model: LoadedModel, l1_pages: int, l2_pages:
     the SWA / Mamba allocators are ``cache.swa.allocator`` / ``cache.mamba.allocator`` (and
     their ``host_allocator``).
 
-    L2 is on when ``l2_pages`` is truthy; then SWA gets ``swa_l2_pages`` (default
-    ``l2_pages``) L2 pages and Mamba ``l2_state_slots`` (default ``cache.l2.state_slots``)
+    SWA gets ``swa_l1_pages`` L1 pages (default: ``swa_pool_tokens``' L1 size, at most
+    ``l1_pages``). L2 is on when ``l2_pages`` is truthy; then SWA gets ``swa_l2_pages``
+    (default: ``swa_pool_tokens``' L2 size, at most ``l2_pages``) L2 pages and Mamba ``l2_state_slots`` (default ``cache.l2.state_slots``)
     L2 slots, none (L1-only) when that is 0. A Mamba model needs ``pools`` (its
     ``mamba_conv`` / ``mamba_ssm`` L1 tensors) for the copy-on-write of matched states.
     Raises ValueError for a model the tree cannot hold (see ``unsupported_reason``).
@@ -87,8 +93,9 @@ def build_cache(cfg: HicacheConfig, model: LoadedModel, l1_pages: int, l2_pages:
     if geometry.swa is not None:
         if geometry.sliding_window is None:
             raise ValueError("a model with swa layers needs a sliding_window")
-        n1 = l1_pages if swa_l1_pages is None else swa_l1_pages
-        n2 = (l2_pages if swa_l2_pages is None else swa_l2_pages) if l2_pages else 0
+        d1, d2 = (n // cfg.cache.page_size for n in swa_pool_tokens(cfg, geometry.sliding_window))
+        n1 = min(l1_pages, d1) if swa_l1_pages is None else swa_l1_pages
+        n2 = (min(l2_pages, d2 or l2_pages) if swa_l2_pages is None else swa_l2_pages) if l2_pages else 0
         components.append(SWAComponent(PageAllocator(n1, "l1-swa"), geometry.sliding_window,
                                        PageAllocator(n2, "l2-swa") if n2 else None))
     if geometry.mamba is not None:

@@ -1,8 +1,9 @@
 """The scheduler's L1 budget: what running requests may still allocate, per component.
 
 A request is admitted only when L1 can promise it every unit it may still need: Full KV
-pages for its prompt and whole decode budget, as many SWA pages for a sliding-window model,
-and up to ``STATE_SLOTS_PER_REQUEST`` state slots for a Mamba model. The promise is a
+pages for its prompt and whole decode budget; for a sliding-window model the SWA pages it
+can hold at once (``hicache.config.swa_request_pages``: its windows and one prefill chunk,
+as it frees the pages that fall out of the window), re-sized as it goes (``resize``); and up to ``STATE_SLOTS_PER_REQUEST`` state slots for a Mamba model. The promise is a
 *reservation*: nothing is allocated at admission; the request allocates as its forward
 passes need pages, and each allocation is taken from its reservation. ``L1Budget`` is the
 one place that holds and changes reservation numbers.
@@ -30,6 +31,9 @@ call                            changes
 ``take(holder, kind, n)``       allocates ``n`` units (evicting from the cache when short)
                                 and lowers the holder's reservation by at most ``n``;
                                 ``None`` and nothing changed when L1 cannot give them
+``resize(holder, kind, n)``     the holder's reservation of ``kind`` set to ``n``: lowered
+                                at will; raised by at most ``room(kind)`` (for units the
+                                holder has just freed, so no other promise is broken)
 ``release(holder)``             drops the holder's record and its share of the totals
                                 (finish, abort, a failed or undone admission)
 ``check()``                     nothing; raises ``BudgetError`` unless every total equals
@@ -165,6 +169,23 @@ class L1Budget:
         if covered:
             self._change(holder, kind, -covered)
         return got
+
+    def resize(self, holder: str, kind: ComponentType, units: int) -> int:
+        """Set ``holder``'s reservation of ``kind`` to ``units`` (e.g. after it freed pages,
+        or when it needs fewer from now on). Lowering always succeeds; a raise is capped at
+        ``room(kind)``, so it never takes what another reservation was promised. Returns the
+        reservation now held."""
+        if holder not in self._holders:
+            raise BudgetError(f"{holder!r} holds no reservation")
+        if units < 0:
+            raise ValueError(f"a reservation of {units} {kind.wire_name} units")
+        held = self._holders[holder].get(kind)
+        delta = units - held
+        if delta > 0:
+            delta = min(delta, max(0, self.room(kind)))
+        if delta:
+            self._change(holder, kind, delta)
+        return held + delta
 
     def release(self, holder: str) -> None:
         """Give back everything ``holder`` has reserved; nothing when it holds nothing."""

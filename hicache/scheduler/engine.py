@@ -51,12 +51,20 @@ the same request, and its reservation holds both kinds):
 - matching uses the prompt without its last token, so the match ends at a boundary valid
   for every component and is used as is (a truncated match would not be valid for SWA or
   Mamba);
-- SWA: the request's SWA page table covers every page from 0 (``swa_start_page`` stays 0;
-  pages that fell out of the window are kept until the request finishes). Its first
-  ``prefix`` tokens' entries are the tree's pages (-1 for tombstones, which the runner
-  never reads); the rest are the request's own, allocated with its Full pages and
-  reserved alike. ``cache_finished_req`` gives them to the tree (a prefill chunk inserts
-  Full pages only, so those nodes are no valid SWA boundary until the request finishes);
+- SWA: the request's SWA page table covers pages from ``swa_start_page`` on (the runner
+  gets -1 before it). Its first ``swa_prefix_len`` tokens' entries are the tree's pages
+  (-1 for tombstones, which the runner never reads); the rest are the request's own,
+  allocated with its Full pages. As its computed position advances, its own pages wholly
+  before the window before its last page boundary are freed at once (``_settle_swa``),
+  and once nothing the tree holds before its window is read again, the SWA part of its
+  lock is given back (``release_part``; the Full lock stays). When the prefill passes the
+  prompt's last page boundary, the Full pages and the window of SWA pages before it go to
+  the tree (``_insert_prompt_state``), so a repeat of the prompt matches it; at finish
+  ``cache_finished_req`` takes the pages from ``swa_start_page`` on (earlier nodes are SWA
+  tombstones). So a request reserves only the SWA pages it holds at once
+  (``hicache.config.swa_request_pages``: its windows and one prefill chunk), re-sized after
+  every pass; a boundary inside a prompt that other requests share later is a valid SWA
+  match only while its window is still cached;
 - Mamba: a running request's slots are its ``req.mamba`` (``MambaSlots``), the one object
   that assigns and frees them; the tree's ``RequestState.mamba_slot`` is set from it at
   admission (the own slot) and at the hand-over before ``cache_finished_req``. At
@@ -93,7 +101,7 @@ from typing import Any
 import torch
 
 import protos
-from hicache.config import STATE_SLOTS_PER_REQUEST, HicacheConfig
+from hicache.config import STATE_SLOTS_PER_REQUEST, HicacheConfig, swa_min_pages, swa_request_pages
 from hicache.memory.allocator import PageAllocator
 from hicache.model.loader import LoadedModel
 from hicache.model.runner import ForwardItem, LogitsMode, ModelRunner
@@ -185,6 +193,8 @@ class Scheduler:
         self.by_rid: dict[str, Request] = {}
         self.swa = cache.swa
         self.mamba = cache.mamba
+        self.chunk_tokens = max(1, min(cfg.scheduler.chunked_prefill_tokens, cfg.scheduler.max_prefill_tokens))
+        """The most tokens one request computes in one forward pass (a prefill chunk)."""
         self.hybrid = bool(cache.aux)
         self.budget = L1Budget(cache)
         """Every running request's L1 reservation (the only place those numbers change)."""
@@ -238,8 +248,11 @@ class Scheduler:
         need = -(-(len(msg.input_ids) + s.max_new_tokens) // self.page_size)
         if need > self.l1.capacity:
             raise RequestRejected(f"the request needs {need} L1 pages; L1 holds {self.l1.capacity}")
-        if self.swa is not None and need > self.swa.allocator.capacity:
-            raise RequestRejected(f"the request needs {need} L1 SWA pages; L1 holds {self.swa.allocator.capacity}")
+        if self.swa is not None:
+            swa_need = min(need, swa_min_pages(self.swa.sliding_window, self.chunk_tokens, self.page_size))
+            if swa_need > self.swa.allocator.capacity:
+                raise RequestRejected(f"the request needs {swa_need} L1 SWA pages at once (its windows, a "
+                                      f"prefill chunk and its match's window); L1 holds {self.swa.allocator.capacity}")
         if self.mamba is not None and self.mamba.allocator.capacity <= STATE_SLOTS_PER_REQUEST:
             raise RequestRejected(f"a request needs {STATE_SLOTS_PER_REQUEST} L1 state slots besides the state it "
                                   f"matches; L1 holds {self.mamba.allocator.capacity}")
@@ -491,8 +504,8 @@ class Scheduler:
         total_pages = -(-(req.prompt_len + req.params.max_new_tokens) // ps)
         need = total_pages - prefix // ps
         amounts = {FULL: need}
-        if self.swa is not None:
-            amounts[SWA] = need
+        if self.swa is not None:  # what it holds at once, not every page it computes
+            amounts[SWA] = min(need, swa_request_pages(self.swa.sliding_window, self.chunk_tokens, ps))
         if self.mamba is not None:  # its own state, the prompt snapshot (if still to take), a boundary one
             amounts[MAMBA] = MambaSlots.needed(req.prompt_len, prefix, ps)
         lock = self.cache.inc_lock_ref(m.last_device_node)  # before the room: the match is not evictable
@@ -597,20 +610,19 @@ class Scheduler:
     def _ensure_pages(self, req: Request, upto: int) -> bool:
         assert req.tree is not None
         need = -(-upto // self.page_size) - len(req.tree.kv_pages)
-        if need <= 0:
-            return True
-        pages = self.budget.take(req.rid, FULL, need)
-        if pages is None:
-            return False
-        req.tree.kv_pages.extend(pages)
+        if need > 0:
+            pages = self.budget.take(req.rid, FULL, need)
+            if pages is None:
+                return False
+            req.tree.kv_pages.extend(pages)
         return self._ensure_swa_pages(req, upto)
 
     def _ensure_swa_pages(self, req: Request, upto: int) -> bool:
-        """SWA pages up to ``upto`` tokens (the table covers pages from 0, like Full's)."""
+        """SWA pages up to ``upto`` tokens (the table covers pages from ``swa_start_page``)."""
         st = req.tree
         if self.swa is None or st is None or st.swa_pages is None:
             return True
-        need = -(-upto // self.page_size) - len(st.swa_pages)
+        need = -(-upto // self.page_size) - st.swa_start_page - len(st.swa_pages)
         if need <= 0:
             return True
         pages = self.budget.take(req.rid, SWA, need)
@@ -648,8 +660,7 @@ class Scheduler:
                 # evictable state busy, is skipped: that state is then not cached)
                 snaps = req.mamba.snapshots(req.computed, req.computed + len(tokens)) if req.mamba else []
                 st = req.tree
-                batch.append((req, ForwardItem(tokens, req.computed, st.kv_pages,
-                                               st.swa_pages if st.swa_pages is not None else (),
+                batch.append((req, ForwardItem(tokens, req.computed, st.kv_pages, self._swa_table(st),
                                                req.mamba.own if req.mamba else None, snaps, logits)))
         if not batch:
             return
@@ -682,9 +693,9 @@ class Scheduler:
           one with logits) too for full-attention models, so that a concurrent request
           with the same prompt matches it while this one decodes. Not for hybrid models:
           there a match ends at the prompt's last page boundary before its last token,
-          which Mamba's prompt state already covers, and SWA data is inserted only at
-          finish (a node inserted now is no valid SWA boundary until then, and an L2
-          copy made of it meanwhile would lack its SWA pages for good).
+          which the prompt-boundary insert already covers (with Mamba's state, with the
+          window of SWA pages before it, or both);
+        - SWA: the prompt-boundary insert (without mamba layers too), then ``_settle_swa``.
         """
         st = req.tree
         assert st is not None
@@ -694,14 +705,78 @@ class Scheduler:
             req.mamba.computed(list(item.snapshots))
             for pos, slot in req.mamba.pop_branches(req.computed):  # ascending
                 self._insert_prompt_state(req, pos, slot)
+        elif st.swa_pages is not None and prefill:
+            pos = MambaSlots.prompt_boundary(req.prompt_len, self.page_size)
+            if item.start < pos <= req.computed:
+                self._insert_prompt_state(req, pos, None)
         if prefill and (req.prefilling or not self.hybrid):
             self.cache.cache_unfinished_req(st, committed_len=req.computed)
+        if st.swa_pages is not None:
+            self._settle_swa(req)
 
-    def _insert_prompt_state(self, req: Request, pos: int, slot: int) -> None:
+    # ------------------------------------------------------------------ SWA memory
+    def _swa_keep_from(self, pos: int) -> int:
+        """The first SWA page a request that computed ``pos`` tokens keeps: the window
+        before the last page boundary (so the tokens cached at finish end on a valid SWA
+        boundary), which holds the window the runner reads for the next token
+        (``[pos - window + 1, pos)``). Pages before it are never read again."""
+        assert self.swa is not None
+        return max(0, pos // self.page_size - -(-self.swa.sliding_window // self.page_size))
+
+    def _swa_table(self, st: RequestState) -> list[int] | tuple[()]:
+        """The runner's SWA page table: -1 for the pages released before ``swa_start_page``
+        (wholly before the window: never read)."""
+        if st.swa_pages is None:
+            return ()
+        return [-1] * st.swa_start_page + st.swa_pages if st.swa_start_page else st.swa_pages
+
+    def _drop_swa_before(self, req: Request, page: int) -> None:
+        """Release ``req``'s SWA table entries before ``page``: its own pages are freed at
+        once, the tree's (its match, its prompt boundary's window) are just no longer its
+        to read; ``swa_start_page`` advances to ``page``."""
+        st = req.tree
+        assert self.swa is not None and st is not None and st.swa_pages is not None
+        drop = page - st.swa_start_page
+        if drop <= 0:
+            return
+        tree_end = st.swa_prefix_len // self.page_size  # entries before it are the tree's
+        first_own = max(0, tree_end - st.swa_start_page)
+        own = st.swa_pages[first_own:drop]
+        del st.swa_pages[:drop]
+        st.swa_start_page = page
+        if own:
+            self.swa.allocator.free(own)
+
+    def _settle_swa(self, req: Request) -> None:
+        """After ``req`` computed more: free its SWA pages that fell out of the window, give
+        back the SWA part of its lock once no tree page before its window is read again
+        (the matched prefix or its prompt boundary; the Full lock stays), and re-size its
+        SWA reservation to what it may still hold at once (``swa_request_pages`` for its
+        phase, less the pages it holds and has handed to the tree, at most the pages it has
+        still to allocate)."""
+        st = req.tree
+        assert self.swa is not None and st is not None and st.swa_pages is not None
+        ps = self.page_size
+        keep = self._swa_keep_from(req.computed)
+        self._drop_swa_before(req, keep)
+        if st.lock is not None and keep >= st.swa_prefix_len // ps:
+            st.lock = self.cache.release_part(st.lock, self.swa.name)
+        end = st.swa_start_page + len(st.swa_pages)
+        own = end - max(st.swa_start_page, st.swa_prefix_len // ps)
+        future = -(-(req.prompt_len + req.params.max_new_tokens) // ps) - end
+        step = self.chunk_tokens if req.prefilling else 1
+        bound = swa_request_pages(self.swa.sliding_window, step, ps) - max(0, own) - req.swa_handed
+        self.budget.resize(req.rid, SWA, max(0, min(future, bound)))
+
+    def _insert_prompt_state(self, req: Request, pos: int, slot: int | None) -> None:
         """Insert the prompt's Mamba state ``slot`` (the state after ``pos`` tokens, a page
-        boundary) with the Full pages up to there (``cache_unfinished_req``).
+        boundary; None for a model without mamba layers) with the Full pages up to there
+        (``cache_unfinished_req``).
 
-        With SWA layers too, the insert carries the request's SWA pages up to ``pos``:
+        With SWA layers too, the insert carries the request's SWA pages from
+        ``swa_start_page`` up to ``pos`` (own pages before the window before ``pos`` are
+        freed first; they are handed to the tree, and stay charged to the request's SWA
+        reservation, ``swa_handed``):
         without them the node would be no valid boundary until the request finishes, and an
         L2 copy made of it meanwhile (write-through) would lack its SWA pages for good, so
         that it could never be loaded back. The tree takes those pages over (keeping them,
@@ -712,19 +787,26 @@ class Scheduler:
         """
         st = req.tree
         assert st is not None
-        aux: dict[str, object] = {"mamba": slot}
+        ps = self.page_size
+        aux: dict[str, object] = {} if slot is None else {"mamba": slot}
         with_swa = st.swa_pages is not None and pos > st.prefix_len
+        npages, start, handed = pos // ps, 0, 0
         if with_swa:
-            assert st.swa_pages is not None and st.swa_start_page == 0
-            aux["swa"] = PagedInsert(st.swa_pages[: pos // self.page_size], 0, st.swa_prefix_len)
+            self._drop_swa_before(req, self._swa_keep_from(pos))  # the window before pos stays
+            assert st.swa_pages is not None
+            start = st.swa_start_page
+            handed = npages - max(start, st.swa_prefix_len // ps)
+            aux["swa"] = PagedInsert(st.swa_pages[: npages - start], start, st.swa_prefix_len)
+        if not aux:
+            return
         self.cache.cache_unfinished_req(st, committed_len=pos, aux=aux)
         if with_swa:
             if st.prefix_len != pos:
                 raise RuntimeError(f"the prompt state's insert ended at {st.prefix_len}, not {pos}")
             assert st.swa_pages is not None and st.last_node is not None
-            npages = pos // self.page_size
-            st.swa_pages[:npages] = self._tree_swa_pages(st.last_node, npages)
+            st.swa_pages[: npages - start] = self._tree_swa_pages(st.last_node, npages)[start:]
             st.swa_prefix_len = pos
+            req.swa_handed += max(0, handed)
 
     def _append_token(self, req: Request, logits: torch.Tensor) -> None:
         params = req.params

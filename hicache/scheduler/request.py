@@ -227,6 +227,9 @@ class Request:
     computed: int = 0
     mamba: MambaSlots | None = None
     """Its Mamba state slots while admitted (Mamba models only)."""
+    swa_handed: int = 0
+    """SWA pages of its own the request handed to the tree at its prompt boundary; they stay
+    charged to its SWA reservation until it finishes (``hicache.config.swa_request_pages``)."""
     cached_device: int = 0
     cached_host: int = 0
     cached_storage: int = 0

@@ -61,6 +61,7 @@ from typing import Any
 from hicache.hashing import HashNamespace, PageHasher, component_keys
 from hicache.memory.allocator import PageIndices
 from hicache.tree.components import (
+    RELEASED,
     FullComponent,
     MambaComponent,
     NoRoom,
@@ -576,6 +577,22 @@ class UnifiedRadixCache:
             parts = token.parts
         for c, p in zip(self.components, parts, strict=True):
             c.unlock(self.core, node, p)
+
+    def release_part(self, token: LockToken, component: str) -> LockToken:
+        """Give back ``component``'s part of the lock ``token`` stands for, early (e.g. an
+        SWA window a request will never read again), keeping the other parts. Returns the
+        token to pass to ``dec_lock_ref`` from now on (``token`` itself must not be used
+        again); releasing a part already released changes nothing."""
+        c = self.component(component)
+        parts = list(token.parts)
+        if len(parts) != len(self.components):
+            raise ValueError("release_part: the token does not belong to this cache's components")
+        i = self.components.index(c)
+        if parts[i] is RELEASED:
+            return token
+        c.unlock(self.core, token.node, parts[i])
+        parts[i] = RELEASED
+        return LockToken(token.node, tuple(parts))
 
     def data(self, node: TreeNode, kind: ComponentType | str) -> ComponentData:
         """``node``'s data for component ``kind`` (``node.data`` is indexed by slot)."""

@@ -46,6 +46,18 @@ if TYPE_CHECKING:
 
 _uuids = itertools.count(1)
 
+
+class _Released:
+    """The type of ``RELEASED``."""
+
+    def __repr__(self) -> str:
+        return "RELEASED"
+
+
+RELEASED: Any = _Released()
+"""A lock part already given back (``UnifiedRadixCache.release_part``): every ``unlock``
+hook does nothing for it."""
+
 Validator = Callable[[TreeNode, bool], bool]
 """``step(node, from_host)``: fed a match path root-side first; answers whether the boundary
 after ``node`` is valid for the component. ``from_host``: the node's data would come from L2
@@ -142,6 +154,7 @@ class TreeComponent:
         raise NotImplementedError
 
     def unlock(self, core: TreeCore, node: TreeNode, token: Any) -> None:
+        """Release what ``lock`` took (``token``: what it returned); nothing for ``RELEASED``."""
         raise NotImplementedError
 
     # ---- insert (payload: what ``InsertParams.aux[name]`` holds; None: nothing given)
@@ -210,6 +223,8 @@ class FullComponent(TreeComponent):
             node = node.parent
 
     def unlock(self, core: TreeCore, node: TreeNode, token: Any = None) -> None:
+        if token is RELEASED:
+            return
         i = self.slot
         n: TreeNode | None = node
         while n is not None and n.parent is not None:  # validate first: fail without change
@@ -349,6 +364,8 @@ class SWAComponent(PagedAuxComponent):
         return None
 
     def unlock(self, core: TreeCore, node: TreeNode, token: int | None) -> None:
+        if token is RELEASED:
+            return
         i = self.slot
         path = []
         n: TreeNode | None = node
@@ -443,7 +460,7 @@ class MambaComponent(TreeComponent):
             core.lock(node, self.slot)
 
     def unlock(self, core: TreeCore, node: TreeNode, token: Any = None) -> None:
-        if node.parent is not None:
+        if token is not RELEASED and node.parent is not None:
             core.unlock(node, self.slot)
 
     def insert_end(self, core: TreeCore, node: TreeNode, payload: int | None, spare: list[int]) -> bool:

@@ -50,6 +50,13 @@ def _hf(path: str, **cache: Any) -> dict[str, Any]:
     return cfg
 
 
+def _swa(**cache: Any) -> dict[str, Any]:
+    """A full+swa reference model (window 64, pages of 16) with ``cache`` merged in."""
+    tiers = {k: {**({"tokens": 65536} if k == "l1" else {}), **cache.pop(k, {})} for k in ("l1", "l2")}
+    return {"model": {"reference": {"layers": ["full", "swa"], "sliding_window": 64}},
+            "cache": {"page_size": 16, **tiers, **cache}}
+
+
 # (name, config built from the temporary directory, key path, a word of the reason)
 CASES: list[tuple[str, Any, str, str]] = [
     ("cuda", lambda t: {"device": "cuda"}, "device", "host memory"),
@@ -72,6 +79,21 @@ CASES: list[tuple[str, Any, str, str]] = [
     ("s3fifo", lambda t: {"cache": {"eviction": "s3fifo"}}, "cache.eviction", "one of lru, lfu, slru"),
     ("curve", lambda t: {"ipc": {"transport": "tcp", "curve": True}}, "ipc.curve", "unknown key"),
     ("header-timeout", lambda t: {"server": {"header_timeout_s": 0}}, "server.header_timeout_s", "> 0"),
+    ("swa-l1-zero", lambda t: _swa(l1={"swa_tokens": 0}), "cache.l1.swa_tokens", "must be > 0, got 0"),
+    ("swa-l1-negative", lambda t: _swa(l1={"swa_tokens": -16}), "cache.l1.swa_tokens", "must be > 0"),
+    ("swa-l1-not-paged", lambda t: _swa(l1={"swa_tokens": 4100}), "cache.l1.swa_tokens",
+     "multiple of cache.page_size (16), got 4100"),
+    ("swa-l1-above-full", lambda t: _swa(l1={"swa_tokens": 65536 + 16}), "cache.l1.swa_tokens",
+     "<= cache.l1.tokens (65536)"),
+    # one prefilling request: swa_request_pages(64, 2048, 16) = 128 + 8 + 1 pages, and its
+    # match's window, 4 + 1 pages: 142 pages
+    ("swa-l1-below-minimum", lambda t: _swa(l1={"swa_tokens": 2256}), "cache.l1.swa_tokens",
+     "at least 2272 tokens, got 2256"),
+    ("swa-l2-zero", lambda t: _swa(l2={"swa_tokens": 0}), "cache.l2.swa_tokens", "must be > 0"),
+    ("swa-l2-not-paged", lambda t: _swa(l2={"swa_tokens": 24}), "cache.l2.swa_tokens",
+     "multiple of cache.page_size (16)"),
+    ("swa-l2-above-full", lambda t: _swa(l2={"swa_tokens": 262144 + 16}), "cache.l2.swa_tokens",
+     "<= cache.l2.tokens (262144)"),
 ]
 
 
@@ -132,3 +154,21 @@ def test_serve_refuses_the_same_configs_before_starting(tmp_path: Path, make: An
     assert out.returncode == 2, out.stderr
     assert f"  {path}:" in out.stderr
     assert "is serving" not in out.stderr
+
+
+def test_the_swa_pool_sizes_resolve_to_their_default(tmp_path: Path) -> None:
+    """Unset, ``cache.l1.swa_tokens`` is ``swa_pool_tokens``' default: 2 * 32 running
+    requests * swa_request_pages(64, 1, 16) (1 + 8 + 1 pages) + ceil((8192 + 2048) / 16)
+    pages = 1280 pages, far below the Full pool; L2 gets the same share of its tokens."""
+    out = _run(tmp_path, "check-config", _swa())
+    assert out.returncode == 0, out.stderr
+    cache = yaml.safe_load(out.stdout)["cache"]
+    assert cache["l1"]["swa_tokens"] == 1280 * 16 == 20480
+    assert cache["l2"]["swa_tokens"] == 262144 * 20480 // 65536 == 81920
+    out = _run(tmp_path, "check-config", _swa(l1={"swa_tokens": 4096}, l2={"swa_tokens": 8192}))
+    assert out.returncode == 0, out.stderr
+    cache = yaml.safe_load(out.stdout)["cache"]
+    assert (cache["l1"]["swa_tokens"], cache["l2"]["swa_tokens"]) == (4096, 8192)  # set: kept as given
+    out = _run(tmp_path, "check-config", {"model": {"reference": {"layers": ["full", "mamba"]}}})
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout)["cache"]["l1"]["swa_tokens"] is None  # no swa layers: no pool

@@ -55,9 +55,9 @@ def test_shared_and_repeated_prompts_equal_cold_outputs(kind: str, page_size: in
         assert rig.tokens(rid) == expected[rid], rid
     # a repeated prompt matches up to its last page boundary before its last token
     assert rig.cached("dup") == (len(prompts["dup"]) - 1) // page_size * page_size
-    if kind == "swa":  # every page boundary inside the shared prefix is valid for SWA (not for Mamba)
-        for rid in ("r1", "r2", "r3"):
-            assert rig.cached(rid) >= 40 // page_size * page_size, rid
+    # (the shared prefix's end, 40, lies inside r0's prompt: r0 freed the SWA pages there as
+    # its prefill moved past the window, so it is no valid SWA boundary; a hit there is not
+    # promised, only the prompt boundary and the finished key's end keep their windows)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -95,8 +95,6 @@ def test_chunked_prefill_equals_one_shot_and_is_reused(kind: str) -> None:
     assert chunked.tokens("again") == one_shot.tokens("s")
     assert chunked.cached("again") == 148
     assert chunked.tokens("other") == cold_tokens(_cfg(PATTERNS[kind], 4), "other", prompt[:60] + [3, 4, 5], 8)
-    if kind == "swa":
-        assert chunked.cached("other") == 60
 
 
 @pytest.mark.parametrize("kind", list(PATTERNS))
