@@ -413,7 +413,7 @@ class UnifiedRadixCache:
                 if ok:
                     host_len, last_host = run, node
             res.host_hit_length, res.last_host_node = host_len, last_host
-        if copy_on_match and best:
+        if copy_on_match and best and self.aux:
             self._copy_on_match(res)
         return res
 
