@@ -288,9 +288,6 @@ class UnifiedRadixCache:
         """The component named ``kind`` (a ``ComponentType`` or a name); KeyError if absent."""
         return self._by_name[kind.wire_name if isinstance(kind, ComponentType) else kind]
 
-    def has(self, kind: ComponentType | str) -> bool:
-        return (kind.wire_name if isinstance(kind, ComponentType) else kind) in self._by_name
-
     @property
     def swa(self) -> SWAComponent | None:
         c = self._by_name.get("swa")
