@@ -263,8 +263,11 @@ class UnifiedRadixCache:
         self._lock_needs_token = any(c.lock_needs_token for c in comps)
         self.eviction_policy = eviction_policy
         make_policy(eviction_policy)  # validate the name now
+        hicache = comps[0].host_allocator is not None
         self.core = TreeCore(page_size, len(comps), [c.units for c in comps], [c.split for c in comps],
-                             lambda: make_policy(eviction_policy))
+                             lambda: make_policy(eviction_policy),
+                             written=[i == 0 or (hicache and c.host_allocator is not None)
+                                      for i, c in enumerate(comps)])
         if isinstance(hasher, HashNamespace):
             hasher = PageHasher(hasher)
         if hasher is not None and hasher.page_size != page_size:
@@ -273,7 +276,7 @@ class UnifiedRadixCache:
         self._hashers: dict[str, PageHasher] = {}
         self.write_policy = write_policy
         self.write_through_threshold = write_through_threshold
-        self.hicache = self.full.host_allocator is not None
+        self.hicache = hicache
         self._write_back = self.hicache and write_policy == "write_back"
         self._write_back_queue: dict[TreeNode, None] = {}
         self._open_transfers = 0  # TierOps started and not finished (their owner keeps them)
@@ -629,8 +632,9 @@ class UnifiedRadixCache:
         component, states otherwise) if unlocked data allows, LRU first.
 
         FULL: device leaves (no child with L1 data). A node with an L2 copy stays as an
-        L2-only node; one without is deleted (with the L2-only nodes below it), except
-        under ``write_back`` with L2 on, where it is queued for writing instead.
+        L2-only node; one without is deleted (with the L2-only nodes below it). Under
+        ``write_back`` with L2 on, a node with L1 data not in L2 (any component's) is
+        queued for writing instead, whichever component's eviction reached it.
         Auxiliary components: internal nodes become tombstones (cascading to the other
         components of lower-or-equal priority there); a leaf whose FULL data can go goes
         wholly, by the same rules as a FULL eviction.
@@ -689,15 +693,14 @@ class UnifiedRadixCache:
         return freed
 
     def _can_drop_device(self, node: TreeNode) -> bool:
-        """Whether ``node``'s L1 data may go now (it passed ``_full_evictable``): yes with an
-        L2 copy; without one, under ``write_back`` it is queued for writing instead, and
-        otherwise the L2-only nodes below it must be deletable (they go with it)."""
-        if node.data[0].host_value is not None:
-            return True
-        if self._write_back:
+        """Whether ``node``'s L1 data may go now (it passed ``_full_evictable``). Under
+        ``write_back``, a node with L1 data not yet in L2 (any component's) is queued for
+        writing instead. Otherwise yes with a FULL L2 copy; without one, the L2-only nodes
+        below it must be deletable (they go with it)."""
+        if self._write_back and node in self.core.unwritten:
             self._write_back_queue[node] = None
             return False
-        return self._l2_subtree_deletable(node)
+        return node.data[0].host_value is not None or self._l2_subtree_deletable(node)
 
     def _l2_subtree_deletable(self, node: TreeNode) -> bool:
         stack = list(node.children.values())
@@ -763,6 +766,9 @@ class UnifiedRadixCache:
             cd = node.data[i]
             if cd.lock_ref or node.loading or cd.value is None:
                 continue
+            if self._write_back and node in core.unwritten:  # written first, evicted after
+                self._write_back_queue[node] = None
+                continue
             is_leaf = not node.children
             prio = c.priority(is_leaf)
             before = core.units[i](cd.value)
@@ -802,15 +808,16 @@ class UnifiedRadixCache:
 
     def _evict_host_aux(self, c: TreeComponent, need: int) -> int:
         """L2 eviction of one auxiliary component's data (``need`` units): the node keeps
-        its FULL copy and becomes an L2 tombstone of ``c``. Host-locked data and data of a
-        node with a transfer in flight stay."""
+        its FULL copy and becomes an L2 tombstone of ``c``. Only L2-only data goes (as for
+        FULL: a copy of data still in L1 stays, or the node would want writing again);
+        host-locked data and data of a node with a transfer in flight stay."""
         core = self.core
         freed = 0
         for node in core.host_lru[c.slot].candidates():
             if freed >= need:
                 break
             cd = node.data[c.slot]
-            if cd.host_lock_ref or node.in_flight or cd.host_value is None:
+            if cd.host_lock_ref or node.in_flight or cd.host_value is None or cd.value is not None:
                 continue
             hv = core.clear_host(node, c.slot)
             freed += core.units[c.slot](hv)
@@ -910,7 +917,9 @@ class UnifiedRadixCache:
     def nodes_to_write_to_host(self, limit: int | None = None) -> list[TreeNode]:
         """Nodes the write policy wants copied to L2 now, parents before children.
 
-        ``write_through``: every L1 node without an L2 copy; ``write_through_selective``:
+        ``write_through``: every node with L1 data without an L2 copy (FULL's, or an
+        auxiliary component's on a node whose FULL pages are in L2 already: an SWA window
+        recovered on a tombstone, a Mamba state added later); ``write_through_selective``:
         those with ``hit_count >= write_through_threshold``; ``write_back``: those L1
         eviction queued. Nodes with a transfer in flight are left out. The write-through
         policies look only at the nodes not yet in L2 (``TreeCore.unwritten``), not at all
@@ -919,8 +928,9 @@ class UnifiedRadixCache:
         if not self.hicache:
             return []
         if self.write_policy == "write_back":
+            unwritten = self.core.unwritten
             cands = [n for n in self._write_back_queue
-                     if n.parent is not None and n.data[0].host_value is None and n.data[0].value is not None
+                     if n.parent is not None and n in unwritten and n.data[0].value is not None
                      and not n.in_flight and not n.loading]
         else:  # unwritten: in L1, not in L2 (by construction)
             thr = self.write_through_threshold if self.write_policy == "write_through_selective" else 0
@@ -937,16 +947,17 @@ class UnifiedRadixCache:
         return d
 
     def start_write(self, node: TreeNode) -> TierOp | None:
-        """Reserve L2 pages for ``node``'s L1 data (evicting L2 if needed: FULL's by
-        ``evict_host``, an auxiliary component's by tombstoning its own L2 data) and lock it
-        in L1 until ``finish_write``. Returns None (nothing changed) if L2 has no room for
-        the FULL pages or the node is not writable (L2 already there, no L1 data, transfer
-        in flight); an auxiliary component without room is left out of the write."""
+        """Reserve L2 pages for ``node``'s L1 data that has no L2 copy yet (evicting L2 if
+        needed: FULL's by ``evict_host``, an auxiliary component's by tombstoning its own
+        L2-only data) and lock the node in L1 until ``finish_write``. A node whose FULL
+        pages are in L2 already gets an auxiliary-only write (``transfers`` without
+        ``full``). Returns None (nothing changed) if L2 has no room for the FULL pages, or
+        nothing is left to write, or the node is not writable (no L1 data, transfer in
+        flight); an auxiliary component without room is left out of the write."""
         if not self.hicache:
             raise RuntimeError("start_write needs an L2 allocator")
         core = self.core
-        if (node.parent is None or node.in_flight or node.loading or node.data[0].value is None
-                or node.data[0].host_value is not None):
+        if node.parent is None or node.in_flight or node.loading or node.data[0].value is None:
             return None
         transfers: dict[str, tuple[list[int], PageIndices]] = {}
         for c in self.components:
@@ -969,6 +980,8 @@ class UnifiedRadixCache:
                     return None
                 continue
             transfers[c.name] = (list(src), dst)
+        if not transfers:
+            return None
         op = TierOp("write", node, self._npages(node), transfers)
         self.full.lock(core, node)
         for c in self.aux:
@@ -1331,14 +1344,19 @@ class UnifiedRadixCache:
 
     # ================================================================== misc
     def flush(self) -> None:
-        """Drop every unlocked node with no transfer in flight (L1 and L2)."""
-        while True:
-            before = (self.core.node_count, self.core.dev_total[0], self.core.host_total[0])
-            self.evict(full_tokens=(self.core.dev_total[0] + 1) * self.page_size)
-            if self.hicache:
-                self.evict_host((self.core.host_total[0] + 1) * self.page_size)
-            if (self.core.node_count, self.core.dev_total[0], self.core.host_total[0]) == before:
-                return
+        """Drop every unlocked node with no transfer in flight (L1 and L2), under
+        ``write_back`` too (a flush discards; it does not write first)."""
+        write_back, self._write_back = self._write_back, False
+        try:
+            while True:
+                before = (self.core.node_count, self.core.dev_total[0], self.core.host_total[0])
+                self.evict(full_tokens=(self.core.dev_total[0] + 1) * self.page_size)
+                if self.hicache:
+                    self.evict_host((self.core.host_total[0] + 1) * self.page_size)
+                if (self.core.node_count, self.core.dev_total[0], self.core.host_total[0]) == before:
+                    return
+        finally:
+            self._write_back = write_back
 
     def check_integrity(self, exact: bool = False) -> None:
         """See ``hicache.tree.integrity.check_integrity``; ``exact`` also proves no leak."""

@@ -42,6 +42,7 @@ class TreeCore:
         unit_counts: Sequence[Callable[[Any], int]],
         split_hooks: Sequence[Callable[[ComponentData, ComponentData, int], None]],
         make_policy: Callable[[], EvictionPolicy],
+        written: Sequence[bool] | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -58,8 +59,15 @@ class TreeCore:
         self.host_prot = [0] * n_components
         self.tick = 0
         self.node_count = 0
-        # nodes whose component-0 (FULL) data is in L1 but not in L2, in the order they got
-        # there: what the write-through policies copy to L2 (kept by set/clear_value,
+        # ``written[i]``: component i has an L2 tier, so its L1-only data waits for a write
+        # (default: FULL only)
+        self._written = [bool(w) for w in written] if written is not None else [True] + [False] * (n_components - 1)
+        if len(self._written) != n_components or not self._written[0]:
+            raise ValueError("written: one flag per component, and FULL's must be set")
+        self._aux_written = any(self._written[1:])
+        # nodes with data in L1 but not in L2 of some ``written`` component (FULL's, or an
+        # auxiliary one's on a node whose FULL pages are in L2 already), in the order they
+        # got there: what the write-through policies copy to L2 (kept by set/clear_value,
         # set/clear_host and split, so finding them never scans L1)
         self.unwritten: dict[TreeNode, None] = {}
 
@@ -164,7 +172,10 @@ class TreeCore:
                 self._insert_before(self.dev_lru[i], upper_cd.dlink, lower_cd.dlink)
             if upper_cd.host_value is not None:
                 self._insert_before(self.host_lru[i], upper_cd.hlink, lower_cd.hlink)
-        if node in self.unwritten:
+        if self._aux_written:  # the parts' auxiliary data may differ (e.g. an SWA window)
+            self._retrack(upper)
+            self._retrack(node)
+        elif node in self.unwritten:
             self.unwritten[upper] = None
         return upper
 
@@ -213,8 +224,8 @@ class TreeCore:
         if i == 0:
             self.tick += 1
             node.last_access_time = self.tick
-            if cd.host_value is None:
-                self.unwritten[node] = None
+        if cd.host_value is None and self._written[i]:
+            self.unwritten[node] = None
 
     def clear_value(self, node: TreeNode, i: int) -> Any:
         cd = node.data[i]
@@ -227,7 +238,9 @@ class TreeCore:
             self.dev_prot[i] -= u
         self.dev_lru[i].remove(cd.dlink)
         cd.value = None
-        if i == 0:
+        if self._aux_written:
+            self._retrack(node)
+        elif i == 0:
             self.unwritten.pop(node, None)
         return value
 
@@ -244,6 +257,9 @@ class TreeCore:
         if i == 0:
             self.tick += 1
             node.host_time = self.tick
+        if self._aux_written:
+            self._retrack(node)
+        elif i == 0:
             self.unwritten.pop(node, None)
 
     def clear_host(self, node: TreeNode, i: int) -> Any:
@@ -257,9 +273,23 @@ class TreeCore:
             self.host_prot[i] -= u
         self.host_lru[i].remove(cd.hlink)
         cd.host_value = None
-        if i == 0 and cd.value is not None:
+        if cd.value is not None and self._written[i]:
             self.unwritten[node] = None
         return hv
+
+    def is_unwritten(self, node: TreeNode) -> bool:
+        """Whether some ``written`` component of ``node`` has data in L1 but not in L2."""
+        return any(w and cd.value is not None and cd.host_value is None
+                   for w, cd in zip(self._written, node.data, strict=True))
+
+    def _retrack(self, node: TreeNode) -> None:
+        """Put ``node`` in ``unwritten`` or take it out, by ``is_unwritten`` (a node already
+        there keeps its place)."""
+        if self.is_unwritten(node):
+            if node not in self.unwritten:
+                self.unwritten[node] = None
+        else:
+            self.unwritten.pop(node, None)
 
     def lock(self, node: TreeNode, i: int) -> None:
         cd = node.data[i]

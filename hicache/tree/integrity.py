@@ -115,9 +115,7 @@ def check_integrity(cache: UnifiedRadixCache, exact: bool = False) -> None:
             if len(ids) != len(holders) or set(ids) != holders:
                 _fail(f"{c.name}: the {tier} order does not hold exactly the nodes with {tier} data")
         if i == 0:
-            want_unwritten = {id(n) for n in core.iter_nodes()
-                              if n.parent is not None and n.data[0].value is not None
-                              and n.data[0].host_value is None}
+            want_unwritten = {id(n) for n in core.iter_nodes() if n.parent is not None and core.is_unwritten(n)}
             if {id(n) for n in core.unwritten} != want_unwritten or len(core.unwritten) != len(want_unwritten):
                 _fail(f"{c.name}: the set of L1 nodes without an L2 copy is out of date")
         for tier, alloc, pages in (("L1", c.allocator, dev_pages[i]), ("L2", c.host_allocator, host_pages[i])):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.tree import IntegrityError
+from hicache.memory.allocator import PageAllocator
+from hicache.tree import FullComponent, IntegrityError, UnifiedRadixCache
 
 from .helpers import cache_seq, full_cache, toks
 
@@ -222,4 +223,15 @@ def test_insert_through_a_loading_node_survives_a_failed_load():
     m = cache.match_prefix(toks("abcdefgh"))
     assert m.device_indices == pages  # the request's valid pages stayed
     assert dev.used == 8  # the load's spare pages were freed
+    cache.check_integrity(exact=True)
+
+
+def test_flush_under_write_back_drops_unwritten_data_too():
+    """A flush discards: data waiting for its L2 write under ``write_back`` goes as well."""
+    dev, host = PageAllocator(16, "full"), PageAllocator(16, "full-l2")
+    cache = UnifiedRadixCache([FullComponent(dev, host)], 1, write_policy="write_back")
+    cache.insert(toks("abcdef"), dev.alloc(6))
+    assert cache.evict(6).full_tokens == 0  # eviction queues it for its write instead
+    cache.flush()
+    assert cache.total_size() == 0 and dev.used == 0 and cache.nodes_to_write_to_host() == []
     cache.check_integrity(exact=True)

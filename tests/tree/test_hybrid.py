@@ -264,3 +264,110 @@ def test_host_hit_ends_where_the_l2_data_is_valid():
     m = cache.match_prefix(toks("aaaabbbb"), copy_on_match=False)
     assert m.device_len == 0 and m.host_hit_length == 0  # loading it back would give no valid match
     cache.check_integrity(exact=True)
+
+
+def _l2_swa_cache(window: int, write_policy: str = "write_through"):
+    dev, host = PageAllocator(64, "full"), PageAllocator(64, "full-l2")
+    swa, swa_host = PageAllocator(64, "swa"), PageAllocator(64, "swa-l2")
+    cache = UnifiedRadixCache([FullComponent(dev, host), SWAComponent(swa, window, swa_host)], 1,
+                              write_policy=write_policy)
+    return cache, dev, swa
+
+
+def test_a_window_recovered_on_a_written_node_gets_its_own_l2_copy():
+    """The node's FULL pages went to L2 while it was an SWA tombstone; once its window is
+    recovered the write policy writes the window alone, so the prefix matches from L2."""
+    cache, dev, swa = _l2_swa_cache(window=4)
+    key = toks("aaaabbbb")
+    full = dev.alloc(8)
+    cache.insert_with(InsertParams(key, full, aux={"swa": PagedInsert(swa.alloc(4), 4)}))  # "aaaa": a tombstone
+    b = cache.match_prefix(key).last_device_node
+    a = b.parent
+    assert a.key == toks("aaaa") and cache.data(a, SWA).value is None
+    for n in cache.nodes_to_write_to_host():
+        op = cache.start_write(n)
+        assert op is not None and set(op.transfers) == ({"full"} if n is a else {"full", "swa"})
+        cache.finish_write(op, True)
+    assert a.data[0].host_value is not None and cache.data(a, SWA).host_value is None
+    assert cache.nodes_to_write_to_host() == []
+    cache.check_integrity(exact=True)
+    again = dev.alloc(8)
+    own = swa.alloc(8)
+    r = cache.insert_with(InsertParams(key, again, aux={"swa": PagedInsert(own)}))  # recovers "aaaa"'s window
+    dev.free(again[:r.prefix_len])
+    assert cache.data(a, SWA).value == own[:4]
+    assert cache.nodes_to_write_to_host() == [a]  # FULL is in L2: the window alone is due
+    cache.check_integrity(exact=True)
+    op = cache.start_write(a)
+    assert op is not None and set(op.transfers) == {"swa"} and op.transfers["swa"][0] == own[:4]
+    cache.finish_write(op, True)
+    assert cache.data(a, SWA).host_value is not None and cache.nodes_to_write_to_host() == []
+    cache.check_integrity(exact=True)
+    cache.evict(100, swa_tokens=100)
+    assert cache.total_size() == 0
+    m = cache.match_prefix(toks("aaaa"))
+    assert m.device_len == 0 and m.host_hit_length == 4  # matched from L2 with its window
+    cache.check_integrity(exact=True)
+
+
+def test_a_mamba_state_added_to_a_written_node_is_written_alone():
+    dev, host = PageAllocator(32, "full"), PageAllocator(32, "full-l2")
+    states, states_host = PageAllocator(8, "mamba"), PageAllocator(8, "mamba-l2")
+    cache = UnifiedRadixCache([FullComponent(dev, host), MambaComponent(states, states_host)], 1)
+    key = toks("aaaabbbb")
+    full = dev.alloc(8)
+    r = cache.insert_with(InsertParams(key, full))  # no state yet
+    cache.finish_write(cache.start_write(r.node), True)
+    assert cache.nodes_to_write_to_host() == []
+    state = states.alloc(1)[0]
+    again = dev.alloc(8)
+    r2 = cache.insert_with(InsertParams(key, again, aux={"mamba": state}))
+    dev.free(again[:r2.prefix_len])
+    assert cache.data(r.node, MAMBA).value == state and cache.nodes_to_write_to_host() == [r.node]
+    op = cache.start_write(r.node)
+    assert op is not None and set(op.transfers) == {"mamba"}
+    assert cache.start_write(r.node) is None  # in flight
+    cache.finish_write(op, True)
+    cache.check_integrity(exact=True)
+    cache.evict(100, mamba_states=8)
+    m = cache.match_prefix(key, copy_on_match=False)
+    assert m.device_len == 0 and m.host_hit_length == 8
+    cache.check_integrity(exact=True)
+
+
+def test_write_back_writes_an_unwritten_window_before_evicting_it():
+    cache, dev, swa = _l2_swa_cache(window=4, write_policy="write_back")
+    key = toks("aaaabbbb")
+    r = cache.insert_with(InsertParams(key, dev.alloc(8), aux={"swa": PagedInsert(swa.alloc(8))}))
+    assert cache.evict(swa_tokens=8).swa_tokens == 0  # queued for its write, nothing lost
+    assert cache.nodes_to_write_to_host() == [r.node]
+    op = cache.start_write(r.node)
+    assert op is not None and set(op.transfers) == {"full", "swa"}
+    cache.finish_write(op, True)
+    assert cache.evict(swa_tokens=8).swa_tokens == 8
+    m = cache.match_prefix(key)
+    assert m.host_hit_length == 8  # the window went to L2 first
+    cache.check_integrity(exact=True)
+
+
+def test_l2_eviction_of_auxiliary_data_keeps_copies_of_l1_data():
+    """Only L2-only auxiliary data makes room: evicting the copy of a window still in L1
+    would leave the node wanting the same write again."""
+    dev, host = PageAllocator(64, "full"), PageAllocator(64, "full-l2")
+    swa, swa_host = PageAllocator(64, "swa"), PageAllocator(4, "swa-l2")
+    cache = UnifiedRadixCache([FullComponent(dev, host), SWAComponent(swa, 4, swa_host)], 1)
+    r1 = cache.insert_with(InsertParams(toks("aaaa"), dev.alloc(4), aux={"swa": PagedInsert(swa.alloc(4))}))
+    cache.finish_write(cache.start_write(r1.node), True)
+    r2 = cache.insert_with(InsertParams(toks("bbbb"), dev.alloc(4), aux={"swa": PagedInsert(swa.alloc(4))}))
+    op = cache.start_write(r2.node)
+    assert op is not None and set(op.transfers) == {"full"}  # no room: "aaaa"'s copy stays
+    cache.finish_write(op, True)
+    assert cache.data(r1.node, SWA).host_value is not None
+    assert cache.nodes_to_write_to_host() == [r2.node]  # its window still waits
+    cache.evict(4)  # "aaaa" (LRU) leaves L1: its L2 window is L2-only now
+    assert cache.data(r1.node, SWA).value is None
+    op = cache.start_write(r2.node)
+    assert op is not None and set(op.transfers) == {"swa"}
+    cache.finish_write(op, True)
+    assert cache.data(r1.node, SWA).host_value is None and cache.data(r2.node, SWA).host_value is not None
+    cache.check_integrity(exact=True)
