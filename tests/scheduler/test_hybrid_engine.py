@@ -364,3 +364,36 @@ def test_a_load_back_lost_with_the_controller_is_recomputed_and_leaks_nothing() 
         assert rig.tier.counters.loads_failed == 1
     finally:
         rig.close()
+
+
+@pytest.mark.parametrize("kind", sorted(HAS_SWA))
+def test_a_window_recovered_after_its_nodes_l2_write_is_written_and_reused_from_l2(kind: str) -> None:
+    """A chunked prompt's inner boundaries lose their SWA windows (freed once out of the
+    window) after their Full pages went to L2. A later prompt that ends just past such a
+    boundary recomputes the prefix and gives the tree its window back; the window then gets
+    its own L2 write, so once L1 is evicted a third prompt still reuses the shared prefix
+    from L2, with the cold output."""
+    cfg = config_from_dict({
+        "model": {"reference": {"preset": "tiny", "layers": list(PATTERNS[kind]), "sliding_window": WINDOW}},
+        "cache": {"page_size": 4, "l1": {"tokens": 1024, "state_slots": 16}, "l2": {"tokens": 4096, "state_slots": 64},
+                  "l3": {"backend": "none"}, "load_back_threshold": 0},
+        "scheduler": {"chunked_prefill_tokens": 32, "max_prefill_tokens": 64},
+    })
+    rng = random.Random(5)
+    first = [rng.randrange(1, 500) for _ in range(99)]
+    second = first[:33]  # its prompt boundary is 32, inside ``first``'s first node
+    third = first[:32] + [rng.randrange(1, 500) for _ in range(30)]
+    rig = L2Rig(cfg)
+    try:
+        rig.run([gen("first", first, 4)])
+        rig.run([gen("second", second, 4)])
+        assert rig.tier.counters.writes >= 2
+        rig.cache.evict_units({c.name: rig.cache.total_size(c.name) + 1 for c in rig.cache.components})
+        assert rig.cache.total_size() == 0  # all in L2 now
+        rig.run([gen("third", third, 4)])
+        usage = rig.final("third").usage
+        assert usage is not None
+        assert usage.cached_device + usage.cached_host == 32, usage
+        assert rig.tokens("third") == cold_tokens(_cfg(PATTERNS[kind], 4), "x", third, 4)
+    finally:
+        rig.close()
