@@ -119,17 +119,6 @@ class _Op:
     cancelled: bool = False
 
 
-NO_L3_COMPONENT = ("L3 stores the Full component's pages, and this model keeps no KV there "
-                   "(no full-attention layer: its Full pool is index-only)")
-
-
-def _l3_component(layout: PoolLayout) -> str | None:
-    """The component L3 stores (the first paged one, ``full``), or None when there is none or
-    its pages hold no bytes (index-only Full of a model without full-attention layers)."""
-    paged = next((c for c in layout.components if c.kind == "paged"), None)
-    return paged.name if paged is not None and paged.l2_page_bytes else None
-
-
 class ControllerServer:
     def __init__(self, args: ControllerArgs, ctx: zmq.SyncContext) -> None:
         self.args = args
@@ -140,15 +129,12 @@ class ControllerServer:
         self.attach_error: str | None = None
         """Why the configured L3 store refused us at start (credentials), until one attaches."""
         if args.storage is not None:
-            io_probe = StorageIO(self.pools, None)
-            paged = _l3_component(args.layout)
-            if paged is not None:
-                try:
-                    backend = create_backend(args.storage, io_probe.layout_for(paged))
-                except (StorageAuthError, StorageTLSError) as exc:  # a store that is down still fails the start
-                    self.attach_error = str(exc)
-                    log.error("the %s L3 store refused the daemon: %s; serving without L3 (fix cache.l3 and "
-                              "attach it with PUT /cache/storage)", args.storage.kind, exc)
+            try:
+                backend = create_backend(args.storage, StorageIO(self.pools, None).default_layout())
+            except (StorageAuthError, StorageTLSError) as exc:  # a store that is down still fails the start
+                self.attach_error = str(exc)
+                log.error("the %s L3 store refused the daemon: %s; serving without L3 (fix cache.l3 and "
+                          "attach it with PUT /cache/storage)", args.storage.kind, exc)
         self.storage = StorageIO(self.pools, backend, args.storage.kind if backend is not None else "none")
         self.inbox: PullSocket[protos.Message] = PullSocket(
             ctx, args.endpoints.address("controller"), ACCEPTS, bind=True)
@@ -327,8 +313,6 @@ class ControllerServer:
                     if not isinstance(msg.args.get("l3"), dict):
                         raise ValueError('attach needs args {"l3": <a cache.l3 section>}')
                     settings = l3_settings_from_mapping(msg.args["l3"])
-                    if settings is not None and _l3_component(self.args.layout) is None:
-                        raise ValueError(NO_L3_COMPONENT)
                     if settings is None:
                         self.storage.detach()
                     else:

@@ -9,6 +9,20 @@ byte ranges). An auxiliary object is written and read on its own (``backup_aux``
 ``query_aux``, ``fetch_aux``): its absence or a refused (corrupt, mismatched) object only
 shortens what the scheduler can match, never gives it other data.
 
+An index-only component (paged, pages of zero bytes: the Full component of a model without
+full-attention layers, ``MappedComponent.holds_bytes`` False) has nothing to store, but its
+page hashes are the chain a prefetch counts (``query``) and the auxiliary keys derive from.
+Each of its pages goes to L3 as an *index marker* under the page hash (``INDEX_LAYOUT_ID``:
+dtype ``uint8``, shape ``(1,)``, payload ``INDEX_MARKER``): ``backup`` writes a marker per
+page, ``fetch`` reads each into a scratch byte (the L2 page has no bytes to read into) and
+counts a page only when its marker arrived verified and equal to ``INDEX_MARKER``. The
+model's KV goes as its auxiliary SWA (and Mamba) objects, as for any hybrid model.
+
+The backend's default layout (``create_backend(settings, layout)``) is
+``default_layout()``, the layout of the objects ``backup`` and ``fetch`` move; every op
+also passes its component's layout explicitly, so an object of another layout (a marker
+read as a KV page, or the reverse) is refused, counted as corrupt and deleted.
+
 Store trouble never raises out of here: the backends already turn it into misses and
 dropped writes. With no store attached every op is a counted no-op (0 hits, 0 pages).
 
@@ -37,6 +51,13 @@ STATE_LAYOUT_ID = 2
 """Layout id of a state object: one L2 state slot of every tensor of the component
 (``[layers, *shape]`` each), concatenated in pool order; its shape is the element count."""
 
+INDEX_LAYOUT_ID = 3
+"""Layout id of an index marker: the object of one page of an index-only component (dtype
+``uint8``, shape ``(1,)``, payload ``INDEX_MARKER``; module doc)."""
+
+INDEX_MARKER = b"\0"
+"""The payload of an index marker."""
+
 
 @dataclass
 class StorageCounters:
@@ -61,11 +82,25 @@ class StorageIO:
         self._layouts: dict[str, PageLayout] = {}
 
     def layout_for(self, component: str) -> PageLayout:
-        comp = self.pools[component].layout
+        """The layout of ``component``'s L3 objects: a KV page, an index marker (a paged
+        component of zero-byte pages) or a state."""
+        mapped = self.pools[component]
+        comp = mapped.layout
         if comp.kind == "paged":
+            if not mapped.holds_bytes:
+                return PageLayout(INDEX_LAYOUT_ID, "uint8", (len(INDEX_MARKER),))
             return PageLayout(PAGED_LAYOUT_ID, comp.dtype, comp.l2_page_shape)
-        itemsize = self.pools[component].l2[0].element_size() if self.pools[component].l2 else 1
+        itemsize = mapped.l2[0].element_size() if mapped.l2 else 1
         return PageLayout(STATE_LAYOUT_ID, comp.dtype, (comp.l2_page_bytes // itemsize,))
+
+    def default_layout(self) -> PageLayout:
+        """The layout a backend for these pools is built with: that of the first paged
+        component (``full``), whose pages ``backup`` / ``fetch`` move under their hashes.
+        Raises ValueError when there is no paged component."""
+        component = next((c.name for c in self.pools.layout.components if c.kind == "paged"), None)
+        if component is None:
+            raise ValueError("no paged component to store in L3")
+        return self.layout_for(component)
 
     def _layout(self, component: str) -> PageLayout:
         lay = self._layouts.get(component)
@@ -134,9 +169,14 @@ class StorageIO:
         if present == len(hashes) or cancelled():
             return present
         comp = self.pools[component]
+        layout = self._layout(component)
         todo_hashes = hashes[present:]
-        views = [comp.host_page_view(p) for p in host_pages[present:]]
-        ok = backend.batch_set(todo_hashes, views)
+        pages: list[memoryview | bytes]
+        if comp.holds_bytes:
+            pages = [comp.host_page_view(p) for p in host_pages[present:]]
+        else:  # index-only: one marker per page (module doc)
+            pages = [INDEX_MARKER] * len(todo_hashes)
+        ok = backend.batch_set(todo_hashes, pages, layout)
         done = present
         for good in ok:
             if not good:
@@ -145,7 +185,7 @@ class StorageIO:
         written = sum(ok)
         self.counters.backup_pages += written
         self.counters.backup_failed += len(ok) - written
-        self.counters.bytes_written += written * comp.layout.l2_page_bytes
+        self.counters.bytes_written += written * layout.payload_size
         return done
 
     def backup_aux(self, component: str, units: list[int], keys: list[str]) -> int:
@@ -211,13 +251,19 @@ class StorageIO:
         return n
 
     def fetch(self, component: str, hashes: list[str], host_pages: list[int]) -> int:
-        """Read pages into L2; returns how many *leading* pages arrived verified."""
+        """Read pages into L2; returns how many *leading* pages arrived verified (for an
+        index-only component: whose markers arrived verified, read into scratch bytes)."""
         if self.backend is None:
             self.counters.noop_ops += 1
             return 0
         comp = self.pools[component]
-        views = [comp.host_page_view(p) for p in host_pages]
-        ok = self.backend.batch_get(hashes, views)
+        layout = self._layout(component)
+        if comp.holds_bytes:
+            ok = self.backend.batch_get(hashes, [comp.host_page_view(p) for p in host_pages], layout)
+        else:
+            scratch = [bytearray(layout.payload_size) for _ in hashes]
+            ok = self.backend.batch_get(hashes, [memoryview(b) for b in scratch], layout)
+            ok = [good and buf == INDEX_MARKER for good, buf in zip(ok, scratch, strict=True)]
         done = 0
         for good in ok:
             if not good:
@@ -225,7 +271,7 @@ class StorageIO:
             done += 1
         self.counters.fetch_pages += done
         self.counters.fetch_missed += len(hashes) - done
-        self.counters.bytes_read += done * comp.layout.l2_page_bytes
+        self.counters.bytes_read += done * layout.payload_size
         return done
 
     # -- administration (main loop only, no L3 op running) ---------------------------
@@ -253,10 +299,7 @@ class StorageIO:
 
     def attach(self, settings: Any) -> None:
         """Replace the store; raises (StorageError / StorageConfigError) if the new one cannot start."""
-        component = next((c.name for c in self.pools.layout.components if c.kind == "paged"), None)
-        if component is None:
-            raise ValueError("no paged component to store in L3")
-        backend = create_backend(settings, self.layout_for(component))
+        backend = create_backend(settings, self.default_layout())
         self.detach()
         self.backend = backend
         self.backend_name = settings.kind

@@ -19,9 +19,6 @@ key path                        problem
                                 sizes), its layer pattern, or its safetensors weight files
 ``cache.l2.tokens``             an ``hf`` model's L2 pools need more host memory than is
                                 available (the reference model's is checked by ``validate``)
-``cache.l3.backend``            an L3 backend for a model without full-attention layers
-                                (index-only Full component: ``ModelGeometry.full_index_only``;
-                                its Full pages hold no KV, and L3 for it is not built)
 ``tokenizer.path``              names no tokenizer.json (a file, or a directory holding one)
 ==============================  ===========================================================
 
@@ -71,8 +68,6 @@ def startup_problems(cfg: HicacheConfig) -> list[ConfigProblem]:
     if cfg.engine.kind != "builtin":
         return out + engine_geometry(cfg)[1]
     geometry = _model_geometry(cfg, out)
-    if geometry is not None:
-        _check_l3(cfg, geometry, out)
     if geometry is not None and cfg.model.kind == "hf":
         _check_weights(cfg, out)
         _check_l2_memory(cfg, geometry, out)
@@ -116,17 +111,6 @@ def _model_geometry(cfg: HicacheConfig, out: list[ConfigProblem]) -> ModelGeomet
         out.append(ConfigProblem(where, problem))
         return None
     return geometry
-
-
-L3_WITHOUT_FULL_LAYERS = (
-    "the model has no full-attention layer (its KV is all sliding-window, in the SWA pools): L3 is not "
-    "supported for such a model yet: set cache.l3.backend: none")
-
-
-def _check_l3(cfg: HicacheConfig, geometry: ModelGeometry, out: list[ConfigProblem]) -> None:
-    """L3 needs KV in the Full component: refused for an index-only Full (no full-attention layer)."""
-    if geometry.full_index_only and cfg.cache.l3.backend != "none":
-        out.append(ConfigProblem("cache.l3.backend", L3_WITHOUT_FULL_LAYERS))
 
 
 def _check_weights(cfg: HicacheConfig, out: list[ConfigProblem]) -> None:

@@ -26,9 +26,9 @@ A model with sliding-window layers but no full-attention layer (every layer ``sw
 decide which nodes exist), so the Full page indices are allocated as for any model and
 bound the number of cached token pages, but its pools hold no bytes (``[0, 2, S_full, ...]``
 tensors, no shared-memory segment, copies of it move nothing) and every KV byte lives in
-the SWA pool, with its window semantics. L3 keeps a node's SWA and Mamba objects beside
-its Full page objects, which for such a model would hold no bytes; that path is not built
-for it, so it is served without L3 (``hicache.startup_checks`` refuses ``cache.l3.backend``).
+the SWA pool, with its window semantics. In L3 each of its Full pages is a one-byte index
+marker under the page hash (``controller.storage_io.INDEX_LAYOUT_ID``), so the hash chain
+says which prefix L3 holds, and its KV goes as the node's SWA (and Mamba) objects.
 """
 
 from __future__ import annotations

@@ -4,12 +4,17 @@ the tier manager's messages, with a file store and (when installed) a real Redis
 
 A corrupt or mismatched auxiliary object must be refused (a miss, deleted), never copied
 into L2; an absent one only shortens the match.
+
+Models without a full-attention layer have an index-only Full component (zero-byte pages):
+each of its pages goes to L3 as an index marker under the page hash, and a marker that is
+corrupt, of another layout or not the marker is refused like any object.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +22,7 @@ import pytest
 import torch
 
 import protos
-from controller.storage_io import StorageIO
+from controller.storage_io import INDEX_LAYOUT_ID, INDEX_MARKER, PAGED_LAYOUT_ID, StorageIO
 from hicache.config import PrefetchConfig
 from hicache.hashing import HashNamespace, PageHasher, component_key, component_keys
 from hicache.local_redis import find_redis_server, started
@@ -34,29 +39,45 @@ from hicache.memory.pools import (
 from hicache.tier_manager import TierManager
 from hicache.tree.cache import InsertParams, UnifiedRadixCache
 from hicache.tree.components import FullComponent, MambaComponent, PagedInsert, SWAComponent
-from storage_backends import FileSettings, RedisSettings, create_backend
+from storage_backends import FileSettings, PageLayout, RedisSettings, create_backend
 
 PS = 4
 NS = HashNamespace("aux-test-model", "float32", PS)
 
 
-def _layout() -> PoolLayout:
+def _layout(full_layers: int = 2, mamba: bool = True) -> PoolLayout:
+    """Full (``full_layers == 0``: index-only), SWA and, with ``mamba``, Mamba pools."""
     inst = new_instance_id()
-    return PoolLayout(inst, default_directory(), (
-        paged_layout(inst, "full", PS, 32, 64, num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32"),
+    comps = [
+        paged_layout(inst, "full", PS, 32, 64, num_layers=full_layers, num_kv_heads=2, head_dim=4, dtype="float32"),
         paged_layout(inst, "swa", PS, 32, 64, num_layers=1, num_kv_heads=2, head_dim=4, dtype="float32"),
-        state_layout(inst, "mamba", 8, 16, num_layers=1, shapes=((3, 4), (4, 2)), dtype="float32"),
-    ))
+    ]
+    if mamba:
+        comps.append(state_layout(inst, "mamba", 8, 16, num_layers=1, shapes=((3, 4), (4, 2)), dtype="float32"))
+    return PoolLayout(inst, default_directory(), tuple(comps))
 
 
-@pytest.fixture
-def pools() -> Iterator[SharedPools]:
-    p = create_pools(_layout())
+@contextmanager
+def _pools(layout: PoolLayout) -> Iterator[SharedPools]:
+    p = create_pools(layout)
     try:
         yield p
     finally:
         p.close()
         p.unlink()
+
+
+@pytest.fixture
+def pools() -> Iterator[SharedPools]:
+    with _pools(_layout()) as p:
+        yield p
+
+
+@pytest.fixture(params=["swa-only", "swa+mamba-only"])
+def index_pools(request: pytest.FixtureRequest) -> Iterator[SharedPools]:
+    """The pools of a model without full-attention layers: an index-only Full component."""
+    with _pools(_layout(full_layers=0, mamba=request.param == "swa+mamba-only")) as p:
+        yield p
 
 
 def _backend(kind: str, tmp: Path, io: StorageIO) -> Any:
@@ -176,7 +197,8 @@ def test_component_keys_name_the_prefix_and_component() -> None:
 # ---- the tree and the tier manager, with StorageIO playing the controller ----------------
 
 class AuxRig:
-    """A full+swa+mamba tree with L2, a TierManager whose messages StorageIO executes."""
+    """A full+swa(+mamba, when the pools have it) tree with L2, a TierManager whose messages
+    StorageIO executes."""
 
     def __init__(self, pools: SharedPools, backend: Any, window: int = 2 * PS) -> None:
         lay = pools.layout
@@ -184,10 +206,10 @@ class AuxRig:
         self.io = StorageIO(pools, backend, "file")
         self.l1 = {c.name: PageAllocator(c.l1_pages, "l1") for c in lay.components}
         self.l2 = {c.name: PageAllocator(c.l2_pages, "l2") for c in lay.components}
-        self.cache = UnifiedRadixCache(
-            [FullComponent(self.l1["full"], self.l2["full"]),
-             SWAComponent(self.l1["swa"], window, self.l2["swa"]),
-             MambaComponent(self.l1["mamba"], self.l2["mamba"])], PS, hasher=NS)
+        comps = [FullComponent(self.l1["full"], self.l2["full"]), SWAComponent(self.l1["swa"], window, self.l2["swa"])]
+        if "mamba" in self.l1:
+            comps.append(MambaComponent(self.l1["mamba"], self.l2["mamba"]))
+        self.cache = UnifiedRadixCache(comps, PS, hasher=NS)
         self.sent: list[protos.Message] = []
         self.tier = TierManager(self.cache, self.sent.append, load_back_threshold=0,
                                 prefetch=PrefetchConfig(threshold_tokens=PS, policy="wait_complete"),
@@ -218,10 +240,13 @@ class AuxRig:
         n = len(tokens) // PS
         full = self.l1["full"].alloc(n)
         swa = self.l1["swa"].alloc(n)
-        slot = self.l1["mamba"].alloc(1)
-        assert full is not None and swa is not None and slot is not None
-        res = self.cache.insert_with(InsertParams(tokens, list(full), aux={"swa": PagedInsert(list(swa)),
-                                                                           "mamba": slot[0]}))
+        assert full is not None and swa is not None
+        aux: dict[str, Any] = {"swa": PagedInsert(list(swa))}
+        if "mamba" in self.l1:
+            slot = self.l1["mamba"].alloc(1)
+            assert slot is not None
+            aux["mamba"] = slot[0]
+        res = self.cache.insert_with(InsertParams(tokens, list(full), aux=aux))
         if res.prefix_len:  # the tree's pages already: the caller's duplicates
             self.l1["full"].free(list(full)[:res.prefix_len // PS])
         self.tier.issue_writes()
@@ -276,4 +301,116 @@ def test_missing_or_corrupt_aux_gives_a_shorter_match_never_other_data(pools: Sh
     rig.cache.check_integrity(exact=True)
     for name in ("full", "swa", "mamba"):
         assert rig.l2[name].free_count == rig.l2[name].capacity
+    rig.io.detach()
+
+
+# ---- an index-only Full component (no full-attention layer): index markers ----------------
+
+def test_index_only_full_pages_go_to_l3_as_markers(index_pools: SharedPools, tmp_path: Path, store: str) -> None:
+    io = StorageIO(index_pools, None)
+    marker = PageLayout(INDEX_LAYOUT_ID, "uint8", (1,))
+    assert not index_pools["full"].holds_bytes
+    assert io.layout_for("full") == io.default_layout() == marker  # what the backend is built with
+    io.backend = _backend(store, tmp_path, io)
+    hashes = PageHasher(NS).hash_pages(list(range(1, 1 + 3 * PS)))
+    assert io.query(hashes) == 0
+    assert io.backup("full", [0, 1, 2], hashes[:2]) == 2
+    assert io.backup("full", [0, 1, 2], hashes) == 3  # the first two already there: skipped
+    assert (io.counters.backup_pages, io.counters.backup_skipped) == (3, 2)
+    assert io.counters.bytes_written == 3 * len(INDEX_MARKER)
+    if store == "file":
+        for h in hashes:  # one object per page under its hash: header and the one-byte marker
+            raw = (tmp_path / "l3" / h[:2] / f"{h}.page").read_bytes()
+            assert len(raw) == marker.object_size == 97 and raw[-1:] == INDEX_MARKER
+    assert io.query(hashes) == 3
+    assert io.query(hashes[:1] + PageHasher(NS).hash_pages(list(range(50, 50 + PS)), hashes[0])) == 1
+    assert io.fetch("full", hashes, [7, 8, 9]) == 3
+    assert io.counters.fetch_pages == 3 and io.counters.fetch_missed == 0
+    other = PageHasher(NS).hash_pages(list(range(1, 1 + 2 * PS)) + [99] * PS)
+    assert io.fetch("full", other, [7, 8, 9]) == 2  # the third page was never written
+    io.detach()
+
+
+def test_wrong_layout_corrupt_or_foreign_markers_are_refused(index_pools: SharedPools, tmp_path: Path) -> None:
+    io = StorageIO(index_pools, None)
+    io.backend = _backend("file", tmp_path, io)
+    hashes = PageHasher(NS).hash_pages(list(range(1, 1 + 4 * PS)))
+    assert io.backup("full", [0, 1], hashes[:2]) == 2
+    # page 2: a KV page of a model with full-attention layers under the same hash
+    with _pools(_layout()) as kv_pools:
+        kv_io = StorageIO(kv_pools, None)
+        kv_layout = kv_io.default_layout()
+        assert kv_layout.layout_id == PAGED_LAYOUT_ID and kv_layout.payload_size > 1
+        assert io.backend.batch_set(hashes[2:3], [bytes(kv_layout.payload_size)], kv_layout) == [True]
+        # and a marker read as a KV page by that model is refused too (and deleted)
+        kv_io.backend = _backend("file", tmp_path, kv_io)
+        assert kv_io.fetch("full", hashes[1:2], [0]) == 0
+        assert not (tmp_path / "l3" / hashes[1][:2] / f"{hashes[1]}.page").exists()
+        kv_io.detach()
+    assert io.backup("full", [1], hashes[1:2]) == 1  # written again
+    assert io.fetch("full", hashes[:3], [4, 5, 6]) == 2  # the KV page is no marker: refused
+    assert not (tmp_path / "l3" / hashes[2][:2] / f"{hashes[2]}.page").exists()  # deleted
+    # page 0 corrupt (its marker byte flipped: checksum mismatch)
+    path = tmp_path / "l3" / hashes[0][:2] / f"{hashes[0]}.page"
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    assert io.fetch("full", hashes[:2], [4, 5]) == 0
+    assert not path.exists()
+    # a well-formed object of the marker layout whose payload is not the marker
+    assert io.backend.batch_set(hashes[3:4], [b"\x01"], io.layout_for("full")) == [True]
+    assert io.fetch("full", hashes[3:4], [4]) == 0
+    assert io.backend.stats().as_dict()["corrupt"] == 2  # the KV page and the flipped marker
+    io.detach()
+
+
+def test_all_swa_prefix_survives_l2_eviction_through_l3(index_pools: SharedPools, tmp_path: Path) -> None:
+    """The tree and tier manager of a model without full-attention layers: a backup writes a
+    marker per Full page and the SWA pages (and Mamba state) as objects; after a flush the
+    prefetch finds the chain, fetches the SWA keys it asked for and the prefix matches."""
+    io = StorageIO(index_pools, None)
+    rig = AuxRig(index_pools, _backend("file", tmp_path, io))
+    mamba = "mamba" in index_pools.components
+    prompt = list(range(1, 1 + 6 * PS))
+    rig.compute(prompt)
+    assert rig.io.counters.backup_pages == 6 + 6 + int(mamba)  # markers, SWA pages, the state
+    hashes = PageHasher(NS).hash_pages(prompt)
+    assert rig.io.query(hashes) == 6
+    assert rig.io.query_aux(component_keys("swa", hashes)) == [True] * 6
+    rig.cache.flush()
+    rig.cache.check_integrity(exact=True)
+    m = rig.cache.match_prefix(prompt)
+    assert m.device_len == 0 and m.host_hit_length == 0
+    ticket = rig.tier.start_prefetch("r", prompt, m)
+    assert ticket is not None
+    assert ticket.aux_keys["swa"] == component_keys("swa", hashes)
+    rig.run()
+    assert ticket.complete and ticket.arrived_tokens == 6 * PS
+    assert rig.tier.counters.prefetch_aux_units == 6 + int(mamba)
+    m = rig.cache.match_prefix(prompt, copy_on_match=False)
+    assert m.host_hit_length == 6 * PS  # valid SWA windows (and state) from L2
+    rig.cache.flush()
+    rig.cache.check_integrity(exact=True)
+    for name in index_pools.components:
+        assert rig.l2[name].free_count == rig.l2[name].capacity
+    rig.io.detach()
+
+
+def test_all_swa_prefix_without_its_swa_objects_does_not_match(index_pools: SharedPools, tmp_path: Path) -> None:
+    """The markers alone say which prefix L3 holds, not its KV: with the SWA objects gone,
+    the prefetched pages are no valid match."""
+    io = StorageIO(index_pools, None)
+    rig = AuxRig(index_pools, _backend("file", tmp_path, io))
+    prompt = list(range(1, 1 + 6 * PS))
+    rig.compute(prompt)
+    for key in component_keys("swa", PageHasher(NS).hash_pages(prompt)):
+        (tmp_path / "l3" / key[:2] / f"{key}.page").unlink()
+    rig.cache.flush()
+    ticket = rig.tier.start_prefetch("r", prompt, rig.cache.match_prefix(prompt))
+    assert ticket is not None
+    rig.run()
+    assert ticket.complete
+    assert rig.cache.match_prefix(prompt, copy_on_match=False).host_hit_length == 0
+    rig.cache.flush()
+    rig.cache.check_integrity(exact=True)
     rig.io.detach()

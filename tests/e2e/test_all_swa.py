@@ -5,8 +5,10 @@ reference model with ``layers: [swa, swa]`` and of a Hugging Face Mistral checkp
 Such a model has no full-attention layer: its Full component is index-only (page indices
 only, no KV bytes and no shared-memory segment) and all KV lives in the SWA pools. A
 repeated prompt longer than the window must hit the cache and give the greedy output of the
-cold run, bit for bit, also after its prefix went to L2 and came back; the Mistral model's
-cold output must be the one ``transformers`` generates.
+cold run, bit for bit, also after its prefix went to L2 and came back, and (Mistral) after
+it went to a file L3 and came back from there after a flush and after a restart; the
+Mistral model's cold output must be the one ``transformers`` generates. In L3 each Full
+page is an index marker under its page hash, the KV its SWA objects.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from typing import Any
 import pytest
 from daemon import Daemon, shm_segments
 
+from controller.storage_io import INDEX_LAYOUT_ID
+from storage_backends.page_format import parse_header
+
 PS = 4
 WINDOW = 16
-
-
-
 
 
 def _cache(l1_tokens: int = 256) -> dict[str, Any]:
@@ -73,24 +75,13 @@ def test_all_swa_reference_model_reuses_its_prefix_from_l1_and_l2(tmp_path: Path
         stats = d.get("/cache/stats")
         assert {"full", "swa"} <= set(stats["l1"]), stats["l1"]
         _check_reuse(d, prompt, [[rng.randrange(1, 250) for _ in range(99)] for _ in range(4)])
-        # L3 stores Full pages only: attaching one at run time is refused too
+        # an L3 store attached at run time is taken (its Full pages are index markers)
         status, body = d.request("PUT", "/cache/storage", {"backend": "file", "file": {"dir": str(tmp_path / "l3")}})
-        assert status != 200 and "index-only" in str(body), (status, body)
+        assert status == 200, (status, body)
         status, body = d.request("GET", "/cache/storage")
-        assert status == 200 and body["backend"] == "none", body
-        assert not (tmp_path / "l3").exists()
+        assert status == 200 and body["backend"] == "file", body
     finally:
         _stop(d)
-
-
-def test_all_swa_reference_model_with_l3_is_refused_at_start(tmp_path: Path) -> None:
-    cfg = {"model": {"reference": {"preset": "tiny", "layers": ["swa", "swa"]}},
-           "cache": {**_cache(), "l3": {"backend": "file", "file": {"dir": str(tmp_path / "l3")}}}}
-    d = Daemon(tmp_path, cfg)
-    d.launch()
-    assert d.proc is not None
-    assert d.proc.wait(120) == 2
-    assert "cache.l3.backend" in d.log() and "no full-attention layer" in d.log()
 
 
 def _mistral_checkpoint(path: Path) -> Path:
@@ -139,3 +130,45 @@ def test_hf_mistral_with_sliding_window_is_served_with_its_prefix_reused(tmp_pat
         assert got == want
     finally:
         _stop(d)
+
+
+def _markers(l3: Path) -> int:
+    """How many objects of the file store at ``l3`` are index markers."""
+    return sum(parse_header(p.read_bytes()).layout_id == INDEX_LAYOUT_ID for p in l3.glob("*/*.page"))
+
+
+def test_hf_mistral_prefix_comes_back_from_file_l3_after_a_flush_and_a_restart(tmp_path: Path) -> None:
+    path = _mistral_checkpoint(tmp_path / "mistral")
+    l3 = tmp_path / "l3"
+    cfg = {"model": {"kind": "hf", "path": str(path)},
+           "cache": {**_cache(), "l3": {"backend": "file", "file": {"dir": str(l3)}},
+                     "prefetch": {"threshold_tokens": 1, "policy": "wait_complete"}},
+           "scheduler": {"chunked_prefill_tokens": 256, "max_prefill_tokens": 512},
+           "logging": {"level": "warning"}}
+    prompt = [random.Random(9).randrange(1, 300) for _ in range(61)]
+    boundary = (len(prompt) - 1) // PS * PS
+    d = Daemon(tmp_path, cfg, "a")
+    d.start()
+    try:
+        cold = d.generate(prompt)
+        assert cold["meta_info"]["cached_tokens"] == 0, cold["meta_info"]
+        # every L2 page of the cold run backed up (L2 holds only what it wrote)
+        d.wait_for_stats("the L2 pages backed up to L3", lambda s: 0 < s["l2"]["full"]["used_tokens"]
+                         <= s["tiers"]["backup_tokens"])
+        assert _markers(l3) >= boundary // PS
+        status, _ = d.request("POST", "/cache/flush")
+        assert status == 200
+        flushed = d.generate(prompt)
+        assert flushed["output_ids"] == cold["output_ids"]
+        assert flushed["meta_info"]["cached_tokens_details"]["storage"] > 0, flushed["meta_info"]
+    finally:
+        _stop(d)
+    d2 = Daemon(tmp_path, cfg, "b")
+    d2.start()
+    try:
+        again = d2.generate(prompt)
+        assert again["output_ids"] == cold["output_ids"]
+        assert again["meta_info"]["cached_tokens"] == boundary, again["meta_info"]
+        assert again["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 0, "storage": boundary}
+    finally:
+        _stop(d2)

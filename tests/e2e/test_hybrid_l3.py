@@ -1,4 +1,5 @@
-"""End to end: a hybrid prefix (Full + SWA, Full + Mamba, Full + SWA + Mamba) survives L2
+"""End to end: a hybrid prefix (Full + SWA, Full + Mamba, Full + SWA + Mamba, and the
+all-SWA patterns SWA only and SWA + Mamba, whose Full component is index-only) survives L2
 eviction and a restart through L3, with a file store and with a real ``redis-server``.
 
 SWA pages and Mamba states are backed up to L3 with their node's Full pages and prefetched
@@ -21,7 +22,10 @@ from daemon import Daemon
 
 from hicache.local_redis import started
 
-LAYERS = {"swa": ["full", "swa"], "mamba": ["full", "mamba"], "swa+mamba": ["full", "swa", "mamba", "full"]}
+LAYERS = {"swa": ["full", "swa"], "mamba": ["full", "mamba"], "swa+mamba": ["full", "swa", "mamba", "full"],
+          "swa-only": ["swa", "swa"], "swa+mamba-only": ["swa", "mamba"]}
+"""The last two have no full-attention layer: their Full component is index-only, each of
+its pages an index marker in L3, and all their KV goes as SWA objects."""
 PROMPT = 203
 
 

@@ -21,7 +21,7 @@ LLAMA = {
 }
 
 MISTRAL_SWA = {**LLAMA, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 64}
-"""Every layer sliding-window: served with an index-only Full component, without L3."""
+"""Every layer sliding-window: served with an index-only Full component."""
 
 
 def _checkpoint(root: Path, name: str, config: dict[str, Any], weights: str | None = "model.safetensors") -> str:
@@ -63,16 +63,12 @@ CASES: list[tuple[str, Any, str, str]] = [
     ("cuda-n", lambda t: {"device": "cuda:1"}, "device", "host memory"),
     ("mamba-only", lambda t: {"model": {"reference": {"layers": ["mamba", "mamba"]}}},
      "model.reference.layers", "at least one attention layer"),
-    ("all-swa-with-l3", lambda t: {"model": {"reference": {"layers": ["swa", "swa"]}}},
-     "cache.l3.backend", "cache.l3.backend: none"),
     ("hf-missing", lambda t: _hf(str(t / "nowhere")), "model.path", "does not exist"),
     ("hf-no-config", lambda t: _hf(str(t)), "model.path", "config.json"),
     ("hf-architecture", lambda t: _hf(_checkpoint(t, "gpt2", {**LLAMA, "architectures": ["GPT2LMHeadModel"]})),
      "model.path", "unsupported architecture"),
     ("hf-bin-weights", lambda t: _hf(_checkpoint(t, "bin", LLAMA, "pytorch_model.bin")), "model.path",
      "safetensors"),
-    ("hf-all-swa-with-l3", lambda t: _hf(_checkpoint(t, "mistral", MISTRAL_SWA)), "cache.l3.backend",
-     "no full-attention layer"),
     ("hf-l2-over-ram", lambda t: _hf(_checkpoint(t, "llama", LLAMA), l2={"tokens": 2**40}), "cache.l2.tokens",
      "host memory"),
     ("tokenizer", lambda t: {"tokenizer": {"path": str(t / "tokenizer.json")}}, "tokenizer.path", "tokenizer.json"),
@@ -123,17 +119,26 @@ def test_full_swa_and_mamba_together_pass(tmp_path: Path, layers: list[str]) -> 
     assert yaml.safe_load(out.stdout)["model"]["reference"]["layers"] == layers
 
 
+def _l3(tmp: Path, backend: str) -> dict[str, Any]:
+    return {"backend": "file", "file": {"dir": str(tmp / "l3")}} if backend == "file" else {"backend": backend}
+
+
+@pytest.mark.parametrize("backend", ["none", "file"])
 @pytest.mark.parametrize("layers", [["swa"], ["swa", "swa"], ["swa", "mamba"]])
-def test_patterns_without_a_full_layer_pass_without_l3(tmp_path: Path, layers: list[str]) -> None:
+def test_patterns_without_a_full_layer_pass_with_or_without_l3(tmp_path: Path, layers: list[str],
+                                                               backend: str) -> None:
     out = _run(tmp_path, "check-config", {"model": {"reference": {"layers": layers}},
-                                          "cache": {"l3": {"backend": "none"}}})
+                                          "cache": {"l3": _l3(tmp_path, backend)}})
     assert out.returncode == 0, out.stderr
-    assert yaml.safe_load(out.stdout)["model"]["reference"]["layers"] == layers
+    resolved = yaml.safe_load(out.stdout)
+    assert resolved["model"]["reference"]["layers"] == layers
+    assert resolved["cache"]["l3"]["backend"] == backend
 
 
-def test_an_all_swa_hf_checkpoint_passes_without_l3(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["none", "file"])
+def test_an_all_swa_hf_checkpoint_passes_with_or_without_l3(tmp_path: Path, backend: str) -> None:
     out = _run(tmp_path, "check-config", {**_hf(_checkpoint(tmp_path, "mistral", MISTRAL_SWA)),
-                                          "cache": {"l3": {"backend": "none"}}})
+                                          "cache": {"l3": _l3(tmp_path, backend)}})
     assert out.returncode == 0, out.stderr
 
 
@@ -145,9 +150,8 @@ def test_a_servable_hf_config_passes(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("make", "path"), [
     (lambda t: {"model": {"reference": {"layers": ["mamba"]}}}, "model.reference.layers"),
-    (lambda t: {"model": {"reference": {"layers": ["swa", "swa"]}}}, "cache.l3.backend"),
     (lambda t: _hf(_checkpoint(t, "bin", LLAMA, "pytorch_model.bin")), "model.path"),
-], ids=["layers", "all-swa-l3", "hf-weights"])
+], ids=["layers", "hf-weights"])
 def test_serve_refuses_the_same_configs_before_starting(tmp_path: Path, make: Any, path: str) -> None:
     cfg = {**make(tmp_path), "server": {"port": 0}}
     out = _run(tmp_path, "serve", cfg)

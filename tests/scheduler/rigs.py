@@ -3,7 +3,8 @@
 ``Rig`` runs the scheduler over plain tensors (every component's pools, no L2). ``L2Rig``
 runs it over the daemon's shared-memory pools with the controller's copy engine executed
 in-process (each copy acknowledged on the next ``pump``); ``L3AckRig`` also acknowledges
-backups (as stored) and L3 queries (no hits). Every ``run`` ends by checking that the
+backups (as stored) and L3 queries (no hits); ``L3Rig`` executes the L3 ops too, through the
+controller's ``StorageIO`` over a file store. Every ``run`` ends by checking that the
 scheduler is idle and the tree exact (no leak, no stray reservation).
 """
 
@@ -147,3 +148,43 @@ class L3AckRig(L2Rig):
             self.sched.on_controller(protos.PrefetchHits(msg.op_id, 0))
         else:
             super().answer(msg)
+
+
+class L3Rig(L2Rig):
+    """L2Rig whose L3 ops (backup, prefetch query and fetch, with their auxiliary objects) run
+    through the controller's ``StorageIO`` over a file store at ``l3_dir``, with L3 on and
+    prefetches of a page or more waited for (``wait_complete``)."""
+
+    def __init__(self, cfg: HicacheConfig, l3_dir: str) -> None:
+        from controller.storage_io import StorageIO
+        from hicache.config import PrefetchConfig
+        from storage_backends import FileSettings, create_backend
+
+        super().__init__(cfg)
+        self.io = StorageIO(self.shared, None)
+        self.io.backend = create_backend(FileSettings(dir=l3_dir), self.io.default_layout())
+        self.tier.l3_enabled = True
+        self.tier.prefetch_cfg = PrefetchConfig(threshold_tokens=cfg.cache.page_size, policy="wait_complete")
+
+    def answer(self, msg: protos.ControllerMessage) -> None:
+        io = self.io
+        if isinstance(msg, protos.BackupToStorage):
+            done = io.backup(msg.component, msg.host_pages, msg.hashes)
+            for name, units in msg.aux_pages.items():
+                io.backup_aux(name, units, msg.aux_keys[name])
+            self.sched.on_controller(protos.OpDone(msg.op_id, "ok" if done == len(msg.hashes) else "failed", done))
+        elif isinstance(msg, protos.PrefetchQuery):
+            n = io.query(msg.hashes)
+            present = {k: [i for i, p in enumerate(io.query_aux(v[:n])) if p] for k, v in msg.aux_keys.items()}
+            self.sched.on_controller(protos.PrefetchHits(msg.op_id, n, present))
+        elif isinstance(msg, protos.PrefetchFetch):
+            done = io.fetch(msg.component, msg.hashes, msg.host_pages)
+            aux = {k: io.fetch_aux(k, msg.aux_keys[k], u) for k, u in msg.aux_pages.items()}
+            self.sched.on_controller(protos.OpDone(msg.op_id, "ok" if done == len(msg.hashes) else "failed", done,
+                                                   None, aux))
+        else:
+            super().answer(msg)
+
+    def close(self) -> None:
+        self.io.detach()
+        super().close()

@@ -10,6 +10,7 @@ either in the tree or free) and every reservation returned.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +20,7 @@ from hicache.model.loader import load_model
 from hicache.model.pools import allocate_pools
 from hicache.scheduler.assembly import build_cache
 from hicache.tree.node import ComponentType
-from tests.scheduler.rigs import L2Rig, L3AckRig, Rig, cold_tokens, gen
+from tests.scheduler.rigs import L2Rig, L3AckRig, L3Rig, Rig, cold_tokens, gen
 
 WINDOW = 16
 PATTERNS = {"swa": ("full", "swa"), "mamba": ("full", "mamba"), "swa+mamba": ("full", "swa", "mamba", "full"),
@@ -247,6 +248,35 @@ def test_prefix_evicted_to_l2_and_loaded_back_gives_the_same_output(kind: str) -
         assert usage.cached_host > 0
         assert usage.cached_device + usage.cached_host == 96
         assert rig.tier.counters.loads >= 1 and rig.tier.counters.writes >= 1
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize("kind", list(PATTERNS))
+def test_prefix_flushed_out_of_l1_and_l2_comes_back_from_l3_with_the_same_output(kind: str, tmp_path: Path) -> None:
+    """Backed up to a file L3 (an all-SWA model's Full pages as index markers, its KV as SWA
+    objects), flushed from L1 and L2, prefetched back: the prompt's prefix up to its last
+    page boundary comes from L3 and the output is the cold run's."""
+    cfg = config_from_dict({
+        "model": {"reference": {"preset": "tiny", "layers": list(PATTERNS[kind]), "sliding_window": WINDOW}},
+        "cache": {"page_size": 4, "l1": {"tokens": 256, "state_slots": 8}, "l2": {"tokens": 2048, "state_slots": 32},
+                  "l3": {"backend": "none"}, "load_back_threshold": 0},
+        "scheduler": {"chunked_prefill_tokens": 256, "max_prefill_tokens": 512},
+    })
+    prompt = [random.Random(22).randrange(1, 500) for _ in range(61)]
+    rig = L3Rig(cfg, str(tmp_path / "l3"))
+    try:
+        rig.run([gen("first", prompt, 8)])
+        assert rig.tier.counters.backups >= 1 and rig.io.counters.backup_pages > 0
+        rig.cache.flush()
+        rig.assert_idle()
+        assert rig.cache.total_size() == 0
+        rig.run([gen("again", prompt, 8)])
+        assert rig.tokens("again") == rig.tokens("first") == cold_tokens(_cfg(PATTERNS[kind], 4), "x", prompt, 8)
+        usage = rig.final("again").usage
+        assert usage is not None
+        assert (usage.cached_device, usage.cached_host, usage.cached_storage) == (0, 0, 60), usage
+        assert rig.tier.counters.prefetch_aux_units > 0  # the SWA / Mamba objects came back too
     finally:
         rig.close()
 
