@@ -377,7 +377,7 @@ class CacheServer:
             "integrity": {"exact_checks": self.exact_checks, "error": self.integrity_error},
         }
         if self.tier is not None:
-            out["tiers"] = vars(self.tier.counters).copy()
+            out["tiers"] = {**vars(self.tier.counters), "in_flight": self.tier.in_flight}
         return out
 
 

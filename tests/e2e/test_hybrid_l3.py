@@ -41,16 +41,17 @@ def _config(tmp: Path, layers: list[str], ps: int, l3: dict[str, Any]) -> dict[s
 
 
 def _wait_backed_up(d: Daemon, timeout_s: float = 20.0) -> None:
-    """Until the daemon's tier layer has no op in flight (writes and backups done)."""
+    """Until the daemon's tier layer has no op in flight and no write due, and has backed up
+    an L3 copy of everything L2 holds (writes and backups done)."""
     deadline = time.monotonic() + timeout_s
-    time.sleep(0.5)
     while time.monotonic() < deadline:
         stats = d.get("/cache/stats")
-        tiers = stats.get("tiers", stats.get("tier", {}))
-        if not tiers.get("in_flight", 0):
-            time.sleep(0.3)
+        tiers = stats["tiers"]
+        if (tiers["in_flight"] == 0 and tiers["writes_due"] == 0
+                and stats["l2"]["full"]["used_tokens"] <= tiers["backup_tokens"]):
             return
-        time.sleep(0.2)
+        time.sleep(0.1)
+    raise AssertionError(f"backups still running after {timeout_s} s: {d.get('/cache/stats')}")
 
 
 def _round(tmp: Path, kind: str, ps: int, l3: dict[str, Any], label: str) -> None:
