@@ -36,7 +36,7 @@ from hicache.memory.pools import (
     paged_layout,
     state_layout,
 )
-from hicache.tier_manager import TierManager
+from hicache.tier_manager import PrefetchTicket, TierManager
 from hicache.tree.cache import InsertParams, UnifiedRadixCache
 from hicache.tree.components import FullComponent, MambaComponent, PagedInsert, SWAComponent
 from storage_backends import FileSettings, PageLayout, RedisSettings, create_backend
@@ -252,6 +252,16 @@ class AuxRig:
         self.tier.issue_writes()
         self.run()
 
+    def flush_and_prefetch(self, prompt: list[int]) -> PrefetchTicket:
+        """Empty L1 and L2 (nothing of ``prompt`` matches), then ask L3 for ``prompt``."""
+        self.cache.flush()
+        self.cache.check_integrity(exact=True)
+        m = self.cache.match_prefix(prompt)
+        assert m.device_len == 0 and m.host_hit_length == 0
+        ticket = self.tier.start_prefetch("r", prompt, m)
+        assert ticket is not None
+        return ticket
+
 
 def test_hybrid_prefix_survives_l2_eviction_through_l3(pools: SharedPools, tmp_path: Path) -> None:
     io = StorageIO(pools, None)
@@ -260,12 +270,7 @@ def test_hybrid_prefix_survives_l2_eviction_through_l3(pools: SharedPools, tmp_p
     prompt = list(range(1, 1 + 6 * PS))
     rig.compute(prompt)
     assert rig.io.counters.backup_pages == 6 + 6 + 1  # Full, SWA pages, one Mamba state
-    rig.cache.flush()
-    rig.cache.check_integrity(exact=True)
-    m = rig.cache.match_prefix(prompt)
-    assert m.device_len == 0 and m.host_hit_length == 0
-    ticket = rig.tier.start_prefetch("r", prompt, m)
-    assert ticket is not None
+    ticket = rig.flush_and_prefetch(prompt)
     rig.run()
     assert ticket.complete and ticket.arrived_tokens == 6 * PS
     m = rig.cache.match_prefix(prompt, copy_on_match=False)
@@ -377,12 +382,7 @@ def test_all_swa_prefix_survives_l2_eviction_through_l3(index_pools: SharedPools
     hashes = PageHasher(NS).hash_pages(prompt)
     assert rig.io.query(hashes) == 6
     assert rig.io.query_aux(component_keys("swa", hashes)) == [True] * 6
-    rig.cache.flush()
-    rig.cache.check_integrity(exact=True)
-    m = rig.cache.match_prefix(prompt)
-    assert m.device_len == 0 and m.host_hit_length == 0
-    ticket = rig.tier.start_prefetch("r", prompt, m)
-    assert ticket is not None
+    ticket = rig.flush_and_prefetch(prompt)
     assert ticket.aux_keys["swa"] == component_keys("swa", hashes)
     rig.run()
     assert ticket.complete and ticket.arrived_tokens == 6 * PS

@@ -225,14 +225,20 @@ def test_identical_prompts_prefilled_side_by_side_equal_cold_outputs(kind: str, 
     assert rig.cached("d") >= rig.cached("c")
 
 
+def _l2_cfg(kind: str, *, l1: tuple[int, int], l2: tuple[int, int], chunk: int) -> HicacheConfig:
+    """Pages of 4 with L2 on: ``l1`` / ``l2`` = (tokens, Mamba state slots); prefill chunks
+    of ``chunk`` tokens, two per pass."""
+    return config_from_dict({
+        "model": {"reference": {"preset": "tiny", "layers": list(PATTERNS[kind]), "sliding_window": WINDOW}},
+        "cache": {"page_size": 4, "l1": {"tokens": l1[0], "state_slots": l1[1]},
+                  "l2": {"tokens": l2[0], "state_slots": l2[1]}, "l3": {"backend": "none"}, "load_back_threshold": 0},
+        "scheduler": {"chunked_prefill_tokens": chunk, "max_prefill_tokens": 2 * chunk},
+    })
+
+
 @pytest.mark.parametrize("kind", list(PATTERNS))
 def test_prefix_evicted_to_l2_and_loaded_back_gives_the_same_output(kind: str) -> None:
-    cfg = config_from_dict({
-        "model": {"reference": {"preset": "tiny", "layers": list(PATTERNS[kind]), "sliding_window": WINDOW}},
-        "cache": {"page_size": 4, "l1": {"tokens": 256, "state_slots": 8}, "l2": {"tokens": 2048, "state_slots": 32},
-                  "l3": {"backend": "none"}, "load_back_threshold": 0},
-        "scheduler": {"chunked_prefill_tokens": 256, "max_prefill_tokens": 512},
-    })
+    cfg = _l2_cfg(kind, l1=(256, 8), l2=(2048, 32), chunk=256)
     rng = random.Random(21)
     prompt = [rng.randrange(1, 500) for _ in range(99)]
     others = [[rng.randrange(1, 500) for _ in range(99)] for _ in range(4)]
@@ -257,12 +263,7 @@ def test_prefix_flushed_out_of_l1_and_l2_comes_back_from_l3_with_the_same_output
     """Backed up to a file L3 (an all-SWA model's Full pages as index markers, its KV as SWA
     objects), flushed from L1 and L2, prefetched back: the prompt's prefix up to its last
     page boundary comes from L3 and the output is the cold run's."""
-    cfg = config_from_dict({
-        "model": {"reference": {"preset": "tiny", "layers": list(PATTERNS[kind]), "sliding_window": WINDOW}},
-        "cache": {"page_size": 4, "l1": {"tokens": 256, "state_slots": 8}, "l2": {"tokens": 2048, "state_slots": 32},
-                  "l3": {"backend": "none"}, "load_back_threshold": 0},
-        "scheduler": {"chunked_prefill_tokens": 256, "max_prefill_tokens": 512},
-    })
+    cfg = _l2_cfg(kind, l1=(256, 8), l2=(2048, 32), chunk=256)
     prompt = [random.Random(22).randrange(1, 500) for _ in range(61)]
     rig = L3Rig(cfg, str(tmp_path / "l3"))
     try:
@@ -403,12 +404,7 @@ def test_a_window_recovered_after_its_nodes_l2_write_is_written_and_reused_from_
     boundary recomputes the prefix and gives the tree its window back; the window then gets
     its own L2 write, so once L1 is evicted a third prompt still reuses the shared prefix
     from L2, with the cold output."""
-    cfg = config_from_dict({
-        "model": {"reference": {"preset": "tiny", "layers": list(PATTERNS[kind]), "sliding_window": WINDOW}},
-        "cache": {"page_size": 4, "l1": {"tokens": 1024, "state_slots": 16}, "l2": {"tokens": 4096, "state_slots": 64},
-                  "l3": {"backend": "none"}, "load_back_threshold": 0},
-        "scheduler": {"chunked_prefill_tokens": 32, "max_prefill_tokens": 64},
-    })
+    cfg = _l2_cfg(kind, l1=(1024, 16), l2=(4096, 64), chunk=32)
     rng = random.Random(5)
     first = [rng.randrange(1, 500) for _ in range(99)]
     second = first[:33]  # its prompt boundary is 32, inside ``first``'s first node
