@@ -2,21 +2,17 @@
 
 Layers: ``TreeCore`` (pure tree, orders, counters), ``TreeComponent`` (one per kind of cached
 data: ``FullComponent``, ``SWAComponent``, ``MambaComponent``), ``UnifiedRadixCache`` (the API
-the scheduler calls, executing decisions against index allocators).
+the scheduler calls, executing decisions against index allocators). ``UnifiedRadixCache`` is
+three classes deep: ``CacheBase`` (``base``: constructor state, result types, shared
+helpers), ``TierCalls`` (``tiering``: what moves between tiers and how the nodes' state
+follows, L2 eviction, ``TierOp``) and ``UnifiedRadixCache`` itself (``cache``: match,
+insert, locks, sizes, L1 eviction, requests).
 """
 
 from __future__ import annotations
 
-from hicache.tree.cache import (
-    EvictResult,
-    InsertParams,
-    InsertResult,
-    LockToken,
-    MatchResult,
-    RequestState,
-    TierOp,
-    UnifiedRadixCache,
-)
+from hicache.tree.base import EvictResult, InsertResult, LockToken, MatchResult
+from hicache.tree.cache import InsertParams, RequestState, UnifiedRadixCache
 from hicache.tree.components import (
     FullComponent,
     MambaComponent,
@@ -30,6 +26,7 @@ from hicache.tree.core import TreeCore
 from hicache.tree.integrity import IntegrityError, check_integrity
 from hicache.tree.node import ComponentData, ComponentType, TreeNode
 from hicache.tree.policy import POLICIES, EvictionPolicy, LRUPolicy, SLRUPolicy, make_policy
+from hicache.tree.tiering import TierOp
 
 __all__ = [
     "POLICIES", "ComponentData", "ComponentType", "EvictResult", "EvictionPolicy", "FullComponent",

@@ -1,0 +1,593 @@
+"""TierCalls: the tier-facing half of ``UnifiedRadixCache`` (docs/architecture.md §4 and §5).
+
+What moves between tiers and how the tree's node state follows: which nodes to write to L2
+(``nodes_to_write_to_host``), the transfers (``start_write`` / ``finish_write``,
+``start_load_back`` / ``finish_load_back``, ``start_backup`` / ``finish_backup``) and the
+``TierOp`` each returns, host locks (``protect_host`` / ``release_host``), prefetched pages
+(``insert_host``, ``host_prefix_pages``), page hashes (``hasher_for``, ``node_hashes``,
+``last_page_hash``), the count of ops in flight (``open_transfers``), and L2 eviction
+(``evict_host``; the write path evicts L2 for room). Like the rest of the cache it never
+touches KV bytes: the calls return *which* pages to copy, and the cache controller (another
+process) copies them and acknowledges.
+
+What it needs from the rest of the cache: the state and shared helpers of ``CacheBase``
+(``hicache.tree.base``), which it derives from, and three calls of the tree half
+(``UnifiedRadixCache`` in ``hicache.tree.cache``, which derives from this class): a
+load-back locks its path with ``inc_lock_ref`` / ``dec_lock_ref`` while it evicts L1 for room
+with ``evict``. Those three are declared below and defined there; this module does not
+import ``hicache.tree.cache``.
+
+Ownership of page indices in the tier calls (Full component; SWA behaves alike, Mamba with
+one slot; the tree's own calls are in ``hicache.tree.cache``'s table):
+
+| step                                   | freed                         | kept / taken by the tree      | locked meanwhile                |
+|----------------------------------------|-------------------------------|-------------------------------|---------------------------------|
+| ``evict_host`` (L2)                    | L2 pages of L2-only leaves    | -                             | host-locked nodes skipped       |
+| ``start_write`` -> write ``TierOp``    | L2 evicted if needed          | new L2 pages reserved         | node L1-locked (path), in flight|
+| ``finish_write(op, ok=True)``          | -                             | L2 pages become ``host_value``| released                        |
+| ``finish_write(op, ok=False)``         | the reserved L2 pages         | node exactly as before        | released                        |
+| ``start_load_back`` -> load ``TierOp`` | L1 evicted if needed          | new L1 pages set as ``value``,| path L1-locked, nodes host-     |
+|                                        |                               | nodes marked ``loading``      | locked, in flight               |
+| ``finish_load_back(op, ok=True)``      | -                             | L1 pages now readable         | released                        |
+| ``finish_load_back(op, ok=False)``     | the new L1 pages              | nodes L2-only as before       | released                        |
+| ``insert`` through a loading node      | the op's pages, at its finish | the request's own pages       | (the op's locks stay)           |
+| ``start_backup`` -> backup ``TierOp``  | -                             | -                             | node host-locked, in flight     |
+| ``finish_backup(op, ok)``              | -                             | - (L3 residency is not stored)| released                        |
+| ``insert_host`` (prefetched pages)     | duplicate L2 pages            | the rest, as L2-only nodes    | -                               |
+
+``TierOp.transfers[component] = (src_pages, dst_pages)`` in key order: device -> host for a
+write, host -> device for a load; a backup carries the host pages and ``hashes``.
+
+In-flight transfers: the tree owns what a ``TierOp`` holds (its reserved pages, its locks,
+the nodes' ``in_flight`` / ``loading`` marks) and releases it in ``finish_*``; it keeps no
+table of ops and gives them no id. Whoever starts an op keeps it and must hand it to its
+``finish_*`` exactly once (a second finish raises ``ValueError``); with a controller that is
+``hicache.tier_manager.TierManager``, whose registry holds every op in flight under the one
+op id the controller sees, and which fails them all when the controller is lost. The tree
+only counts them (``open_transfers``), so that the exact integrity check can refuse to run
+while pages are reserved for a transfer. An operation records its last node and its page
+count; if a node is split while an op is in flight, the op's pages span the lower node and
+its new parent(s), and ``finish_*`` walks up from the recorded node over exactly that many
+pages, so splitting never strands a lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from hicache.hashing import PageHasher, component_keys
+from hicache.memory.allocator import PageIndices
+from hicache.tree.base import CacheBase, EvictResult, InsertResult, LockToken, MatchResult
+from hicache.tree.components import TreeComponent
+from hicache.tree.node import TreeNode
+
+
+@dataclass
+class TierOp:
+    """An in-flight transfer, from its ``start_*`` to its ``finish_*`` (exactly once).
+
+    ``kind``: ``write``, ``load`` or ``backup``; ``node`` / ``npages``: the lowest node it
+    covers and its page count (the span survives splits);
+    ``transfers[component] = (src_pages, dst_pages)``; ``hashes``: a backup's page hashes;
+    ``aux_keys[component]``: a backup's L3 keys of each auxiliary component in
+    ``transfers`` (one per L2 unit: ``hicache.hashing.component_key``);
+    ``done``: finished. It has no id: the tier layer files it under its controller op id.
+    """
+
+    kind: str
+    node: TreeNode
+    npages: int
+    transfers: dict[str, tuple[list[int], PageIndices]]
+    hashes: list[str] = field(default_factory=list)
+    done: bool = False
+    aux_keys: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def src_pages(self) -> list[int]:
+        return self.transfers["full"][0]
+
+    @property
+    def dst_pages(self) -> PageIndices:
+        return self.transfers["full"][1]
+
+
+class TierCalls(CacheBase):
+    """The tier calls of ``UnifiedRadixCache`` (see the module docstring); not used on its own."""
+
+    # ---- defined by the tree half (``UnifiedRadixCache``): a load-back locks its path and
+    # evicts L1 for room
+    def inc_lock_ref(self, node: TreeNode) -> LockToken:
+        raise NotImplementedError
+
+    def dec_lock_ref(self, node: TreeNode | LockToken, token: LockToken | None = None) -> None:
+        raise NotImplementedError
+
+    def evict(self, full_tokens: int = 0, *, swa_tokens: int = 0, mamba_states: int = 0) -> EvictResult:
+        raise NotImplementedError
+
+    # ================================================================== tiers (§5)
+    def nodes_to_write_to_host(self, limit: int | None = None) -> list[TreeNode]:
+        """Nodes the write policy wants copied to L2 now, parents before children.
+
+        ``write_through``: every node with L1 data without an L2 copy (FULL's, or an
+        auxiliary component's on a node whose FULL pages are in L2 already: an SWA window
+        recovered on a tombstone, a Mamba state added later); ``write_through_selective``:
+        those with ``hit_count >= write_through_threshold``; ``write_back``: those L1
+        eviction queued. Nodes with a transfer in flight are left out. The write-through
+        policies look only at the nodes not yet in L2 (``TreeCore.unwritten``), not at all
+        of L1.
+        """
+        if not self.hicache:
+            return []
+        if self.write_policy == "write_back":
+            unwritten = self.core.unwritten
+            cands = [n for n in self._write_back_queue
+                     if n.parent is not None and n in unwritten and n.data[0].value is not None
+                     and not n.in_flight and not n.loading]
+        else:  # unwritten: in L1, not in L2 (by construction)
+            thr = self.write_through_threshold if self.write_policy == "write_through_selective" else 0
+            cands = [n for n in self.core.unwritten if not n.in_flight and not n.loading and n.hit_count >= thr]
+        cands.sort(key=self._depth)
+        return cands if limit is None else cands[:limit]
+
+    @staticmethod
+    def _depth(node: TreeNode) -> int:
+        d = 0
+        while node.parent is not None:
+            d += 1
+            node = node.parent
+        return d
+
+    def start_write(self, node: TreeNode) -> TierOp | None:
+        """Reserve L2 pages for ``node``'s L1 data that has no L2 copy yet (evicting L2 if
+        needed: FULL's by ``evict_host``, an auxiliary component's by tombstoning its own
+        L2-only data) and lock the node in L1 until ``finish_write``. A node whose FULL
+        pages are in L2 already gets an auxiliary-only write (``transfers`` without
+        ``full``). Returns None (nothing changed) if L2 has no room for the FULL pages, or
+        nothing is left to write, or the node is not writable (no L1 data, transfer in
+        flight); an auxiliary component without room is left out of the write."""
+        if not self.hicache:
+            raise RuntimeError("start_write needs an L2 allocator")
+        core = self.core
+        if node.parent is None or node.in_flight or node.loading or node.data[0].value is None:
+            return None
+        transfers: dict[str, tuple[list[int], PageIndices]] = {}
+        for c in self.components:
+            cd = node.data[c.slot]
+            host = c.host_allocator
+            if host is None or cd.value is None or cd.host_value is not None:
+                continue
+            src = c.as_pages(cd.value)
+            dst = host.alloc(len(src))
+            if dst is None:
+                if c is self.full:
+                    self.evict_host((len(src) - host.free_count) * self.page_size)
+                else:
+                    self._evict_host_aux(c, len(src) - host.free_count)
+                dst = host.alloc(len(src))
+            if dst is None:
+                if c is self.full:
+                    for name, (_s, d) in transfers.items():
+                        self._free(self._by_name[name], d, host=True)
+                    return None
+                continue
+            transfers[c.name] = (list(src), dst)
+        if not transfers:
+            return None
+        op = TierOp("write", node, self._npages(node), transfers)
+        self.full.lock(core, node)
+        for c in self.aux:
+            core.lock(node, c.slot)
+        node.in_flight += 1
+        self._open_transfers += 1
+        return op
+
+    def _close(self, op: TierOp, kind: str) -> None:
+        """Mark ``op`` finished; refuses one finished before or of another kind."""
+        if op.done:
+            raise ValueError(f"the {op.kind} of {op.node!r} is not in flight (finished already)")
+        if op.kind != kind:
+            raise ValueError(f"the operation on {op.node!r} is a {op.kind}, not a {kind}")
+        op.done = True
+        self._open_transfers -= 1
+
+    @property
+    def open_transfers(self) -> int:
+        """How many ``TierOp`` were started and not yet finished."""
+        return self._open_transfers
+
+    def finish_write(self, op: TierOp, ok: bool) -> list[TreeNode]:
+        """Apply the controller's acknowledgement of a ``start_write``. Returns the nodes that
+        now hold the written pages in L2, upper first (more than ``op.node`` when a split
+        happened while the write was in flight); empty when ``ok`` is False."""
+        self._close(op, "write")
+        core = self.core
+        nodes = self._op_nodes(op.node, op.npages)
+        for n in nodes:
+            n.in_flight -= 1
+        for c in self.aux:
+            for n in c.op_span(nodes):
+                core.unlock(n, c.slot)
+        self.full.unlock(core, op.node)
+        for name, (_src, dst) in op.transfers.items():
+            c = self._by_name[name]
+            if not ok:
+                self._free(c, dst, host=True)
+                continue
+            span = c.op_span(nodes)
+            if len(span) == 1:
+                core.set_host(span[0], c.slot, c.from_pages(dst))
+                continue
+            start = 0
+            for n in reversed(span):  # upper first: parents older than children in L2 order
+                k = self._npages(n)
+                core.set_host(n, c.slot, dst[start:start + k])
+                start += k
+        if not ok:
+            return []
+        for n in nodes:
+            self._write_back_queue.pop(n, None)
+        return list(reversed(nodes))
+
+    def start_load_back(self, match: MatchResult) -> TierOp | None:
+        """Allocate L1 pages for the L2-only tail of ``match`` (evicting L1 if needed) and
+        return what to copy (``src_pages`` = L2, ``dst_pages`` = L1, in key order). The
+        nodes get their L1 ``value`` (FULL, and each auxiliary component's that has L2
+        data and finds room) now but stay unreadable (``loading``) until
+        ``finish_load_back``; meanwhile the path is L1-locked, the new auxiliary data
+        locked, and the nodes host-locked. None (nothing changed) when there is nothing to
+        load or no room."""
+        core = self.core
+        if match.host_hit_length <= 0:
+            return None
+        top = match.last_device_node
+        nodes = []
+        n: TreeNode | None = match.last_host_node
+        while n is not top:
+            if n is None or n.parent is None or n.data[0].value is not None or n.in_flight or n.loading:
+                return None
+            nodes.append(n)
+            n = n.parent
+        nodes.reverse()
+        need = sum(self._npages(x) for x in nodes)
+        for x in nodes:
+            for c in self.components:
+                if x.data[c.slot].host_value is not None:
+                    core.host_lock(x, c.slot)
+        lock = self.inc_lock_ref(top) if top.parent is not None else None
+        try:
+            dev = self.full.allocator.alloc(need)
+            if dev is None:
+                self.evict(full_tokens=(need - self.full.allocator.free_count) * self.page_size)
+                dev = self.full.allocator.alloc(need)
+        finally:
+            if lock is not None:
+                self.dec_lock_ref(lock)
+        if dev is None:
+            for x in nodes:
+                for c in self.components:
+                    if x.data[c.slot].host_value is not None:
+                        core.host_unlock(x, c.slot)
+            return None
+        src_all: list[int] = []
+        off = 0
+        aux_src: dict[str, list[int]] = {}
+        aux_dst: dict[str, list[int]] = {}
+        for x in nodes:
+            k = self._npages(x)
+            src_all.extend(x.data[0].host_value)
+            core.set_value(x, 0, dev[off:off + k])
+            off += k
+            x.loading = True
+            x.in_flight += 1
+            for c in self.aux:
+                hv = x.data[c.slot].host_value
+                if hv is None:
+                    continue
+                pages = c.as_pages(hv)
+                d = c.allocator.alloc(len(pages))
+                if d is None:
+                    continue
+                core.set_value(x, c.slot, c.from_pages(d))
+                core.lock(x, c.slot)  # not evictable until the load finishes
+                aux_src.setdefault(c.name, []).extend(pages)
+                aux_dst.setdefault(c.name, []).extend(d)
+        transfers = {self.full.name: (src_all, dev)}
+        for name in aux_src:
+            transfers[name] = (aux_src[name], aux_dst[name])
+        op = TierOp("load", match.last_host_node, need, transfers)
+        self.full.lock(core, op.node)
+        self._open_transfers += 1
+        return op
+
+    def finish_load_back(self, op: TierOp, ok: bool) -> None:
+        """Apply the acknowledgement of a ``start_load_back``; on failure the nodes are
+        L2-only again and their new L1 pages are freed."""
+        self._close(op, "load")
+        core = self.core
+        nodes = self._op_nodes(op.node, op.npages)
+        self.full.unlock(core, op.node)
+        loaded = {name: set(dst) for name, (_src, dst) in op.transfers.items() if name != self.full.name}
+        dev = op.transfers[self.full.name][1]
+        end = len(dev)
+        for x in nodes:  # lowest first: its pages are the last ones
+            k = self._npages(x)
+            mine = dev[end - k:end]
+            end -= k
+            x.in_flight -= 1
+            for c in self.components:
+                cd = x.data[c.slot]
+                if cd.host_value is not None and cd.host_lock_ref > 0:
+                    core.host_unlock(x, c.slot)
+            for c in self.aux:  # the lock start_load_back took on the data it placed here
+                cd = x.data[c.slot]
+                if cd.value is not None and c.name in loaded and set(c.as_pages(cd.value)) <= loaded[c.name]:
+                    core.unlock(x, c.slot)
+            if not x.loading:
+                # an insert re-filled it with a request's own pages meanwhile: ours are spare
+                self._free(self.full, mine)
+            elif not ok:
+                pages = core.clear_value(x, 0)
+                self._free(self.full, pages)
+            x.loading = False
+            if not ok:
+                for c in self.aux:  # what the failed load put there is not valid data
+                    cd = x.data[c.slot]
+                    if cd.value is not None and c.name in loaded and set(c.as_pages(cd.value)) <= loaded[c.name]:
+                        v = core.clear_value(x, c.slot)
+                        self._free(c, c.as_pages(v))
+
+    def start_backup(self, node: TreeNode) -> TierOp | None:
+        """L3 backup of ``node``'s L2 data: returns its FULL L2 pages and page hashes and,
+        for each auxiliary component with L2 data on the node, its L2 units
+        (``transfers[name]``) and their L3 keys (``aux_keys[name]``: an SWA page per page, a
+        Mamba state for the node's last page), with the node and that data host-locked
+        until ``finish_backup``. None if the node has no L2 copy."""
+        if node.parent is None or node.data[0].host_value is None:
+            return None
+        hashes = self.node_hashes(node)
+        op = TierOp("backup", node, self._npages(node), {"full": (list(node.data[0].host_value), [])}, hashes)
+        for c in self.aux:
+            hv = node.data[c.slot].host_value
+            if hv is None or c.host_allocator is None:
+                continue
+            units = list(c.as_pages(hv))
+            keys = component_keys(c.name, hashes if c.paged else hashes[-1:])
+            if len(keys) != len(units):
+                continue
+            op.transfers[c.name] = (units, [])
+            op.aux_keys[c.name] = keys
+            self.core.host_lock(node, c.slot)
+        self.core.host_lock(node, 0)
+        node.in_flight += 1
+        self._open_transfers += 1
+        return op
+
+    def finish_backup(self, op: TierOp, ok: bool) -> None:
+        """Release the node of a ``start_backup`` (either way; L3 residency is not stored)."""
+        self._close(op, "backup")
+        nodes = self._op_nodes(op.node, op.npages)
+        for n in nodes:
+            n.in_flight -= 1
+            self.core.host_unlock(n, 0)
+        for name in op.aux_keys:
+            c = self._by_name[name]
+            for n in c.op_span(nodes):
+                self.core.host_unlock(n, c.slot)
+
+    def protect_host(self, node: TreeNode) -> int:
+        """Host-lock ``node`` (its FULL L2 copy); returns the page count to pass back to
+        ``release_host`` (the node may be split meanwhile)."""
+        if node.parent is None or node.data[0].host_value is None:
+            raise ValueError("protect_host: the node has no L2 copy")
+        self.core.host_lock(node, 0)
+        return self._npages(node)
+
+    def release_host(self, node: TreeNode, npages: int | None = None) -> None:
+        nodes = self._op_nodes(node, self._npages(node) if npages is None else npages)
+        for n in nodes:
+            if n.data[0].host_lock_ref <= 0:
+                raise ValueError(f"release_host: host_lock_ref of {n!r} would go below zero")
+        for n in nodes:
+            self.core.host_unlock(n, 0)
+
+    def host_prefix_pages(self, node: TreeNode) -> list[int]:
+        """The FULL L2 pages of the key from its root down to ``node``, in key order; every
+        node on the way must have an L2 copy (as ``match_prefix``'s ``last_host_node`` path has)."""
+        runs = []
+        while node.parent is not None:
+            hv = node.data[0].host_value
+            if hv is None:
+                raise ValueError(f"host_prefix_pages: {node!r} has no L2 copy")
+            runs.append(hv)
+            node = node.parent
+        return [p for run in reversed(runs) for p in run]
+
+    def insert_host(self, key: Sequence[int], host_pages: Sequence[int], cache_salt: str = "",
+                    *, start_page: int = 0, aux: Mapping[str, Mapping[int, int]] | None = None) -> InsertResult:
+        """Insert prefetched pages as L2-only nodes: ``host_pages`` are the FULL L2 pages of
+        the key's pages from ``start_page`` on. Pages the tree already holds are freed here,
+        as are all of them when the tree no longer holds the key's first ``start_page``
+        pages. ``host_pages_taken`` says how many the tree kept.
+
+        ``aux[name]`` maps a page ``j`` of the key (counted from 0, ``j >= start_page``) to an
+        auxiliary component's L2 unit: for a paged one (SWA) its page ``j``, for a state
+        (Mamba) the state after page ``j``. The new nodes are cut so that a paged
+        component's run of pages and a state's boundary fall on node edges; an existing
+        node with a FULL L2 copy, no transfer and no such data gets it where it covers the
+        node whole (a state: where it ends the node). Every unit the tree does not keep is
+        freed here."""
+        if not self.hicache:
+            raise RuntimeError("insert_host needs an L2 allocator")
+        core = self.core
+        ps = self.page_size
+        key, n = self._aligned(key)
+        npages = n // ps
+        hp = list(host_pages)
+        if len(hp) != npages - start_page:
+            raise ValueError("insert_host: host_pages must cover the key from start_page on")
+        units: dict[str, dict[int, int]] = {}
+        for name, m in (aux or {}).items():
+            c = self._by_name.get(name)
+            if c is None or c is self.full or c.host_allocator is None:
+                raise ValueError(f"insert_host: no auxiliary L2 component {name!r}")
+            if any(not start_page <= j < npages for j in m):
+                raise ValueError(f"insert_host: {name} pages outside the inserted part of the key")
+            units[name] = dict(m)
+        root = core.ensure_root(cache_salt)
+        path = core.walk(root, key, n)
+        have = sum(len(x.key) for x in path)
+        node = path[-1] if path else root
+        res = InsertResult(have, node)
+        if have < start_page * ps:
+            self.full.host_allocator.free(hp)  # type: ignore[union-attr]
+            self._free_aux_units(units)
+            return res
+        dup = hp[:have // ps - start_page]
+        if dup:
+            self.full.host_allocator.free(dup)  # type: ignore[union-attr]
+        if units:  # existing nodes past start_page: take what they lack and is given whole
+            first = 0
+            for x in path:
+                k = self._npages(x)
+                if first + k > start_page and x.data[0].host_value is not None and not x.in_flight \
+                        and not x.loading:
+                    self._take_aux(x, first, units)
+                first += k
+        if have < n:
+            cuts = {have // ps, npages}
+            for name, m in units.items():
+                c = self._by_name[name]
+                for j in m:
+                    if j >= have // ps:
+                        if c.paged:
+                            cuts.update((j, j + 1))
+                        else:
+                            cuts.add(j + 1)
+            edges = sorted(cuts)
+            if any(not self._by_name[name].paged for name in units) or len(edges) > 2:
+                edges = self._merge_edges(edges, units, have // ps)
+            parent, made = node, []
+            for a, b in zip(edges, edges[1:], strict=False):
+                leaf = core.new_child(parent, key[a * ps:b * ps])
+                core.set_host(leaf, 0, hp[a - start_page:b - start_page])
+                self._take_aux(leaf, a, units)
+                made.append(leaf)
+                parent = leaf
+            core.touch(path + made)
+            res.node = made[-1]
+            res.host_pages_taken = npages - have // ps
+        self._free_aux_units(units)
+        return res
+
+    def _merge_edges(self, edges: list[int], units: dict[str, dict[int, int]], lo: int) -> list[int]:
+        """Keep only the cuts where a paged component's presence changes or a state
+        boundary is: fewer, longer nodes."""
+        keep = [edges[0]]
+        for e in edges[1:-1]:
+            state_edge = any(not self._by_name[name].paged and (e - 1) in m for name, m in units.items())
+            change = any(self._by_name[name].paged and ((e - 1) in m) != (e in m) for name, m in units.items())
+            if state_edge or change:
+                keep.append(e)
+        keep.append(edges[-1])
+        return keep
+
+    def _take_aux(self, node: TreeNode, first: int, units: dict[str, dict[int, int]]) -> None:
+        """Give ``node`` (its key starts at page ``first``) the auxiliary L2 units of
+        ``units`` that cover it whole, removing them from ``units``."""
+        k = self._npages(node)
+        for name, m in units.items():
+            c = self._by_name[name]
+            if node.data[c.slot].host_value is not None:
+                continue
+            if c.paged:
+                if all(j in m for j in range(first, first + k)):
+                    self.core.set_host(node, c.slot, [m.pop(j) for j in range(first, first + k)])
+            elif first + k - 1 in m:
+                self.core.set_host(node, c.slot, c.from_pages([m.pop(first + k - 1)]))
+
+    def _free_aux_units(self, units: dict[str, dict[int, int]]) -> None:
+        for name, m in units.items():
+            if m:
+                self._free(self._by_name[name], list(m.values()), host=True)
+            m.clear()
+
+    # ================================================================== L2 eviction
+    def evict_host(self, tokens: int) -> int:
+        """L2 eviction: delete L2-only leaves with ``host_lock_ref == 0`` (LRU first) until
+        ``tokens`` worth of FULL L2 pages are free. Returns tokens freed."""
+        need = -(-tokens // self.page_size)
+        freed = 0
+        for node in self.core.host_lru[0].candidates():
+            if freed >= need:
+                break
+            while freed < need and self._host_evictable(node):
+                parent = node.parent
+                assert parent is not None  # _host_evictable refuses roots
+                t = node.host_time
+                freed += len(node.data[0].host_value)
+                self._delete(node)
+                if parent.host_time > t:
+                    break  # newer: still ahead in the scan
+                node = parent
+        self.evicted_host_tokens += freed * self.page_size
+        return freed * self.page_size
+
+    def _evict_host_aux(self, c: TreeComponent, need: int) -> int:
+        """L2 eviction of one auxiliary component's data (``need`` units): the node keeps
+        its FULL copy and becomes an L2 tombstone of ``c``. Only L2-only data goes (as for
+        FULL: a copy of data still in L1 stays, or the node would want writing again);
+        host-locked data and data of a node with a transfer in flight stay."""
+        core = self.core
+        freed = 0
+        for node in core.host_lru[c.slot].candidates():
+            if freed >= need:
+                break
+            cd = node.data[c.slot]
+            if cd.host_lock_ref or node.in_flight or cd.host_value is None or cd.value is not None:
+                continue
+            hv = core.clear_host(node, c.slot)
+            freed += core.units[c.slot](hv)
+            self._free(c, c.as_pages(hv), host=True)
+        return freed
+
+    @staticmethod
+    def _host_evictable(node: TreeNode) -> bool:
+        if node.parent is None or node.children or node.in_flight or node.data[0].value is not None:
+            return False
+        return not any(cd.host_lock_ref or cd.lock_ref for cd in node.data)
+
+    # ================================================================== hashes
+    def hasher_for(self, salt: str) -> PageHasher:
+        """The page hasher of ``salt``'s namespace (the chain of docs/architecture.md §6); one per
+        salt, kept."""
+        if self._hasher is None:
+            raise RuntimeError("page hashes need a hasher (pass hasher= to UnifiedRadixCache)")
+        h = self._hashers.get(salt)
+        if h is None:
+            h = self._hasher if salt == self._hasher.namespace.cache_salt else PageHasher(
+                self._hasher.namespace.with_salt(salt))
+            self._hashers[salt] = h
+        return h
+
+    def node_hashes(self, node: TreeNode) -> list[str]:
+        """The node's page hashes (computed now if needed, with its missing ancestors')."""
+        if node.parent is None:
+            return []
+        chain = []
+        n = node
+        while n.parent is not None and n.hash_value is None:
+            chain.append(n)
+            n = n.parent
+        parent_hash = n.hash_value[-1] if n.parent is not None and n.hash_value else None
+        hasher = self.hasher_for(self._salt_of(node))
+        for x in reversed(chain):
+            x.hash_value = hasher.hash_pages(x.key, parent_hash)
+            parent_hash = x.hash_value[-1]
+        return node.hash_value  # type: ignore[return-value]
+
+    def last_page_hash(self, node: TreeNode) -> str | None:
+        """The hash of the node's last page (None for a root): continue the chain into L3."""
+        hv = self.node_hashes(node)
+        return hv[-1] if hv else None
