@@ -467,7 +467,7 @@ class TierCalls(CacheBase):
                             cuts.add(j + 1)
             edges = sorted(cuts)
             if any(not self._by_name[name].paged for name in units) or len(edges) > 2:
-                edges = self._merge_edges(edges, units, have // ps)
+                edges = self._merge_edges(edges, units)
             parent, made = node, []
             for a, b in zip(edges, edges[1:], strict=False):
                 leaf = core.new_child(parent, key[a * ps:b * ps])
@@ -481,7 +481,7 @@ class TierCalls(CacheBase):
         self._free_aux_units(units)
         return res
 
-    def _merge_edges(self, edges: list[int], units: dict[str, dict[int, int]], lo: int) -> list[int]:
+    def _merge_edges(self, edges: list[int], units: dict[str, dict[int, int]]) -> list[int]:
         """Keep only the cuts where a paged component's presence changes or a state
         boundary is: fewer, longer nodes."""
         keep = [edges[0]]
