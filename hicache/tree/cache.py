@@ -360,7 +360,8 @@ class UnifiedRadixCache(TierCalls):
                 raise ValueError("dec_lock_ref: token belongs to another node")
             parts = token.parts
         for c, p in zip(self.components, parts, strict=True):
-            c.unlock(self.core, node, p)
+            if p is not RELEASED:  # given back early by ``release_part``
+                c.unlock(self.core, node, p)
 
     def release_part(self, token: LockToken, component: str) -> LockToken:
         """Give back ``component``'s part of the lock ``token`` stands for, early (e.g. an

@@ -55,8 +55,8 @@ class _Released:
 
 
 RELEASED: Any = _Released()
-"""A lock part already given back (``UnifiedRadixCache.release_part``): every ``unlock``
-hook does nothing for it."""
+"""A lock part already given back (``UnifiedRadixCache.release_part``): the tree never passes
+it to an ``unlock`` hook again."""
 
 Validator = Callable[[TreeNode, bool], bool]
 """``step(node, from_host)``: fed a match path root-side first; answers whether the boundary
@@ -154,7 +154,7 @@ class TreeComponent:
         raise NotImplementedError
 
     def unlock(self, core: TreeCore, node: TreeNode, token: Any) -> None:
-        """Release what ``lock`` took (``token``: what it returned); nothing for ``RELEASED``."""
+        """Release what ``lock`` took (``token``: what it returned)."""
         raise NotImplementedError
 
     # ---- insert (payload: what ``InsertParams.aux[name]`` holds; None: nothing given)
@@ -223,8 +223,6 @@ class FullComponent(TreeComponent):
             node = node.parent
 
     def unlock(self, core: TreeCore, node: TreeNode, token: Any = None) -> None:
-        if token is RELEASED:
-            return
         i = self.slot
         n: TreeNode | None = node
         while n is not None and n.parent is not None:  # validate first: fail without change
@@ -364,8 +362,6 @@ class SWAComponent(PagedAuxComponent):
         return None
 
     def unlock(self, core: TreeCore, node: TreeNode, token: int | None) -> None:
-        if token is RELEASED:
-            return
         i = self.slot
         path = []
         n: TreeNode | None = node
@@ -460,7 +456,7 @@ class MambaComponent(TreeComponent):
             core.lock(node, self.slot)
 
     def unlock(self, core: TreeCore, node: TreeNode, token: Any = None) -> None:
-        if token is not RELEASED and node.parent is not None:
+        if node.parent is not None:
             core.unlock(node, self.slot)
 
     def insert_end(self, core: TreeCore, node: TreeNode, payload: int | None, spare: list[int]) -> bool:
