@@ -10,6 +10,12 @@ generated path (writing outside the test's directory) or a Redis backend at a ge
 address. The other admin mutations are kept: flushing L1/L2 and clearing or detaching L3
 change where prefixes are cached, never what greedy decoding produces, which the last test
 checks.
+
+The operations are parametrized from the document the code builds
+(``openapi_document``), and each test runs Hypothesis over its operation's strategy from
+the live document. This uses schemathesis as a library only, not its pytest plugin (whose
+lazy fixture loader depends on pytest internals), so it runs under any pytest the test
+extra allows; a test checks that the live document has exactly the operations tested.
 """
 
 from __future__ import annotations
@@ -21,8 +27,11 @@ from typing import Any
 import pytest
 from daemon import Daemon
 
+from hicache.tokenizer.openapi import openapi_document
+from hicache.tokenizer.validation import ModelLimits
+
 schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
 from schemathesis.checks import (  # noqa: E402
     content_type_conformance,
     not_a_server_error,
@@ -66,14 +75,39 @@ def api_schema(served: tuple[Daemon, list[int]]) -> Any:
     return schemathesis.openapi.from_url(served[0].url("/openapi.json"))
 
 
-lazy = schemathesis.pytest.from_fixture("api_schema").exclude(method="PUT", path="/cache/storage")
+EXCLUDED = {("PUT", "/cache/storage")}
 
 
-@lazy.parametrize()
-@settings(max_examples=12, deadline=None, derandomize=True,
-          suppress_health_check=list(HealthCheck))
-def test_generated_requests_conform(case: Any) -> None:
-    case.call_and_validate(checks=CHECKS, timeout=60)
+def _operations(document: dict[str, Any]) -> list[tuple[str, str]]:
+    """(METHOD, path) of every operation in ``document`` but the excluded ones."""
+    ops = [(method.upper(), path) for path, item in document["paths"].items() for method in item
+           if method in {"get", "put", "post", "delete", "patch"}]
+    return sorted(op for op in ops if op not in EXCLUDED)
+
+
+# The limits only shape the bodies' bounds; the set of operations does not depend on them.
+OPERATIONS = _operations(openapi_document(ModelLimits(name="tiny", vocab_size=256, max_context=512,
+                                                      max_new_tokens_limit=8, default_max_new_tokens=4)))
+
+
+def test_the_live_document_has_exactly_the_tested_operations(api_schema: Any) -> None:
+    assert _operations(api_schema.raw_schema) == OPERATIONS
+
+
+@pytest.mark.parametrize(("method", "path"), OPERATIONS, ids=[f"{m} {p}" for m, p in OPERATIONS])
+def test_generated_requests_conform(api_schema: Any, method: str, path: str) -> None:
+    operation = api_schema[path][method]
+    statuses: list[int] = []
+
+    @given(case=operation.as_strategy())
+    @settings(max_examples=12, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    def conforms(case: Any) -> None:
+        statuses.append(case.call_and_validate(checks=CHECKS, timeout=60).status_code)
+
+    conforms()
+    assert statuses, "no request was generated"
+    print(f"{method} {path}: {len(statuses)} requests, statuses {sorted(set(statuses))}")
 
 
 def test_daemon_is_healthy_and_unchanged_afterwards(served: tuple[Daemon, list[int]]) -> None:
