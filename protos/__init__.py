@@ -19,6 +19,7 @@ from protos.to_cache_server import (
     CacheServerMessage,
     Commit,
     EngineRegister,
+    Finished,
     Heartbeat,
     Lookup,
     Release,
@@ -55,7 +56,7 @@ __all__ = [
     "AbortRequest", "AdminRequest", "GenerateRequest", "OpDone", "PrefetchHits", "SamplingParams",
     "SchedulerMessage", "StorageStatus",
     "AdminReply", "TokenOutput", "TokenizerMessage", "Usage",
-    "CacheServerMessage", "Commit", "EngineRegister", "Heartbeat", "Lookup", "Release", "Reserve",
+    "CacheServerMessage", "Commit", "EngineRegister", "Finished", "Heartbeat", "Lookup", "Release", "Reserve",
     "EngineError", "EngineMessage", "EngineRegistered", "LookupResult", "ReserveResult",
     "ENGINE_SOCKET", "ROUTES", "Route", "accepted_by", "route_of",
 ]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from protos.base import Message
 from protos.lifecycle import ErrorReply, ProcessEvent, Ready, Shutdown
-from protos.to_cache_server import Commit, EngineRegister, Heartbeat, Lookup, Release, Reserve
+from protos.to_cache_server import Commit, EngineRegister, Finished, Heartbeat, Lookup, Release, Reserve
 from protos.to_controller import (
     BackupToStorage,
     Cancel,
@@ -84,6 +84,7 @@ ROUTES: tuple[Route, ...] = (
     Route(Commit, ("engine",), ("scheduler",), ()),
     Route(Release, ("engine",), ("scheduler",), ()),
     Route(Heartbeat, ("engine",), ("scheduler",), ()),
+    Route(Finished, ("engine",), ("scheduler",), ()),
     Route(EngineRegistered, ("scheduler",), ("engine",), ()),
     Route(LookupResult, ("scheduler",), ("engine",), ()),
     Route(ReserveResult, ("scheduler",), ("engine",), ()),

@@ -13,17 +13,27 @@ request             answer                  what it does
 ``Lookup``          ``LookupResult``        L2 pages of the longest cached prefix, locked under a
                                             lease; may start an L3 prefetch (``pending``)
 ``Reserve``         ``ReserveResult``       L2 pages for the engine to save newly computed blocks
-                                            into, held under a lease until ``Commit``
+                                            into, held under a lease until ``Commit``; names the
+                                            tokens the server holds for the request (``base``)
+                                            and sends only the ones after them
 ``Commit``          (none)                  the reserved pages hold the KV: insert them in the tree
                                             (``ok`` False: free them)
 ``Release``         (none)                  a lookup lease is no longer needed (loaded or dropped)
-``Heartbeat``       (none)                  the session is alive: its leases stay valid
+``Heartbeat``       (none)                  the session is alive
+``Finished``        (none)                  the request ended: the server forgets its tokens
 ==================  ======================  =====================================================
 
-Every request but ``EngineRegister`` names its ``session``; an unknown session (the daemon
-restarted, or the session expired) is answered with ``EngineError(code="unknown_session")``
-where an answer is expected, and the engine registers again. Leases expire when their
-session sends nothing for the daemon's lease TTL: an engine that died leaks nothing.
+Every request but ``EngineRegister`` names its ``session`` and the daemon ``run`` that opened
+it (``EngineRegistered.run``, random per daemon start): a message of another run (the daemon
+restarted since) is refused with ``EngineError(code="stale_run")`` where an answer is
+expected, dropped and counted otherwise, so a session, lease or page number of an earlier
+run never reaches this run's state. An unknown session of this run (it expired) is answered
+with ``EngineError(code="unknown_session")``; on either code the engine registers again.
+
+A session silent for the daemon's lease TTL expires; its leases become *orphans*
+(``hicache.engine_server.leases``): their pages stay locked or reserved, since the engine
+may still be reading or writing them, until its late ``Commit`` / ``Release`` arrives or
+the daemon sees the engine's process gone (``pid``, ``pid_namespace``, ``start_time``).
 """
 
 from __future__ import annotations
@@ -44,7 +54,17 @@ class CacheServerMessage(Message):
 class EngineRegister(CacheServerMessage):
     """Open a session. The geometry fields describe one KV page (one engine block of every
     layer): ``page_bytes`` = ``num_layers`` x the bytes of one layer's block, in ``kv_layout``
-    (the engine's per-block byte order, e.g. vLLM's CPU ``LBHNC``)."""
+    (the engine's per-block byte order, e.g. vLLM's CPU ``LBHNC``).
+
+    ``runtime_identity`` (64 hex characters) names everything else that changes the bytes
+    of a page: the engine's version, attention backend and kernel ISA, block size, the
+    options that change values, and the engine's cache-reset generation
+    (``hicache.connectors.runtime_identity``). The session's pages live in a namespace of
+    it, in L2 and L3: engines whose identities differ never share a page.
+
+    ``pid_namespace`` (``/proc/self/ns/pid``'s link, empty when unknown) and ``start_time``
+    (the process start in clock ticks since boot, 0 when unknown) let the daemon tell that
+    process ``pid`` is gone, which frees what an expired session held."""
 
     req: int
     engine: str
@@ -57,6 +77,9 @@ class EngineRegister(CacheServerMessage):
     head_dim: int
     kv_layout: str
     page_bytes: int
+    runtime_identity: str
+    pid_namespace: str = ""
+    start_time: int = 0
 
 
 @message("engine_lookup")
@@ -67,6 +90,7 @@ class Lookup(CacheServerMessage):
 
     req: int
     session: int
+    run: int
     rid: str
     token_ids: list[int]
     cache_salt: str = ""
@@ -76,15 +100,26 @@ class Lookup(CacheServerMessage):
 @message("engine_reserve")
 @dataclass(slots=True)
 class Reserve(CacheServerMessage):
-    """L2 pages to save pages ``[start_page, len(token_ids) // block_size)`` of this prefix
-    into. The server skips the pages it already holds."""
+    """L2 pages to save pages ``[start_page, P // block_size)`` of the request's prefix
+    into, where the prefix (``P`` tokens) is the first ``base`` tokens the server holds for
+    ``rid`` (from its last ``Lookup`` or ``Reserve`` in this session) followed by
+    ``token_ids``. So a request sends each token once: a block filled during decode costs
+    the same bytes at any context length. ``base`` 0: ``token_ids`` is the whole prefix.
+    Without ``base`` tokens held for the request (the server forgot it, or another session
+    asks) the answer is ``EngineError(code="unknown_request")``: send again with ``base`` 0.
+
+    The server skips the pages it already holds, and starts earlier than ``start_page``
+    where L2 lost pages before it (evicted since the engine saved them): the engine still
+    holds every block of a running request, so it saves them again."""
 
     req: int
     session: int
+    run: int
     rid: str
     token_ids: list[int]
     start_page: int
     cache_salt: str = ""
+    base: int = 0
 
 
 @message("engine_commit")
@@ -93,6 +128,7 @@ class Commit(CacheServerMessage):
     """The engine wrote the pages of reservation ``lease`` (``ok``) or gave up (not ``ok``)."""
 
     session: int
+    run: int
     lease: int
     ok: bool = True
 
@@ -104,6 +140,7 @@ class Release(CacheServerMessage):
     ``loaded_pages`` of them into its blocks (0: none, the lookup was not used)."""
 
     session: int
+    run: int
     lease: int
     loaded_pages: int = 0
 
@@ -112,3 +149,14 @@ class Release(CacheServerMessage):
 @dataclass(slots=True)
 class Heartbeat(CacheServerMessage):
     session: int
+    run: int
+
+
+@message("engine_finished")
+@dataclass(slots=True)
+class Finished(CacheServerMessage):
+    """Request ``rid`` of the session ended: the server drops the tokens it held for it."""
+
+    session: int
+    run: int
+    rid: str

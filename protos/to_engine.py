@@ -19,11 +19,13 @@ class EngineMessage(Message):
 class EngineRegistered(EngineMessage):
     """The session is open. The L2 pool is one shared-memory segment ``l2_segment`` in
     ``l2_directory`` holding ``l2_pages`` pages of ``page_bytes`` bytes each (page ``i`` at
-    byte ``i * page_bytes``); ``instance`` names this daemon run (a new one after a restart).
-    Leases of the session expire ``lease_ttl_s`` after the last message it sent."""
+    byte ``i * page_bytes``); ``instance`` names this daemon run's shared memory and ``run``
+    (random per start) is what every later message of the session carries. The session
+    expires ``lease_ttl_s`` after the last message it sent."""
 
     req: int
     session: int
+    run: int
     instance: str
     l2_segment: str
     l2_directory: str
@@ -63,7 +65,9 @@ class ReserveResult(EngineMessage):
 @dataclass(slots=True)
 class EngineError(EngineMessage):
     """Request ``req`` was refused. ``code``: ``refused`` (registration does not match what
-    the daemon serves), ``unknown_session`` (register again), ``bad_request``, ``busy``."""
+    the daemon serves), ``unknown_session`` and ``stale_run`` (register again),
+    ``unknown_request`` (a ``Reserve`` named tokens the server does not hold: send them all),
+    ``bad_request``, ``busy``."""
 
     req: int
     code: str

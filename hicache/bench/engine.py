@@ -18,10 +18,14 @@ Every figure comes with its reference measured in the same run, as medians and r
   set) is below the working set (conversations x final length). vLLM alone (its prefix
   caching on) against vLLM + hicache (prefix caching on too); vLLM's ``num_cached_tokens``
   as hit tokens; both runs' greedy tokens compared.
+* ``decode``: a long decode (``--decode-contexts``, ``--decode-tokens``): Reserve messages
+  and token ids sent to the daemon per generated block, at each context length against the
+  shortest one (goal: constant, ratio <= 1.1; ``engine_lib.parts.run_decode``).
 * ``copy``: ``BlockCopier`` load and save against raw torch copies of the same blocks, in
   this process (``hicache.bench.engine_lib.copy_bench``).
 * ``peers``: what a vLLM-on-CPU user has without hicache: vLLM's ``OffloadingConnector``
-  (its refusal) and LMCache (installed into the work directory without dependencies if it is
+  (its refusal), vLLM's ``SimpleCPUOffloadConnector`` (its refusal, or where it runs a
+  repeat served from its CPU tier against the first request) and LMCache (installed into the work directory without dependencies if it is
   not importable; if its engine starts, a repeated prompt's TTFT against its first request).
 
 The model has random weights (``save_random_model``), kept under ``--workdir``. Its dtype
@@ -34,7 +38,7 @@ from __future__ import annotations
 
 import argparse
 
-PARTS = ("ttft", "multiturn", "copy", "peers")
+PARTS = ("ttft", "multiturn", "decode", "copy", "peers")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--answer-tokens", type=int, default=16)
     g.add_argument("--kv-space-gib", type=float, default=None,
                    help="vLLM's KV space (default: a third of the working set), set exactly as a block count")
+    g = parser.add_argument_group("decode")
+    g.add_argument("--decode-contexts", default="1024,4096,16384", help="context lengths, comma-separated")
+    g.add_argument("--decode-tokens", type=int, default=1024)
     g = parser.add_argument_group("copy")
     g.add_argument("--copy-sizes", default="1,4,16", help="MiB per copy call, comma-separated")
     g.add_argument("--copy-repeats", type=int, default=7)
@@ -89,6 +96,7 @@ def _apply_quick(args: argparse.Namespace) -> None:
     args.conversations, args.rounds, args.question_tokens, args.answer_tokens = 2, 2, 64, 4
     args.copy_sizes, args.copy_repeats = "0.25,1", 3
     args.peer_prompt_tokens = 256
+    args.decode_contexts, args.decode_tokens = "256,1024", 128
     args.peer_repeats = 1
 
 
@@ -179,6 +187,13 @@ def run(args: argparse.Namespace) -> int:
                              f"{'identical' if x['same_probe_tokens'] else 'DIFFERENT'}. vLLM KV space "
                              f"{x['kv_space_mib']:.1f} MiB ({x['kv_blocks']} blocks) < working set "
                              f"{x['working_set_mib']:.1f} MiB")
+            if "decode" in parts:
+                from hicache.bench.engine_lib.parts import run_decode
+
+                contexts = [int(c) for c in args.decode_contexts.split(",") if c.strip()]
+                f, x = run_decode(bench, contexts=contexts, decode_tokens=args.decode_tokens)
+                figures += f
+                extra["decode"] = x
             if "peers" in parts:
                 from hicache.bench.engine_lib.parts import run_peers
 
@@ -188,6 +203,11 @@ def run(args: argparse.Namespace) -> int:
                 off = x["offloading"]
                 notes.append("peers: vLLM OffloadingConnector on the CPU: " + (
                     f"refused at start: {off['refusal']}" if not off["started"] else off["note"]))
+                sc = x["simple_cpu_offload"]
+                notes.append("peers: vLLM SimpleCPUOffloadConnector on the CPU: " + (
+                    f"refused at start: {sc['refusal']}" if not sc["started"] else
+                    f"started; repeat after a prefix-cache reset: TTFT {sc['repeat_over_first']:.2f}x its first "
+                    f"request, hit tokens {sc['repeat_cached']}, same tokens {sc['same_output_tokens']}"))
                 lm = x["lmcache"]
                 if lm.get("started"):
                     notes.append(f"peers: LMCache {lm['version']} ({lm['install']}): started; repeated prompt "

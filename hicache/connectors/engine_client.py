@@ -4,9 +4,12 @@
 waits at most ``timeout_ms`` for the answer with the same ``req``; the engine must never
 wait long on hicache, so a timeout (or a daemon that is not there) returns None, and the
 client then stays *down* for a backoff (``BACKOFF_S``, doubling up to ``MAX_BACKOFF_S``):
-calls during it return None at once instead of waiting again. Answers that arrive late are
-dropped when the next call reads past them. ZeroMQ reconnects by itself when the daemon
-comes back (``IMMEDIATE``: nothing is queued for a daemon that is not connected).
+calls during it return None at once instead of waiting again. An answer that arrives after
+its call gave up is handed to ``on_stray`` when the next call (or ``drain``) reads past it:
+``CacheSession`` gives back at once what it holds (a late lookup's lease is released, a late
+reservation committed as failed), instead of leaving the pages held until the session
+expires. ZeroMQ reconnects by itself when the daemon comes back (``IMMEDIATE``: nothing is
+queued for a daemon that is not connected).
 
 CURVE: when the daemon runs with ``ipc.curve_keys_dir``, ``curve`` (``CurveClientKeys``, from
 ``curve_keys_for``) makes the socket a CURVE client. With keys the daemon does not admit the
@@ -14,8 +17,9 @@ handshake never completes, so sends are never queued: every call times out into 
 above, as with a daemon that is not there.
 
 ``CacheSession`` is the registered session of one engine: it registers lazily (and again
-after ``unknown_session``: the daemon restarted), and a heartbeat thread with its own socket
-keeps the session's leases alive while the engine is idle.
+after ``unknown_session`` or ``stale_run``: the session expired or the daemon restarted, or
+after ``reregister``: the engine's runtime identity changed), and a heartbeat thread with its
+own socket keeps the session alive while the engine is idle.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -47,6 +52,12 @@ BACKOFF_S = 0.5
 MAX_BACKOFF_S = 8.0
 SEND_WAIT_MS = 20
 """How long a fire-and-forget send waits for a connection to the daemon before it gives up."""
+
+ASKED_MEMORY = 4096
+"""Calls whose answers a session still recognises when they arrive late."""
+
+REREGISTER_CODES = ("unknown_session", "stale_run")
+"""Errors after which the session registers again and retries the call once."""
 
 EngineCall = protos.EngineRegister | protos.Lookup | protos.Reserve
 """What an engine sends and waits for an answer to; each carries a ``req`` from ``next_req``."""
@@ -100,9 +111,12 @@ class EngineClient:
     """One DEALER socket to the cache server; not thread-safe (one per thread)."""
 
     def __init__(self, address: str, timeout_ms: int, *, clock: Callable[[], float] = time.monotonic,
-                 curve: CurveClientKeys | None = None) -> None:
-        """``curve``: connect as a CURVE client with these keys (None: a plain socket)."""
+                 curve: CurveClientKeys | None = None,
+                 on_stray: Callable[[EngineAnswer], None] | None = None) -> None:
+        """``curve``: connect as a CURVE client with these keys (None: a plain socket).
+        ``on_stray``: called with each answer that arrives for no call waiting (late)."""
         self.address = address
+        self.on_stray = on_stray
         self.timeout_ms = timeout_ms
         self.clock = clock
         self.curve = curve
@@ -174,8 +188,28 @@ class EngineClient:
             if isinstance(answer, ANSWERS) and answer.req == want:
                 self._backoff = BACKOFF_S
                 return answer
+            self._stray(answer)
         self._mark_down()
         return None
+
+    def drain(self) -> int:
+        """Read every answer already queued (all late: no call waits) without waiting;
+        returns how many there were."""
+        n = 0
+        while True:
+            try:
+                frame = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return n
+            n += 1
+            try:
+                self._stray(protos.decode(frame))
+            except protos.ProtocolError as exc:
+                log.warning("hicache sent a frame this connector cannot read: %s", exc)
+
+    def _stray(self, answer: protos.Message) -> None:
+        if self.on_stray is not None and isinstance(answer, ANSWERS):
+            self.on_stray(answer)
 
     def close(self) -> None:
         self._sock.close(linger=0)
@@ -191,7 +225,7 @@ class CacheSession:
 
     def __init__(self, address: str, timeout_ms: int, register: protos.EngineRegister, *,
                  curve: CurveClientKeys | None = None) -> None:
-        self.client = EngineClient(address, timeout_ms, curve=curve)
+        self.client = EngineClient(address, timeout_ms, curve=curve, on_stray=self._late)
         self.curve = curve
         self.address = address
         self.register_msg = register
@@ -199,12 +233,22 @@ class CacheSession:
         self._lock = threading.Lock()  # guards ``registered`` against the heartbeat thread
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
+        self._asked: OrderedDict[int, tuple[int, int]] = OrderedDict()  # req -> (session, run) of a call
+        self.late_leases = 0  # monotonic: leases of late answers given back
+
+    def reregister(self, register: protos.EngineRegister) -> None:
+        """Use ``register`` from now on: the next call opens a new session with it. The old
+        session's leases end with their Release / Commit, or when it expires."""
+        with self._lock:
+            self.register_msg = register
+            self.registered = None
 
     def ensure(self, timeout_ms: int | None = None) -> protos.EngineRegistered | None:
         """The open session, registering first if needed; None while the daemon is unreachable."""
         if self.registered is not None:
             return self.registered
-        msg = replace(self.register_msg, req=self.client.next_req())
+        with self._lock:
+            msg = replace(self.register_msg, req=self.client.next_req())
         answer = self.client.call(msg, timeout_ms)
         if isinstance(answer, protos.EngineError):
             raise RegistrationRefused(answer.reason)
@@ -217,20 +261,43 @@ class CacheSession:
         self._start_heartbeat(answer.lease_ttl_s)
         return answer
 
-    def call(self, make: Callable[[int, int], EngineCall]) -> EngineAnswer | None:
-        """``make(req, session)`` built and sent within the session; re-registers once when
-        the daemon no longer knows the session. None when no answer could be had."""
+    def call(self, make: Callable[[int, protos.EngineRegistered], EngineCall]) -> EngineAnswer | None:
+        """``make(req, registered)`` built and sent within the session (the message names
+        ``registered.session`` and ``registered.run``); re-registers once when the daemon no
+        longer knows the session or runs another run. None when no answer could be had."""
         for _ in range(2):
             reg = self.ensure()
             if reg is None:
                 return None
-            answer = self.client.call(make(self.client.next_req(), reg.session))
-            if isinstance(answer, protos.EngineError) and answer.code == "unknown_session":
+            req = self.client.next_req()
+            self._asked[req] = (reg.session, reg.run)
+            while len(self._asked) > ASKED_MEMORY:
+                self._asked.popitem(last=False)
+            answer = self.client.call(make(req, reg))
+            if answer is not None:
+                self._asked.pop(req, None)
+            if isinstance(answer, protos.EngineError) and answer.code in REREGISTER_CODES:
                 with self._lock:
-                    self.registered = None
+                    if self.registered is reg:
+                        self.registered = None
                 continue
             return answer
         return None
+
+    def _late(self, answer: EngineAnswer) -> None:
+        """Give back what a late answer holds, under the session and run it was asked in."""
+        asked = self._asked.pop(answer.req, None)
+        if asked is None:
+            return
+        session, run = asked
+        if isinstance(answer, protos.LookupResult) and answer.lease:
+            self.client.send(protos.Release(session, run, answer.lease, 0))
+        elif isinstance(answer, protos.ReserveResult) and answer.lease:
+            self.client.send(protos.Commit(session, run, answer.lease, False))
+        else:
+            return
+        self.late_leases += 1
+        log.info("hicache: gave back lease %d of a late answer", answer.lease)
 
     def send(self, msg: protos.Message) -> bool:
         return self.client.send(msg)
@@ -249,7 +316,7 @@ class CacheSession:
                 with self._lock:
                     reg = self.registered
                 if reg is not None:
-                    client.send(protos.Heartbeat(reg.session))
+                    client.send(protos.Heartbeat(reg.session, reg.run))
         finally:
             client.close()
 

@@ -18,17 +18,33 @@ Both halves, one class (vLLM makes one instance per role):
   None, so vLLM asks again on a later step (the prefetch policy bounds the wait).
   ``update_state_after_alloc`` turns a hit into a load plan (L2 page -> vLLM block);
   ``build_connector_meta`` adds, for every scheduled request, the blocks that become full in
-  this step and that the daemon does not hold yet, with L2 pages it reserved for them.
+  this step and that the daemon does not hold yet, with L2 pages it reserved for them; a
+  reserve sends only the tokens the daemon does not hold for the request yet
+  (``Reserve.base``), so a block filled during decode costs the same at any context length,
+  and ``request_finished`` tells the daemon to forget them (``Finished``).
   ``request_finished`` never delays freeing: saves complete inside the step that computed
   them. ``get_external_cache_hit_sources`` reports L2 hits as ``host`` and prefetched L3 hits
-  as ``disk``. Requests whose KV depends on more than their tokens (multimodal inputs,
-  prompt embeddings, LoRA adapters) are neither looked up nor saved.
+  (the tail of a hit: L3 continues what L2 holds) as ``disk``. Requests whose KV depends on
+  more than their tokens (multimodal inputs, prompt embeddings, LoRA adapters) are neither
+  looked up nor saved. ``reset_cache`` (vLLM's cache reset, e.g. after a weight update)
+  moves the engine to a fresh namespace: nothing saved before it is served after it, and
+  requests that began before it save nothing more.
 * **Worker half** (vLLM's worker). ``register_kv_caches`` checks the KV layout (CPU, block
   index first, contiguous blocks); ``start_load_kv`` copies the planned loads before the
   forward pass (so ``wait_for_layer_load`` has nothing to wait for) and releases each lease;
-  a load that fails reports its blocks through ``get_block_ids_with_load_errors`` and vLLM
-  recomputes them. ``wait_for_save`` copies the step's new full blocks into their reserved
-  pages and commits them.
+  a load that fails (or was planned under another daemon run) reports its blocks through
+  ``get_block_ids_with_load_errors`` and vLLM recomputes them: the connector sets vLLM's
+  ``kv_load_failure_policy`` to ``recompute`` at start (vLLM's default, ``fail``, would end
+  the request with an error). ``wait_for_save`` copies the step's new full blocks into their
+  reserved pages and commits them, but for a request whose load failed in this step: its
+  new blocks attended to KV that was never loaded, so they are committed as failed.
+
+Every plan names the daemon run it was made under (``EngineRegistered.run``); the worker
+refuses a plan of another run than the step's registration, whose page numbers would index
+a new daemon's pool. The session registers with the engine's runtime identity
+(``hicache.connectors.runtime_identity``: vLLM and torch versions, attention backend and ISA,
+value-changing options, reset generation); an option the connector cannot classify refuses
+the engine at start, naming it.
 
 Refused at start, with the reason: tensor or pipeline parallelism, a vLLM version other than
 the supported ones, a KV cache with more than one group or not full attention, a CUDA KV
@@ -41,6 +57,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,11 +83,16 @@ from hicache.connectors.engine_client import (
     curve_keys_for,
     engine_name,
 )
+from hicache.connectors.faults import FAIL_LOADS_ENV, ConnectorFaults, FaultConfigError
 from hicache.connectors.kv_copy import CUDA_REFUSAL, BlockCopier, PoolRef, kv_problem
+from hicache.connectors.runtime_identity import UnclassifiedOption, runtime_entries, runtime_identity
+from hicache.connectors.vllm_stats import HiCachePromMetrics, HiCacheStats
 from hicache.engine_server.geometry import EngineKVGeometry, engine_identity
+from hicache.engine_server.leases import own_pid_namespace, process_start_time
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -98,9 +120,12 @@ class ConnectorRefused(RuntimeError):
 
 @dataclass
 class LoadPlan:
-    """Copy L2 ``pages[i]`` into vLLM block ``blocks[i]``, then release ``lease``."""
+    """Copy L2 ``pages[i]`` into vLLM block ``blocks[i]``, then release ``lease`` (of
+    ``session`` in daemon run ``run``)."""
 
     rid: str
+    session: int
+    run: int
     lease: int
     pages: list[int]
     blocks: list[int]
@@ -108,9 +133,12 @@ class LoadPlan:
 
 @dataclass
 class SavePlan:
-    """Copy vLLM block ``blocks[i]`` into L2 ``pages[i]``, then commit ``lease``."""
+    """Copy vLLM block ``blocks[i]`` into L2 ``pages[i]``, then commit ``lease`` (of
+    ``session`` in daemon run ``run``)."""
 
     rid: str
+    session: int
+    run: int
     lease: int
     pages: list[int]
     blocks: list[int]
@@ -118,9 +146,11 @@ class SavePlan:
 
 @dataclass
 class HiCacheConnectorMetadata(KVConnectorMetadata):
-    """What the worker half does in one step (built by the scheduler half)."""
+    """What the worker half does in one step (built by the scheduler half). ``run`` and
+    ``pool``: the registration the step's pages belong to (0 and None: none); a plan of
+    another run is refused by the worker."""
 
-    session: int = 0
+    run: int = 0
     pool: PoolRef | None = None
     loads: list[LoadPlan] = field(default_factory=list)
     saves: list[SavePlan] = field(default_factory=list)
@@ -130,9 +160,11 @@ class HiCacheConnectorMetadata(KVConnectorMetadata):
 class _Hit:
     """A lookup answer held for one request until vLLM allocates its blocks."""
 
+    session: int
+    run: int
     lease: int
     pages: list[int]
-    storage_pages: int
+    storage_pages: int  # the last ``storage_pages`` of ``pages`` came from L3 for this lookup
     first_page: int  # vLLM's own hit, in pages: the load starts there
 
 
@@ -143,6 +175,8 @@ class _Tracked:
     request: Request
     block_ids: list[int] = field(default_factory=list)
     saved_pages: int = 0  # pages [0, saved_pages) are in the daemon or planned for saving
+    known_tokens: int = 0  # tokens the daemon holds for this request (Reserve.base counts from them)
+    saves_closed: bool = False  # began before a cache reset: its KV may be of the old weights
     hit: _Hit | None = None
     loaded_tokens: int = 0
     loaded_storage_tokens: int = 0
@@ -196,17 +230,30 @@ class HiCacheConnector(KVConnectorBase_V1):
         model = vllm_config.model_config.model
         self.geometry = EngineKVGeometry(engine_identity(model, dtype, layout), dtype, spec.block_size,
                                          len(self.layer_names), spec.num_kv_heads, spec.head_size, layout)
+        try:
+            self.faults = ConnectorFaults.from_env()
+        except FaultConfigError as exc:
+            raise ConnectorRefused(str(exc)) from None
+        try:
+            self.runtime = runtime_entries(vllm_config, spec.head_size, self.faults.runtime)
+        except UnclassifiedOption as exc:
+            raise ConnectorRefused(f"cannot tell which KV pages this engine may share: {exc}") from None
         self.address = engine_address(self.hicache)
+        self.stats = HiCacheStats()  # since the last get_kv_connector_stats (vllm_stats)
         try:
             curve = curve_keys_for(extra, self.hicache.ipc.curve_keys_dir)
         except ValueError as exc:
             raise ConnectorRefused(str(exc)) from None
         timeout = self.hicache.engine.lookup_timeout_ms
         if role == KVConnectorRole.SCHEDULER:
-            g = self.geometry
-            self.session: CacheSession | None = CacheSession(self.address, timeout, protos.EngineRegister(
-                0, engine_name(), os.getpid(), g.model_identity, g.kv_dtype, g.block_size, g.num_layers,
-                g.num_kv_heads, g.head_dim, g.kv_layout, g.page_bytes), curve=curve)
+            transfer = self._kv_transfer_config
+            if transfer.kv_load_failure_policy != "recompute":
+                log.info("hicache: kv_load_failure_policy %r -> 'recompute': a block hicache could not load is "
+                         "recomputed, never served or failed", transfer.kv_load_failure_policy)
+                transfer.kv_load_failure_policy = "recompute"  # read by vLLM's scheduler after this constructor
+            self.reset_generation = ""
+            self._late_seen = 0
+            self.session: CacheSession | None = CacheSession(self.address, timeout, self._register_msg(), curve=curve)
             self._requests: dict[str, _Tracked] = {}
             self._loads: list[LoadPlan] = []
             self._refused_until = 0.0
@@ -221,6 +268,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             self.worker_client = EngineClient(self.address, timeout, curve=curve)
             self.copier: BlockCopier | None = None
             self._load_errors: set[int] = set()
+            self._failed_rids: set[str] = set()  # requests whose load failed in this step
 
     @staticmethod
     def _check_setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
@@ -242,6 +290,28 @@ class HiCacheConnector(KVConnectorBase_V1):
                                    "(supported: LBHNC, vLLM's CPU layout)")
 
     # ================================================================== scheduler half
+    def _register_msg(self) -> protos.EngineRegister:
+        g = self.geometry
+        return protos.EngineRegister(
+            0, engine_name(), os.getpid(), g.model_identity, g.kv_dtype, g.block_size, g.num_layers, g.num_kv_heads,
+            g.head_dim, g.kv_layout, g.page_bytes, runtime_identity(self.runtime, self.reset_generation),
+            own_pid_namespace(), process_start_time(os.getpid()) or 0)
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's cache reset (after a weight update, say): a new namespace for this engine's
+        pages, so nothing saved before is ever served after, and no request that began
+        before saves again. True: done (the daemon needs not answer)."""
+        if self.session is None:
+            return None
+        self.reset_generation = secrets.token_hex(16)
+        self.session.reregister(self._register_msg())
+        for tracked in self._requests.values():
+            self._release(tracked.hit)
+            tracked.hit = None
+            tracked.saves_closed = True
+        log.info("hicache: cache reset: this engine's pages have a new namespace")
+        return True
+
     def _open(self) -> protos.EngineRegistered | None:
         """The session, or None when hicache is unreachable or refused this engine (then
         registration is tried again only after ``REFUSED_RETRY_S``)."""
@@ -257,7 +327,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._refused_until = time.monotonic() + REFUSED_RETRY_S
         log.error("hicache: the daemon refused this engine (%s); serving without hicache", exc)
 
-    def _call(self, make: Callable[[int, int], EngineCall]) -> EngineAnswer | None:
+    def _call(self, make: Callable[[int, protos.EngineRegistered], EngineCall]) -> EngineAnswer | None:
         """A request within the session (see ``CacheSession.call``); None without an answer."""
         if self._open() is None or self.session is None:  # _open is None without a session
             return None
@@ -270,9 +340,7 @@ class HiCacheConnector(KVConnectorBase_V1):
     def _release(self, hit: _Hit | None, loaded_pages: int = 0) -> None:
         if hit is None or not hit.lease or self.session is None:
             return
-        reg = self.session.registered
-        if reg is not None:
-            self.session.send(protos.Release(reg.session, hit.lease, loaded_pages))
+        self.session.send(protos.Release(hit.session, hit.run, hit.lease, loaded_pages))
 
     @staticmethod
     def _cacheable(request: Request) -> bool:
@@ -297,14 +365,21 @@ class HiCacheConnector(KVConnectorBase_V1):
         if usable <= num_computed_tokens:
             return 0, False
         salt = request.cache_salt or ""
-        answer = self._call(lambda req, session: protos.Lookup(req, session, rid, list(tokens[:usable]), salt))
+        self.stats.add("lookups")
+        answer = self._call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, rid, list(tokens[:usable]), salt))
         if not isinstance(answer, protos.LookupResult):
+            self.stats.add("lookup_misses")
             if isinstance(answer, protos.EngineError):
                 log.warning("hicache lookup refused: %s", answer.reason)
             return 0, False
+        tracked.known_tokens = usable
         if answer.pending:
             return None, False
-        hit = _Hit(answer.lease, list(answer.host_pages), answer.storage_pages, num_computed_tokens // bs)
+        reg = self.session.registered if self.session is not None else None
+        if reg is None:  # the session changed under the call: nothing to release to
+            return 0, False
+        hit = _Hit(reg.session, reg.run, answer.lease, list(answer.host_pages), answer.storage_pages,
+                   num_computed_tokens // bs)
         tracked.saved_pages = max(tracked.saved_pages, len(hit.pages))
         external = len(hit.pages) * bs - num_computed_tokens
         if external <= 0:
@@ -327,10 +402,15 @@ class HiCacheConnector(KVConnectorBase_V1):
             return
         first = hit.first_page
         pages = hit.pages[first : first + n]
-        self._loads.append(LoadPlan(request.request_id, hit.lease, pages, tracked.block_ids[first : first + len(pages)]))
+        self._loads.append(LoadPlan(request.request_id, hit.session, hit.run, hit.lease, pages,
+                                    tracked.block_ids[first : first + len(pages)]))
         tracked.loaded_tokens = len(pages) * self.block_size
-        from_storage = max(0, min(len(pages), hit.storage_pages - first))
+        # the pages from L3 are the hit's tail: [len - storage_pages, len); count the loaded ones
+        storage_start = len(hit.pages) - hit.storage_pages
+        from_storage = max(0, first + len(pages) - max(first, storage_start))
         tracked.loaded_storage_tokens = from_storage * self.block_size
+        self.stats.add("hit_tokens_host", tracked.loaded_tokens - tracked.loaded_storage_tokens)
+        self.stats.add("hit_tokens_disk", tracked.loaded_storage_tokens)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         if num_external_tokens <= 0:
@@ -341,13 +421,11 @@ class HiCacheConnector(KVConnectorBase_V1):
         return {k: v for k, v in out.items() if v}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        reg = self.session.registered if self.session is not None else None
         meta = HiCacheConnectorMetadata()
-        if reg is not None:
-            meta.session = reg.session
-            meta.pool = PoolRef(reg.instance, reg.l2_segment, reg.l2_directory, reg.l2_pages, reg.page_bytes)
         meta.loads, self._loads = self._loads, []
-        if reg is None:
+        if self.session is not None:
+            self.session.client.drain()  # late answers: their leases are given back now
+        if self.session is None or self.session.registered is None:
             return meta
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -366,11 +444,19 @@ class HiCacheConnector(KVConnectorBase_V1):
             elif new_blocks:
                 tracked.block_ids.extend(new_blocks[0])
             self._plan_save(tracked, cached.num_computed_tokens[i] + scheduled.get(rid, 0), meta)
+        reg = self.session.registered  # after the reserves, which may have registered again
+        if reg is not None:
+            meta.run = reg.run
+            meta.pool = PoolRef(reg.instance, reg.l2_segment, reg.l2_directory, reg.l2_pages, reg.page_bytes)
         return meta
 
     def _plan_save(self, tracked: _Tracked, computed_after_step: int, meta: HiCacheConnectorMetadata) -> None:
         """Reserve L2 pages for the blocks that are full once this step ran, beyond
-        ``saved_pages``; a failed or short reservation is not retried (a later miss)."""
+        ``saved_pages``. The daemon reserves from the first page it lacks, which covers a
+        gap a short or failed reservation left earlier (the request still holds those
+        blocks); so a later block retries it."""
+        if tracked.saves_closed:
+            return
         bs = self.block_size
         tokens = tracked.request.all_token_ids
         full = min(computed_after_step, len(tokens), len(tracked.block_ids) * bs) // bs
@@ -380,18 +466,30 @@ class HiCacheConnector(KVConnectorBase_V1):
         tracked.saved_pages = full
         rid = tracked.request.request_id
         salt = tracked.request.cache_salt or ""
-        prefix = list(tokens[: full * bs])
-        answer = self._call(lambda req, session: protos.Reserve(req, session, rid, prefix, start, salt))
-        if not isinstance(answer, protos.ReserveResult) or not answer.host_pages:
+        end = full * bs
+        base = min(tracked.known_tokens, end)  # the daemon holds these: send only the tokens after them
+        new = list(tokens[base:end])
+        answer = self._call(lambda req, reg: protos.Reserve(req, reg.session, reg.run, rid, new, start, salt, base))
+        if isinstance(answer, protos.EngineError) and answer.code == "unknown_request" and base:
+            whole = list(tokens[:end])  # the daemon forgot them (or the session changed): send all, once
+            answer = self._call(lambda req, reg: protos.Reserve(req, reg.session, reg.run, rid, whole, start, salt))
+        if isinstance(answer, protos.ReserveResult):
+            tracked.known_tokens = end
+        reg = self.session.registered if self.session is not None else None
+        if not isinstance(answer, protos.ReserveResult) or not answer.host_pages or reg is None:
             return
         first = answer.start_page
         blocks = tracked.block_ids[first : first + len(answer.host_pages)]
-        meta.saves.append(SavePlan(rid, answer.lease, list(answer.host_pages), blocks))
+        meta.saves.append(SavePlan(rid, reg.session, reg.run, answer.lease, list(answer.host_pages), blocks))
+        self.stats.add("reserved_blocks", len(blocks))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         tracked = self._requests.pop(request.request_id, None)
         if tracked is not None:
             self._release(tracked.hit)
+            reg = self.session.registered if self.session is not None else None
+            if tracked.known_tokens and reg is not None and self.session is not None:
+                self.session.send(protos.Finished(reg.session, reg.run, request.request_id))
         return False, None
 
     # ================================================================== worker half
@@ -408,16 +506,27 @@ class HiCacheConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, HiCacheConnectorMetadata)
+        self._failed_rids = set()
         for plan in meta.loads:
             loaded = 0
+            began = time.perf_counter()
             try:
+                if plan.run != meta.run:
+                    raise RuntimeError("planned under another daemon run (the daemon restarted)")
+                if self.faults.take_load_failure():
+                    raise RuntimeError(f"fault point {FAIL_LOADS_ENV}")
                 self._attach(meta).load(plan.pages, plan.blocks)
                 loaded = len(plan.pages)
+                self.stats.add("loaded_blocks", loaded)
+                self.stats.add("loaded_bytes", loaded * self.geometry.page_bytes)
             except Exception as exc:  # vLLM recomputes what could not be loaded
                 log.warning("hicache: loading %d blocks of %s failed (%s): vLLM recomputes them",
                             len(plan.blocks), plan.rid, exc)
                 self._load_errors.update(plan.blocks)
-            self.worker_client.send(protos.Release(meta.session, plan.lease, loaded))
+                self._failed_rids.add(plan.rid)
+                self.stats.add("load_errors", len(plan.blocks))
+            self.stats.add("load_seconds", time.perf_counter() - began)
+            self.worker_client.send(protos.Release(plan.session, plan.run, plan.lease, loaded))
 
     def _attach(self, meta: HiCacheConnectorMetadata) -> BlockCopier:
         """The copier, attached to the step's L2 pool."""
@@ -439,16 +548,43 @@ class HiCacheConnector(KVConnectorBase_V1):
         assert isinstance(meta, HiCacheConnectorMetadata)
         for plan in meta.saves:
             ok = False
+            began = time.perf_counter()
             try:
+                if plan.rid in self._failed_rids:
+                    raise RuntimeError("its load failed in this step: its new blocks attended to KV never loaded")
+                if plan.run != meta.run:
+                    raise RuntimeError("planned under another daemon run (the daemon restarted)")
                 self._attach(meta).save(plan.blocks, plan.pages)
                 ok = True
+                self.stats.add("saved_blocks", len(plan.blocks))
+                self.stats.add("saved_bytes", len(plan.blocks) * self.geometry.page_bytes)
             except Exception as exc:
-                log.warning("hicache: saving %d blocks of %s failed: %s", len(plan.blocks), plan.rid, exc)
-            self.worker_client.send(protos.Commit(meta.session, plan.lease, ok))
+                log.warning("hicache: saving %d blocks of %s skipped: %s", len(plan.blocks), plan.rid, exc)
+                self.stats.add("save_skipped_blocks", len(plan.blocks))
+            self.stats.add("save_seconds", time.perf_counter() - began)
+            self.worker_client.send(protos.Commit(plan.session, plan.run, plan.lease, ok))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    # ================================================================== stats (both halves)
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This half's counters since the last call (``vllm_stats``)."""
+        if self.session is not None:
+            late = self.session.late_leases
+            self.stats.add("late_answers", late - self._late_seen)
+            self._late_seen = late
+        return self.stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return HiCacheStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return HiCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.session is not None:

@@ -19,8 +19,10 @@ telemetry, controller watchdog, stop, as in builtin mode) around the ``CacheServ
 handler per inbox message type (``handlers``). A round polls both sockets (at most
 ``POLL_MS``; ``DEFERRED_POLL_MS`` while a lookup waits for its prefetch), answers up to
 ``ENGINE_BATCH`` engine messages and ``hicache.scheduler.loop.INBOX_BATCH`` inbox messages,
-sends the deferred lookup answers that are due, and expires leases every
-``EXPIRE_INTERVAL_S``.
+sends the deferred lookup answers that are due, and expires sessions every
+``EXPIRE_INTERVAL_S``, once every queued engine message is served (``drain_engines``). A
+session's silence counts only time this loop ran: after a stall of the loop (``STALL_S``)
+every session is credited the stall, since its heartbeats could not be read.
 
 A frame that does not decode is answered (ROUTER: an ``EngineError`` with ``req`` 0) or
 logged and dropped (PULL); the loop goes on. SIGTERM or ``Shutdown`` ends the loop at the end
@@ -62,6 +64,13 @@ EXPIRE_INTERVAL_S = 0.25
 
 POLL_MS = 50
 """The longest wait of a round for the engines' socket and the inbox."""
+
+STALL_S = 1.0
+"""A gap between two rounds longer than this is a stall of this loop (a round takes at most
+``POLL_MS`` plus its work): every session is credited the gap (``LeaseTable.credit``)."""
+
+EXPIRE_DRAIN_LIMIT = 100_000
+"""Engine messages served before an expiry at most; with more queued, the expiry waits."""
 
 DEFERRED_POLL_MS = 1
 """The wait while a lookup waits for its prefetch (its answer is due soon)."""
@@ -122,6 +131,7 @@ class CacheServerProcess(ProcessLoop):
         self.engines = engines
         links.extra.append(engines)
         self._expire = Every(EXPIRE_INTERVAL_S)
+        self._last_awake: float | None = None
         self.poller = zmq.Poller()
         self.poller.register(engines.socket, zmq.POLLIN)
         self.poller.register(links.inbox.socket, zmq.POLLIN)
@@ -156,8 +166,19 @@ class CacheServerProcess(ProcessLoop):
                 f"x {g.num_kv_heads} kv heads x {g.head_dim} dim, {g.kv_dtype}, block {g.block_size}, "
                 f"L2 {self.server.pool.pages} pages, L3 {cfg.cache.l3.backend}")
 
+    def awake(self) -> None:
+        """Note that the loop runs; after a stall (more than ``STALL_S`` since the last note:
+        the process was stopped, starved or busy) credit every session the gap, since the
+        engines' messages of that time are not read yet."""
+        now = self.clock()
+        if self._last_awake is not None and now - self._last_awake > STALL_S:
+            self.server.leases.credit(now - self._last_awake)
+        self._last_awake = now
+
     def round(self) -> None:
+        self.awake()
         ready = dict(self.poller.poll(DEFERRED_POLL_MS if self.server.deferred else POLL_MS))
+        self.awake()
         if self.engines.socket in ready:
             for _ in range(ENGINE_BATCH):
                 if not self.serve_engine():
@@ -166,8 +187,19 @@ class CacheServerProcess(ProcessLoop):
             self.read_inbox(0)
         for peer, answer in self.server.deliver():  # lookups that waited for a prefetch
             self.engines.send(peer, answer)
-        if self._expire.due(self.clock()):
+        if self._expire.due(self.clock()) and self.drain_engines():
+            self.awake()
             self.server.expire()
+
+    def drain_engines(self) -> bool:
+        """Serve every queued engine message (at most ``EXPIRE_DRAIN_LIMIT``); True when the
+        socket is empty. Expiry runs only then, so a heartbeat queued behind a backlog renews
+        its session before the session's silence is judged (messages still in the kernel's
+        socket buffer after a stall are covered by ``STALL_S``'s credit instead)."""
+        for _ in range(EXPIRE_DRAIN_LIMIT):
+            if not self.serve_engine():
+                return True
+        return False
 
     def serve_engine(self) -> bool:
         """Answer one queued engine message; False when none is queued. A frame that does not

@@ -12,6 +12,13 @@ L2-only, so the tree's L2 eviction (``evict_host``: unlocked leaves, LRU first) 
 policy, and ``check_integrity(exact=True)`` holds whenever no lease, reservation or transfer
 is open (``check_idle``). Leases: ``hicache.engine_server.leases``.
 
+Each daemon start has a random ``run``; every message an engine sends carries the run of its
+session, and one of another run is refused (``stale_run``) before it touches anything. Each
+session has a *namespace* from the engine's runtime identity (version, attention kernel,
+options, reset generation): the server prefixes every cache salt of the session with it, so
+engines whose KV bytes could differ never share a page in L2, nor (the salt is part of every
+page hash) in L3.
+
 Not thread-safe: only the process loop calls it. Every handler answers a bad request with an
 ``EngineError`` (or drops a fire-and-forget one with a warning); none raises for what an
 engine sends.
@@ -20,6 +27,8 @@ engine sends.
 from __future__ import annotations
 
 import logging
+import re
+import secrets
 import time
 from array import array
 from collections import OrderedDict
@@ -29,7 +38,7 @@ from typing import Any
 
 import protos
 from hicache.engine_server.geometry import EngineKVGeometry
-from hicache.engine_server.leases import Lease, LeaseKind, LeaseTable
+from hicache.engine_server.leases import EngineProcess, Lease, LeaseKind, LeaseTable, Session
 from hicache.tier_manager import PrefetchTicket, TierManager
 from hicache.tree.cache import MatchResult, UnifiedRadixCache
 from hicache.tree.integrity import IntegrityError
@@ -40,6 +49,20 @@ log = logging.getLogger("hicache.engine_server")
 PREFETCHED_MEMORY = 16384
 """How many (session, request) pairs remember that their prefetch ran, so a request that
 vLLM asks about again is not prefetched (and held) a second time."""
+
+REQUEST_MEMORY_TOKENS = 1 << 26
+"""Tokens the server keeps of running requests (``Reserve.base``) at most, 256 MiB as keys;
+past it the least recently used requests are forgotten, and their next ``Reserve`` is
+answered ``unknown_request`` (the engine then sends all its tokens once)."""
+
+_IDENTITY = re.compile(r"[0-9a-f]{64}")
+NAMESPACE_CHARS = 32
+"""Hex characters of the runtime identity that prefix a session's salts (128 bits)."""
+
+
+def namespaced_salt(namespace: str, cache_salt: str) -> str:
+    """The salt the tree and the page hashes see for a session's ``cache_salt``."""
+    return f"{namespace}:{cache_salt}"
 
 
 @dataclass(frozen=True)
@@ -81,6 +104,18 @@ class EngineCounters:
     commit_failed_pages: int = 0
     refused: int = 0
     bad_requests: int = 0
+    stale_run: int = 0
+    """Messages of an earlier daemon run (refused or dropped)."""
+    unknown_requests: int = 0
+    """Reserves that named tokens the server did not hold (``unknown_request``)."""
+    reserves: int = 0
+    """Reserve messages served."""
+    reserve_tokens_received: int = 0
+    """Token ids received in Reserves (with ``base``, only the new ones)."""
+    orphans_ended_late: int = 0
+    """Orphaned leases ended by their late Release / Commit."""
+    orphans_ended_gone: int = 0
+    """Orphaned leases ended because their engine process is gone."""
 
 
 class CacheServer:
@@ -88,12 +123,15 @@ class CacheServer:
 
     ``tier``: the tier manager (L3 backups and prefetches), None without a controller.
     ``defer_s``: how long a lookup's answer may wait for its prefetch (less than the
-    engines' lookup timeout). ``clock``: monotonic seconds (tests pass their own).
+    engines' lookup timeout). ``clock``: monotonic seconds (tests pass their own). ``run``:
+    this daemon run's number (default: random). ``leases``: the lease table (default: one
+    with ``lease_ttl_s`` that watches engine processes through /proc).
     """
 
     def __init__(self, cache: UnifiedRadixCache, tier: TierManager | None, geometry: EngineKVGeometry,
                  pool: L2PoolInfo, lease_ttl_s: float, *, defer_s: float = 0.05,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, run: int | None = None,
+                 leases: LeaseTable | None = None) -> None:
         if cache.full.host_allocator is None:
             raise ValueError("the cache server needs a tree with an L2 allocator")
         if cache.page_size != geometry.block_size:
@@ -102,12 +140,15 @@ class CacheServer:
         self.tier = tier
         self.geometry = geometry
         self.pool = pool
-        self.leases = LeaseTable(lease_ttl_s)
+        self.leases = leases if leases is not None else LeaseTable(lease_ttl_s)
+        self.run = run if run is not None else secrets.randbits(62) + 1
         self.clock = clock
         self.counters = EngineCounters()
         self._prefetches: dict[tuple[int, str], PrefetchTicket] = {}
         self._prefetched: OrderedDict[tuple[int, str], None] = OrderedDict()
         self._deferred: dict[tuple[int, str], _Query] = {}
+        self._request_tokens: OrderedDict[tuple[int, str], array[int]] = OrderedDict()
+        self._request_tokens_total = 0
         self.defer_s = defer_s
         self.exact_checks = 0
         self.integrity_error: str | None = None
@@ -117,6 +158,7 @@ class CacheServer:
             protos.Commit: self.commit,
             protos.Release: self.release,
             protos.Heartbeat: self.heartbeat,
+            protos.Finished: self.finished,
         }
 
     @property
@@ -139,12 +181,23 @@ class CacheServer:
         return protos.EngineError(req, "unknown_session",
                                   f"session {session} is not open (the daemon restarted or the session expired)")
 
-    def _request_key(self, msg: protos.Lookup | protos.Reserve) -> array[int] | protos.EngineError:
-        """Renew the request's session and return its tokens as a key, or the error to answer."""
-        if self.leases.touch(msg.session, self.clock()) is None:
+    def _stale(self, run: int) -> bool:
+        """Whether a message carries another daemon run's number (counted)."""
+        if run == self.run:
+            return False
+        self.counters.stale_run += 1
+        return True
+
+    def _request_key(self, msg: protos.Lookup | protos.Reserve
+                     ) -> tuple[Session, array[int]] | protos.EngineError:
+        """Renew the request's session and return it with the tokens as a key, or the error to answer."""
+        if self._stale(msg.run):
+            return protos.EngineError(msg.req, "stale_run", f"run {msg.run} is not this daemon's run (it restarted)")
+        session = self.leases.touch(msg.session, self.clock())
+        if session is None:
             return self._session_error(msg.req, msg.session)
         try:
-            return _key(msg.token_ids)
+            return session, _key(msg.token_ids)
         except ValueError as exc:
             self.counters.bad_requests += 1
             return protos.EngineError(msg.req, "bad_request", str(exc))
@@ -153,6 +206,9 @@ class CacheServer:
     def register(self, msg: protos.EngineRegister) -> protos.Message:
         theirs = EngineKVGeometry(msg.model_identity, msg.kv_dtype, msg.block_size, msg.num_layers,
                                   msg.num_kv_heads, msg.head_dim, msg.kv_layout)
+        if not _IDENTITY.fullmatch(msg.runtime_identity):
+            self.counters.bad_requests += 1
+            return protos.EngineError(msg.req, "bad_request", "runtime_identity must be 64 lowercase hex characters")
         problem = self.geometry.mismatch(theirs)
         if problem is None and msg.page_bytes != self.pool.page_bytes:
             problem = f"page_bytes: daemon {self.pool.page_bytes}, engine {msg.page_bytes}"
@@ -160,10 +216,13 @@ class CacheServer:
             self.counters.refused += 1
             log.warning("refused engine %s (pid %d): %s", msg.engine, msg.pid, problem)
             return protos.EngineError(msg.req, "refused", f"this daemon serves other KV pages: {problem}")
-        s = self.leases.open_session(msg.engine, msg.pid, self.clock())
-        log.info("engine %s (pid %d) registered: session %d", msg.engine, msg.pid, s.session_id)
+        process = EngineProcess(msg.pid, msg.pid_namespace, msg.start_time)
+        namespace = msg.runtime_identity[:NAMESPACE_CHARS]
+        s = self.leases.open_session(msg.engine, process, namespace, self.clock())
+        log.info("engine %s (pid %d) registered: session %d, namespace %s", msg.engine, msg.pid, s.session_id,
+                 namespace)
         p = self.pool
-        return protos.EngineRegistered(msg.req, s.session_id, p.instance, p.segment, p.directory, p.pages,
+        return protos.EngineRegistered(msg.req, s.session_id, self.run, p.instance, p.segment, p.directory, p.pages,
                                        p.page_bytes, self.leases.ttl_s)
 
     # ------------------------------------------------------------------ lookup
@@ -172,20 +231,23 @@ class CacheServer:
         after it, a prefetch starts and the answer is *deferred* (None here): ``deliver``
         sends it, to ``peer``, once the prefetch is done or ``defer_s`` has passed (then as
         ``pending``: the engine asks again, and that lookup is deferred in turn)."""
-        key = self._request_key(msg)
-        if isinstance(key, protos.EngineError):
-            return key
+        got = self._request_key(msg)
+        if isinstance(got, protos.EngineError):
+            return got
+        session, key = got
+        salt = namespaced_salt(session.namespace, msg.cache_salt)
         self.counters.lookups += 1
         slot = (msg.session, msg.rid)
-        query = _Query(peer, msg.req, msg.session, key, msg.cache_salt, self.clock() + self.defer_s)
+        self._remember_request(slot, key)
+        query = _Query(peer, msg.req, msg.session, key, salt, self.clock() + self.defer_s)
         if slot in self._prefetches:
             return self._defer(slot, query)
         match = None
         if msg.prefetch and self.tier is not None and self.tier.l3_enabled and slot not in self._prefetched:
-            match = self.cache.match_prefix(key, msg.cache_salt)
+            match = self.cache.match_prefix(key, salt)
             if len(key) > match.host_hit_length:
                 self._remember_prefetched(slot)
-                ticket = self.tier.start_prefetch(msg.rid, key, match, msg.cache_salt)
+                ticket = self.tier.start_prefetch(msg.rid, key, match, salt)
                 if ticket is not None and ticket.policy != "best_effort":
                     self._prefetches[slot] = ticket
                     return self._defer(slot, query)
@@ -246,6 +308,22 @@ class CacheServer:
         self.counters.lookup_storage_pages += storage_pages
         return protos.LookupResult(query.req, lease.lease_id, pages, storage_pages)
 
+    def _remember_request(self, slot: tuple[int, str], key: array[int]) -> None:
+        """Hold ``key`` as the tokens of request ``slot`` (``Reserve.base`` counts from them)."""
+        old = self._request_tokens.pop(slot, None)
+        if old is not None:
+            self._request_tokens_total -= len(old)
+        self._request_tokens[slot] = key
+        self._request_tokens_total += len(key)
+        while self._request_tokens_total > REQUEST_MEMORY_TOKENS and len(self._request_tokens) > 1:
+            _, dropped = self._request_tokens.popitem(last=False)
+            self._request_tokens_total -= len(dropped)
+
+    def _forget_request(self, slot: tuple[int, str]) -> None:
+        old = self._request_tokens.pop(slot, None)
+        if old is not None:
+            self._request_tokens_total -= len(old)
+
     def _remember_prefetched(self, slot: tuple[int, str]) -> None:
         self._prefetched[slot] = None
         while len(self._prefetched) > PREFETCHED_MEMORY:
@@ -253,16 +331,33 @@ class CacheServer:
 
     # ------------------------------------------------------------------ save
     def reserve(self, msg: protos.Reserve) -> protos.Message:
-        key = self._request_key(msg)
-        if isinstance(key, protos.EngineError):
-            return key
+        """L2 pages for the pages of the prefix that L2 lacks: from the first one it lacks,
+        which may be before ``msg.start_page`` (pages saved earlier and evicted since: the
+        tree can only take pages that continue what it holds, so a gap would make every
+        later save of the request wasted)."""
+        got = self._request_key(msg)
+        if isinstance(got, protos.EngineError):
+            return got
+        session, key = got
+        if msg.start_page < 0 or msg.base < 0:
+            self.counters.bad_requests += 1
+            return protos.EngineError(msg.req, "bad_request", "start_page and base must be >= 0, got "
+                                                              f"{msg.start_page} and {msg.base}")
+        slot = (msg.session, msg.rid)
+        self.counters.reserves += 1
+        self.counters.reserve_tokens_received += len(key)
+        if msg.base:
+            held = self._request_tokens.get(slot)
+            if held is None or len(held) < msg.base:
+                self.counters.unknown_requests += 1
+                return protos.EngineError(msg.req, "unknown_request",
+                                          f"request {msg.rid!r} has no {msg.base} tokens here: send them all")
+            key = held[: msg.base] + key
+        self._remember_request(slot, key)
+        salt = namespaced_salt(session.namespace, msg.cache_salt)
         ps = self.cache.page_size
         end = len(key) // ps
-        if msg.start_page < 0:
-            self.counters.bad_requests += 1
-            return protos.EngineError(msg.req, "bad_request", f"start_page must be >= 0, got {msg.start_page}")
-        held = self.cache.match_prefix(key, msg.cache_salt).host_hit_length // ps
-        start = max(msg.start_page, held)
+        start = self.cache.match_prefix(key, salt).host_hit_length // ps
         want = end - start
         if want <= 0:
             return protos.ReserveResult(msg.req, 0, start)
@@ -276,16 +371,18 @@ class CacheServer:
             return protos.ReserveResult(msg.req, 0, start)
         pages = list(host.alloc(n))
         lease = self.leases.add(Lease(0, LeaseKind.RESERVE, msg.session, self.clock(),
-                                      key=key[: (start + n) * ps], cache_salt=msg.cache_salt,
+                                      key=key[: (start + n) * ps], cache_salt=salt,
                                       start_page=start, pages=pages))
         self.counters.reserved_pages += n
         return protos.ReserveResult(msg.req, lease.lease_id, start, pages)
 
     def commit(self, msg: protos.Commit) -> None:
+        if self._stale(msg.run):
+            return
         self.leases.touch(msg.session, self.clock())
         lease = self.leases.take(msg.lease, msg.session, LeaseKind.RESERVE)
         if lease is None:
-            log.warning("commit of unknown reservation %d (session %d): dropped", msg.lease, msg.session)
+            self._end_orphan(msg.lease, msg.session, LeaseKind.RESERVE)
             return
         if not msg.ok:
             self.counters.commit_failed_pages += len(lease.pages)
@@ -299,10 +396,12 @@ class CacheServer:
             self.tier.back_up(res.node)
 
     def release(self, msg: protos.Release) -> None:
+        if self._stale(msg.run):
+            return
         self.leases.touch(msg.session, self.clock())
         lease = self.leases.take(msg.lease, msg.session, LeaseKind.LOOKUP)
         if lease is None:
-            log.warning("release of unknown lease %d (session %d): dropped", msg.lease, msg.session)
+            self._end_orphan(msg.lease, msg.session, LeaseKind.LOOKUP)
             return
         self._end(lease)
         loaded = max(0, msg.loaded_pages)
@@ -311,8 +410,26 @@ class CacheServer:
         self.counters.loaded_storage_pages += from_storage
 
     def heartbeat(self, msg: protos.Heartbeat) -> None:
+        if self._stale(msg.run):
+            return
         if self.leases.touch(msg.session, self.clock()) is None:
             log.debug("heartbeat of unknown session %d", msg.session)
+
+    def finished(self, msg: protos.Finished) -> None:
+        if self._stale(msg.run):
+            return
+        self.leases.touch(msg.session, self.clock())
+        self._forget_request((msg.session, msg.rid))
+
+    def _end_orphan(self, lease_id: int, session: int, kind: LeaseKind) -> None:
+        """The late Release / Commit of an expired session's lease: the engine is done with
+        its pages, which are unlocked or freed now (a late commit's pages are never inserted)."""
+        orphan = self.leases.take_orphan(lease_id, session, kind)
+        if orphan is None:
+            log.warning("%s of unknown lease %d (session %d): dropped", kind.value, lease_id, session)
+            return
+        self._end(orphan)
+        self.counters.orphans_ended_late += 1
 
     # ------------------------------------------------------------------ housekeeping
     def _end(self, lease: Lease) -> None:
@@ -324,22 +441,29 @@ class CacheServer:
             self.host.free(lease.pages)
 
     def expire(self) -> int:
-        """Expire silent sessions and stale leases; returns how many leases ended."""
-        now = self.clock()
-        ended = self.leases.expire(now)
-        for lease in ended:
-            self._end(lease)
+        """Expire silent sessions (their leases become orphans) and end the orphans whose
+        engine process is gone; returns how many leases became orphans."""
+        expired_before = self.leases.expired_sessions
+        orphaned = self.leases.expire(self.clock())
         live = self.leases.sessions
         for slot in [s for s in self._prefetches if s[0] not in live]:
             self._cancel_prefetch(self._prefetches.pop(slot))
             self._deferred.pop(slot, None)
-        if ended:
-            log.warning("expired %d leases of engines that stopped answering", len(ended))
-        return len(ended)
+        if self.leases.expired_sessions != expired_before:
+            for slot in [s for s in self._request_tokens if s[0] not in live]:
+                self._forget_request(slot)
+        if orphaned:
+            log.warning("%d leases of engines that stopped answering are held until those engines are seen "
+                        "gone or answer", orphaned)
+        for lease in self.leases.ended_orphans():
+            self._end(lease)
+            self.counters.orphans_ended_gone += 1
+        return orphaned
 
     @property
     def idle(self) -> bool:
-        return not self.leases.leases and (self.tier is None or not self.tier.in_flight)
+        return (not self.leases.leases and not self.leases.orphans
+                and (self.tier is None or not self.tier.in_flight))
 
     def check_idle(self) -> None:
         """The exact integrity check (no leaked page) when nothing is open. A failure is a
@@ -369,10 +493,14 @@ class CacheServer:
             "mode": "engine",
             "l2": {"full": {"used_tokens": host.used * ps, "capacity_tokens": host.capacity * ps,
                             "reserved_tokens": reserved * ps}},
-            "engines": [{"session": s.session_id, "engine": s.engine, "pid": s.pid, "leases": len(s.leases)}
+            "engines": [{"session": s.session_id, "engine": s.engine, "pid": s.process.pid,
+                         "namespace": s.namespace, "leases": len(s.leases)}
                         for s in self.leases.sessions.values()],
             "leases": {"open": len(self.leases.leases), "expired": self.leases.expired_leases,
-                       "expired_sessions": self.leases.expired_sessions},
+                       "expired_sessions": self.leases.expired_sessions, "orphans": len(self.leases.orphans),
+                       "orphaned_pages": sum(len(x.pages) or x.npages for x in self.leases.orphans.values())},
+            "run": f"{self.run:016x}",
+            "requests": {"held": len(self._request_tokens), "tokens": self._request_tokens_total},
             "engine": vars(self.counters).copy(),
             "integrity": {"exact_checks": self.exact_checks, "error": self.integrity_error},
         }

@@ -181,7 +181,7 @@ def test_engine_client_talks_to_a_curve_cache_server_only_with_admitted_keys(
     daemons(cfg)
     g = geometry_from_config(config_from_dict(cfg))
     register = protos.EngineRegister(1, "test", os.getpid(), g.model_identity, g.kv_dtype, g.block_size,
-                                     g.num_layers, g.num_kv_heads, g.head_dim, g.kv_layout, g.page_bytes)
+                                     g.num_layers, g.num_kv_heads, g.head_dim, g.kv_layout, g.page_bytes, "c" * 64)
     address = Endpoints("tcp", tcp_host="127.0.0.1", tcp_base_port=base).address("engine")
 
     wrong = curve_keys_for({"curve_client_secret_file": str(tmp_path / "stranger.key_secret")}, str(keys_dir))
@@ -201,7 +201,7 @@ def test_engine_client_talks_to_a_curve_cache_server_only_with_admitted_keys(
     try:
         reg = session.ensure()
         assert isinstance(reg, protos.EngineRegistered), reg
-        answer = session.call(lambda req, sid: protos.Lookup(req, sid, "r", list(range(64))))
+        answer = session.call(lambda req, r: protos.Lookup(req, r.session, r.run, "r", list(range(64))))
         assert isinstance(answer, protos.LookupResult) and answer.host_pages == []
     finally:
         session.close()

@@ -15,7 +15,7 @@ import pytest
 
 import protos
 from hicache.engine_server.geometry import EngineKVGeometry
-from hicache.engine_server.leases import MAX_LEASE_AGE_TTLS
+from hicache.engine_server.leases import EngineProcess, LeaseTable
 from hicache.engine_server.server import CacheServer, L2PoolInfo
 from hicache.hashing import HashNamespace
 from hicache.memory.allocator import PageAllocator
@@ -25,14 +25,22 @@ from hicache.tree.components import FullComponent
 PS = 4
 TTL = 10.0
 GEOMETRY = EngineKVGeometry("a" * 64, "bfloat16", PS, 2, 2, 32, "LBHNC")
+RUN = 77
+RUNTIME = "f" * 64
 
 
 class Clock:
+    """The server's clock, and the engine processes the test has ended (``dead``: pids)."""
+
     def __init__(self) -> None:
         self.t = 1000.0
+        self.dead: set[int] = set()
 
     def __call__(self) -> float:
         return self.t
+
+    def gone(self, process: EngineProcess) -> bool:
+        return process.pid in self.dead
 
 
 def make_server(l2_pages: int = 32) -> tuple[CacheServer, Clock]:
@@ -40,20 +48,24 @@ def make_server(l2_pages: int = 32) -> tuple[CacheServer, Clock]:
     cache = UnifiedRadixCache([comp], PS, hasher=HashNamespace(GEOMETRY.model_identity, "bfloat16", PS, "full"))
     clock = Clock()
     pool = L2PoolInfo("inst", "inst-full-l2-0", "/dev/shm", l2_pages, GEOMETRY.page_bytes)
-    return CacheServer(cache, None, GEOMETRY, pool, TTL, clock=clock), clock
+    return CacheServer(cache, None, GEOMETRY, pool, TTL, clock=clock, run=RUN,
+                       leases=LeaseTable(TTL, gone=clock.gone)), clock
+
+
+_pids = iter(range(1000, 10**6))
 
 
 def register(server: CacheServer, geometry: EngineKVGeometry = GEOMETRY, page_bytes: int | None = None,
-             ) -> protos.Message:
+             runtime: str = RUNTIME, pid: int = 123) -> protos.Message:
     g = geometry
-    return server.handle(protos.EngineRegister(1, "engine-a", 123, g.model_identity, g.kv_dtype, g.block_size,
+    return server.handle(protos.EngineRegister(1, "engine-a", pid, g.model_identity, g.kv_dtype, g.block_size,
                                                g.num_layers, g.num_kv_heads, g.head_dim, g.kv_layout,
-                                               g.page_bytes if page_bytes is None else page_bytes))
+                                               g.page_bytes if page_bytes is None else page_bytes, runtime))
 
 
-def session_of(server: CacheServer) -> int:
-    reg = register(server)
-    assert isinstance(reg, protos.EngineRegistered)
+def session_of(server: CacheServer, runtime: str = RUNTIME, pid: int = 123) -> int:
+    reg = register(server, runtime=runtime, pid=pid)
+    assert isinstance(reg, protos.EngineRegistered) and reg.run == RUN
     return reg.session
 
 
@@ -65,9 +77,11 @@ def content(tokens: list[int], page: int, salt: str = "") -> bytes:
 class FakeEngine:
     """Saves and loads through the server, writing and checking page contents in a fake L2."""
 
-    def __init__(self, server: CacheServer, l2: dict[int, bytes]) -> None:
+    def __init__(self, server: CacheServer, l2: dict[int, bytes], runtime: str = RUNTIME) -> None:
         self.server = server
-        self.session = session_of(server)
+        self.pid = next(_pids)
+        self.runtime = runtime
+        self.session = session_of(server, runtime, self.pid)
         self.l2 = l2
         self.req = 0
 
@@ -76,21 +90,21 @@ class FakeEngine:
         return self.req
 
     def save(self, tokens: list[int], start_page: int = 0, salt: str = "", ok: bool = True) -> protos.ReserveResult:
-        ans = self.server.handle(protos.Reserve(self.next_req(), self.session, "r", tokens, start_page, salt))
+        ans = self.server.handle(protos.Reserve(self.next_req(), self.session, RUN, "r", tokens, start_page, salt))
         assert isinstance(ans, protos.ReserveResult), ans
         for i, page in enumerate(ans.host_pages):
-            self.l2[page] = content(tokens, ans.start_page + i, salt)
+            self.l2[page] = content(tokens, ans.start_page + i, self.runtime + salt)
         if ans.lease:
-            self.server.handle(protos.Commit(self.session, ans.lease, ok))
+            self.server.handle(protos.Commit(self.session, RUN, ans.lease, ok))
         return ans
 
     def lookup(self, tokens: list[int], salt: str = "", release: bool = True) -> protos.LookupResult:
-        ans = self.server.handle(protos.Lookup(self.next_req(), self.session, "r", tokens, salt))
+        ans = self.server.handle(protos.Lookup(self.next_req(), self.session, RUN, "r", tokens, salt))
         assert isinstance(ans, protos.LookupResult), ans
         for i, page in enumerate(ans.host_pages):
-            assert self.l2.get(page) == content(tokens, i, salt), f"page {i} of the hit holds other KV"
+            assert self.l2.get(page) == content(tokens, i, self.runtime + salt), f"page {i} of the hit holds other KV"
         if release and ans.lease:
-            self.server.handle(protos.Release(self.session, ans.lease, len(ans.host_pages)))
+            self.server.handle(protos.Release(self.session, RUN, ans.lease, len(ans.host_pages)))
         return ans
 
 
@@ -109,17 +123,19 @@ def test_registration_is_refused_with_the_fields_that_differ() -> None:
 
 def test_unknown_session_and_bad_tokens_are_answered_not_raised() -> None:
     server, _ = make_server()
-    ans = server.handle(protos.Lookup(5, 99, "r", [1, 2, 3, 4]))
+    ans = server.handle(protos.Lookup(5, 99, RUN, "r", [1, 2, 3, 4]))
     assert isinstance(ans, protos.EngineError) and ans.code == "unknown_session" and ans.req == 5
     s = session_of(server)
-    ans = server.handle(protos.Lookup(6, s, "r", [1, -2, 3, 4]))
+    ans = server.handle(protos.Lookup(6, s, RUN, "r", [1, -2, 3, 4]))
     assert isinstance(ans, protos.EngineError) and ans.code == "bad_request"
-    ans = server.handle(protos.Reserve(7, s, "r", [1, 2, 3, 4], -1))
+    ans = server.handle(protos.Reserve(7, s, RUN, "r", [1, 2, 3, 4], -1))
     assert isinstance(ans, protos.EngineError) and ans.code == "bad_request"
     ans = server.handle(protos.Ready("x", 1))
     assert isinstance(ans, protos.EngineError)
-    server.handle(protos.Release(s, 12345))  # unknown lease: dropped
-    server.handle(protos.Commit(s, 12345))
+    ans = register(server, runtime="not hex")
+    assert isinstance(ans, protos.EngineError) and ans.code == "bad_request" and "runtime_identity" in ans.reason
+    server.handle(protos.Release(s, RUN, 12345))  # unknown lease: dropped
+    server.handle(protos.Commit(s, RUN, 12345))
     server.check_idle()
     assert server.integrity_error is None and server.exact_checks == 1
 
@@ -151,7 +167,7 @@ def test_a_lookup_lease_protects_its_pages_from_eviction_until_released() -> Non
     assert len(hit.host_pages) == 4 and hit.lease
     blocked = eng.save([2] * (2 * PS))  # L2 is full and every page is leased
     assert not blocked.host_pages and server.counters.reserve_short_pages == 2
-    server.handle(protos.Release(eng.session, hit.lease, 4))
+    server.handle(protos.Release(eng.session, RUN, hit.lease, 4))
     assert server.counters.loaded_host_pages == 4
     taken = eng.save([2] * (2 * PS))  # now the leaf of ``a`` gives way
     assert len(taken.host_pages) == 2
@@ -168,14 +184,14 @@ def test_a_failed_commit_and_a_duplicate_commit_free_their_pages() -> None:
     assert server.host.used == 0 and not eng.lookup(tokens).host_pages
     # two engines computing the same prompt at once: both reserve, both commit
     other = FakeEngine(server, eng.l2)
-    r1 = server.handle(protos.Reserve(1, eng.session, "x", tokens, 0))
-    r2 = server.handle(protos.Reserve(2, other.session, "y", tokens, 0))
+    r1 = server.handle(protos.Reserve(1, eng.session, RUN, "x", tokens, 0))
+    r2 = server.handle(protos.Reserve(2, other.session, RUN, "y", tokens, 0))
     assert isinstance(r1, protos.ReserveResult) and isinstance(r2, protos.ReserveResult)
     for r in (r1, r2):
         for i, page in enumerate(r.host_pages):
-            eng.l2[page] = content(tokens, i)
-    server.handle(protos.Commit(eng.session, r1.lease))
-    server.handle(protos.Commit(other.session, r2.lease))
+            eng.l2[page] = content(tokens, i, RUNTIME)
+    server.handle(protos.Commit(eng.session, RUN, r1.lease))
+    server.handle(protos.Commit(other.session, RUN, r2.lease))
     assert server.counters.commit_duplicate_pages == 3
     assert server.host.used == 3 and eng.lookup(tokens).host_pages == r1.host_pages
     server.check_idle()
@@ -192,40 +208,135 @@ def test_salts_are_separate_namespaces() -> None:
     assert len(eng.lookup(tokens, salt="tenant-a").host_pages) == 2
 
 
-def test_leases_of_a_silent_engine_expire_and_nothing_leaks() -> None:
-    server, clock = make_server()
+def test_a_silent_engines_leases_are_held_as_orphans_until_its_process_is_gone() -> None:
+    server, clock = make_server(l2_pages=6)
     eng = FakeEngine(server, {})
     tokens = [3] * (4 * PS)
     eng.save(tokens[: 2 * PS])
-    hit = eng.lookup(tokens, release=False)  # the engine dies holding a lookup lease ...
-    pending = server.handle(protos.Reserve(9, eng.session, "r", tokens, 2))  # ... and a reservation
+    hit = eng.lookup(tokens, release=False)  # the engine stalls holding a lookup lease ...
+    pending = server.handle(protos.Reserve(9, eng.session, RUN, "r", tokens, 2))  # ... and a reservation
     assert isinstance(pending, protos.ReserveResult) and hit.lease and pending.lease
     assert server.host.used == 4
     clock.t += TTL / 2
     assert server.expire() == 0
-    clock.t += TTL  # silent for more than the TTL
+    clock.t += TTL  # silent for more than the TTL: the session ends, its leases become orphans
     assert server.expire() == 2
-    assert server.host.used == 2 and not server.leases.sessions
+    assert not server.leases.sessions and len(server.leases.orphans) == 2
+    # the engine may still write the reserved pages and read the leased ones: nothing is
+    # freed or unlocked, so no other prefix can take them
+    assert server.host.used == 4 and server.cache.host_protected_size() == 2 * PS
+    other = FakeEngine(server, eng.l2)
+    taken = other.save([9] * (4 * PS))
+    assert len(taken.host_pages) == 2  # only the two free pages
+    assert set(taken.host_pages).isdisjoint(pending.host_pages + hit.host_pages)
+    ans = server.handle(protos.Lookup(10, eng.session, RUN, "r", tokens))
+    assert isinstance(ans, protos.EngineError) and ans.code == "unknown_session"
+    server.check_idle()
+    assert server.exact_checks == 0  # orphans are open work: no exact check yet
+    clock.t += 100 * TTL
+    server.expire()
+    assert len(server.leases.orphans) == 2  # its process was not seen gone: still held
+    clock.dead.add(eng.pid)
+    server.expire()
+    assert not server.leases.orphans and server.counters.orphans_ended_gone == 2
+    assert server.host.used == 4 and server.cache.host_protected_size() == 0  # reserved pages freed
     server.check_idle()
     assert server.integrity_error is None and server.exact_checks == 1
-    ans = server.handle(protos.Lookup(10, eng.session, "r", tokens))
-    assert isinstance(ans, protos.EngineError) and ans.code == "unknown_session"
 
 
-def test_a_live_engine_keeps_its_leases_but_not_forever() -> None:
+def test_time_the_daemon_could_not_listen_is_no_engines_silence() -> None:
+    server, clock = make_server()
+    eng = FakeEngine(server, {})
+    clock.t += TTL * 0.9
+    server.leases.credit(TTL * 0.9)  # the loop stalled that long: heartbeats were not read
+    clock.t += TTL * 0.5
+    assert server.expire() == 0 and eng.session in server.leases.sessions
+    clock.t += TTL * 0.6  # silent for 1.1 TTL of listening time
+    server.expire()
+    assert eng.session not in server.leases.sessions
+
+
+def test_an_orphan_ends_with_its_late_release_or_commit_and_a_late_commit_inserts_nothing() -> None:
+    server, clock = make_server()
+    eng = FakeEngine(server, {})
+    tokens = [6] * (4 * PS)
+    eng.save(tokens[: 2 * PS])
+    hit = eng.lookup(tokens, release=False)
+    pending = server.handle(protos.Reserve(9, eng.session, RUN, "r", tokens, 2))
+    assert isinstance(pending, protos.ReserveResult) and len(pending.host_pages) == 2
+    clock.t += TTL + 1
+    assert server.expire() == 2
+    server.handle(protos.Release(eng.session, RUN, hit.lease, 2))  # the stalled worker resumes
+    server.handle(protos.Commit(eng.session, RUN, pending.lease, True))
+    assert not server.leases.orphans and server.counters.orphans_ended_late == 2
+    assert server.counters.committed_pages == 2  # only the first save, made while the session lived
+    assert server.host.used == 2 and server.cache.host_protected_size() == 0
+    server.check_idle()
+    assert server.integrity_error is None and server.exact_checks == 1
+
+
+def test_a_live_engine_keeps_its_leases_however_long_a_step_takes() -> None:
     server, clock = make_server()
     eng = FakeEngine(server, {})
     tokens = [4] * (2 * PS)
     eng.save(tokens)
     hit = eng.lookup(tokens, release=False)
-    for _ in range(MAX_LEASE_AGE_TTLS * 2 - 1):
+    pending = server.handle(protos.Reserve(3, eng.session, RUN, "r", tokens + [4] * PS, 2))
+    assert isinstance(pending, protos.ReserveResult) and pending.lease
+    for _ in range(1000):  # heartbeats for 5000 TTLs: a step stalled that long still owns its pages
         clock.t += TTL / 2
-        server.handle(protos.Heartbeat(eng.session))
+        server.handle(protos.Heartbeat(eng.session, RUN))
         assert server.expire() == 0
-    clock.t += TTL
-    server.handle(protos.Heartbeat(eng.session))
-    assert server.expire() == 1  # older than MAX_LEASE_AGE_TTLS: a leak, ended
-    assert server.leases.sessions and hit.lease not in server.leases.leases
+    assert hit.lease in server.leases.leases and pending.lease in server.leases.leases
+    server.handle(protos.Release(eng.session, RUN, hit.lease, 2))
+    server.handle(protos.Commit(eng.session, RUN, pending.lease, True))
+    assert server.counters.committed_pages == 3
+    server.check_idle()
+    assert server.integrity_error is None
+
+
+def test_messages_of_another_daemon_run_are_refused_and_counted() -> None:
+    server, clock = make_server()
+    eng = FakeEngine(server, {})
+    tokens = [8] * (2 * PS)
+    eng.save(tokens)
+    hit = eng.lookup(tokens, release=False)
+    old = RUN + 1  # a plan made before a restart names the old run; ids restart at 1 in every run
+    for msg in (protos.Lookup(1, eng.session, old, "r", tokens), protos.Reserve(2, eng.session, old, "r", tokens, 0)):
+        ans = server.handle(msg)
+        assert isinstance(ans, protos.EngineError) and ans.code == "stale_run" and ans.req == msg.req
+    server.handle(protos.Release(eng.session, old, hit.lease, 2))  # same session and lease numbers
+    server.handle(protos.Commit(eng.session, old, hit.lease, True))
+    server.handle(protos.Heartbeat(eng.session, old))
+    assert server.counters.stale_run == 5
+    assert hit.lease in server.leases.leases  # the stale Release did not end this run's lease
+    server.handle(protos.Release(eng.session, RUN, hit.lease, 2))
+    server.check_idle()
+    assert server.integrity_error is None
+
+
+def test_engines_of_another_runtime_identity_share_no_page() -> None:
+    server, _ = make_server()
+    amx = FakeEngine(server, {}, runtime="a" * 64)
+    vec = FakeEngine(server, amx.l2, runtime="b" * 64)
+    twin = FakeEngine(server, amx.l2, runtime="a" * 64)
+    tokens = [5] * (3 * PS)
+    amx.save(tokens)
+    assert not vec.lookup(tokens).host_pages  # another ISA, version or reset generation: no hit
+    assert len(twin.lookup(tokens).host_pages) == 3  # the same identity shares
+    vec.save(tokens)
+    assert len(vec.lookup(tokens).host_pages) == 3 and server.host.used == 6
+
+
+def test_a_reserve_after_a_gap_starts_at_the_first_page_l2_lacks() -> None:
+    server, _ = make_server()
+    eng = FakeEngine(server, {})
+    tokens = list(range(1, 4 * PS + 1))
+    eng.save(tokens[: 2 * PS])
+    server.cache.evict_host(2 * PS)  # L2 lost the request's first pages since it saved them
+    later = eng.save(tokens, start_page=2)  # the engine asks from page 2; L2 lacks 0..3
+    assert later.start_page == 0 and len(later.host_pages) == 4
+    assert len(eng.lookup(tokens).host_pages) == 4  # before: pages 2, 3 were reserved, then freed
     server.check_idle()
     assert server.integrity_error is None
 
@@ -255,7 +366,7 @@ def test_random_engines_never_get_another_prefixes_pages(seed: int) -> None:
                 open_leases.append((eng, ans.lease))
         elif op < 0.9 and open_leases:
             e, lease = open_leases.pop(rnd.randrange(len(open_leases)))
-            e.server.handle(protos.Release(e.session, lease, 0))
+            e.server.handle(protos.Release(e.session, RUN, lease, 0))
         else:  # an engine dies; a new one takes its place
             i = rnd.randrange(len(engines))
             dead = engines[i]
@@ -263,12 +374,14 @@ def test_random_engines_never_get_another_prefixes_pages(seed: int) -> None:
             clock.t += TTL + 1
             for e in engines:
                 if e is not dead:
-                    server.handle(protos.Heartbeat(e.session))
-            server.expire()
+                    server.handle(protos.Heartbeat(e.session, RUN))
+            server.expire()  # its leases are orphans ...
+            clock.dead.add(dead.pid)
+            server.expire()  # ... until its process is seen gone
             engines[i] = FakeEngine(server, l2)
         server.cache.check_integrity()
     for e, lease in open_leases:
-        server.handle(protos.Release(e.session, lease, 0))
+        server.handle(protos.Release(e.session, RUN, lease, 0))
     server.check_idle()
     assert server.integrity_error is None and server.exact_checks == 1
 
@@ -292,7 +405,7 @@ def test_a_lookup_waits_for_its_prefetch_and_counts_what_came_from_l3() -> None:
     eng = FakeEngine(server, {})
     tokens = list(range(1, 6 * PS + 1))
     eng.save(tokens[: 2 * PS])  # L2 holds two pages; L3 (the test) will hold three more
-    assert server.handle(protos.Lookup(50, eng.session, "r", tokens), b"peer-1") is None  # deferred
+    assert server.handle(protos.Lookup(50, eng.session, RUN, "r", tokens), b"peer-1") is None  # deferred
     query = sent[-1]
     assert isinstance(query, protos.PrefetchQuery) and len(query.hashes) == 4
     assert server.deliver() == []  # not done, not late
@@ -300,19 +413,19 @@ def test_a_lookup_waits_for_its_prefetch_and_counts_what_came_from_l3() -> None:
     fetch = sent[-1]
     assert isinstance(fetch, protos.PrefetchFetch) and len(fetch.host_pages) == 3
     for i, page in enumerate(fetch.host_pages):  # the "controller" reads L3 into L2
-        eng.l2[page] = content(tokens, 2 + i)
+        eng.l2[page] = content(tokens, 2 + i, RUNTIME)
     server.tier.on_message(protos.OpDone(fetch.op_id, "ok", 3))
     [(peer, answer)] = server.deliver()
     assert peer == b"peer-1" and isinstance(answer, protos.LookupResult) and answer.req == 50
     assert len(answer.host_pages) == 5 and answer.storage_pages == 3
     for i, page in enumerate(answer.host_pages):
-        assert eng.l2[page] == content(tokens, i)
-    server.handle(protos.Release(eng.session, answer.lease, 5))
+        assert eng.l2[page] == content(tokens, i, RUNTIME)
+    server.handle(protos.Release(eng.session, RUN, answer.lease, 5))
     assert server.counters.loaded_storage_pages == 3 and server.counters.loaded_host_pages == 2
     # the same request asking again is not prefetched a second time
-    again = server.handle(protos.Lookup(51, eng.session, "r", tokens), b"peer-1")
+    again = server.handle(protos.Lookup(51, eng.session, RUN, "r", tokens), b"peer-1")
     assert isinstance(again, protos.LookupResult) and len(again.host_pages) == 5
-    server.handle(protos.Release(eng.session, again.lease, 0))
+    server.handle(protos.Release(eng.session, RUN, again.lease, 0))
     server.check_idle()
     assert server.integrity_error is None
 
@@ -321,13 +434,62 @@ def test_a_slow_prefetch_answers_pending_in_time_and_the_next_ask_gets_the_hit()
     server, clock, sent = make_tiered_server(defer_s=0.05)
     eng = FakeEngine(server, {})
     tokens = list(range(1, 3 * PS + 1))
-    assert server.handle(protos.Lookup(60, eng.session, "s", tokens), b"p") is None
+    assert server.handle(protos.Lookup(60, eng.session, RUN, "s", tokens), b"p") is None
     query = sent[-1]
     clock.t += 0.06  # the controller is slow: answer before the engine's timeout
     [(_, late)] = server.deliver()
     assert isinstance(late, protos.LookupResult) and late.pending and not late.lease
-    assert server.handle(protos.Lookup(61, eng.session, "s", tokens), b"p") is None  # asked again: waits
+    assert server.handle(protos.Lookup(61, eng.session, RUN, "s", tokens), b"p") is None  # asked again: waits
     server.tier.on_message(protos.PrefetchHits(query.op_id, 0))  # L3 has nothing
     [(_, answer)] = server.deliver()
     assert isinstance(answer, protos.LookupResult) and answer.req == 61 and not answer.pending
     assert not answer.host_pages and not server.deferred
+
+
+def test_a_reserve_sends_only_the_tokens_the_server_does_not_hold_for_the_request() -> None:
+    server, _ = make_server(l2_pages=64)
+    eng = FakeEngine(server, {})
+    prompt = list(range(1, 3 * PS + 2))  # three full pages and one token
+    usable = 3 * PS
+    ans = server.handle(protos.Lookup(1, eng.session, RUN, "q", prompt[:usable]))
+    assert isinstance(ans, protos.LookupResult) and not ans.host_pages
+    tokens = list(prompt)
+    received = []
+    for page in range(3, 40):  # the prompt's pages, then one page per block of decode
+        while len(tokens) < (page + 1) * PS:
+            tokens.append(len(tokens) % 97 + 1)
+        base = usable if page == 3 else page * PS
+        before = server.counters.reserve_tokens_received
+        r = server.handle(protos.Reserve(2, eng.session, RUN, "q", tokens[base:(page + 1) * PS],
+                                         0 if page == 3 else page, "", base))
+        assert isinstance(r, protos.ReserveResult), r
+        received.append(server.counters.reserve_tokens_received - before)
+        for i, p in enumerate(r.host_pages):
+            eng.l2[p] = content(tokens, r.start_page + i, RUNTIME)
+        server.handle(protos.Commit(eng.session, RUN, r.lease, True))
+    assert set(received[1:]) == {PS}  # constant in the context length: one block's tokens
+    assert len(eng.lookup(tokens[: 40 * PS]).host_pages) == 40  # and the tree has every page right
+    for rid in ("q", "r"):  # the request, and the lookup above
+        server.handle(protos.Finished(eng.session, RUN, rid))
+    assert server.stats()["requests"] == {"held": 0, "tokens": 0}
+    server.check_idle()
+    assert server.integrity_error is None
+
+
+def test_a_reserve_naming_tokens_the_server_lacks_is_answered_unknown_request() -> None:
+    server, clock = make_server()
+    eng = FakeEngine(server, {})
+    tokens = [3] * (3 * PS)
+    for msg in (protos.Reserve(1, eng.session, RUN, "never-seen", tokens[PS:], 1, "", PS),
+                protos.Reserve(2, eng.session, RUN, "r", tokens[2 * PS:], 2, "", 5 * PS)):
+        ans = server.handle(msg)
+        assert isinstance(ans, protos.EngineError) and ans.code == "unknown_request", ans
+    assert server.counters.unknown_requests == 2 and server.host.used == 0
+    other = FakeEngine(server, eng.l2)  # another session never shares a request's tokens
+    server.handle(protos.Lookup(3, eng.session, RUN, "r", tokens))
+    ans = server.handle(protos.Reserve(4, other.session, RUN, "r", tokens[PS:], 1, "", PS))
+    assert isinstance(ans, protos.EngineError) and ans.code == "unknown_request"
+    clock.t += TTL + 1  # a session that expires forgets its requests
+    server.handle(protos.Heartbeat(other.session, RUN))
+    server.expire()
+    assert server.stats()["requests"]["held"] == 0

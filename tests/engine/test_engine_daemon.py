@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -54,7 +55,7 @@ def _register_msg(cfg: dict, req: int = 1, **change: object) -> protos.EngineReg
     g = geometry_from_config(config_from_dict(cfg))
     fields = dict(req=req, engine="test", pid=os.getpid(), model_identity=g.model_identity, kv_dtype=g.kv_dtype,
                   block_size=g.block_size, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
-                  kv_layout=g.kv_layout, page_bytes=g.page_bytes)
+                  kv_layout=g.kv_layout, page_bytes=g.page_bytes, runtime_identity="c" * 64)
     fields.update(change)
     return protos.EngineRegister(**fields)  # type: ignore[arg-type]
 
@@ -94,10 +95,10 @@ def test_garbage_on_the_engine_socket_is_refused_and_the_daemon_serves_on(engine
     sock.send_multipart([b"two", b"frames"])  # a DEALER frame of two parts
     assert sock.poll(5000)
     assert isinstance(protos.decode(sock.recv()), protos.EngineError)
-    sock.send(protos.encode(protos.Lookup(7, 12345, "r", [1] * 64)))
+    sock.send(protos.encode(protos.Lookup(7, 12345, 1, "r", [1] * 64)))
     assert sock.poll(5000)
     answer = protos.decode(sock.recv())
-    assert isinstance(answer, protos.EngineError) and answer.code == "unknown_session" and answer.req == 7
+    assert isinstance(answer, protos.EngineError) and answer.code == "stale_run" and answer.req == 7
     sock.send(protos.encode(_register_msg(cfg, req=8, kv_dtype="float32")))
     assert sock.poll(5000)
     answer = protos.decode(sock.recv())
@@ -123,7 +124,7 @@ def test_the_session_survives_a_daemon_restart_and_backs_off_while_it_is_down(en
         assert first is not None
 
         def lookup() -> protos.Message | None:
-            return session.call(lambda req, s: protos.Lookup(req, s, "r", [3] * 64))
+            return session.call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, "r", [3] * 64))
 
         assert isinstance(lookup(), protos.LookupResult)
         assert d.stop() == 0
@@ -162,8 +163,77 @@ def test_a_client_without_a_daemon_answers_none_fast(short_dir: Path) -> None:
     client = EngineClient(f"ipc://{short_dir}/nothing.sock", 200)
     try:
         began = time.monotonic()
-        assert client.call(protos.Lookup(client.next_req(), 1, "r", [1])) is None
+        assert client.call(protos.Lookup(client.next_req(), 1, 1, "r", [1])) is None
         assert time.monotonic() - began < 1.0 and client.down
-        assert not client.send(protos.Heartbeat(1))
+        assert not client.send(protos.Heartbeat(1, 1))
     finally:
         client.close()
+
+
+def _save(session: CacheSession, tokens: list[int]) -> None:
+    """Reserve and commit ``tokens``' pages (the bytes do not matter here)."""
+    ans = session.call(lambda req, reg: protos.Reserve(req, reg.session, reg.run, "w", tokens, 0))
+    assert isinstance(ans, protos.ReserveResult) and ans.host_pages, ans
+    reg = session.registered
+    assert reg is not None
+    assert session.send(protos.Commit(reg.session, reg.run, ans.lease, True))
+
+
+def test_a_lookup_answer_that_comes_after_the_timeout_is_given_back_at_once(engine_daemon) -> None:
+    d, cfg = engine_daemon
+    session = CacheSession(f"ipc://{cfg['ipc']['dir']}/engine.sock", 300, _register_msg(cfg))
+    scheduler = d.pids()["scheduler"]
+    try:
+        assert session.ensure() is not None
+        tokens = [11] * 64
+        _save(session, tokens)
+        d.wait_for_stats("the commit", lambda s: s["engine"]["committed_pages"] == 2, 10)
+        os.kill(scheduler, signal.SIGSTOP)  # the daemon stalls: the answer comes after the timeout
+        try:
+            assert session.call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, "r", tokens)) is None
+        finally:
+            os.kill(scheduler, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while session.late_leases == 0:  # the next step of the engine reads past the late answer
+            assert time.monotonic() < deadline, "the late answer never arrived"
+            time.sleep(0.05)
+            session.client.drain()
+        d.wait_for_stats("the late lease to be released", lambda s: s["leases"]["open"] == 0, 5)
+        assert d.get("/cache/stats")["engine"]["lookup_hit_pages"] == 2
+    finally:
+        session.close()
+
+
+BACKLOG = 1000
+"""More than the cache server serves in one round (``ENGINE_BATCH``)."""
+
+
+def test_heartbeats_queued_behind_a_backlog_keep_their_session(engine_daemon) -> None:
+    """The daemon stalls for longer than the lease TTL while an engine's messages queue up: a
+    heartbeat behind a backlog of ``BACKLOG`` messages (more than one round serves) still
+    renews its session, since sessions expire only once every queued message is served."""
+    d, cfg = engine_daemon
+    ttl = cfg["engine"]["lease_ttl_s"]
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 100_000)  # the backlog queues here while the daemon is stopped
+    sock.connect(f"ipc://{cfg['ipc']['dir']}/engine.sock")
+    scheduler = d.pids()["scheduler"]
+    try:
+        sock.send(protos.encode(_register_msg(cfg, req=1)))
+        assert sock.poll(5000)
+        reg = protos.decode(sock.recv())
+        assert isinstance(reg, protos.EngineRegistered)
+        os.kill(scheduler, signal.SIGSTOP)
+        try:
+            for _ in range(BACKLOG):  # heartbeats of no session: cheap, unanswered, served in order
+                sock.send(protos.encode(protos.Heartbeat(reg.session + 1000, reg.run)), zmq.NOBLOCK)
+            sock.send(protos.encode(protos.Heartbeat(reg.session, reg.run)), zmq.NOBLOCK)
+            time.sleep(1.5 * ttl)
+        finally:
+            os.kill(scheduler, signal.SIGCONT)
+        time.sleep(0.5)
+        sessions = [e["session"] for e in d.get("/cache/stats")["engines"]]
+        assert reg.session in sessions, "the session expired with its heartbeat still queued"
+    finally:
+        sock.close()

@@ -336,9 +336,44 @@ def _lmcache_site(b: Bench) -> tuple[str | None, str]:
     return str(site), f"installed (no dependencies) into {site} with {', '.join(LMCACHE_IMPORT_EXTRAS)}"
 
 
+def _simple_cpu_offload(b: Bench, prompt_tokens: int, repeats: int, max_len: int, blocks: int) -> dict[str, Any]:
+    """vLLM 0.32's own ``SimpleCPUOffloadConnector``: whether it starts on this CPU, and where
+    it does, TTFT of a prompt served from its CPU tier (vLLM's prefix cache reset between
+    the first request and the repeat, as for hicache's L2 case) against the first request."""
+    t0 = time.perf_counter()
+    cfg = {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}}
+    try:
+        eng = b.engine("peer-simple-cpu-offload", prefix_caching=True, max_model_len=max_len, num_blocks=blocks,
+                       kv_transfer=cfg)
+    except VllmError as exc:
+        log = b.workdir / "logs" / "peer-simple-cpu-offload.log"
+        text = log.read_text(errors="replace") if log.is_file() else str(exc)
+        return {"started": False, "refusal": _refusal(text), "after_s": time.perf_counter() - t0}
+    first: list[float] = []
+    again: list[float] = []
+    cached: list[int] = []
+    same = True
+    try:
+        for ids in b.prompts(repeats, prompt_tokens, seed=13):
+            r1 = eng.generate([ids], 1, timeout_s=1800)
+            time.sleep(0.5)  # its stores run between steps
+            eng.reset_prefix_cache()
+            r2 = eng.generate([ids], 1, timeout_s=1800)
+            first.append(float(r1["elapsed_s"]))
+            again.append(float(r2["elapsed_s"]))
+            cached.append(int(r2["cached"][0]))
+            same = same and r1["outputs"] == r2["outputs"]
+    finally:
+        eng.stop()
+    return {"started": True, "first_s": first, "repeat_s": again, "repeat_cached": cached,
+            "same_output_tokens": same, "repeat_over_first": _median(again) / _median(first) if first else math.nan}
+
+
 def run_peers(b: Bench, *, prompt_tokens: int, repeats: int) -> dict[str, Any]:
-    """What vLLM on the CPU offers without hicache: vLLM's ``OffloadingConnector`` (started,
-    its refusal reported) and LMCache's ``LMCacheConnectorV1`` (installed if possible; if the
+    """What vLLM on the CPU offers without hicache: vLLM's ``OffloadingConnector`` and
+    ``SimpleCPUOffloadConnector`` (started, or their refusal reported; where the latter runs,
+    TTFT of a repeat served from its CPU tier against the first request) and LMCache's ``LMCacheConnectorV1`` (installed if possible; if the
     engine starts, TTFT of a repeated prompt against its first request, vLLM's own prefix
     caching off so only LMCache could serve the repeat)."""
     max_len = _round_up(prompt_tokens + b.block_size, b.block_size)
@@ -360,6 +395,8 @@ def run_peers(b: Bench, *, prompt_tokens: int, repeats: int) -> dict[str, Any]:
         out["offloading"] = {"started": True, "note": "vLLM started with OffloadingConnector on the CPU",
                              "smoke_cached": res["cached"]}
     b.progress(f"peers: OffloadingConnector: {out['offloading']}")
+    out["simple_cpu_offload"] = _simple_cpu_offload(b, prompt_tokens, repeats, max_len, blocks)
+    b.progress(f"peers: SimpleCPUOffloadConnector: {out['simple_cpu_offload']}")
 
     site, how = _lmcache_site(b)
     lm: dict[str, Any] = {"version": LMCACHE_VERSION, "install": how}
@@ -417,3 +454,55 @@ def kv_bytes_per_token(model_dir: str, dtype_bytes: int) -> int:
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     return int(cfg["num_hidden_layers"] * kv_heads * head_dim * 2 * dtype_bytes)
+
+
+# ---------------------------------------------------------------------- decode
+
+
+def run_decode(b: Bench, *, contexts: list[int], decode_tokens: int) -> tuple[list[Figure], dict[str, Any]]:
+    """What a long decode sends the daemon per generated block, at several context lengths.
+
+    One engine with the connector; for each context length a new random prompt is first
+    prefilled (``max_tokens=1``: its pages are saved), then the same prompt decodes
+    ``decode_tokens`` tokens. The daemon's counters over that second call give the Reserve
+    messages and the token ids they carried per generated block (the lookup of the prompt,
+    once per request, is not counted). Reference: the shortest context, in the same run;
+    the goal is a ratio of at most 1.1 (constant in the context length)."""
+    longest = max(contexts)
+    max_len = _round_up(longest + decode_tokens + 2 * b.block_size, b.block_size)
+    blocks = 2 * max_len // b.block_size + 16
+    daemon = b.daemon("decode-hicache", _round_up(2 * max_len * len(contexts), b.block_size))
+    rows: list[dict[str, Any]] = []
+    eng: VllmProcess | None = None
+    try:
+        eng = b.engine("decode-hicache", max_model_len=max_len, num_blocks=blocks, hicache_config=str(daemon.config))
+        for i, ctx in enumerate(sorted(contexts)):
+            [ids] = b.prompts(1, ctx, seed=100 + i)
+            eng.generate([ids], 1, timeout_s=3600)
+            daemon.wait_backups()
+            before = daemon.stats()["engine"]
+            r = eng.generate([ids], decode_tokens, timeout_s=3600)
+            daemon.wait_backups()
+            after = daemon.stats()["engine"]
+            gen_blocks = decode_tokens / b.block_size
+            row = {"context": ctx, "generated_blocks": gen_blocks,
+                   "reserves_per_block": (after["reserves"] - before["reserves"]) / gen_blocks,
+                   "tokens_per_block": (after["reserve_tokens_received"] - before["reserve_tokens_received"])
+                   / gen_blocks, "cached": int(r["cached"][0])}
+            rows.append(row)
+            b.progress(f"decode {ctx:6d}-token context: {row['reserves_per_block']:.2f} reserves and "
+                       f"{row['tokens_per_block']:.1f} token ids per generated block")
+    finally:
+        if eng is not None:
+            eng.stop()
+        daemon.stop()
+    ref = rows[0]
+    figures = []
+    for row in rows[1:]:
+        figures.append(Figure(f"decode: token ids sent per block, {row['context']}-token context", "ids/block",
+                              row["tokens_per_block"], f"{ref['context']}-token context", ref["tokens_per_block"],
+                              higher_is_better=False, goal=1.1))
+        figures.append(Figure(f"decode: reserves per block, {row['context']}-token context", "msgs/block",
+                              row["reserves_per_block"], f"{ref['context']}-token context",
+                              ref["reserves_per_block"], higher_is_better=False, goal=1.1))
+    return figures, {"rows": rows, "decode_tokens": decode_tokens, "block_size": b.block_size}

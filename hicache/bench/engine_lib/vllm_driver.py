@@ -5,9 +5,14 @@ starts ``vllm.LLM`` (with ``HiCacheConnector`` when ``--hicache-config`` is give
 ``{"ready": true, "start_s": ...}`` and then answers one JSON line per JSON request line:
 
 * ``{"op": "generate", "prompts": [[ids...]], "max_tokens": N, "cache_salt": S|null}``
-  -> ``{"outputs": [[ids...]], "cached": [n...], "elapsed_s": t}`` (greedy; ``cached`` is
-  vLLM's ``num_cached_tokens``: its own prefix hit plus what the connector loaded);
-* ``{"op": "reset_prefix_cache"}`` -> ``{"ok": bool}`` (drops vLLM's own prefix cache);
+  -> ``{"outputs": [[ids...]], "cached": [n...], "finish": [reason...], "elapsed_s": t}``
+  (greedy; ``cached`` is vLLM's ``num_cached_tokens``: its own prefix hit plus what the
+  connector loaded; ``finish``: each request's finish reason, ``error`` for a failed one);
+* ``{"op": "reset_prefix_cache", "reset_connector": bool}`` -> ``{"ok": bool}`` (drops vLLM's
+  own prefix cache; with ``reset_connector``, the connector's too, as vLLM does after a
+  weight update);
+* ``{"op": "metrics", "prefix": P}`` -> ``{"metrics": [{"name", "labels", "value"}...]}``:
+  vLLM's own Prometheus metrics whose name starts with ``P`` (needs ``--log-stats``);
 * ``{"op": "exit"}`` -> exits.
 
 ``--num-blocks`` sets vLLM's KV space in blocks (``num_gpu_blocks_override``: the
@@ -46,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--num-blocks", type=int, default=None,
                    help="vLLM's KV space in blocks (VLLM_CPU_KVCACHE_SPACE takes whole GiB only)")
+    p.add_argument("--log-stats", action="store_true", help="keep vLLM's stats on (the metrics op)")
     p.add_argument("--kv-transfer-json", default=None,
                    help="any kv_transfer_config (another connector), instead of --hicache-config")
     args = p.parse_args(argv)
@@ -65,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         kw["num_gpu_blocks_override"] = args.num_blocks
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.log_stats:
+        kw["disable_log_stats"] = False
     began = time.perf_counter()
     llm = LLM(model=args.model, skip_tokenizer_init=True, block_size=args.block_size, dtype=args.dtype,
               max_model_len=args.max_model_len, enforce_eager=True, enable_prefix_caching=args.prefix_caching,
@@ -81,7 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         if op == "exit":
             break
         if op == "reset_prefix_cache":
-            answer({"ok": bool(llm.reset_prefix_cache())})
+            answer({"ok": bool(llm.reset_prefix_cache(reset_connector=bool(req.get("reset_connector"))))})
+            continue
+        if op == "metrics":
+            prefix = str(req.get("prefix", ""))
+            answer({"metrics": [{"name": m.name, "labels": m.labels, "value": getattr(m, "value", None)}
+                                for m in llm.get_metrics() if m.name.startswith(prefix)]})
             continue
         if op != "generate":
             answer({"error": f"unknown op {op!r}"})
@@ -99,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         results = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
         answer({"outputs": [list(r.outputs[0].token_ids) for r in results],
-                "cached": [int(r.num_cached_tokens or 0) for r in results], "elapsed_s": elapsed})
+                "cached": [int(r.num_cached_tokens or 0) for r in results],
+                "finish": [str(r.outputs[0].finish_reason) for r in results], "elapsed_s": elapsed})
     return 0
 
 
@@ -127,7 +141,8 @@ class VllmProcess:
                  block_size: int = 32, max_model_len: int = 2048, dtype: str = "auto", prefix_caching: bool = False,
                  max_num_seqs: int = 16, max_num_batched_tokens: int | None = None,
                  env: dict[str, str] | None = None, start_timeout_s: float = 300.0,
-                 num_blocks: int | None = None, kv_transfer: dict[str, Any] | None = None) -> None:
+                 num_blocks: int | None = None, kv_transfer: dict[str, Any] | None = None,
+                 log_stats: bool = False) -> None:
         cmd = [sys.executable, "-m", "hicache.bench.engine_lib.vllm_driver", "--model", model,
                "--block-size", str(block_size), "--max-model-len", str(max_model_len), "--dtype", dtype,
                "--max-num-seqs", str(max_num_seqs)]
@@ -141,6 +156,8 @@ class VllmProcess:
             cmd += ["--num-blocks", str(num_blocks)]
         if kv_transfer is not None:
             cmd += ["--kv-transfer-json", json.dumps(kv_transfer)]
+        if log_stats:
+            cmd.append("--log-stats")
         self.log_path = Path(log_path)
         child_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
                      "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_OMP_THREADS_BIND": _all_cores(), **(env or {})}
@@ -195,8 +212,13 @@ class VllmProcess:
         return self.request({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
                              "cache_salt": cache_salt}, timeout_s)
 
-    def reset_prefix_cache(self) -> bool:
-        return bool(self.request({"op": "reset_prefix_cache"}).get("ok"))
+    def metrics(self, prefix: str) -> list[dict[str, Any]]:
+        """vLLM's own metrics whose name starts with ``prefix`` (started with ``log_stats``)."""
+        out: list[dict[str, Any]] = self.request({"op": "metrics", "prefix": prefix})["metrics"]
+        return out
+
+    def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
+        return bool(self.request({"op": "reset_prefix_cache", "reset_connector": reset_connector}).get("ok"))
 
     def kill(self) -> None:
         """SIGKILL the whole engine (its engine-core child too)."""

@@ -1,0 +1,68 @@
+"""Fault points of the connector, for tests: read once from the environment at start.
+
+Each one set is logged as a warning when the connector starts. None is set in production.
+
+==================================  ==========================================================
+variable                            effect
+==================================  ==========================================================
+``HICACHE_FAULT_FAIL_LOADS=N``      the worker's first ``N`` load plans fail as a copy error
+                                    would (vLLM recomputes their blocks)
+``HICACHE_FAULT_RUNTIME={...}``     a JSON object replacing entries of the engine's runtime
+                                    identity (e.g. ``{"isa": "amx"}``: an engine that models
+                                    another host; ``hicache.connectors.runtime_identity``)
+==================================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("hicache.connector")
+
+FAIL_LOADS_ENV = "HICACHE_FAULT_FAIL_LOADS"
+RUNTIME_ENV = "HICACHE_FAULT_RUNTIME"
+
+
+class FaultConfigError(ValueError):
+    """A fault variable that does not parse; the message names it."""
+
+
+@dataclass
+class ConnectorFaults:
+    fail_loads: int = 0
+    runtime: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> ConnectorFaults:
+        env = dict(os.environ) if env is None else env
+        out = cls()
+        raw = env.get(FAIL_LOADS_ENV)
+        if raw:
+            try:
+                out.fail_loads = int(raw)
+            except ValueError:
+                raise FaultConfigError(f"{FAIL_LOADS_ENV} must be an integer, got {raw!r}") from None
+        raw = env.get(RUNTIME_ENV)
+        if raw:
+            try:
+                runtime = json.loads(raw)
+            except ValueError as exc:
+                raise FaultConfigError(f"{RUNTIME_ENV} is not JSON: {exc}") from None
+            if not isinstance(runtime, dict):
+                raise FaultConfigError(f"{RUNTIME_ENV} must be a JSON object")
+            out.runtime = runtime
+        for name, value in ((FAIL_LOADS_ENV, out.fail_loads), (RUNTIME_ENV, out.runtime)):
+            if value:
+                log.warning("hicache: fault point %s=%r is set (testing only)", name, value)
+        return out
+
+    def take_load_failure(self) -> bool:
+        """Whether the next load plan is to fail (counts it down)."""
+        if self.fail_loads <= 0:
+            return False
+        self.fail_loads -= 1
+        return True

@@ -1,0 +1,189 @@
+"""Engine mode under faults that used to serve wrong KV or fail requests (real vLLM, real daemon).
+
+The oracle is vLLM alone, as in ``test_vllm_engine_mode``: greedy outputs through vLLM +
+hicache equal those of the same model in a vLLM without the connector.
+
+* A load that fails (a connector fault point fails the worker's first load) is recomputed
+  under vLLM's default ``kv_load_failure_policy`` (``fail``), and the blocks that step
+  computed on top of the KV that never arrived are not saved.
+* An engine whose runtime identity differs (a fault point makes it report another kernel
+  ISA and vLLM version, as an engine on another host would) gets no page of the first.
+* A cache reset through vLLM's own ``reset_prefix_cache(reset_connector=True)`` serves
+  nothing saved before it.
+* vLLM's own metrics carry hicache's hits per tier, loads, saves and errors.
+
+The module shares one daemon and four engines (vLLM alone, ``a`` with the load fault,
+``b``, ``c`` with the other identity), each started when a test first needs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Engines, engine_config, expected_hit
+from daemon import Daemon
+
+from hicache.bench.engine_lib.vllm_driver import VllmProcess
+from hicache.connectors.faults import FAIL_LOADS_ENV, RUNTIME_ENV
+
+pytestmark = pytest.mark.timeout(900)
+
+BLOCK = 32
+MAX_TOKENS = 8
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(1, 1000) for _ in range(n)]
+
+
+P = [_prompt(40 + i, n) for i, n in enumerate([150, 230, 300])]
+HEAD = P[0][:128]  # the four full blocks of P[0] that an engine can load
+Q = HEAD + _prompt(50, 100)  # shares HEAD; its blocks 4..6 are computed in the step that loads HEAD
+ALL = P + [Q]
+
+
+class Stack:
+    """The module's daemon and engines (started on first use)."""
+
+    def __init__(self, llama: Path, daemon: Daemon, engines: Engines, reference: dict[tuple[int, ...], list[int]]
+                 ) -> None:
+        self.llama, self.daemon, self.engines, self.reference = llama, daemon, engines, reference
+        self._started: dict[str, VllmProcess] = {}
+
+    def engine(self, name: str, env: dict[str, str] | None = None) -> VllmProcess:
+        """Engine ``name``, started on first use (``b`` keeps vLLM's stats on)."""
+        if name not in self._started:
+            self._started[name] = self.engines.start(self.llama, name, hicache=self.daemon, env=env,
+                                                     log_stats=name == "b")
+        return self._started[name]
+
+    def check(self, out: dict[str, Any], prompts: list[list[int]]) -> None:
+        assert out["finish"] == ["length"] * len(prompts), out["finish"]
+        for p, o in zip(prompts, out["outputs"], strict=True):
+            assert o == self.reference[tuple(p)], f"a {len(p)}-token prompt diverged from vLLM alone"
+
+    def stats(self) -> dict[str, Any]:
+        return self.daemon.get("/cache/stats")
+
+    def wait(self, what: str, cond: Any, timeout_s: float = 20.0) -> dict[str, Any]:
+        return self.daemon.wait_for_stats(what, cond, timeout_s)
+
+
+@pytest.fixture(scope="module")
+def stack(checkpoints: dict[str, Path], engines: Engines, tmp_path_factory: pytest.TempPathFactory
+          ) -> Iterator[Stack]:
+    llama = checkpoints["llama-bf16"]
+    alone = engines.start(llama, "alone")
+    out = alone.generate(ALL, MAX_TOKENS)
+    alone.stop()
+    reference = {tuple(p): o for p, o in zip(ALL, out["outputs"], strict=True)}
+    tmp = tmp_path_factory.mktemp("engine-faults")
+    daemon = Daemon(tmp, engine_config(llama, Path(f"/tmp/hcf-{os.getpid()}")), "daemon")
+    daemon.start()
+    try:
+        yield Stack(llama, daemon, engines, reference)
+    finally:
+        daemon.stop()
+
+
+def _idle_and_intact(s: Stack) -> None:
+    """Every lease ended and an exact integrity check ran since, without error."""
+    checks = s.wait("the leases to end", lambda st: st["leases"]["open"] == 0
+                    and st["leases"]["orphans"] == 0)["integrity"]["exact_checks"]
+    st = s.wait("an exact integrity check", lambda st: st["integrity"]["exact_checks"] > checks)
+    assert st["integrity"]["error"] is None
+
+
+def test_a_failed_load_is_recomputed_and_the_blocks_of_its_step_are_not_saved(stack: Stack) -> None:
+    b = stack.engine("b")
+    stack.check(b.generate([P[0]], MAX_TOKENS), [P[0]])  # HEAD's four pages go to L2
+    stack.wait("HEAD's pages", lambda st: st["engine"]["committed_pages"] >= 4)
+    failed_before = stack.stats()["engine"]["commit_failed_pages"]
+    a = stack.engine("a", env={FAIL_LOADS_ENV: "1"})
+    out = a.generate([Q], MAX_TOKENS)  # its load of HEAD fails: vLLM recomputes it
+    stack.check(out, [Q])  # under vLLM's default policy the request would have ended in an error
+    assert "loading 4 blocks" in a.log_path.read_text()
+    # the step that failed to load HEAD computed Q's blocks 4..6 attending to KV that never
+    # arrived: they were committed as failed, so another engine loads HEAD only
+    st = stack.wait("the failed saves", lambda st: st["engine"]["commit_failed_pages"] >= failed_before + 3)
+    assert st["engine"]["commit_failed_pages"] == failed_before + 3
+    again = b.generate([Q], MAX_TOKENS)
+    stack.check(again, [Q])
+    assert again["cached"] == [len(HEAD)]
+    _idle_and_intact(stack)
+
+
+def _hicache_metrics(engine: VllmProcess) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in engine.metrics("vllm:hicache"):
+        name = m["name"] + "".join(f"{{{k}={v}}}" for k, v in sorted(m["labels"].items()) if k == "tier")
+        out[name] = out.get(name, 0.0) + float(m["value"] or 0)
+    return out
+
+
+def test_vllm_metrics_show_hicache_hits_loads_and_saves(stack: Stack) -> None:
+    b = stack.engine("b")
+    before = _hicache_metrics(b)
+    prompt = _prompt(60, 200)  # six full blocks, of which vLLM may load six minus the last token's
+    b.generate([prompt], MAX_TOKENS)
+    stack.wait("the saves", lambda st: st["leases"]["open"] == 0)
+    b.generate([prompt], MAX_TOKENS)
+    after = _hicache_metrics(b)
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("vllm:hicache_hit_tokens{tier=host}") == expected_hit(len(prompt), BLOCK), after
+    assert delta("vllm:hicache_loaded_blocks") == expected_hit(len(prompt), BLOCK) // BLOCK, after
+    assert delta("vllm:hicache_saved_blocks") >= 6 and delta("vllm:hicache_lookups") >= 2, after
+    assert delta("vllm:hicache_load_errors") == 0 and delta("vllm:hicache_lookup_misses") == 0, after
+
+
+def test_an_engine_of_another_isa_and_version_gets_no_page_of_the_first(stack: Stack) -> None:
+    b = stack.engine("b")
+    stack.check(b.generate(P, MAX_TOKENS), P)  # b holds P in L2
+    hit = [expected_hit(len(p), BLOCK) for p in P]
+    assert b.generate(P, MAX_TOKENS)["cached"] == hit
+    c = stack.engine("c", env={RUNTIME_ENV: json.dumps({"isa": "amx", "vllm": "0.32.9"})})
+    first = c.generate(P, MAX_TOKENS)
+    stack.check(first, P)
+    assert first["cached"] == [0, 0, 0]  # same model, dtype, block size: other bytes, no share
+    stack.wait("c's saves", lambda st: st["leases"]["open"] == 0)
+    second = c.generate(P, MAX_TOKENS)  # c's own pages: its namespace works
+    stack.check(second, P)
+    assert second["cached"] == hit
+    namespaces = {e["namespace"] for e in stack.stats()["engines"]}
+    assert len(namespaces) == 2, namespaces  # a and b share one, c has its own
+    _idle_and_intact(stack)
+
+
+def test_a_cache_reset_through_vllm_serves_nothing_saved_before_it(stack: Stack) -> None:
+    b = stack.engine("b")
+    hit = [expected_hit(len(p), BLOCK) for p in P]
+    before = b.generate(P, MAX_TOKENS)
+    stack.check(before, P)
+    assert before["cached"] == hit
+    assert b.reset_prefix_cache(reset_connector=True)  # as vLLM does after a weight update
+    after = b.generate(P, MAX_TOKENS)
+    stack.check(after, P)
+    assert after["cached"] == [0, 0, 0]
+    deadline = time.monotonic() + 20
+    while True:  # what b saves after the reset is served again
+        again = b.generate(P, MAX_TOKENS)
+        stack.check(again, P)
+        if again["cached"] == hit:
+            break
+        assert time.monotonic() < deadline, again["cached"]
+        time.sleep(0.5)
+    # a, which was not reset, still gets the pages saved before b's reset (its namespace)
+    a = stack.engine("a")
+    assert a.generate(P, MAX_TOKENS)["cached"] == hit
+    _idle_and_intact(stack)
