@@ -156,13 +156,16 @@ def run(args: argparse.Namespace) -> int:
             from hicache.bench.engine_lib.parts import Bench, ChatShape, kv_bytes_per_token
             from hicache.bench.engine_lib.vllm_driver import save_random_model
 
+            # room for the longest decode context (and at least the 8k the other parts use)
+            contexts = [int(c) for c in args.decode_contexts.split(",") if c.strip()]
+            positions = max([8192] + [c + args.decode_tokens + 2 * args.block_size for c in contexts])
             key = (f"llama-l{args.layers}-h{args.hidden}-a{args.heads}-kv{args.kv_heads}-d{args.head_dim}"
-                   f"-i{args.intermediate}-v{args.vocab}-{dtype}")
+                   f"-i{args.intermediate}-v{args.vocab}-p{positions}-{dtype}")
             model_dir = workdir / "models" / key
             progress(f"model: {key} at {model_dir}")
             save_random_model(model_dir, layers=args.layers, hidden=args.hidden, heads=args.heads,
                               kv_heads=args.kv_heads, head_dim=args.head_dim, vocab=args.vocab,
-                              intermediate=args.intermediate, dtype=dtype)
+                              intermediate=args.intermediate, dtype=dtype, max_positions=positions)
             per_token = kv_bytes_per_token(str(model_dir), 2 if dtype == "bfloat16" else 4)
             bench = Bench(workdir, str(model_dir), args.block_size, per_token, args.vocab, dtype, progress)
             extra["model"] = {"dir": str(model_dir), "key": key, "kv_bytes_per_token": per_token}
@@ -190,7 +193,6 @@ def run(args: argparse.Namespace) -> int:
             if "decode" in parts:
                 from hicache.bench.engine_lib.parts import run_decode
 
-                contexts = [int(c) for c in args.decode_contexts.split(",") if c.strip()]
                 f, x = run_decode(bench, contexts=contexts, decode_tokens=args.decode_tokens)
                 figures += f
                 extra["decode"] = x

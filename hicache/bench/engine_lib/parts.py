@@ -336,20 +336,29 @@ def _lmcache_site(b: Bench) -> tuple[str | None, str]:
     return str(site), f"installed (no dependencies) into {site} with {', '.join(LMCACHE_IMPORT_EXTRAS)}"
 
 
+def _peer_engine(b: Bench, name: str, kv_transfer: dict[str, Any], max_len: int, blocks: int
+                 ) -> tuple[VllmProcess | None, dict[str, Any]]:
+    """A vLLM engine with another connector (its prefix caching on), or None and its refusal
+    (``started``, ``refusal``: the root cause in its log, ``after_s``)."""
+    t0 = time.perf_counter()
+    try:
+        return b.engine(name, prefix_caching=True, max_model_len=max_len, num_blocks=blocks,
+                        kv_transfer=kv_transfer), {}
+    except VllmError as exc:
+        log = b.workdir / "logs" / f"{name}.log"
+        text = log.read_text(errors="replace") if log.is_file() else str(exc)
+        return None, {"started": False, "refusal": _refusal(text), "after_s": time.perf_counter() - t0}
+
+
 def _simple_cpu_offload(b: Bench, prompt_tokens: int, repeats: int, max_len: int, blocks: int) -> dict[str, Any]:
     """vLLM 0.32's own ``SimpleCPUOffloadConnector``: whether it starts on this CPU, and where
     it does, TTFT of a prompt served from its CPU tier (vLLM's prefix cache reset between
     the first request and the repeat, as for hicache's L2 case) against the first request."""
-    t0 = time.perf_counter()
     cfg = {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
            "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}}
-    try:
-        eng = b.engine("peer-simple-cpu-offload", prefix_caching=True, max_model_len=max_len, num_blocks=blocks,
-                       kv_transfer=cfg)
-    except VllmError as exc:
-        log = b.workdir / "logs" / "peer-simple-cpu-offload.log"
-        text = log.read_text(errors="replace") if log.is_file() else str(exc)
-        return {"started": False, "refusal": _refusal(text), "after_s": time.perf_counter() - t0}
+    eng, refused = _peer_engine(b, "peer-simple-cpu-offload", cfg, max_len, blocks)
+    if eng is None:
+        return refused
     first: list[float] = []
     again: list[float] = []
     cached: list[int] = []
@@ -373,25 +382,20 @@ def _simple_cpu_offload(b: Bench, prompt_tokens: int, repeats: int, max_len: int
 def run_peers(b: Bench, *, prompt_tokens: int, repeats: int) -> dict[str, Any]:
     """What vLLM on the CPU offers without hicache: vLLM's ``OffloadingConnector`` and
     ``SimpleCPUOffloadConnector`` (started, or their refusal reported; where the latter runs,
-    TTFT of a repeat served from its CPU tier against the first request) and LMCache's ``LMCacheConnectorV1`` (installed if possible; if the
-    engine starts, TTFT of a repeated prompt against its first request, vLLM's own prefix
+    TTFT of a repeat served from its CPU tier against the first request) and LMCache's
+    ``LMCacheConnectorV1`` (installed if possible; if the engine starts, TTFT of a repeated prompt against its first request, vLLM's own prefix
     caching off so only LMCache could serve the repeat)."""
     max_len = _round_up(prompt_tokens + b.block_size, b.block_size)
     blocks = max(64, 4 * max_len // b.block_size)
     out: dict[str, Any] = {}
     offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}}
-    t0 = time.perf_counter()
-    try:
-        eng = b.engine("peer-offloading", prefix_caching=True, max_model_len=max_len, num_blocks=blocks,
-                       kv_transfer=offload)
-    except VllmError as exc:
-        log = b.workdir / "logs" / "peer-offloading.log"
-        text = log.read_text(errors="replace") if log.is_file() else str(exc)
-        out["offloading"] = {"started": False, "refusal": _refusal(text), "after_s": time.perf_counter() - t0}
+    peer, refused = _peer_engine(b, "peer-offloading", offload, max_len, blocks)
+    if peer is None:
+        out["offloading"] = refused
     else:
-        res = eng.generate(b.prompts(1, 64, seed=7), 1)
-        eng.stop()
+        res = peer.generate(b.prompts(1, 64, seed=7), 1)
+        peer.stop()
         out["offloading"] = {"started": True, "note": "vLLM started with OffloadingConnector on the CPU",
                              "smoke_cached": res["cached"]}
     b.progress(f"peers: OffloadingConnector: {out['offloading']}")

@@ -255,7 +255,8 @@ class VllmProcess:
 
 def save_random_model(out_dir: str | Path, *, arch: str = "llama", layers: int = 2, hidden: int = 128,
                       heads: int = 4, kv_heads: int = 2, head_dim: int = 32, vocab: int = 1024,
-                      intermediate: int = 256, dtype: str = "bfloat16", seed: int = 0) -> Path:
+                      intermediate: int = 256, dtype: str = "bfloat16", seed: int = 0,
+                      max_positions: int = 8192) -> Path:
     """Save a small Llama / Qwen2 checkpoint with random weights (nothing is downloaded)."""
     import torch
     import transformers
@@ -264,7 +265,7 @@ def save_random_model(out_dir: str | Path, *, arch: str = "llama", layers: int =
     if (out / "config.json").is_file():
         return out
     common: dict[str, Any] = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=8192,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
                   torch_dtype=dtype)
     cfg: transformers.PretrainedConfig
     cls: type[transformers.PreTrainedModel]
