@@ -297,6 +297,11 @@ class HiCacheConnector(KVConnectorBase_V1):
             g.head_dim, g.kv_layout, g.page_bytes, runtime_identity(self.runtime, self.reset_generation),
             own_pid_namespace(), process_start_time(os.getpid()) or 0)
 
+    @property
+    def _registered(self) -> protos.EngineRegistered | None:
+        """The open registration (scheduler half), or None."""
+        return self.session.registered if self.session is not None else None
+
     def reset_cache(self) -> bool | None:
         """vLLM's cache reset (after a weight update, say): a new namespace for this engine's
         pages, so nothing saved before is ever served after, and no request that began
@@ -375,7 +380,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         tracked.known_tokens = usable
         if answer.pending:
             return None, False
-        reg = self.session.registered if self.session is not None else None
+        reg = self._registered
         if reg is None:  # the session changed under the call: nothing to release to
             return 0, False
         hit = _Hit(reg.session, reg.run, answer.lease, list(answer.host_pages), answer.storage_pages,
@@ -475,7 +480,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             answer = self._call(lambda req, reg: protos.Reserve(req, reg.session, reg.run, rid, whole, start, salt))
         if isinstance(answer, protos.ReserveResult):
             tracked.known_tokens = end
-        reg = self.session.registered if self.session is not None else None
+        reg = self._registered
         if not isinstance(answer, protos.ReserveResult) or not answer.host_pages or reg is None:
             return
         first = answer.start_page
@@ -487,7 +492,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         tracked = self._requests.pop(request.request_id, None)
         if tracked is not None:
             self._release(tracked.hit)
-            reg = self.session.registered if self.session is not None else None
+            reg = self._registered
             if tracked.known_tokens and reg is not None and self.session is not None:
                 self.session.send(protos.Finished(reg.session, reg.run, request.request_id))
         return False, None

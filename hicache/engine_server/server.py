@@ -39,6 +39,7 @@ from typing import Any
 import protos
 from hicache.engine_server.geometry import EngineKVGeometry
 from hicache.engine_server.leases import EngineProcess, Lease, LeaseKind, LeaseTable, Session
+from hicache.engine_server.request_tokens import RequestTokens
 from hicache.tier_manager import PrefetchTicket, TierManager
 from hicache.tree.cache import MatchResult, UnifiedRadixCache
 from hicache.tree.integrity import IntegrityError
@@ -51,9 +52,7 @@ PREFETCHED_MEMORY = 16384
 vLLM asks about again is not prefetched (and held) a second time."""
 
 REQUEST_MEMORY_TOKENS = 1 << 26
-"""Tokens the server keeps of running requests (``Reserve.base``) at most, 256 MiB as keys;
-past it the least recently used requests are forgotten, and their next ``Reserve`` is
-answered ``unknown_request`` (the engine then sends all its tokens once)."""
+"""Tokens the server keeps of running requests at most, 256 MiB as keys (``RequestTokens``)."""
 
 _IDENTITY = re.compile(r"[0-9a-f]{64}")
 NAMESPACE_CHARS = 32
@@ -147,8 +146,7 @@ class CacheServer:
         self._prefetches: dict[tuple[int, str], PrefetchTicket] = {}
         self._prefetched: OrderedDict[tuple[int, str], None] = OrderedDict()
         self._deferred: dict[tuple[int, str], _Query] = {}
-        self._request_tokens: OrderedDict[tuple[int, str], array[int]] = OrderedDict()
-        self._request_tokens_total = 0
+        self.requests = RequestTokens(REQUEST_MEMORY_TOKENS)
         self.defer_s = defer_s
         self.exact_checks = 0
         self.integrity_error: str | None = None
@@ -238,7 +236,7 @@ class CacheServer:
         salt = namespaced_salt(session.namespace, msg.cache_salt)
         self.counters.lookups += 1
         slot = (msg.session, msg.rid)
-        self._remember_request(slot, key)
+        self.requests.set(slot, key)
         query = _Query(peer, msg.req, msg.session, key, salt, self.clock() + self.defer_s)
         if slot in self._prefetches:
             return self._defer(slot, query)
@@ -308,22 +306,6 @@ class CacheServer:
         self.counters.lookup_storage_pages += storage_pages
         return protos.LookupResult(query.req, lease.lease_id, pages, storage_pages)
 
-    def _remember_request(self, slot: tuple[int, str], key: array[int]) -> None:
-        """Hold ``key`` as the tokens of request ``slot`` (``Reserve.base`` counts from them)."""
-        old = self._request_tokens.pop(slot, None)
-        if old is not None:
-            self._request_tokens_total -= len(old)
-        self._request_tokens[slot] = key
-        self._request_tokens_total += len(key)
-        while self._request_tokens_total > REQUEST_MEMORY_TOKENS and len(self._request_tokens) > 1:
-            _, dropped = self._request_tokens.popitem(last=False)
-            self._request_tokens_total -= len(dropped)
-
-    def _forget_request(self, slot: tuple[int, str]) -> None:
-        old = self._request_tokens.pop(slot, None)
-        if old is not None:
-            self._request_tokens_total -= len(old)
-
     def _remember_prefetched(self, slot: tuple[int, str]) -> None:
         self._prefetched[slot] = None
         while len(self._prefetched) > PREFETCHED_MEMORY:
@@ -347,13 +329,13 @@ class CacheServer:
         self.counters.reserves += 1
         self.counters.reserve_tokens_received += len(key)
         if msg.base:
-            held = self._request_tokens.get(slot)
+            held = self.requests.get(slot)
             if held is None or len(held) < msg.base:
                 self.counters.unknown_requests += 1
                 return protos.EngineError(msg.req, "unknown_request",
                                           f"request {msg.rid!r} has no {msg.base} tokens here: send them all")
             key = held[: msg.base] + key
-        self._remember_request(slot, key)
+        self.requests.set(slot, key)
         salt = namespaced_salt(session.namespace, msg.cache_salt)
         ps = self.cache.page_size
         end = len(key) // ps
@@ -419,7 +401,7 @@ class CacheServer:
         if self._stale(msg.run):
             return
         self.leases.touch(msg.session, self.clock())
-        self._forget_request((msg.session, msg.rid))
+        self.requests.forget((msg.session, msg.rid))
 
     def _end_orphan(self, lease_id: int, session: int, kind: LeaseKind) -> None:
         """The late Release / Commit of an expired session's lease: the engine is done with
@@ -450,8 +432,7 @@ class CacheServer:
             self._cancel_prefetch(self._prefetches.pop(slot))
             self._deferred.pop(slot, None)
         if self.leases.expired_sessions != expired_before:
-            for slot in [s for s in self._request_tokens if s[0] not in live]:
-                self._forget_request(slot)
+            self.requests.keep_sessions(live)
         if orphaned:
             log.warning("%d leases of engines that stopped answering are held until those engines are seen "
                         "gone or answer", orphaned)
@@ -500,7 +481,7 @@ class CacheServer:
                        "expired_sessions": self.leases.expired_sessions, "orphans": len(self.leases.orphans),
                        "orphaned_pages": sum(len(x.pages) or x.npages for x in self.leases.orphans.values())},
             "run": f"{self.run:016x}",
-            "requests": {"held": len(self._request_tokens), "tokens": self._request_tokens_total},
+            "requests": {"held": len(self.requests), "tokens": self.requests.total},
             "engine": vars(self.counters).copy(),
             "integrity": {"exact_checks": self.exact_checks, "error": self.integrity_error},
         }
