@@ -125,6 +125,18 @@ class Daemon:
                 raise AssertionError(f"{what} did not happen within {timeout_s} s: {stats}\n{self.log()}")
             time.sleep(0.2)
 
+    def wait_tiers_idle(self, what: str = "the tier layer settled", backed_up: bool = True,
+                        timeout_s: float = 20.0) -> dict[str, Any]:
+        """Until no tier op is in flight and no write is due (a flush skips nodes with a
+        transfer in flight, so a test that flushes to force an L3 read waits here first) and,
+        with ``backed_up``, L3 holds a copy of everything L2 holds."""
+        def settled(s: dict[str, Any]) -> bool:
+            tiers = s["tiers"]
+            if tiers["in_flight"] or tiers["writes_due"]:
+                return False
+            return not backed_up or s["l2"]["full"]["used_tokens"] <= tiers["backup_tokens"]
+        return self.wait_for_stats(what, settled, timeout_s)
+
     def generate(self, ids: list[int], n: int = 8) -> dict[str, Any]:
         status, body = self.request("POST", "/generate", {
             "input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}})

@@ -65,7 +65,8 @@ def _wait_for(cond: Callable[[], bool], timeout_s: float, what: str, d: Daemon) 
 
 
 def _wait_backed_up(server: RedisProcess, pages: int, d: Daemon, timeout_s: float = 30.0) -> None:
-    """Wait until Redis holds at least ``pages`` pages and the count stopped growing."""
+    """Wait until Redis holds at least ``pages`` pages and the count stopped growing, and
+    the daemon has no tier op in flight (a flush skips nodes with a transfer in flight)."""
     last = [-1]
 
     def settled() -> bool:
@@ -75,6 +76,7 @@ def _wait_backed_up(server: RedisProcess, pages: int, d: Daemon, timeout_s: floa
         return done
 
     _wait_for(settled, timeout_s, f"{pages} pages backed up to Redis (has {server.keys()})", d)
+    d.wait_tiers_idle(f"{pages} pages backed up to Redis", backed_up=False, timeout_s=timeout_s)
 
 
 def _metric(d: Daemon, name: str) -> float | None:

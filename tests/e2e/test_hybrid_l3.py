@@ -12,7 +12,6 @@ printed (``-s``) for each case.
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 from typing import Any
 
@@ -40,20 +39,6 @@ def _config(tmp: Path, layers: list[str], ps: int, l3: dict[str, Any]) -> dict[s
     }
 
 
-def _wait_backed_up(d: Daemon, timeout_s: float = 20.0) -> None:
-    """Until the daemon's tier layer has no op in flight and no write due, and has backed up
-    an L3 copy of everything L2 holds (writes and backups done)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        stats = d.get("/cache/stats")
-        tiers = stats["tiers"]
-        if (tiers["in_flight"] == 0 and tiers["writes_due"] == 0
-                and stats["l2"]["full"]["used_tokens"] <= tiers["backup_tokens"]):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"backups still running after {timeout_s} s: {d.get('/cache/stats')}")
-
-
 def _round(tmp: Path, kind: str, ps: int, l3: dict[str, Any], label: str) -> None:
     rng = random.Random(ps * 31 + len(kind))
     prompt = [rng.randrange(1, 250) for _ in range(PROMPT)]
@@ -64,14 +49,14 @@ def _round(tmp: Path, kind: str, ps: int, l3: dict[str, Any], label: str) -> Non
     try:
         cold = d.generate(prompt)
         assert cold["meta_info"]["cached_tokens"] == 0, cold["meta_info"]
-        _wait_backed_up(d)
+        d.wait_tiers_idle("writes and backups done")
         status, _ = d.request("POST", "/cache/flush")
         assert status == 200
         flushed = d.generate(prompt)
         assert flushed["output_ids"] == cold["output_ids"]
         fl = flushed["meta_info"]["cached_tokens_details"]
         assert fl["storage"] > 0, flushed["meta_info"]
-        _wait_backed_up(d)
+        d.wait_tiers_idle("writes and backups done")
     finally:
         assert d.stop() == 0
     d2 = Daemon(tmp, cfg, f"{label}-b")

@@ -95,7 +95,7 @@ def test_l3_round_trip_after_flush_and_after_restart(tmp_path: Path) -> None:
         first = d.generate(prompt, 4)
         for i in range(3):
             d.generate([rng.randrange(1, 250) for _ in range(100 + i)], 2)
-        time.sleep(1.0)  # let write-through and backups finish
+        d.wait_tiers_idle("write-through and backups done")
         status, _ = d.request("POST", "/cache/flush")
         assert status == 200
         again = d.generate(prompt, 4)

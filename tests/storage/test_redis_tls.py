@@ -582,6 +582,10 @@ def test_daemon_refused_by_the_store_at_attach_says_why_and_keeps_serving(tls_se
             while len(list(admin.scan_iter(match=f"{prefix}:*"))) < len(fresh) // 4:
                 assert time.monotonic() < deadline, f"pages did not reach the TLS store\n{d.log()}"
                 time.sleep(0.2)
+        # L2 also holds the first prompt, written before the store was attached (never backed
+        # up): wait only for the tier layer's writes and backups to finish (a flush skips
+        # nodes with a transfer in flight)
+        d.wait_tiers_idle("the fresh prompt's backups done", backed_up=False)
         assert d.request("POST", "/cache/flush")[0] == 200
         again = d.generate(fresh, 6)
         assert again["output_ids"] == first["output_ids"]
