@@ -16,6 +16,7 @@ from protos.codec import MESSAGE_TYPES, decode, encode
 from protos.lifecycle import ErrorReply, LifecycleMessage, ProcessEvent, Ready, Shutdown
 from protos.table import ENGINE_SOCKET, ROUTES, Route, accepted_by, route_of
 from protos.to_cache_server import (
+    TOKEN_TYPECODE,
     CacheServerMessage,
     Commit,
     EngineRegister,
@@ -24,6 +25,9 @@ from protos.to_cache_server import (
     Lookup,
     Release,
     Reserve,
+    SaveRange,
+    pack_tokens,
+    unpack_tokens,
 )
 from protos.to_controller import (
     BackupToStorage,
@@ -35,7 +39,14 @@ from protos.to_controller import (
     StorageAdmin,
     WriteToHost,
 )
-from protos.to_engine import EngineError, EngineMessage, EngineRegistered, LookupResult, ReserveResult
+from protos.to_engine import (
+    EngineError,
+    EngineMessage,
+    EngineRegistered,
+    LookupResult,
+    Reservation,
+    ReserveResult,
+)
 from protos.to_scheduler import (
     AbortRequest,
     AdminRequest,
@@ -57,6 +68,6 @@ __all__ = [
     "SchedulerMessage", "StorageStatus",
     "AdminReply", "TokenOutput", "TokenizerMessage", "Usage",
     "CacheServerMessage", "Commit", "EngineRegister", "Finished", "Heartbeat", "Lookup", "Release", "Reserve",
-    "EngineError", "EngineMessage", "EngineRegistered", "LookupResult", "ReserveResult",
+    "SaveRange", "TOKEN_TYPECODE", "pack_tokens", "unpack_tokens", "EngineError", "EngineMessage", "EngineRegistered", "LookupResult", "Reservation", "ReserveResult",
     "ENGINE_SOCKET", "ROUTES", "Route", "accepted_by", "route_of",
 ]

@@ -201,9 +201,12 @@ def _struct(cls: type) -> Checker:
 
 
 def _to_wire(value: Any) -> Any:
-    """Nested dataclasses become maps; everything else is already msgpack-native."""
+    """Nested dataclasses (alone or in a list) become maps; everything else is already
+    msgpack-native."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if type(value) is list:
+        return [_to_wire(v) for v in value]
     return value
 
 

@@ -11,11 +11,11 @@ request             answer                  what it does
 ``EngineRegister``  ``EngineRegistered``    checks the engine's model and KV geometry against what
                                             the daemon serves; opens a session
 ``Lookup``          ``LookupResult``        L2 pages of the longest cached prefix, locked under a
-                                            lease; may start an L3 prefetch (``pending``)
-``Reserve``         ``ReserveResult``       L2 pages for the engine to save newly computed blocks
-                                            into, held under a lease until ``Commit``; names the
-                                            tokens the server holds for the request (``base``)
-                                            and sends only the ones after them
+                                            lease; may start an L3 prefetch and answer
+                                            ``pending`` at once (never waits for L3)
+``Reserve``         ``ReserveResult``       for each request of one engine step: L2 pages to save
+                                            its new blocks into, held under a lease until
+                                            ``Commit``
 ``Commit``          (none)                  the reserved pages hold the KV: insert them in the tree
                                             (``ok`` False: free them)
 ``Release``         (none)                  a lookup lease is no longer needed (loaded or dropped)
@@ -38,9 +38,39 @@ the daemon sees the engine's process gone (``pid``, ``pid_namespace``, ``start_t
 
 from __future__ import annotations
 
+import sys
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from protos.base import Message, message
+
+TOKEN_TYPECODE = "I"
+"""Token ids travel packed (``pack_tokens``): 4-byte unsigned integers, little-endian, the
+array typecode the server unpacks them into (a 32k-token prompt is 128 KiB, packed and
+unpacked as one memory copy instead of 32k msgpack integers)."""
+
+if array(TOKEN_TYPECODE).itemsize != 4:  # pragma: no cover - every platform CPython supports today
+    raise ImportError(f"array typecode {TOKEN_TYPECODE!r} is not 4 bytes on this platform")
+
+
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """``token_ids`` as the wire's packed bytes; OverflowError for an id outside [0, 2**32)."""
+    packed = array(TOKEN_TYPECODE, token_ids)
+    if sys.byteorder != "little":  # pragma: no cover
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_tokens(data: bytes) -> array[int]:
+    """The token ids of packed bytes; ValueError when their length is not a multiple of 4."""
+    if len(data) % 4:
+        raise ValueError(f"packed token ids must be a multiple of 4 bytes, got {len(data)}")
+    out = array(TOKEN_TYPECODE)
+    out.frombytes(data)
+    if sys.byteorder != "little":  # pragma: no cover
+        out.byteswap()
+    return out
 
 
 class CacheServerMessage(Message):
@@ -85,41 +115,57 @@ class EngineRegister(CacheServerMessage):
 @message("engine_lookup")
 @dataclass(slots=True)
 class Lookup(CacheServerMessage):
-    """How many pages of ``token_ids`` (page-aligned) does L2 hold from the start? With
-    ``prefetch`` the server may first fetch the pages that L3 holds after them."""
+    """How many pages of the request's tokens (page-aligned) does L2 hold from the start?
+    The tokens are the first ``base`` the server holds for ``rid`` (from an earlier
+    ``Lookup`` or ``Reserve`` of it in this session) followed by ``token_ids``, so asking
+    again about a waiting request sends no token twice (``base`` 0: ``token_ids`` is all of
+    them; without ``base`` tokens held: ``EngineError(code="unknown_request")``). Token ids
+    are packed (``pack_tokens``).
+
+    The answer never waits for L3: with ``prefetch``, when L3 may hold pages after the L2
+    hit, the server starts fetching them into L2 and answers ``pending`` (ask again later)
+    until they arrived or the prefetch policy gave up on them."""
 
     req: int
     session: int
     run: int
     rid: str
-    token_ids: list[int]
+    token_ids: bytes
     cache_salt: str = ""
     prefetch: bool = True
+    base: int = 0
 
 
-@message("engine_reserve")
 @dataclass(slots=True)
-class Reserve(CacheServerMessage):
-    """L2 pages to save pages ``[start_page, P // block_size)`` of the request's prefix
-    into, where the prefix (``P`` tokens) is the first ``base`` tokens the server holds for
-    ``rid`` (from its last ``Lookup`` or ``Reserve`` in this session) followed by
-    ``token_ids``. So a request sends each token once: a block filled during decode costs
-    the same bytes at any context length. ``base`` 0: ``token_ids`` is the whole prefix.
-    Without ``base`` tokens held for the request (the server forgot it, or another session
-    asks) the answer is ``EngineError(code="unknown_request")``: send again with ``base`` 0.
+class SaveRange:
+    """One request's part of a ``Reserve``: L2 pages to save pages ``[start_page, P //
+    block_size)`` of its prefix into, where the prefix (``P`` tokens) is the first ``base``
+    tokens the server holds for ``rid`` followed by ``token_ids`` (packed, as in ``Lookup``). So a
+    request sends each token once: a block filled during decode costs the same bytes at any
+    context length.
 
     The server skips the pages it already holds, and starts earlier than ``start_page``
     where L2 lost pages before it (evicted since the engine saved them): the engine still
     holds every block of a running request, so it saves them again."""
 
-    req: int
-    session: int
-    run: int
     rid: str
-    token_ids: list[int]
+    token_ids: bytes
     start_page: int
     cache_salt: str = ""
     base: int = 0
+
+
+@message("engine_reserve")
+@dataclass(slots=True)
+class Reserve(CacheServerMessage):
+    """Reservations for every request of one engine step that has new full blocks to save:
+    one round trip per step, however many requests it runs. ``ReserveResult.items[i]``
+    answers ``items[i]``."""
+
+    req: int
+    session: int
+    run: int
+    items: list[SaveRange]
 
 
 @message("engine_commit")

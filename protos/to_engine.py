@@ -39,7 +39,7 @@ class EngineRegistered(EngineMessage):
 class LookupResult(EngineMessage):
     """``host_pages[i]`` is the L2 page holding page ``i`` of the looked-up tokens, locked
     under ``lease`` (0: nothing locked). ``storage_pages`` of them arrived from L3 for this
-    lookup. ``pending``: a prefetch from L3 is in flight; ask again (nothing is locked)."""
+    lookup. ``pending``: a prefetch from L3 is in flight; ask again later (nothing is locked)."""
 
     req: int
     lease: int = 0
@@ -48,17 +48,28 @@ class LookupResult(EngineMessage):
     pending: bool = False
 
 
-@message("engine_reserve_result")
 @dataclass(slots=True)
-class ReserveResult(EngineMessage):
-    """Save pages ``start_page ..`` into ``host_pages`` (in order), then ``Commit(lease)``.
-    ``start_page`` may be later than asked (the server held those pages already); no
-    ``host_pages`` (lease 0): nothing to save."""
+class Reservation:
+    """The answer to one ``SaveRange``: save pages ``start_page ..`` into ``host_pages`` (in
+    order), then ``Commit(lease)``. ``start_page`` may be later than asked (the server held
+    those pages already); no ``host_pages`` (lease 0): nothing to save. ``code`` names why
+    the range was refused (``unknown_request``: send its tokens again with ``base`` 0;
+    ``bad_request``), "" when it was not."""
 
-    req: int
     lease: int = 0
     start_page: int = 0
     host_pages: list[int] = field(default_factory=list)
+    code: str = ""
+    reason: str = ""
+
+
+@message("engine_reserve_result")
+@dataclass(slots=True)
+class ReserveResult(EngineMessage):
+    """``items[i]`` answers the ``Reserve``'s ``items[i]``."""
+
+    req: int
+    items: list[Reservation] = field(default_factory=list)
 
 
 @message("engine_error")
@@ -66,7 +77,7 @@ class ReserveResult(EngineMessage):
 class EngineError(EngineMessage):
     """Request ``req`` was refused. ``code``: ``refused`` (registration does not match what
     the daemon serves), ``unknown_session`` and ``stale_run`` (register again),
-    ``unknown_request`` (a ``Reserve`` named tokens the server does not hold: send them all),
+    ``unknown_request`` (a ``Lookup`` named tokens the server does not hold: send them all),
     ``bad_request``, ``busy``."""
 
     req: int

@@ -21,6 +21,13 @@ Every figure comes with its reference measured in the same run, as medians and r
 * ``decode``: a long decode (``--decode-contexts``, ``--decode-tokens``): Reserve messages
   and token ids sent to the daemon per generated block, at each context length against the
   shortest one (goal: constant, ratio <= 1.1; ``engine_lib.parts.run_decode``).
+* ``steps``: vLLM's step time (p50, p99) and its scheduler part under a mixed workload of
+  ``--steps-requests`` concurrent requests, a third of them L3 hits, a third L2 hits, with
+  hicache against vLLM alone serving the same hits from its own prefix cache (goal: p99 step
+  time <= 1.1x; ``engine_lib.parts.run_steps``).
+* ``lookup``: the connector's side of a lookup that hits L2, first ask and ask again, at
+  ``--lookup-tokens`` lengths against the shortest (goal for the longest: 1 ms;
+  ``engine_lib.parts.run_lookup``). No vLLM runs in this part.
 * ``copy``: ``BlockCopier`` load and save against raw torch copies of the same blocks, in
   this process (``hicache.bench.engine_lib.copy_bench``).
 * ``peers``: what a vLLM-on-CPU user has without hicache: vLLM's ``OffloadingConnector``
@@ -38,7 +45,7 @@ from __future__ import annotations
 
 import argparse
 
-PARTS = ("ttft", "multiturn", "decode", "copy", "peers")
+PARTS = ("ttft", "multiturn", "decode", "steps", "lookup", "copy", "peers")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("decode")
     g.add_argument("--decode-contexts", default="1024,4096,16384", help="context lengths, comma-separated")
     g.add_argument("--decode-tokens", type=int, default=1024)
+    g = parser.add_argument_group("steps")
+    g.add_argument("--steps-requests", type=int, default=12)
+    g.add_argument("--steps-prompt-tokens", type=int, default=1024)
+    g.add_argument("--steps-max-tokens", type=int, default=32)
+    g = parser.add_argument_group("lookup")
+    g.add_argument("--lookup-tokens", default="1024,32768", help="prompt lengths, comma-separated")
+    g.add_argument("--lookup-repeats", type=int, default=50)
     g = parser.add_argument_group("copy")
     g.add_argument("--copy-sizes", default="1,4,16", help="MiB per copy call, comma-separated")
     g.add_argument("--copy-repeats", type=int, default=7)
@@ -98,6 +112,8 @@ def _apply_quick(args: argparse.Namespace) -> None:
     args.peer_prompt_tokens = 256
     args.decode_contexts, args.decode_tokens = "256,1024", 128
     args.peer_repeats = 1
+    args.steps_requests, args.steps_prompt_tokens, args.steps_max_tokens = 6, 256, 8
+    args.lookup_tokens, args.lookup_repeats = "1024,8192", 10
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
                          f"({', '.join(f'{k} {v}' for k, v in copy['checks'].items())})")
             if not ok:
                 code = 1
-        vllm_parts = [p for p in parts if p != "copy"]
+        vllm_parts = [p for p in parts if p != "copy"]  # and lookup, which needs the model's geometry
         if vllm_parts:
             from hicache.bench.engine_lib.parts import Bench, ChatShape, kv_bytes_per_token
             from hicache.bench.engine_lib.vllm_driver import save_random_model
@@ -196,6 +212,28 @@ def run(args: argparse.Namespace) -> int:
                 f, x = run_decode(bench, contexts=contexts, decode_tokens=args.decode_tokens)
                 figures += f
                 extra["decode"] = x
+            if "steps" in parts:
+                from hicache.bench.engine_lib.parts import run_steps
+
+                f, x = run_steps(bench, requests=args.steps_requests, prompt_tokens=args.steps_prompt_tokens,
+                                 max_tokens=args.steps_max_tokens)
+                figures += f
+                extra["steps"] = x
+                notes.append(f"steps: greedy outputs with hicache equal vLLM alone's: {x['same_output_tokens']}; "
+                             f"hit tokens per kind {x['hicache_cached']}; daemon {x['daemon']}")
+                if not x["same_output_tokens"]:
+                    code = 1
+            if "lookup" in parts:
+                from hicache.bench.engine_lib.parts import run_lookup
+
+                lengths = [int(n) for n in args.lookup_tokens.split(",") if n.strip()]
+                f, x = run_lookup(bench, lengths=lengths, repeats=args.lookup_repeats)
+                figures += f
+                extra["lookup"] = x
+                met = "met" if x["longest_first_ask_ms"] <= x["goal_ms"] else "NOT met"
+                notes.append(f"lookup: {x['longest']}-token L2 hit, connector side: first ask "
+                             f"{x['longest_first_ask_ms']:.3f} ms (goal {x['goal_ms']:g} ms: {met}), ask again "
+                             f"{x['longest_ask_again_ms']:.3f} ms (medians of {x['repeats']})")
             if "peers" in parts:
                 from hicache.bench.engine_lib.parts import run_peers
 

@@ -292,8 +292,14 @@ class CacheSession:
         session, run = asked
         if isinstance(answer, protos.LookupResult) and answer.lease:
             self.client.send(protos.Release(session, run, answer.lease, 0))
-        elif isinstance(answer, protos.ReserveResult) and answer.lease:
-            self.client.send(protos.Commit(session, run, answer.lease, False))
+        elif isinstance(answer, protos.ReserveResult):
+            leases = [got.lease for got in answer.items if got.lease]
+            for lease in leases:
+                self.client.send(protos.Commit(session, run, lease, False))
+            self.late_leases += len(leases)
+            if leases:
+                log.info("hicache: gave back %d reservations of a late answer", len(leases))
+            return
         else:
             return
         self.late_leases += 1

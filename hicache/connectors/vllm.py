@@ -13,15 +13,18 @@ Both halves, one class (vLLM makes one instance per role):
 
 * **Scheduler half** (vLLM's engine core). ``get_num_new_matched_tokens`` asks the daemon
   for the L2 pages of the prompt beyond vLLM's own hit (page-aligned, leaving the last token
-  to compute); the answer comes with a lease that keeps those pages locked. While the daemon
-  prefetches the prompt's next pages from L3 it answers *pending*, and the connector returns
-  None, so vLLM asks again on a later step (the prefetch policy bounds the wait).
-  ``update_state_after_alloc`` turns a hit into a load plan (L2 page -> vLLM block);
-  ``build_connector_meta`` adds, for every scheduled request, the blocks that become full in
-  this step and that the daemon does not hold yet, with L2 pages it reserved for them; a
-  reserve sends only the tokens the daemon does not hold for the request yet
-  (``Reserve.base``), so a block filled during decode costs the same at any context length,
-  and ``request_finished`` tells the daemon to forget them (``Finished``).
+  to compute); the answer comes with a lease that keeps those pages locked. The daemon never
+  waits for L3 before it answers: while it prefetches the prompt's next pages from L3 it
+  answers *pending*, and the connector returns None, so vLLM schedules the other requests
+  and asks about this one again on a later step (not before ``PENDING_RETRY_S``, doubling
+  up to ``MAX_PENDING_RETRY_S``; the prefetch policy bounds the wait). A request's tokens
+  travel once: asking again, and every later reserve, names the tokens the daemon holds for
+  it (``base``) and sends only those after them, so a block filled during decode costs the
+  same at any context length. ``update_state_after_alloc`` turns a hit into a load plan (L2
+  page -> vLLM block); ``build_connector_meta`` reserves, in one round trip for the whole
+  step (``Reserve``), L2 pages for the blocks of every scheduled request that become full
+  in this step and that the daemon does not hold yet, and ``request_finished`` tells the
+  daemon to forget the request (``Finished``).
   ``request_finished`` never delays freeing: saves complete inside the step that computed
   them. ``get_external_cache_hit_sources`` reports L2 hits as ``host`` and prefetched L3 hits
   (the tail of a hit: L3 continues what L2 holds) as ``disk``. Requests whose KV depends on
@@ -60,7 +63,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -104,6 +107,12 @@ log = logging.getLogger("hicache.connector")
 REFUSED_RETRY_S = 30.0
 """After the daemon refused this engine, how long the connector serves without hicache
 before it registers again (the operator may have restarted the daemon with another config)."""
+
+PENDING_RETRY_S = 0.002
+MAX_PENDING_RETRY_S = 0.032
+"""While the daemon prefetches a waiting request's pages from L3, the connector asks again
+after this long, doubling up to the maximum (vLLM's scheduler calls every step: in between
+it answers "not yet" without a round trip)."""
 
 SUPPORTED_VLLM = ("0.32.",)
 """vLLM versions whose connector API this module was written and tested against."""
@@ -175,8 +184,10 @@ class _Tracked:
     request: Request
     block_ids: list[int] = field(default_factory=list)
     saved_pages: int = 0  # pages [0, saved_pages) are in the daemon or planned for saving
-    known_tokens: int = 0  # tokens the daemon holds for this request (Reserve.base counts from them)
+    known_tokens: int = 0  # tokens the daemon holds for this request (a message's base counts from them)
     saves_closed: bool = False  # began before a cache reset: its KV may be of the old weights
+    retry_at: float = 0.0  # pending on an L3 prefetch: not asked again before this (monotonic)
+    pending_wait: float = 0.0  # the current wait between two asks while pending
     hit: _Hit | None = None
     loaded_tokens: int = 0
     loaded_storage_tokens: int = 0
@@ -369,17 +380,22 @@ class HiCacheConnector(KVConnectorBase_V1):
         usable = (len(tokens) - 1) // bs * bs  # vLLM computes at least the last prompt token
         if usable <= num_computed_tokens:
             return 0, False
-        salt = request.cache_salt or ""
+        now = time.monotonic()
+        if now < tracked.retry_at:  # its prefetch from L3 runs: not yet, without asking
+            return None, False
         self.stats.add("lookups")
-        answer = self._call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, rid, list(tokens[:usable]), salt))
+        answer = self._lookup(tracked, tokens, usable)
         if not isinstance(answer, protos.LookupResult):
             self.stats.add("lookup_misses")
             if isinstance(answer, protos.EngineError):
                 log.warning("hicache lookup refused: %s", answer.reason)
             return 0, False
-        tracked.known_tokens = usable
         if answer.pending:
+            self.stats.add("lookups_pending")
+            tracked.pending_wait = min(max(tracked.pending_wait * 2, PENDING_RETRY_S), MAX_PENDING_RETRY_S)
+            tracked.retry_at = now + tracked.pending_wait
             return None, False
+        tracked.pending_wait = tracked.retry_at = 0.0
         reg = self._registered
         if reg is None:  # the session changed under the call: nothing to release to
             return 0, False
@@ -392,6 +408,23 @@ class HiCacheConnector(KVConnectorBase_V1):
             return 0, False
         tracked.hit = hit
         return external, False
+
+    def _lookup(self, tracked: _Tracked, tokens: list[int], usable: int) -> EngineAnswer | None:
+        """Ask about the request's first ``usable`` prompt tokens, sending only those the
+        daemon does not hold for it yet (all of them again if it forgot them)."""
+        rid = tracked.request.request_id
+        salt = tracked.request.cache_salt or ""
+        base = min(tracked.known_tokens, usable)
+        new = protos.pack_tokens(tokens[base:usable])
+        answer = self._call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, rid, new, salt, True, base))
+        if isinstance(answer, protos.EngineError) and answer.code == "unknown_request" and base:
+            whole = protos.pack_tokens(tokens[:usable])
+            answer = self._call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, rid, whole, salt))
+        if isinstance(answer, protos.LookupResult):
+            tracked.known_tokens = usable
+        elif isinstance(answer, protos.EngineError):
+            tracked.known_tokens = 0  # not known to hold them: the next ask sends them all
+        return answer
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         tracked = self._requests.get(request.request_id)
@@ -433,11 +466,12 @@ class HiCacheConnector(KVConnectorBase_V1):
         if self.session is None or self.session.registered is None:
             return meta
         scheduled = scheduler_output.num_scheduled_tokens
+        ranges: list[tuple[_Tracked, int]] = []  # (request, the tokens it will have computed)
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._requests.get(new.req_id)
             if tracked is not None:
                 tracked.block_ids = list(new.block_ids[0])
-                self._plan_save(tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0), meta)
+                ranges.append((tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0)))
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             tracked = self._requests.get(rid)
@@ -448,45 +482,84 @@ class HiCacheConnector(KVConnectorBase_V1):
                 tracked.block_ids = list(new_blocks[0]) if new_blocks else []
             elif new_blocks:
                 tracked.block_ids.extend(new_blocks[0])
-            self._plan_save(tracked, cached.num_computed_tokens[i] + scheduled.get(rid, 0), meta)
+            ranges.append((tracked, cached.num_computed_tokens[i] + scheduled.get(rid, 0)))
+        self._plan_saves(ranges, meta)
         reg = self.session.registered  # after the reserves, which may have registered again
         if reg is not None:
             meta.run = reg.run
             meta.pool = PoolRef(reg.instance, reg.l2_segment, reg.l2_directory, reg.l2_pages, reg.page_bytes)
         return meta
 
-    def _plan_save(self, tracked: _Tracked, computed_after_step: int, meta: HiCacheConnectorMetadata) -> None:
-        """Reserve L2 pages for the blocks that are full once this step ran, beyond
-        ``saved_pages``. The daemon reserves from the first page it lacks, which covers a
-        gap a short or failed reservation left earlier (the request still holds those
-        blocks); so a later block retries it."""
+    def _save_range(self, tracked: _Tracked, computed_after_step: int) -> tuple[protos.SaveRange, int] | None:
+        """The save range of the blocks that are full once this step ran, beyond
+        ``saved_pages``, with the tokens it ends at; None when there are none."""
         if tracked.saves_closed:
-            return
+            return None
         bs = self.block_size
         tokens = tracked.request.all_token_ids
         full = min(computed_after_step, len(tokens), len(tracked.block_ids) * bs) // bs
         start = tracked.saved_pages
         if full <= start:
-            return
+            return None
         tracked.saved_pages = full
-        rid = tracked.request.request_id
-        salt = tracked.request.cache_salt or ""
         end = full * bs
         base = min(tracked.known_tokens, end)  # the daemon holds these: send only the tokens after them
-        new = list(tokens[base:end])
-        answer = self._call(lambda req, reg: protos.Reserve(req, reg.session, reg.run, rid, new, start, salt, base))
-        if isinstance(answer, protos.EngineError) and answer.code == "unknown_request" and base:
-            whole = list(tokens[:end])  # the daemon forgot them (or the session changed): send all, once
-            answer = self._call(lambda req, reg: protos.Reserve(req, reg.session, reg.run, rid, whole, start, salt))
-        if isinstance(answer, protos.ReserveResult):
-            tracked.known_tokens = end
-        reg = self._registered
-        if not isinstance(answer, protos.ReserveResult) or not answer.host_pages or reg is None:
+        item = protos.SaveRange(tracked.request.request_id, protos.pack_tokens(tokens[base:end]), start,
+                                tracked.request.cache_salt or "", base)
+        return item, end
+
+    def _plan_saves(self, ranges: list[tuple[_Tracked, int]], meta: HiCacheConnectorMetadata) -> None:
+        """Reserve L2 pages for the step's new full blocks, one ``Reserve`` for every request
+        (a second one only for requests whose tokens the daemon forgot), and plan the saves.
+        The daemon reserves from the first page it lacks, which covers a gap a short or
+        failed reservation left earlier (the request still holds those blocks); so a later
+        block retries it."""
+        asks: list[tuple[_Tracked, protos.SaveRange, int]] = []  # (request, its range, the tokens it ends at)
+        for tracked, computed in ranges:
+            planned = self._save_range(tracked, computed)
+            if planned is not None:
+                asks.append((tracked, *planned))
+        if not asks:
             return
-        first = answer.start_page
-        blocks = tracked.block_ids[first : first + len(answer.host_pages)]
-        meta.saves.append(SavePlan(rid, reg.session, reg.run, answer.lease, list(answer.host_pages), blocks))
-        self.stats.add("reserved_blocks", len(blocks))
+        answers = self._reserve([item for _, item, _ in asks])
+        again = [i for i, got in enumerate(answers)
+                 if got is not None and got.code == "unknown_request" and asks[i][1].base]
+        if again:  # the daemon forgot those requests (or the session changed): send their tokens, once
+            whole = [replace(asks[i][1], token_ids=protos.pack_tokens(asks[i][0].request.all_token_ids[: asks[i][2]]),
+                             base=0) for i in again]
+            for i, got in zip(again, self._reserve(whole), strict=True):
+                answers[i] = got
+        reg = self._registered
+        for (tracked, item, end), got in zip(asks, answers, strict=True):
+            if got is None:
+                continue
+            if got.code:
+                tracked.known_tokens = 0
+                log.warning("hicache refused a save range of %s: %s", item.rid, got.reason)
+                continue
+            tracked.known_tokens = end
+            if not got.host_pages or reg is None:
+                continue
+            first = got.start_page
+            blocks = tracked.block_ids[first : first + len(got.host_pages)]
+            meta.saves.append(SavePlan(item.rid, reg.session, reg.run, got.lease, list(got.host_pages), blocks))
+            self.stats.add("reserved_blocks", len(blocks))
+
+    def _reserve(self, items: list[protos.SaveRange]) -> list[protos.Reservation | None]:
+        """The daemon's reservation for each item (None for all without an answer)."""
+        answer = self._call(lambda req, reg: protos.Reserve(req, reg.session, reg.run, items))
+        if isinstance(answer, protos.ReserveResult) and len(answer.items) == len(items):
+            return list(answer.items)
+        if isinstance(answer, protos.EngineError):
+            log.warning("hicache refused a reserve: %s", answer.reason)
+        elif isinstance(answer, protos.ReserveResult):  # a daemon bug: give back what it holds
+            log.warning("hicache answered %d reservations for %d save ranges", len(answer.items), len(items))
+            reg = self._registered
+            if reg is not None and self.session is not None:
+                for got in answer.items:
+                    if got.lease:
+                        self.session.send(protos.Commit(reg.session, reg.run, got.lease, False))
+        return [None] * len(items)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         tracked = self._requests.pop(request.request_id, None)

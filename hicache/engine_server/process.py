@@ -17,9 +17,8 @@ launcher     PUSH    ready, and a restart request when the controller hangs
 ``CacheServerProcess`` is the loop (``hicache.scheduler.loop.ProcessLoop``: heartbeat,
 telemetry, controller watchdog, stop, as in builtin mode) around the ``CacheServer``; one
 handler per inbox message type (``handlers``). A round polls both sockets (at most
-``POLL_MS``; ``DEFERRED_POLL_MS`` while a lookup waits for its prefetch), answers up to
-``ENGINE_BATCH`` engine messages and ``hicache.scheduler.loop.INBOX_BATCH`` inbox messages,
-sends the deferred lookup answers that are due, and expires sessions every
+``POLL_MS``), answers up to ``ENGINE_BATCH`` engine messages (each at once: no answer waits
+for L3) and ``hicache.scheduler.loop.INBOX_BATCH`` inbox messages, and expires sessions every
 ``EXPIRE_INTERVAL_S``, once every queued engine message is served (``drain_engines``). A
 session's silence counts only time this loop ran: after a stall of the loop (``STALL_S``)
 every session is credited the stall, since its heartbeats could not be read.
@@ -72,14 +71,8 @@ STALL_S = 1.0
 EXPIRE_DRAIN_LIMIT = 100_000
 """Engine messages served before an expiry at most; with more queued, the expiry waits."""
 
-DEFERRED_POLL_MS = 1
-"""The wait while a lookup waits for its prefetch (its answer is due soon)."""
-
 ENGINE_BATCH = 256
-"""Engine messages answered per round at most, before the inbox and the deferred answers."""
-
-DEFER_FRACTION = 0.5
-"""A lookup waits for its prefetch at most this fraction of the engines' lookup timeout."""
+"""Engine messages answered per round at most, before the inbox."""
 
 ENGINE_MODE_ERROR = ("this daemon runs in engine mode (engine.kind: vllm): it serves no model; "
                      "send generation requests to the vLLM engine")
@@ -112,8 +105,7 @@ def build_cache_server(args: SchedulerArgs, controller_send: Callable[[protos.Co
                        l3_enabled=cfg.cache.l3.backend != "none")
     pool = L2PoolInfo(args.layout.instance, full.l2[0].segment, args.layout.directory, full.l2_pages,
                       full.l2_page_bytes)
-    return CacheServer(cache, tier, geometry, pool, cfg.engine.lease_ttl_s,
-                       defer_s=cfg.engine.lookup_timeout_ms / 1000 * DEFER_FRACTION)
+    return CacheServer(cache, tier, geometry, pool, cfg.engine.lease_ttl_s)
 
 
 class CacheServerProcess(ProcessLoop):
@@ -177,7 +169,7 @@ class CacheServerProcess(ProcessLoop):
 
     def round(self) -> None:
         self.awake()
-        ready = dict(self.poller.poll(DEFERRED_POLL_MS if self.server.deferred else POLL_MS))
+        ready = dict(self.poller.poll(POLL_MS))
         self.awake()
         if self.engines.socket in ready:
             for _ in range(ENGINE_BATCH):
@@ -185,8 +177,6 @@ class CacheServerProcess(ProcessLoop):
                     break
         if self.links.inbox.socket in ready:
             self.read_inbox(0)
-        for peer, answer in self.server.deliver():  # lookups that waited for a prefetch
-            self.engines.send(peer, answer)
         if self._expire.due(self.clock()) and self.drain_engines():
             self.awake()
             self.server.expire()
@@ -219,7 +209,7 @@ class CacheServerProcess(ProcessLoop):
             return False
         peer, msg = got
         try:
-            answer = self.server.handle(msg, peer)
+            answer = self.server.handle(msg)
         except Exception as exc:  # a bug must cost this request, not the daemon
             log.exception("engine request %s failed", type(msg).__name__)
             answer = protos.EngineError(getattr(msg, "req", 0), "bad_request", f"{type(exc).__name__}: {exc}")

@@ -1,10 +1,11 @@
-"""The tokens the cache server holds of each running engine request (``Reserve.base``).
+"""The tokens the cache server holds of each running engine request (the ``base`` of a
+``Lookup`` or ``SaveRange``).
 
 A request's tokens are set by its ``Lookup``, replaced by each ``Reserve`` with the longer
 prefix, and dropped by ``Finished`` or with their session. ``max_tokens`` bounds them all:
 past it the least recently set requests are forgotten first, and their next ``Reserve``
 with a ``base`` is answered ``unknown_request`` (the engine then sends all its tokens).
-Keys are never changed in place: other holders (a deferred lookup, a lease) may share them.
+Keys are never changed in place: other holders (a lease, a prefetch) may share them.
 """
 
 from __future__ import annotations

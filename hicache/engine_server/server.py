@@ -47,6 +47,9 @@ from hicache.tree.node import KEY_TYPECODE
 
 log = logging.getLogger("hicache.engine_server")
 
+if KEY_TYPECODE != protos.TOKEN_TYPECODE:  # the wire's packed tokens become tree keys as they are
+    raise ImportError(f"tree keys ({KEY_TYPECODE!r}) and packed tokens ({protos.TOKEN_TYPECODE!r}) differ")
+
 PREFETCHED_MEMORY = 16384
 """How many (session, request) pairs remember that their prefetch ran, so a request that
 vLLM asks about again is not prefetched (and held) a second time."""
@@ -76,18 +79,6 @@ class L2PoolInfo:
 
 
 @dataclass
-class _Query:
-    """A lookup whose answer waits for a prefetch: who asked (``peer``, ``req``) and until when."""
-
-    peer: bytes
-    req: int
-    session: int
-    key: array[int]
-    cache_salt: str
-    deadline: float
-
-
-@dataclass
 class EngineCounters:
     """Monotonic counters for stats and metrics (pages unless the name says otherwise)."""
 
@@ -106,9 +97,15 @@ class EngineCounters:
     stale_run: int = 0
     """Messages of an earlier daemon run (refused or dropped)."""
     unknown_requests: int = 0
-    """Reserves that named tokens the server did not hold (``unknown_request``)."""
+    """Lookups and save ranges that named tokens the server did not hold (``unknown_request``)."""
+    lookup_pending: int = 0
+    """Lookups answered ``pending`` (a prefetch from L3 in flight)."""
+    lookup_tokens_received: int = 0
+    """Token ids received in Lookups (with ``base``, only the new ones)."""
     reserves: int = 0
-    """Reserve messages served."""
+    """Reserve messages served (one per engine step that saves)."""
+    save_ranges: int = 0
+    """Save ranges in them (one per request and step)."""
     reserve_tokens_received: int = 0
     """Token ids received in Reserves (with ``base``, only the new ones)."""
     orphans_ended_late: int = 0
@@ -121,14 +118,13 @@ class CacheServer:
     """Answers engine connectors over one ``UnifiedRadixCache`` with L2 only.
 
     ``tier``: the tier manager (L3 backups and prefetches), None without a controller.
-    ``defer_s``: how long a lookup's answer may wait for its prefetch (less than the
-    engines' lookup timeout). ``clock``: monotonic seconds (tests pass their own). ``run``:
+    ``clock``: monotonic seconds (tests pass their own). ``run``:
     this daemon run's number (default: random). ``leases``: the lease table (default: one
     with ``lease_ttl_s`` that watches engine processes through /proc).
     """
 
     def __init__(self, cache: UnifiedRadixCache, tier: TierManager | None, geometry: EngineKVGeometry,
-                 pool: L2PoolInfo, lease_ttl_s: float, *, defer_s: float = 0.05,
+                 pool: L2PoolInfo, lease_ttl_s: float, *,
                  clock: Callable[[], float] = time.monotonic, run: int | None = None,
                  leases: LeaseTable | None = None) -> None:
         if cache.full.host_allocator is None:
@@ -145,13 +141,12 @@ class CacheServer:
         self.counters = EngineCounters()
         self._prefetches: dict[tuple[int, str], PrefetchTicket] = {}
         self._prefetched: OrderedDict[tuple[int, str], None] = OrderedDict()
-        self._deferred: dict[tuple[int, str], _Query] = {}
         self.requests = RequestTokens(REQUEST_MEMORY_TOKENS)
-        self.defer_s = defer_s
         self.exact_checks = 0
         self.integrity_error: str | None = None
         self._handlers: dict[type, Callable[[Any], protos.Message | None]] = {
             protos.EngineRegister: self.register,
+            protos.Lookup: self.lookup,
             protos.Reserve: self.reserve,
             protos.Commit: self.commit,
             protos.Release: self.release,
@@ -164,11 +159,8 @@ class CacheServer:
         return self.cache.full.host_allocator
 
     # ------------------------------------------------------------------ dispatch
-    def handle(self, msg: protos.Message, peer: bytes = b"") -> protos.Message | None:
-        """The answer to one engine message from ``peer``: None for fire-and-forget ones and
-        for a deferred lookup (``deliver`` sends its answer later)."""
-        if isinstance(msg, protos.Lookup):
-            return self.lookup(msg, peer)
+    def handle(self, msg: protos.Message) -> protos.Message | None:
+        """The answer to one engine message (None for fire-and-forget ones)."""
         handler = self._handlers.get(type(msg))
         if handler is None:
             return protos.EngineError(getattr(msg, "req", 0), "bad_request",
@@ -186,19 +178,34 @@ class CacheServer:
         self.counters.stale_run += 1
         return True
 
-    def _request_key(self, msg: protos.Lookup | protos.Reserve
-                     ) -> tuple[Session, array[int]] | protos.EngineError:
-        """Renew the request's session and return it with the tokens as a key, or the error to answer."""
+    def _open_session(self, msg: protos.Lookup | protos.Reserve) -> Session | protos.EngineError:
+        """Renew the message's session and return it, or the error to answer."""
         if self._stale(msg.run):
             return protos.EngineError(msg.req, "stale_run", f"run {msg.run} is not this daemon's run (it restarted)")
         session = self.leases.touch(msg.session, self.clock())
         if session is None:
             return self._session_error(msg.req, msg.session)
+        return session
+
+    def _request_tokens(self, slot: tuple[int, str], base: int, token_ids: bytes) -> array[int] | tuple[str, str]:
+        """The first ``base`` tokens held for ``slot`` followed by the packed ``token_ids``
+        (now held for it), or the refusal ``(code, reason)``."""
+        if base < 0:
+            self.counters.bad_requests += 1
+            return "bad_request", f"base must be >= 0, got {base}"
         try:
-            return session, _key(msg.token_ids)
+            key = protos.unpack_tokens(token_ids)
         except ValueError as exc:
             self.counters.bad_requests += 1
-            return protos.EngineError(msg.req, "bad_request", str(exc))
+            return "bad_request", str(exc)
+        if base:
+            held = self.requests.get(slot)
+            if held is None or len(held) < base:
+                self.counters.unknown_requests += 1
+                return "unknown_request", f"request {slot[1]!r} has no {base} tokens here: send them all"
+            key = held[:base] + key
+        self.requests.set(slot, key)
+        return key
 
     # ------------------------------------------------------------------ register
     def register(self, msg: protos.EngineRegister) -> protos.Message:
@@ -224,22 +231,23 @@ class CacheServer:
                                        p.page_bytes, self.leases.ttl_s)
 
     # ------------------------------------------------------------------ lookup
-    def lookup(self, msg: protos.Lookup, peer: bytes = b"") -> protos.Message | None:
-        """The L2 hit of ``msg.token_ids``, locked under a lease. When L3 may hold the pages
-        after it, a prefetch starts and the answer is *deferred* (None here): ``deliver``
-        sends it, to ``peer``, once the prefetch is done or ``defer_s`` has passed (then as
-        ``pending``: the engine asks again, and that lookup is deferred in turn)."""
-        got = self._request_key(msg)
-        if isinstance(got, protos.EngineError):
-            return got
-        session, key = got
-        salt = namespaced_salt(session.namespace, msg.cache_salt)
-        self.counters.lookups += 1
+    def lookup(self, msg: protos.Lookup) -> protos.Message:
+        """The L2 hit of the request's tokens, locked under a lease, answered at once. When L3
+        may hold pages after it, a prefetch starts and the answer is ``pending`` (nothing
+        locked) until the prefetch is done: then the hit includes what arrived."""
+        session = self._open_session(msg)
+        if isinstance(session, protos.EngineError):
+            return session
         slot = (msg.session, msg.rid)
-        self.requests.set(slot, key)
-        query = _Query(peer, msg.req, msg.session, key, salt, self.clock() + self.defer_s)
-        if slot in self._prefetches:
-            return self._defer(slot, query)
+        key = self._request_tokens(slot, msg.base, msg.token_ids)
+        if isinstance(key, tuple):
+            return protos.EngineError(msg.req, *key)
+        self.counters.lookups += 1
+        self.counters.lookup_tokens_received += len(msg.token_ids) // 4
+        salt = namespaced_salt(session.namespace, msg.cache_salt)
+        ticket = self._prefetches.get(slot)
+        if ticket is not None:
+            return self._prefetch_answer(msg.req, msg.session, slot, key, salt, ticket)
         match = None
         if msg.prefetch and self.tier is not None and self.tier.l3_enabled and slot not in self._prefetched:
             match = self.cache.match_prefix(key, salt)
@@ -248,63 +256,47 @@ class CacheServer:
                 ticket = self.tier.start_prefetch(msg.rid, key, match, salt)
                 if ticket is not None and ticket.policy != "best_effort":
                     self._prefetches[slot] = ticket
-                    return self._defer(slot, query)
-        return self._answer(query, 0, match)
+                    return self._prefetch_answer(msg.req, msg.session, slot, key, salt, ticket)
+        return self._answer(msg.req, msg.session, key, salt, 0, match)
 
-    def _defer(self, slot: tuple[int, str], query: _Query) -> protos.Message | None:
-        ticket = self._prefetches[slot]
-        if ticket.ready(self.clock()):
-            return self._finish_prefetch(slot, query)
-        self._deferred[slot] = query  # a newer ask replaces an older one (its engine gave up)
-        return None
-
-    def _finish_prefetch(self, slot: tuple[int, str], query: _Query) -> protos.Message:
-        ticket = self._prefetches.pop(slot)
+    def _prefetch_answer(self, req: int, session: int, slot: tuple[int, str], key: array[int], salt: str,
+                         ticket: PrefetchTicket) -> protos.Message:
+        """``pending`` while the slot's prefetch runs; once it is done (or its policy gave up
+        on it), the hit with what it brought."""
+        if not ticket.ready(self.clock()):
+            self.counters.lookup_pending += 1
+            return protos.LookupResult(req, pending=True)
+        del self._prefetches[slot]
         self._cancel_prefetch(ticket)
-        return self._answer(query, ticket.arrived_tokens // self.cache.page_size)
+        return self._answer(req, session, key, salt, ticket.arrived_tokens // self.cache.page_size)
 
     def _cancel_prefetch(self, ticket: PrefetchTicket) -> None:
         if self.tier is None:  # tickets come from the tier manager: there are none without one
             raise RuntimeError("a prefetch ticket on a cache server without a tier manager")
         self.tier.cancel_prefetch(ticket)
 
-    def deliver(self) -> list[tuple[bytes, protos.Message]]:
-        """The deferred lookup answers due now: ``(peer, answer)`` pairs to send."""
-        if not self._deferred:
-            return []
-        now = self.clock()
-        out: list[tuple[bytes, protos.Message]] = []
-        for slot, query in list(self._deferred.items()):
-            ticket = self._prefetches.get(slot)
-            if ticket is not None and ticket.ready(now):
-                out.append((query.peer, self._finish_prefetch(slot, query)))
-            elif ticket is None or now >= query.deadline:
-                out.append((query.peer, protos.LookupResult(query.req, pending=ticket is not None)))
-            else:
-                continue
-            del self._deferred[slot]
-        return out
-
     @property
-    def deferred(self) -> int:
-        return len(self._deferred)
+    def prefetching(self) -> int:
+        """Requests whose lookup waits for a prefetch from L3."""
+        return len(self._prefetches)
 
-    def _answer(self, query: _Query, storage_pages: int, match: MatchResult | None = None) -> protos.Message:
-        """The L2 hit of the query's key now, locked under a lease (none for no hit);
-        ``match``: the key's match made a moment ago in this call, if any (not made twice)."""
+    def _answer(self, req: int, session: int, key: array[int], salt: str, storage_pages: int,
+                match: MatchResult | None = None) -> protos.Message:
+        """The L2 hit of ``key`` now, locked under a lease (none for no hit); ``match``: the
+        key's match made a moment ago in this call, if any (not made twice)."""
         if match is None:
-            match = self.cache.match_prefix(query.key, query.cache_salt)
+            match = self.cache.match_prefix(key, salt)
         if match.host_hit_length == 0:
-            return protos.LookupResult(query.req)
+            return protos.LookupResult(req)
         node = match.last_host_node
         pages = self.cache.host_prefix_pages(node)
         npages = self.cache.protect_host(node)
         storage_pages = min(storage_pages, len(pages))
-        lease = self.leases.add(Lease(0, LeaseKind.LOOKUP, query.session, self.clock(), node=node, npages=npages,
+        lease = self.leases.add(Lease(0, LeaseKind.LOOKUP, session, self.clock(), node=node, npages=npages,
                                       storage_pages=storage_pages))
         self.counters.lookup_hit_pages += len(pages)
         self.counters.lookup_storage_pages += storage_pages
-        return protos.LookupResult(query.req, lease.lease_id, pages, storage_pages)
+        return protos.LookupResult(req, lease.lease_id, pages, storage_pages)
 
     def _remember_prefetched(self, slot: tuple[int, str]) -> None:
         self._prefetched[slot] = None
@@ -313,36 +305,34 @@ class CacheServer:
 
     # ------------------------------------------------------------------ save
     def reserve(self, msg: protos.Reserve) -> protos.Message:
-        """L2 pages for the pages of the prefix that L2 lacks: from the first one it lacks,
-        which may be before ``msg.start_page`` (pages saved earlier and evicted since: the
-        tree can only take pages that continue what it holds, so a gap would make every
-        later save of the request wasted)."""
-        got = self._request_key(msg)
-        if isinstance(got, protos.EngineError):
-            return got
-        session, key = got
-        if msg.start_page < 0 or msg.base < 0:
-            self.counters.bad_requests += 1
-            return protos.EngineError(msg.req, "bad_request", "start_page and base must be >= 0, got "
-                                                              f"{msg.start_page} and {msg.base}")
-        slot = (msg.session, msg.rid)
+        """One reservation per save range of the step (``reserve_range``)."""
+        session = self._open_session(msg)
+        if isinstance(session, protos.EngineError):
+            return session
         self.counters.reserves += 1
-        self.counters.reserve_tokens_received += len(key)
-        if msg.base:
-            held = self.requests.get(slot)
-            if held is None or len(held) < msg.base:
-                self.counters.unknown_requests += 1
-                return protos.EngineError(msg.req, "unknown_request",
-                                          f"request {msg.rid!r} has no {msg.base} tokens here: send them all")
-            key = held[: msg.base] + key
-        self.requests.set(slot, key)
-        salt = namespaced_salt(session.namespace, msg.cache_salt)
+        return protos.ReserveResult(msg.req, [self.reserve_range(msg.session, session.namespace, item)
+                                              for item in msg.items])
+
+    def reserve_range(self, session: int, namespace: str, item: protos.SaveRange) -> protos.Reservation:
+        """L2 pages for the pages of the range's prefix that L2 lacks: from the first one it
+        lacks, which may be before ``item.start_page`` (pages saved earlier and evicted since:
+        the tree can only take pages that continue what it holds, so a gap would make every
+        later save of the request wasted)."""
+        self.counters.save_ranges += 1
+        if item.start_page < 0:
+            self.counters.bad_requests += 1
+            return protos.Reservation(code="bad_request", reason=f"start_page must be >= 0, got {item.start_page}")
+        key = self._request_tokens((session, item.rid), item.base, item.token_ids)
+        if isinstance(key, tuple):
+            return protos.Reservation(code=key[0], reason=key[1])
+        self.counters.reserve_tokens_received += len(item.token_ids) // 4
+        salt = namespaced_salt(namespace, item.cache_salt)
         ps = self.cache.page_size
         end = len(key) // ps
         start = self.cache.match_prefix(key, salt).host_hit_length // ps
         want = end - start
         if want <= 0:
-            return protos.ReserveResult(msg.req, 0, start)
+            return protos.Reservation(0, start)
         host = self.host
         if host.free_count < want:
             self.cache.evict_host((want - host.free_count) * ps)
@@ -350,13 +340,13 @@ class CacheServer:
         if n < want:
             self.counters.reserve_short_pages += want - n
         if n == 0:
-            return protos.ReserveResult(msg.req, 0, start)
+            return protos.Reservation(0, start)
         pages = list(host.alloc(n))
-        lease = self.leases.add(Lease(0, LeaseKind.RESERVE, msg.session, self.clock(),
+        lease = self.leases.add(Lease(0, LeaseKind.RESERVE, session, self.clock(),
                                       key=key[: (start + n) * ps], cache_salt=salt,
                                       start_page=start, pages=pages))
         self.counters.reserved_pages += n
-        return protos.ReserveResult(msg.req, lease.lease_id, start, pages)
+        return protos.Reservation(lease.lease_id, start, pages)
 
     def commit(self, msg: protos.Commit) -> None:
         if self._stale(msg.run):
@@ -401,7 +391,11 @@ class CacheServer:
         if self._stale(msg.run):
             return
         self.leases.touch(msg.session, self.clock())
-        self.requests.forget((msg.session, msg.rid))
+        slot = (msg.session, msg.rid)
+        self.requests.forget(slot)
+        ticket = self._prefetches.pop(slot, None)
+        if ticket is not None:  # the request ended while its prefetch ran
+            self._cancel_prefetch(ticket)
 
     def _end_orphan(self, lease_id: int, session: int, kind: LeaseKind) -> None:
         """The late Release / Commit of an expired session's lease: the engine is done with
@@ -430,7 +424,6 @@ class CacheServer:
         live = self.leases.sessions
         for slot in [s for s in self._prefetches if s[0] not in live]:
             self._cancel_prefetch(self._prefetches.pop(slot))
-            self._deferred.pop(slot, None)
         if self.leases.expired_sessions != expired_before:
             self.requests.keep_sessions(live)
         if orphaned:
@@ -489,9 +482,3 @@ class CacheServer:
             out["tiers"] = {**vars(self.tier.counters), "in_flight": self.tier.in_flight}
         return out
 
-
-def _key(token_ids: list[int]) -> array[int]:
-    try:
-        return array(KEY_TYPECODE, token_ids)
-    except (OverflowError, TypeError) as exc:
-        raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None

@@ -30,6 +30,7 @@ class EngineTelemetry:
         m.set_pool("host", "full", host.used * ps, host.capacity * ps)
         m.set_queue("engine_leases", len(s.leases.leases))
         m.set_queue("engine_sessions", len(s.leases.sessions))
+        m.set_queue("engine_prefetching", s.prefetching)
         c = s.counters
         m.engine_loaded("host", self._delta("loaded_host", c.loaded_host_pages) * ps)
         m.engine_loaded("storage", self._delta("loaded_storage", c.loaded_storage_pages) * ps)

@@ -63,3 +63,23 @@ def test_block_copier_load_is_bitwise_exact() -> None:
         assert not loaded_correctly(rig, pages, blocks)
     finally:
         rig.close()
+
+
+def test_lookup_part_times_the_connector_side_against_the_shortest_prompt(tmp_path: Path) -> None:
+    """``--parts lookup --quick``: a real daemon, the protocol client the connector uses; each
+    longer prompt's first ask and ask again against the shortest one's, and the longest one's
+    time beside the 1 ms goal."""
+    out = tmp_path / "engine.json"
+    assert main(["bench", "engine", "--parts", "lookup", "--quick", "--workdir", str(tmp_path / "w"),
+                 "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    names = {f["name"] for f in doc["figures"]}
+    assert names == {"lookup: first ask, 8192-token L2 hit", "lookup: ask again, 8192-token L2 hit"}
+    for f in doc["figures"]:
+        assert f["reference_name"] == "1024-token L2 hit" and f["value"] > 0 and f["reference"] > 0
+    lookup = doc["lookup"]
+    assert [r["tokens"] for r in lookup["rows"]] == [1024, 8192]
+    for row in lookup["rows"]:  # every ask hit the whole saved prompt (the last token is never cached)
+        assert row["hit_pages"] == row["tokens"] // 32
+        assert len(row["first_s"]) == len(row["again_s"]) == lookup["repeats"]
+    assert lookup["longest"] == 8192 and lookup["goal_ms"] == 1.0

@@ -201,7 +201,7 @@ def test_engine_client_talks_to_a_curve_cache_server_only_with_admitted_keys(
     try:
         reg = session.ensure()
         assert isinstance(reg, protos.EngineRegistered), reg
-        answer = session.call(lambda req, r: protos.Lookup(req, r.session, r.run, "r", list(range(64))))
+        answer = session.call(lambda req, r: protos.Lookup(req, r.session, r.run, "r", protos.pack_tokens(range(64))))
         assert isinstance(answer, protos.LookupResult) and answer.host_pages == []
     finally:
         session.close()

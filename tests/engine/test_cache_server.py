@@ -74,6 +74,20 @@ def content(tokens: list[int], page: int, salt: str = "") -> bytes:
     return hashlib.sha256(repr((salt, tokens[: (page + 1) * PS])).encode()).digest()
 
 
+def reserve_msg(req: int, session: int, run: int, rid: str, tokens: list[int], start_page: int, salt: str = "",
+                base: int = 0) -> protos.Reserve:
+    """A ``Reserve`` with one save range."""
+    return protos.Reserve(req, session, run, [protos.SaveRange(rid, protos.pack_tokens(tokens), start_page, salt, base)])
+
+
+def reserve(server: CacheServer, req: int, session: int, run: int, rid: str, tokens: list[int], start_page: int,
+            salt: str = "", base: int = 0) -> protos.Reservation:
+    """The reservation of a one-range ``Reserve``."""
+    ans = server.handle(reserve_msg(req, session, run, rid, tokens, start_page, salt, base))
+    assert isinstance(ans, protos.ReserveResult) and len(ans.items) == 1, ans
+    return ans.items[0]
+
+
 class FakeEngine:
     """Saves and loads through the server, writing and checking page contents in a fake L2."""
 
@@ -89,9 +103,9 @@ class FakeEngine:
         self.req += 1
         return self.req
 
-    def save(self, tokens: list[int], start_page: int = 0, salt: str = "", ok: bool = True) -> protos.ReserveResult:
-        ans = self.server.handle(protos.Reserve(self.next_req(), self.session, RUN, "r", tokens, start_page, salt))
-        assert isinstance(ans, protos.ReserveResult), ans
+    def save(self, tokens: list[int], start_page: int = 0, salt: str = "", ok: bool = True) -> protos.Reservation:
+        ans = reserve(self.server, self.next_req(), self.session, RUN, "r", tokens, start_page, salt)
+        assert not ans.code, ans
         for i, page in enumerate(ans.host_pages):
             self.l2[page] = content(tokens, ans.start_page + i, self.runtime + salt)
         if ans.lease:
@@ -99,7 +113,7 @@ class FakeEngine:
         return ans
 
     def lookup(self, tokens: list[int], salt: str = "", release: bool = True) -> protos.LookupResult:
-        ans = self.server.handle(protos.Lookup(self.next_req(), self.session, RUN, "r", tokens, salt))
+        ans = self.server.handle(protos.Lookup(self.next_req(), self.session, RUN, "r", protos.pack_tokens(tokens), salt))
         assert isinstance(ans, protos.LookupResult), ans
         for i, page in enumerate(ans.host_pages):
             assert self.l2.get(page) == content(tokens, i, self.runtime + salt), f"page {i} of the hit holds other KV"
@@ -123,13 +137,13 @@ def test_registration_is_refused_with_the_fields_that_differ() -> None:
 
 def test_unknown_session_and_bad_tokens_are_answered_not_raised() -> None:
     server, _ = make_server()
-    ans = server.handle(protos.Lookup(5, 99, RUN, "r", [1, 2, 3, 4]))
+    ans = server.handle(protos.Lookup(5, 99, RUN, "r", protos.pack_tokens([1, 2, 3, 4])))
     assert isinstance(ans, protos.EngineError) and ans.code == "unknown_session" and ans.req == 5
     s = session_of(server)
-    ans = server.handle(protos.Lookup(6, s, RUN, "r", [1, -2, 3, 4]))
+    ans = server.handle(protos.Lookup(6, s, RUN, "r", b"\x01\x00\x00"))  # not whole 4-byte ids
     assert isinstance(ans, protos.EngineError) and ans.code == "bad_request"
-    ans = server.handle(protos.Reserve(7, s, RUN, "r", [1, 2, 3, 4], -1))
-    assert isinstance(ans, protos.EngineError) and ans.code == "bad_request"
+    ans = reserve(server, 7, s, RUN, "r", [1, 2, 3, 4], -1)
+    assert ans.code == "bad_request" and not ans.lease
     ans = server.handle(protos.Ready("x", 1))
     assert isinstance(ans, protos.EngineError)
     ans = register(server, runtime="not hex")
@@ -184,9 +198,9 @@ def test_a_failed_commit_and_a_duplicate_commit_free_their_pages() -> None:
     assert server.host.used == 0 and not eng.lookup(tokens).host_pages
     # two engines computing the same prompt at once: both reserve, both commit
     other = FakeEngine(server, eng.l2)
-    r1 = server.handle(protos.Reserve(1, eng.session, RUN, "x", tokens, 0))
-    r2 = server.handle(protos.Reserve(2, other.session, RUN, "y", tokens, 0))
-    assert isinstance(r1, protos.ReserveResult) and isinstance(r2, protos.ReserveResult)
+    r1 = reserve(server, 1, eng.session, RUN, "x", tokens, 0)
+    r2 = reserve(server, 2, other.session, RUN, "y", tokens, 0)
+    assert not r1.code and not r2.code
     for r in (r1, r2):
         for i, page in enumerate(r.host_pages):
             eng.l2[page] = content(tokens, i, RUNTIME)
@@ -214,8 +228,8 @@ def test_a_silent_engines_leases_are_held_as_orphans_until_its_process_is_gone()
     tokens = [3] * (4 * PS)
     eng.save(tokens[: 2 * PS])
     hit = eng.lookup(tokens, release=False)  # the engine stalls holding a lookup lease ...
-    pending = server.handle(protos.Reserve(9, eng.session, RUN, "r", tokens, 2))  # ... and a reservation
-    assert isinstance(pending, protos.ReserveResult) and hit.lease and pending.lease
+    pending = reserve(server, 9, eng.session, RUN, "r", tokens, 2)  # ... and a reservation
+    assert hit.lease and pending.lease
     assert server.host.used == 4
     clock.t += TTL / 2
     assert server.expire() == 0
@@ -229,7 +243,7 @@ def test_a_silent_engines_leases_are_held_as_orphans_until_its_process_is_gone()
     taken = other.save([9] * (4 * PS))
     assert len(taken.host_pages) == 2  # only the two free pages
     assert set(taken.host_pages).isdisjoint(pending.host_pages + hit.host_pages)
-    ans = server.handle(protos.Lookup(10, eng.session, RUN, "r", tokens))
+    ans = server.handle(protos.Lookup(10, eng.session, RUN, "r", protos.pack_tokens(tokens)))
     assert isinstance(ans, protos.EngineError) and ans.code == "unknown_session"
     server.check_idle()
     assert server.exact_checks == 0  # orphans are open work: no exact check yet
@@ -262,8 +276,8 @@ def test_an_orphan_ends_with_its_late_release_or_commit_and_a_late_commit_insert
     tokens = [6] * (4 * PS)
     eng.save(tokens[: 2 * PS])
     hit = eng.lookup(tokens, release=False)
-    pending = server.handle(protos.Reserve(9, eng.session, RUN, "r", tokens, 2))
-    assert isinstance(pending, protos.ReserveResult) and len(pending.host_pages) == 2
+    pending = reserve(server, 9, eng.session, RUN, "r", tokens, 2)
+    assert len(pending.host_pages) == 2
     clock.t += TTL + 1
     assert server.expire() == 2
     server.handle(protos.Release(eng.session, RUN, hit.lease, 2))  # the stalled worker resumes
@@ -281,8 +295,8 @@ def test_a_live_engine_keeps_its_leases_however_long_a_step_takes() -> None:
     tokens = [4] * (2 * PS)
     eng.save(tokens)
     hit = eng.lookup(tokens, release=False)
-    pending = server.handle(protos.Reserve(3, eng.session, RUN, "r", tokens + [4] * PS, 2))
-    assert isinstance(pending, protos.ReserveResult) and pending.lease
+    pending = reserve(server, 3, eng.session, RUN, "r", tokens + [4] * PS, 2)
+    assert pending.lease
     for _ in range(1000):  # heartbeats for 5000 TTLs: a step stalled that long still owns its pages
         clock.t += TTL / 2
         server.handle(protos.Heartbeat(eng.session, RUN))
@@ -302,7 +316,7 @@ def test_messages_of_another_daemon_run_are_refused_and_counted() -> None:
     eng.save(tokens)
     hit = eng.lookup(tokens, release=False)
     old = RUN + 1  # a plan made before a restart names the old run; ids restart at 1 in every run
-    for msg in (protos.Lookup(1, eng.session, old, "r", tokens), protos.Reserve(2, eng.session, old, "r", tokens, 0)):
+    for msg in (protos.Lookup(1, eng.session, old, "r", protos.pack_tokens(tokens)), reserve_msg(2, eng.session, old, "r", tokens, 0)):
         ans = server.handle(msg)
         assert isinstance(ans, protos.EngineError) and ans.code == "stale_run" and ans.req == msg.req
     server.handle(protos.Release(eng.session, old, hit.lease, 2))  # same session and lease numbers
@@ -386,7 +400,7 @@ def test_random_engines_never_get_another_prefixes_pages(seed: int) -> None:
     assert server.integrity_error is None and server.exact_checks == 1
 
 
-def make_tiered_server(defer_s: float = 0.05) -> tuple[CacheServer, Clock, list[protos.Message]]:
+def make_tiered_server() -> tuple[CacheServer, Clock, list[protos.Message]]:
     """A server whose tier manager sends to a list (the test plays the controller)."""
     from hicache.config import PrefetchConfig
     from hicache.tier_manager import TierManager
@@ -396,54 +410,63 @@ def make_tiered_server(defer_s: float = 0.05) -> tuple[CacheServer, Clock, list[
     tier = TierManager(server.cache, sent.append, prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=PS),
                        l3_enabled=True, clock=clock)
     server.tier = tier
-    server.defer_s = defer_s
     return server, clock, sent
 
 
-def test_a_lookup_waits_for_its_prefetch_and_counts_what_came_from_l3() -> None:
+def test_a_lookup_never_waits_for_its_prefetch_and_counts_what_came_from_l3() -> None:
     server, clock, sent = make_tiered_server()
     eng = FakeEngine(server, {})
     tokens = list(range(1, 6 * PS + 1))
     eng.save(tokens[: 2 * PS])  # L2 holds two pages; L3 (the test) will hold three more
-    assert server.handle(protos.Lookup(50, eng.session, RUN, "r", tokens), b"peer-1") is None  # deferred
+    first = server.handle(protos.Lookup(50, eng.session, RUN, "r", protos.pack_tokens(tokens)))
+    assert isinstance(first, protos.LookupResult) and first.req == 50 and first.pending, first
+    assert not first.lease and not first.host_pages and server.prefetching == 1  # nothing locked meanwhile
     query = sent[-1]
     assert isinstance(query, protos.PrefetchQuery) and len(query.hashes) == 4
-    assert server.deliver() == []  # not done, not late
+    ask_again = protos.Lookup(51, eng.session, RUN, "r", b"", "", True, len(tokens))  # by base: no token resent
+    again = server.handle(ask_again)
+    assert isinstance(again, protos.LookupResult) and again.pending
     server.tier.on_message(protos.PrefetchHits(query.op_id, 3))
     fetch = sent[-1]
     assert isinstance(fetch, protos.PrefetchFetch) and len(fetch.host_pages) == 3
+    assert server.handle(ask_again).pending  # type: ignore[union-attr]  # the fetch runs
     for i, page in enumerate(fetch.host_pages):  # the "controller" reads L3 into L2
         eng.l2[page] = content(tokens, 2 + i, RUNTIME)
     server.tier.on_message(protos.OpDone(fetch.op_id, "ok", 3))
-    [(peer, answer)] = server.deliver()
-    assert peer == b"peer-1" and isinstance(answer, protos.LookupResult) and answer.req == 50
+    answer = server.handle(ask_again)
+    assert isinstance(answer, protos.LookupResult) and not answer.pending
     assert len(answer.host_pages) == 5 and answer.storage_pages == 3
     for i, page in enumerate(answer.host_pages):
         assert eng.l2[page] == content(tokens, i, RUNTIME)
     server.handle(protos.Release(eng.session, RUN, answer.lease, 5))
     assert server.counters.loaded_storage_pages == 3 and server.counters.loaded_host_pages == 2
+    assert server.counters.lookup_pending == 3 and server.counters.lookup_tokens_received == len(tokens)
     # the same request asking again is not prefetched a second time
-    again = server.handle(protos.Lookup(51, eng.session, RUN, "r", tokens), b"peer-1")
+    again = server.handle(protos.Lookup(52, eng.session, RUN, "r", protos.pack_tokens(tokens)))
     assert isinstance(again, protos.LookupResult) and len(again.host_pages) == 5
     server.handle(protos.Release(eng.session, RUN, again.lease, 0))
     server.check_idle()
     assert server.integrity_error is None
 
 
-def test_a_slow_prefetch_answers_pending_in_time_and_the_next_ask_gets_the_hit() -> None:
-    server, clock, sent = make_tiered_server(defer_s=0.05)
+def test_a_prefetch_that_finds_nothing_answers_a_miss_and_one_of_a_finished_request_is_cancelled() -> None:
+    server, clock, sent = make_tiered_server()
     eng = FakeEngine(server, {})
     tokens = list(range(1, 3 * PS + 1))
-    assert server.handle(protos.Lookup(60, eng.session, RUN, "s", tokens), b"p") is None
+    assert server.handle(protos.Lookup(60, eng.session, RUN, "s", protos.pack_tokens(tokens))).pending  # type: ignore[union-attr]
     query = sent[-1]
-    clock.t += 0.06  # the controller is slow: answer before the engine's timeout
-    [(_, late)] = server.deliver()
-    assert isinstance(late, protos.LookupResult) and late.pending and not late.lease
-    assert server.handle(protos.Lookup(61, eng.session, RUN, "s", tokens), b"p") is None  # asked again: waits
+    assert isinstance(query, protos.PrefetchQuery)
     server.tier.on_message(protos.PrefetchHits(query.op_id, 0))  # L3 has nothing
-    [(_, answer)] = server.deliver()
+    answer = server.handle(protos.Lookup(61, eng.session, RUN, "s", protos.pack_tokens(tokens)))
     assert isinstance(answer, protos.LookupResult) and answer.req == 61 and not answer.pending
-    assert not answer.host_pages and not server.deferred
+    assert not answer.host_pages and not server.prefetching
+    # a request that ends while its prefetch runs: the prefetch is cancelled, nothing stays held
+    assert server.handle(protos.Lookup(62, eng.session, RUN, "t", protos.pack_tokens([9] * (3 * PS)))).pending  # type: ignore[union-attr]
+    assert server.prefetching == 1
+    server.handle(protos.Finished(eng.session, RUN, "t"))
+    assert not server.prefetching and server.tier.in_flight == 0
+    server.check_idle()
+    assert server.integrity_error is None and server.exact_checks == 1
 
 
 def test_a_reserve_sends_only_the_tokens_the_server_does_not_hold_for_the_request() -> None:
@@ -451,7 +474,7 @@ def test_a_reserve_sends_only_the_tokens_the_server_does_not_hold_for_the_reques
     eng = FakeEngine(server, {})
     prompt = list(range(1, 3 * PS + 2))  # three full pages and one token
     usable = 3 * PS
-    ans = server.handle(protos.Lookup(1, eng.session, RUN, "q", prompt[:usable]))
+    ans = server.handle(protos.Lookup(1, eng.session, RUN, "q", protos.pack_tokens(prompt[:usable])))
     assert isinstance(ans, protos.LookupResult) and not ans.host_pages
     tokens = list(prompt)
     received = []
@@ -460,9 +483,9 @@ def test_a_reserve_sends_only_the_tokens_the_server_does_not_hold_for_the_reques
             tokens.append(len(tokens) % 97 + 1)
         base = usable if page == 3 else page * PS
         before = server.counters.reserve_tokens_received
-        r = server.handle(protos.Reserve(2, eng.session, RUN, "q", tokens[base:(page + 1) * PS],
-                                         0 if page == 3 else page, "", base))
-        assert isinstance(r, protos.ReserveResult), r
+        r = reserve(server, 2, eng.session, RUN, "q", tokens[base:(page + 1) * PS], 0 if page == 3 else page, "",
+                    base)
+        assert not r.code, r
         received.append(server.counters.reserve_tokens_received - before)
         for i, p in enumerate(r.host_pages):
             eng.l2[p] = content(tokens, r.start_page + i, RUNTIME)
@@ -480,15 +503,21 @@ def test_a_reserve_naming_tokens_the_server_lacks_is_answered_unknown_request() 
     server, clock = make_server()
     eng = FakeEngine(server, {})
     tokens = [3] * (3 * PS)
-    for msg in (protos.Reserve(1, eng.session, RUN, "never-seen", tokens[PS:], 1, "", PS),
-                protos.Reserve(2, eng.session, RUN, "r", tokens[2 * PS:], 2, "", 5 * PS)):
-        ans = server.handle(msg)
-        assert isinstance(ans, protos.EngineError) and ans.code == "unknown_request", ans
-    assert server.counters.unknown_requests == 2 and server.host.used == 0
+    ans = server.handle(protos.Reserve(1, eng.session, RUN, [
+        protos.SaveRange("never-seen", protos.pack_tokens(tokens[PS:]), 1, "", PS),
+        protos.SaveRange("r", protos.pack_tokens(tokens[2 * PS:]), 2, "", 5 * PS),
+        protos.SaveRange("s", protos.pack_tokens(tokens), 0)]))  # one range of three the server can serve
+    assert isinstance(ans, protos.ReserveResult), ans
+    assert [r.code for r in ans.items] == ["unknown_request", "unknown_request", ""], ans
+    assert len(ans.items[2].host_pages) == 3 and not ans.items[0].lease
+    server.handle(protos.Commit(eng.session, RUN, ans.items[2].lease, False))
+    ans = server.handle(protos.Lookup(5, eng.session, RUN, "never-seen", protos.pack_tokens(tokens[PS:]), "", True, PS))
+    assert isinstance(ans, protos.EngineError) and ans.code == "unknown_request", ans
+    assert server.counters.unknown_requests == 3 and server.host.used == 0
     other = FakeEngine(server, eng.l2)  # another session never shares a request's tokens
-    server.handle(protos.Lookup(3, eng.session, RUN, "r", tokens))
-    ans = server.handle(protos.Reserve(4, other.session, RUN, "r", tokens[PS:], 1, "", PS))
-    assert isinstance(ans, protos.EngineError) and ans.code == "unknown_request"
+    server.handle(protos.Lookup(3, eng.session, RUN, "r", protos.pack_tokens(tokens)))
+    ans = reserve(server, 4, other.session, RUN, "r", tokens[PS:], 1, "", PS)
+    assert ans.code == "unknown_request"
     clock.t += TTL + 1  # a session that expires forgets its requests
     server.handle(protos.Heartbeat(other.session, RUN))
     server.expire()

@@ -95,7 +95,7 @@ def test_garbage_on_the_engine_socket_is_refused_and_the_daemon_serves_on(engine
     sock.send_multipart([b"two", b"frames"])  # a DEALER frame of two parts
     assert sock.poll(5000)
     assert isinstance(protos.decode(sock.recv()), protos.EngineError)
-    sock.send(protos.encode(protos.Lookup(7, 12345, 1, "r", [1] * 64)))
+    sock.send(protos.encode(protos.Lookup(7, 12345, 1, "r", protos.pack_tokens([1] * 64))))
     assert sock.poll(5000)
     answer = protos.decode(sock.recv())
     assert isinstance(answer, protos.EngineError) and answer.code == "stale_run" and answer.req == 7
@@ -124,7 +124,7 @@ def test_the_session_survives_a_daemon_restart_and_backs_off_while_it_is_down(en
         assert first is not None
 
         def lookup() -> protos.Message | None:
-            return session.call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, "r", [3] * 64))
+            return session.call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, "r", protos.pack_tokens([3] * 64)))
 
         assert isinstance(lookup(), protos.LookupResult)
         assert d.stop() == 0
@@ -163,7 +163,7 @@ def test_a_client_without_a_daemon_answers_none_fast(short_dir: Path) -> None:
     client = EngineClient(f"ipc://{short_dir}/nothing.sock", 200)
     try:
         began = time.monotonic()
-        assert client.call(protos.Lookup(client.next_req(), 1, 1, "r", [1])) is None
+        assert client.call(protos.Lookup(client.next_req(), 1, 1, "r", protos.pack_tokens([1]))) is None
         assert time.monotonic() - began < 1.0 and client.down
         assert not client.send(protos.Heartbeat(1, 1))
     finally:
@@ -172,11 +172,11 @@ def test_a_client_without_a_daemon_answers_none_fast(short_dir: Path) -> None:
 
 def _save(session: CacheSession, tokens: list[int]) -> None:
     """Reserve and commit ``tokens``' pages (the bytes do not matter here)."""
-    ans = session.call(lambda req, reg: protos.Reserve(req, reg.session, reg.run, "w", tokens, 0))
-    assert isinstance(ans, protos.ReserveResult) and ans.host_pages, ans
+    ans = session.call(lambda req, reg: protos.Reserve(req, reg.session, reg.run, [protos.SaveRange("w", protos.pack_tokens(tokens), 0)]))
+    assert isinstance(ans, protos.ReserveResult) and ans.items[0].host_pages, ans
     reg = session.registered
     assert reg is not None
-    assert session.send(protos.Commit(reg.session, reg.run, ans.lease, True))
+    assert session.send(protos.Commit(reg.session, reg.run, ans.items[0].lease, True))
 
 
 def test_a_lookup_answer_that_comes_after_the_timeout_is_given_back_at_once(engine_daemon) -> None:
@@ -190,7 +190,7 @@ def test_a_lookup_answer_that_comes_after_the_timeout_is_given_back_at_once(engi
         d.wait_for_stats("the commit", lambda s: s["engine"]["committed_pages"] == 2, 10)
         os.kill(scheduler, signal.SIGSTOP)  # the daemon stalls: the answer comes after the timeout
         try:
-            assert session.call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, "r", tokens)) is None
+            assert session.call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, "r", protos.pack_tokens(tokens))) is None
         finally:
             os.kill(scheduler, signal.SIGCONT)
         deadline = time.monotonic() + 10

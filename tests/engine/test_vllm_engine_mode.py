@@ -41,7 +41,9 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 P = _prompts(1, [150, 230, 300])  # L2 and cross-engine hits
 R = _prompts(2, [400, 410, 420, 430, 440, 450])  # traffic while the daemon is killed
 S = _prompts(3, [1500, 1520, 1540])  # traffic while an engine is killed
-ALL = P + R + S
+W = _prompts(4, [300, 260])  # an L3 hit waiting for its prefetch beside an L2 hit
+ALL = P + R + S + W
+CONTROLLER_STOPPED_S = 6.0
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +168,47 @@ def test_file_l3_serves_after_a_daemon_restart(stack: Stack, reference: dict) ->
     loaded = sum(expected_hit(len(p), BLOCK) // BLOCK for p in P)
     _wait(lambda: _stats(d)["engine"]["loaded_storage_pages"] == loaded, 10, "the loads from L3 to be released")
     assert _stats(d)["tiers"]["prefetch_tokens"] > 0
+
+
+def test_a_request_waiting_for_l3_never_holds_up_the_others(stack: Stack, reference: dict) -> None:
+    """With the daemon's controller stopped (SIGSTOP: L3 answers nothing), a request whose
+    pages only L3 holds waits for its prefetch while one that L2 serves, sent in the same
+    step, is served and finished: vLLM's scheduler never waits for L3 (before, every lookup
+    of the waiting request held the scheduler for half the lookup timeout). Once the
+    controller runs again the first is served from L3, token for token as vLLM alone."""
+    d, a = stack.daemon, stack.a
+    l3_prompt, l2_prompt = W
+
+    def settled(s: dict[str, Any]) -> bool:
+        return (s["leases"]["open"] == 0 and s["tiers"]["in_flight"] == 0
+                and s["tiers"]["backup_tokens"] >= s["engine"]["committed_pages"] * BLOCK)
+
+    _check(a.generate([l3_prompt], MAX_TOKENS), [l3_prompt], reference)
+    d.wait_for_stats("its pages backed up to L3", settled, 30)
+    assert d.request("POST", "/cache/flush")[0] == 200  # L2 forgets them, L3 keeps them
+    _check(a.generate([l2_prompt], MAX_TOKENS), [l2_prompt], reference)
+    d.wait_for_stats("its pages in L2", settled, 30)
+    pending_before = _stats(d)["engine"]["lookup_pending"]
+    controller = d.pids()["controller"]
+    resumed: dict[str, float] = {}
+
+    def resume() -> None:
+        time.sleep(CONTROLLER_STOPPED_S)
+        resumed["at"] = time.monotonic()
+        os.kill(controller, signal.SIGCONT)
+
+    os.kill(controller, signal.SIGSTOP)
+    timer = threading.Thread(target=resume)
+    timer.start()
+    try:
+        out = a.steps(W, [0, 0], MAX_TOKENS, timeout_s=300)
+    finally:
+        timer.join()
+    _check(out, W, reference)
+    l3_done, l2_done = out["finished_at"]
+    assert l2_done < resumed["at"] < l3_done, (out["finished_at"], resumed)
+    assert out["cached"] == [expected_hit(len(p), BLOCK) for p in W]
+    assert _stats(d)["engine"]["lookup_pending"] > pending_before
 
 
 def test_a_daemon_killed_mid_traffic_costs_hits_not_answers(stack: Stack, reference: dict) -> None:

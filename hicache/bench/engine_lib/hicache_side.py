@@ -72,6 +72,14 @@ class EngineDaemon:
             out: dict[str, Any] = json.load(resp)
         return out
 
+    def flush(self) -> None:
+        """Drop every unlocked L2 page (L3 keeps its copies)."""
+        assert self.daemon is not None
+        req = urllib.request.Request(self.daemon.url + "/cache/flush", data=b"{}", method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            resp.read()
+
     def wait_backups(self, timeout_s: float = 60.0) -> bool:
         """Wait until every committed L2 page has been backed up to L3; False on timeout."""
         deadline = time.monotonic() + timeout_s

@@ -1,4 +1,5 @@
-"""The vLLM parts of ``bench engine``: ``ttft``, ``multiturn`` and ``peers``.
+"""The vLLM parts of ``bench engine``: ``ttft``, ``multiturn``, ``decode``, ``steps``,
+``lookup`` and ``peers``.
 
 Each part starts its own engines (``VllmProcess``: vLLM in a child process) one after the
 other, never two at once, so they do not share the CPUs. Times are the driver's
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import protos
 from hicache.bench.engine_lib.hicache_side import EngineDaemon, write_engine_config
 from hicache.bench.engine_lib.vllm_driver import VllmError, VllmProcess
 from hicache.bench.report import Figure
@@ -59,10 +61,10 @@ class Bench:
         rng = random.Random(seed)
         return [[rng.randrange(1, self.vocab) for _ in range(length)] for _ in range(n)]
 
-    def engine(self, name: str, **kw: Any) -> VllmProcess:
+    def engine(self, name: str, env: dict[str, str] | None = None, **kw: Any) -> VllmProcess:
         self.progress(f"starting vLLM ({name})")
         eng = VllmProcess(self.model, self.log_path(name), block_size=self.block_size, dtype=self.dtype,
-                            env=self.engine_env, **kw)
+                          env={**self.engine_env, **(env or {})}, **kw)
         self.progress(f"vLLM ({name}) started in {eng.start_s:.0f} s")
         return eng
 
@@ -510,3 +512,168 @@ def run_decode(b: Bench, *, contexts: list[int], decode_tokens: int) -> tuple[li
                               row["reserves_per_block"], f"{ref['context']}-token context",
                               ref["reserves_per_block"], higher_is_better=False, goal=1.1))
     return figures, {"rows": rows, "decode_tokens": decode_tokens, "block_size": b.block_size}
+
+
+# ---------------------------------------------------------------------- steps
+
+
+STEP_KINDS = ("l3", "l2", "miss")
+"""The mixed workload of ``run_steps``: request ``i`` is a ``STEP_KINDS[i % 3]``."""
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def run_steps(b: Bench, *, requests: int, prompt_tokens: int, max_tokens: int) -> tuple[list[Figure], dict[str, Any]]:
+    """vLLM's step time under a mixed workload, with hicache against vLLM alone.
+
+    ``requests`` prompts arrive two engine steps apart (``VllmProcess.steps``: the engine
+    core runs in the driver's process, so each step's wall time and its scheduler part are
+    measured there) and decode ``max_tokens`` tokens each, all concurrently. A third of the
+    prompts are L3 hits for hicache (saved, backed up, then flushed from L2: the daemon
+    prefetches them while vLLM goes on with the others), a third L2 hits, a third misses.
+    The reference is vLLM alone serving the same hits from its own prefix cache (it
+    computed those prompts first), so both engines do the same model work and the ratio is
+    what hicache costs per step: lookups, reserves, loads, saves and the wait for L3.
+    Both engines' greedy outputs are compared."""
+    prompts = b.prompts(requests, prompt_tokens, seed=40)
+    kinds = [STEP_KINDS[i % len(STEP_KINDS)] for i in range(requests)]
+    arrivals = [2 * i for i in range(requests)]
+    max_len = _round_up(prompt_tokens + max_tokens + b.block_size, b.block_size)
+    blocks = 3 * requests * max_len // b.block_size + 16
+    in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    hits = {k: [p for p, kind in zip(prompts, kinds, strict=True) if kind == k] for k in STEP_KINDS}
+    common: dict[str, Any] = dict(prefix_caching=True, max_model_len=max_len, num_blocks=blocks,
+                                  max_num_seqs=max(16, requests), env=in_process)
+    alone = b.engine("steps-vllm", **common)
+    try:
+        alone.generate(hits["l3"] + hits["l2"], 1, timeout_s=3600)  # its own prefix cache holds the hits
+        ref = alone.steps(prompts, arrivals, max_tokens)
+    finally:
+        alone.stop()
+    b.progress(f"steps vLLM alone: {len(ref['step_s'])} steps")
+    daemon = b.daemon("steps-hicache", _round_up(2 * requests * max_len + 4096, b.block_size))
+    eng: VllmProcess | None = None
+    try:
+        eng = b.engine("steps-hicache", hicache_config=str(daemon.config), **common)
+        eng.generate(hits["l3"], 1, timeout_s=3600)
+        daemon.wait_backups()
+        daemon.flush()  # L2 forgets them; the file L3 keeps them
+        eng.generate(hits["l2"], 1, timeout_s=3600)
+        daemon.wait_backups()
+        eng.reset_prefix_cache()  # vLLM forgets all of them: hicache serves the hits
+        before = daemon.stats()["engine"]
+        got = eng.steps(prompts, arrivals, max_tokens)
+        after = daemon.stats()["engine"]
+    finally:
+        if eng is not None:
+            eng.stop()
+        daemon.stop()
+    b.progress(f"steps vLLM + hicache: {len(got['step_s'])} steps")
+    counters = {k: after[k] - before[k] for k in ("lookups", "lookup_pending", "lookup_storage_pages",
+                                                  "lookup_hit_pages", "reserves", "save_ranges")}
+    cached = {k: [c for c, kind in zip(got["cached"], kinds, strict=True) if kind == k] for k in STEP_KINDS}
+    figures = []
+    for name, key in (("step time", "step_s"), ("scheduler time per step", "schedule_s")):
+        mine, theirs = got[key], ref[key]
+        for q, label in ((0.5, "p50"), (0.99, "p99")):
+            figures.append(Figure(f"steps: vLLM {name} {label} (a third L3 hits)", "ms", _percentile(mine, q) * 1000,
+                                  "vLLM alone (own prefix hits)", _percentile(theirs, q) * 1000,
+                                  higher_is_better=False, goal=1.1 if key == "step_s" and label == "p99" else None))
+    extra = {"requests": requests, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "kinds": kinds,
+             "same_output_tokens": got["outputs"] == ref["outputs"], "hicache_cached": cached,
+             "vllm_cached": ref["cached"], "steps": {"hicache": len(got["step_s"]), "vllm": len(ref["step_s"])},
+             "daemon": counters, "step_s": {"hicache": got["step_s"], "vllm": ref["step_s"]},
+             "schedule_s": {"hicache": got["schedule_s"], "vllm": ref["schedule_s"]}}
+    return figures, extra
+
+
+# ---------------------------------------------------------------------- lookup
+
+
+LOOKUP_GOAL_MS = 1.0
+"""The connector-side time a lookup of the longest prompt should take at most."""
+
+
+def _reserve_msg(items: list[protos.SaveRange]) -> Callable[[int, protos.EngineRegistered], protos.Reserve]:
+    def make(req: int, reg: protos.EngineRegistered) -> protos.Reserve:
+        return protos.Reserve(req, reg.session, reg.run, items)
+
+    return make
+
+
+def _lookup_msg(rid: str, ids: bytes, base: int) -> Callable[[int, protos.EngineRegistered], protos.Lookup]:
+    def make(req: int, reg: protos.EngineRegistered) -> protos.Lookup:
+        return protos.Lookup(req, reg.session, reg.run, rid, ids, "", True, base)
+
+    return make
+
+
+def run_lookup(b: Bench, *, lengths: list[int], repeats: int) -> tuple[list[Figure], dict[str, Any]]:
+    """The connector's side of a lookup whose pages L2 holds, at several prompt lengths.
+
+    A session of the daemon's own protocol client (``CacheSession``, what the connector
+    uses) saves each prompt's pages (reserved and committed: a lookup reads no page bytes),
+    then times, as the connector does them: a request's first ask (its tokens sliced and
+    sent, the daemon's match and lease, the answer decoded) and an ask again of a waiting
+    request (``base``: no token sent), each followed by the lease's release (not timed).
+    Medians over ``repeats``; the reference is the shortest length, in the same run; the
+    goal for the longest is 1 ms."""
+    from hicache.config import load_config
+    from hicache.connectors.engine_client import CacheSession
+    from hicache.connectors.vllm import engine_address
+    from hicache.engine_server.geometry import geometry_from_config
+
+    longest = max(lengths)
+    daemon = b.daemon("lookup-hicache", _round_up(sum(lengths) + 4096, b.block_size))
+    rows: list[dict[str, Any]] = []
+    try:
+        cfg = load_config(str(daemon.config))
+        g = geometry_from_config(cfg)
+        register = protos.EngineRegister(0, "bench-lookup", os.getpid(), g.model_identity, g.kv_dtype, g.block_size,
+                                         g.num_layers, g.num_kv_heads, g.head_dim, g.kv_layout, g.page_bytes,
+                                         "b" * 64)
+        session = CacheSession(engine_address(cfg), 5000, register)
+        try:
+            for n in sorted(lengths):
+                tokens = b.prompts(1, n + 1, seed=n)[0]
+                usable = n // b.block_size * b.block_size
+                saved = session.call(_reserve_msg([protos.SaveRange(f"save-{n}", protos.pack_tokens(tokens[:usable]),
+                                                                     0)]))
+                assert isinstance(saved, protos.ReserveResult) and saved.items[0].lease, saved
+                reg = session.registered
+                assert reg is not None
+                session.send(protos.Commit(reg.session, reg.run, saved.items[0].lease, True))
+                row: dict[str, Any] = {"tokens": n, "first_s": [], "again_s": [], "hit_pages": 0}
+                for r in range(repeats):
+                    rid = f"ask-{n}-{r}"
+                    for case, base in (("first_s", 0), ("again_s", usable)):
+                        t0 = time.perf_counter()
+                        ids = protos.pack_tokens(tokens[base:usable])
+                        ans = session.call(_lookup_msg(rid, ids, base))
+                        row[case].append(time.perf_counter() - t0)
+                        assert isinstance(ans, protos.LookupResult) and not ans.pending, ans
+                        row["hit_pages"] = len(ans.host_pages)
+                        session.send(protos.Release(reg.session, reg.run, ans.lease, 0))
+                    session.send(protos.Finished(reg.session, reg.run, rid))
+                rows.append(row)
+                b.progress(f"lookup {n:6d} tokens: first ask {_median(row['first_s']) * 1e3:.3f} ms, ask again "
+                           f"{_median(row['again_s']) * 1e3:.3f} ms, hit {row['hit_pages']} pages")
+        finally:
+            session.close()
+    finally:
+        daemon.stop()
+    ref = rows[0]
+    figures = []
+    for row in rows[1:]:
+        for case, label in (("first_s", "first ask"), ("again_s", "ask again")):
+            figures.append(Figure(f"lookup: {label}, {row['tokens']}-token L2 hit", "ms", _median(row[case]) * 1e3,
+                                  f"{ref['tokens']}-token L2 hit", _median(ref[case]) * 1e3, higher_is_better=False))
+    top = next(r for r in rows if r["tokens"] == longest)
+    return figures, {"rows": rows, "repeats": repeats, "longest": longest,
+                     "longest_first_ask_ms": _median(top["first_s"]) * 1e3,
+                     "longest_ask_again_ms": _median(top["again_s"]) * 1e3, "goal_ms": LOOKUP_GOAL_MS}

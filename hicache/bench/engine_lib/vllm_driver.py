@@ -13,6 +13,13 @@ starts ``vllm.LLM`` (with ``HiCacheConnector`` when ``--hicache-config`` is give
   weight update);
 * ``{"op": "metrics", "prefix": P}`` -> ``{"metrics": [{"name", "labels", "value"}...]}``:
   vLLM's own Prometheus metrics whose name starts with ``P`` (needs ``--log-stats``);
+* ``{"op": "steps", "prompts": [[ids...]], "arrivals": [step...], "max_tokens": N}`` -> the
+  prompts fed to the engine step by step (prompt ``i`` added before step ``arrivals[i]``),
+  stepped until all finished: ``{"outputs", "cached", "finished_at": [...], "step_s": [...],
+  "schedule_s": [...]}``: when each request finished (``time.monotonic()``, comparable
+  across processes), the wall time of each engine step and of the scheduler's part of it
+  (``schedule`` and ``update_from_output``, where a KV connector's scheduler half runs; empty
+  unless the engine core runs in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
 * ``{"op": "exit"}`` -> exits.
 
 ``--num-blocks`` sets vLLM's KV space in blocks (``num_gpu_blocks_override``: the
@@ -96,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             answer({"metrics": [{"name": m.name, "labels": m.labels, "value": getattr(m, "value", None)}
                                 for m in llm.get_metrics() if m.name.startswith(prefix)]})
             continue
-        if op != "generate":
+        if op not in ("generate", "steps"):
             answer({"error": f"unknown op {op!r}"})
             continue
         salt = req.get("cache_salt")
@@ -108,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                 prompt["cache_salt"] = salt
             prompts.append(prompt)
         params = SamplingParams(max_tokens=int(req.get("max_tokens", 8)), temperature=0.0, ignore_eos=True)
+        if op == "steps":
+            answer(_steps(llm, prompts, [int(a) for a in req["arrivals"]], params))
+            continue
         t0 = time.perf_counter()
         results = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
@@ -115,6 +125,58 @@ def main(argv: list[str] | None = None) -> int:
                 "cached": [int(r.num_cached_tokens or 0) for r in results],
                 "finish": [str(r.outputs[0].finish_reason) for r in results], "elapsed_s": elapsed})
     return 0
+
+
+def _steps(llm: Any, prompts: list[Any], arrivals: list[int], params: Any) -> dict[str, Any]:
+    """The ``steps`` op (see the module docstring)."""
+    engine = llm.llm_engine
+    core = getattr(engine.engine_core, "engine_core", None)  # in-process engine core only
+    scheduler_s = [0.0]
+    restore: list[tuple[Any, str, Any]] = []
+    if core is not None:
+        sched = core.scheduler
+        for name in ("schedule", "update_from_output"):
+            original = getattr(sched, name)
+
+            def timed(*a: Any, _original: Any = original, **kw: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return _original(*a, **kw)
+                finally:
+                    scheduler_s[0] += time.perf_counter() - t
+
+            setattr(sched, name, timed)
+            restore.append((sched, name, original))
+    order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+    results: dict[str, Any] = {}
+    finished_at: dict[str, float] = {}
+    step_s: list[float] = []
+    schedule_s: list[float] = []
+    step = 0
+    try:
+        while len(results) < len(prompts):
+            while order and arrivals[order[0]] <= step:
+                i = order.pop(0)
+                engine.add_request(f"steps-{i}", prompts[i], params)
+            scheduler_s[0] = 0.0
+            t0 = time.perf_counter()
+            outs = engine.step()
+            step_s.append(time.perf_counter() - t0)
+            if core is not None:
+                schedule_s.append(scheduler_s[0])
+            for out in outs:
+                if out.finished:
+                    results[out.request_id] = out
+                    finished_at[out.request_id] = time.monotonic()
+            step += 1
+    finally:
+        for obj, name, original in restore:
+            setattr(obj, name, original)
+    done = [results[f"steps-{i}"] for i in range(len(prompts))]
+    return {"outputs": [list(r.outputs[0].token_ids) for r in done],
+            "cached": [int(r.num_cached_tokens or 0) for r in done],
+            "finished_at": [finished_at[f"steps-{i}"] for i in range(len(prompts))], "step_s": step_s,
+            "schedule_s": schedule_s}
 
 
 def _all_cores() -> str:
@@ -211,6 +273,12 @@ class VllmProcess:
                  timeout_s: float = 300.0) -> dict[str, Any]:
         return self.request({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
                              "cache_salt": cache_salt}, timeout_s)
+
+    def steps(self, prompts: list[list[int]], arrivals: list[int], max_tokens: int,
+              timeout_s: float = 3600.0) -> dict[str, Any]:
+        """The ``steps`` op: per-step wall times of a staggered batch (module docstring)."""
+        return self.request({"op": "steps", "prompts": prompts, "arrivals": arrivals, "max_tokens": max_tokens},
+                            timeout_s)
 
     def metrics(self, prefix: str) -> list[dict[str, Any]]:
         """vLLM's own metrics whose name starts with ``prefix`` (started with ``log_stats``)."""
