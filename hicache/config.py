@@ -385,8 +385,9 @@ class EngineConfig:
     weights the identity that namespaces page hashes); ``kv_dtype``: the engines' KV dtype
     (``auto``: the checkpoint's dtype); ``kv_layout``: the engines' per-block byte order
     (vLLM's CPU backend: ``LBHNC``). A session whose engine sends nothing for ``lease_ttl_s``
-    loses its leases. ``lookup_timeout_ms``: how long a connector waits for an answer before
-    it counts the lookup as a miss (and backs off).
+    expires (its leases are held as orphans until the engine's late messages arrive or its
+    process is seen gone). ``lookup_timeout_ms``: how long a connector waits for any answer
+    of the daemon (none waits for L3) before it counts the call as a miss (and backs off).
     """
 
     kind: EngineKind = "builtin"
