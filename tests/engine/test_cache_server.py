@@ -297,7 +297,7 @@ def test_a_live_engine_keeps_its_leases_however_long_a_step_takes() -> None:
     hit = eng.lookup(tokens, release=False)
     pending = reserve(server, 3, eng.session, RUN, "r", tokens + [4] * PS, 2)
     assert pending.lease
-    for _ in range(1000):  # heartbeats for 5000 TTLs: a step stalled that long still owns its pages
+    for _ in range(1000):  # heartbeats for 500 TTLs: a step stalled that long still owns its pages
         clock.t += TTL / 2
         server.handle(protos.Heartbeat(eng.session, RUN))
         assert server.expire() == 0
