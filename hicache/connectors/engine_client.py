@@ -290,20 +290,16 @@ class CacheSession:
         if asked is None:
             return
         session, run = asked
+        give_back: list[protos.Message] = []
         if isinstance(answer, protos.LookupResult) and answer.lease:
-            self.client.send(protos.Release(session, run, answer.lease, 0))
+            give_back.append(protos.Release(session, run, answer.lease, 0))
         elif isinstance(answer, protos.ReserveResult):
-            leases = [got.lease for got in answer.items if got.lease]
-            for lease in leases:
-                self.client.send(protos.Commit(session, run, lease, False))
-            self.late_leases += len(leases)
-            if leases:
-                log.info("hicache: gave back %d reservations of a late answer", len(leases))
-            return
-        else:
-            return
-        self.late_leases += 1
-        log.info("hicache: gave back lease %d of a late answer", answer.lease)
+            give_back += [protos.Commit(session, run, got.lease, False) for got in answer.items if got.lease]
+        for msg in give_back:
+            self.client.send(msg)
+        self.late_leases += len(give_back)
+        if give_back:
+            log.info("hicache: gave back %d leases of a late answer", len(give_back))
 
     def send(self, msg: protos.Message) -> bool:
         return self.client.send(msg)

@@ -525,8 +525,10 @@ class HiCacheConnector(KVConnectorBase_V1):
         again = [i for i, got in enumerate(answers)
                  if got is not None and got.code == "unknown_request" and asks[i][1].base]
         if again:  # the daemon forgot those requests (or the session changed): send their tokens, once
-            whole = [replace(asks[i][1], token_ids=protos.pack_tokens(asks[i][0].request.all_token_ids[: asks[i][2]]),
-                             base=0) for i in again]
+            whole = []
+            for i in again:
+                tracked, item, end = asks[i]
+                whole.append(replace(item, token_ids=protos.pack_tokens(tracked.request.all_token_ids[:end]), base=0))
             for i, got in zip(again, self._reserve(whole), strict=True):
                 answers[i] = got
         reg = self._registered

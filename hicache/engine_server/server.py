@@ -78,6 +78,14 @@ class L2PoolInfo:
     page_bytes: int
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Why the tokens a message names cannot be had: an ``EngineError`` code and reason."""
+
+    code: str
+    reason: str
+
+
 @dataclass
 class EngineCounters:
     """Monotonic counters for stats and metrics (pages unless the name says otherwise)."""
@@ -187,22 +195,22 @@ class CacheServer:
             return self._session_error(msg.req, msg.session)
         return session
 
-    def _request_tokens(self, slot: tuple[int, str], base: int, token_ids: bytes) -> array[int] | tuple[str, str]:
+    def _request_tokens(self, slot: tuple[int, str], base: int, token_ids: bytes) -> array[int] | Refusal:
         """The first ``base`` tokens held for ``slot`` followed by the packed ``token_ids``
-        (now held for it), or the refusal ``(code, reason)``."""
+        (now held for it), or why not."""
         if base < 0:
             self.counters.bad_requests += 1
-            return "bad_request", f"base must be >= 0, got {base}"
+            return Refusal("bad_request", f"base must be >= 0, got {base}")
         try:
             key = protos.unpack_tokens(token_ids)
         except ValueError as exc:
             self.counters.bad_requests += 1
-            return "bad_request", str(exc)
+            return Refusal("bad_request", str(exc))
         if base:
             held = self.requests.get(slot)
             if held is None or len(held) < base:
                 self.counters.unknown_requests += 1
-                return "unknown_request", f"request {slot[1]!r} has no {base} tokens here: send them all"
+                return Refusal("unknown_request", f"request {slot[1]!r} has no {base} tokens here: send them all")
             key = held[:base] + key
         self.requests.set(slot, key)
         return key
@@ -240,10 +248,10 @@ class CacheServer:
             return session
         slot = (msg.session, msg.rid)
         key = self._request_tokens(slot, msg.base, msg.token_ids)
-        if isinstance(key, tuple):
-            return protos.EngineError(msg.req, *key)
+        if isinstance(key, Refusal):
+            return protos.EngineError(msg.req, key.code, key.reason)
         self.counters.lookups += 1
-        self.counters.lookup_tokens_received += len(msg.token_ids) // 4
+        self.counters.lookup_tokens_received += len(key) - msg.base
         salt = namespaced_salt(session.namespace, msg.cache_salt)
         ticket = self._prefetches.get(slot)
         if ticket is not None:
@@ -323,9 +331,9 @@ class CacheServer:
             self.counters.bad_requests += 1
             return protos.Reservation(code="bad_request", reason=f"start_page must be >= 0, got {item.start_page}")
         key = self._request_tokens((session, item.rid), item.base, item.token_ids)
-        if isinstance(key, tuple):
-            return protos.Reservation(code=key[0], reason=key[1])
-        self.counters.reserve_tokens_received += len(item.token_ids) // 4
+        if isinstance(key, Refusal):
+            return protos.Reservation(code=key.code, reason=key.reason)
+        self.counters.reserve_tokens_received += len(key) - item.base
         salt = namespaced_salt(namespace, item.cache_salt)
         ps = self.cache.page_size
         end = len(key) // ps
