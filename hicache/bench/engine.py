@@ -35,7 +35,10 @@ Every figure comes with its reference measured in the same run, as medians and r
   repeat served from its CPU tier against the first request) and LMCache (installed into the work directory without dependencies if it is
   not importable; if its engine starts, a repeated prompt's TTFT against its first request).
 
-The model has random weights (``save_random_model``), kept under ``--workdir``. Its dtype
+The model has random weights (``save_random_model``), kept under ``--workdir``: a Llama
+(``--model-kind llama``, full attention) or a Gemma 3 (``--model-kind gemma3``: layers
+alternate a ``--sliding-window`` window and full attention, which vLLM's hybrid allocator
+keeps in two KV cache groups; the connector loads those asynchronously). Its dtype
 is bfloat16 where the CPU computes bfloat16 natively (AVX512-BF16 or AMX) and float32
 elsewhere (``--dtype auto``): without those instructions torch's bfloat16 matrix products
 run tens of times slower than float32 ones, and prefill alone would take many minutes.
@@ -55,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "removed at the end)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     g = parser.add_argument_group("model (random weights)")
+    g.add_argument("--model-kind", default="llama", choices=("llama", "gemma3"),
+                   help="llama: full attention; gemma3: sliding-window and full layers alternating")
+    g.add_argument("--sliding-window", type=int, default=1024, help="gemma3: the window of its sliding layers")
     g.add_argument("--layers", type=int, default=8)
     g.add_argument("--hidden", type=int, default=1024)
     g.add_argument("--heads", type=int, default=16)
@@ -175,13 +181,15 @@ def run(args: argparse.Namespace) -> int:
             # room for the longest decode context (and at least the 8k the other parts use)
             contexts = [int(c) for c in args.decode_contexts.split(",") if c.strip()]
             positions = max([8192] + [c + args.decode_tokens + 2 * args.block_size for c in contexts])
-            key = (f"llama-l{args.layers}-h{args.hidden}-a{args.heads}-kv{args.kv_heads}-d{args.head_dim}"
+            kind = args.model_kind + (f"-w{args.sliding_window}" if args.model_kind == "gemma3" else "")
+            key = (f"{kind}-l{args.layers}-h{args.hidden}-a{args.heads}-kv{args.kv_heads}-d{args.head_dim}"
                    f"-i{args.intermediate}-v{args.vocab}-p{positions}-{dtype}")
             model_dir = workdir / "models" / key
             progress(f"model: {key} at {model_dir}")
-            save_random_model(model_dir, layers=args.layers, hidden=args.hidden, heads=args.heads,
-                              kv_heads=args.kv_heads, head_dim=args.head_dim, vocab=args.vocab,
-                              intermediate=args.intermediate, dtype=dtype, max_positions=positions)
+            save_random_model(model_dir, arch=args.model_kind, layers=args.layers, hidden=args.hidden,
+                              heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, vocab=args.vocab,
+                              intermediate=args.intermediate, dtype=dtype, max_positions=positions,
+                              sliding_window=args.sliding_window)
             per_token = kv_bytes_per_token(str(model_dir), 2 if dtype == "bfloat16" else 4)
             bench = Bench(workdir, str(model_dir), args.block_size, per_token, args.vocab, dtype, progress)
             extra["model"] = {"dir": str(model_dir), "key": key, "kv_bytes_per_token": per_token}

@@ -7,14 +7,21 @@ after layer: viewed here as ``[l2_pages, num_layers, block_elems]`` over the sha
 segment the daemon named at registration. Copies go run by run (consecutive blocks to
 consecutive pages in one strided copy per layer; ``hicache.memory.pools.page_runs``).
 
+With several KV cache groups (vLLM's hybrid allocator: full and sliding-window attention
+layers in groups of their own), each layer belongs to one group and a page's block of that
+layer is the group's block: a copy names one block list per group. A sliding-window group
+holds no block before its window (``NO_BLOCK``): a load leaves those layers of the page
+unloaded, which the engine never reads; a save needs every block.
+
 Only CPU KV tensors are copied. A CUDA KV cache needs pinned L2 and a side stream with
-events (``hicache.connectors.kv_copy_cuda``, same contract); that path has not run on a GPU
+events (``hicache.connectors.kv_copy_cuda``, the same contract for one KV cache group); that path has not run on a GPU
 yet, so it is refused with that reason (``kv_problem``, and the connector at start) rather
 than enabled untested; ``python -m hicache.connectors.gpu_check`` is its check.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +32,10 @@ from hicache.memory.shm import TORCH_DTYPES, SharedSegment, TensorSpec
 CUDA_REFUSAL = ("a CUDA KV cache is not supported yet: its copy path (hicache.connectors.kv_copy_cuda: pinned "
                 "L2, a side stream with events) has not run on a GPU (python -m hicache.connectors.gpu_check "
                 "verifies it there); run vLLM on the CPU, or without hicache")
+
+
+NO_BLOCK = -1
+"""In a group's block list of a load: the group holds no block for that page."""
 
 
 @dataclass(frozen=True)
@@ -112,17 +123,25 @@ class L2Pages:
 
 
 class BlockCopier:
-    """Block <-> page copies for one engine's KV tensors (``layers``, in layer order).
+    """Block <-> page copies for one engine's KV tensors (``layers``, in page order);
+    ``layer_groups[i]``: the KV cache group of layer ``i`` (default: all in group 0).
 
     ``attach`` maps the L2 pool of a daemon run (again when the run changes); ``load`` and
     ``save`` raise on bad indices or an unmapped pool, and the caller turns that into load
     errors (vLLM recomputes) or a failed commit (the reservation is freed).
     """
 
-    def __init__(self, layers: list[torch.Tensor]) -> None:
+    def __init__(self, layers: list[torch.Tensor], layer_groups: Sequence[int] | None = None) -> None:
         self.layers = [t.view(t.shape[0], -1) for t in layers]
         self.num_blocks = layers[0].shape[0]
         self.l2 = L2Pages(len(layers), self.layers[0].shape[1], layers[0].dtype)
+        groups = list(layer_groups) if layer_groups is not None else [0] * len(layers)
+        if len(groups) != len(layers) or min(groups) < 0:
+            raise ValueError("layer_groups must name a group (>= 0) for every layer")
+        self.group_layers: list[list[int]] = [[] for _ in range(max(groups) + 1)]
+        for i, g in enumerate(groups):
+            self.group_layers[g].append(i)
+        self.block_bytes = self.layers[0].shape[1] * self.layers[0].element_size()
 
     @property
     def pool(self) -> PoolRef | None:
@@ -134,21 +153,45 @@ class BlockCopier:
     def detach(self) -> None:
         self.l2.detach()
 
-    def _check(self, blocks: list[int], pages: list[int]) -> torch.Tensor:
-        return self.l2.check(blocks, pages, self.num_blocks)
+    def _pairs(self, pages: list[int], blocks: Sequence[Sequence[int]], *, skip_absent: bool
+               ) -> tuple[torch.Tensor, list[tuple[list[int], list[int]]]]:
+        """The mapped pages and, per group, the (pages, blocks) it copies, after checking
+        every index list; raises on a bad one."""
+        if len(blocks) != len(self.group_layers):
+            raise ValueError(f"{len(blocks)} block lists for {len(self.group_layers)} KV cache groups")
+        l2 = None
+        per_group = []
+        for ids in blocks:
+            if skip_absent:
+                kept = [(p, b) for p, b in zip(pages, ids, strict=False) if b != NO_BLOCK]
+                group_pages, group_blocks = [p for p, _ in kept], [b for _, b in kept]
+                if len(ids) != len(pages):
+                    raise ValueError(f"{len(ids)} blocks but {len(pages)} pages")
+            else:
+                group_pages, group_blocks = pages, list(ids)
+            l2 = self.l2.check(group_blocks, group_pages, self.num_blocks)
+            per_group.append((group_pages, group_blocks))
+        assert l2 is not None  # there is at least one group
+        return l2, per_group
 
-    def load(self, pages: list[int], blocks: list[int]) -> int:
-        """Copy L2 ``pages[i]`` into block ``blocks[i]`` of every layer; returns bytes copied."""
-        l2 = self._check(blocks, pages)
-        for p, b, n in page_runs(pages, blocks):
-            for i, layer in enumerate(self.layers):
-                layer[b : b + n].copy_(l2[p : p + n, i])
-        return len(pages) * l2[0].numel() * l2.element_size()
+    def load(self, pages: list[int], blocks: Sequence[Sequence[int]]) -> int:
+        """Copy L2 ``pages[i]`` into block ``blocks[g][i]`` of every layer of group ``g``
+        (none where that is ``NO_BLOCK``); returns bytes copied."""
+        l2, per_group = self._pairs(pages, blocks, skip_absent=True)
+        copied = 0
+        for layers, (group_pages, group_blocks) in zip(self.group_layers, per_group, strict=True):
+            for p, b, n in page_runs(group_pages, group_blocks):
+                for i in layers:
+                    self.layers[i][b : b + n].copy_(l2[p : p + n, i])
+            copied += len(group_pages) * len(layers) * self.block_bytes
+        return copied
 
-    def save(self, blocks: list[int], pages: list[int]) -> int:
-        """Copy block ``blocks[i]`` of every layer into L2 ``pages[i]``; returns bytes copied."""
-        l2 = self._check(blocks, pages)
-        for b, p, n in page_runs(blocks, pages):
-            for i, layer in enumerate(self.layers):
-                l2[p : p + n, i].copy_(layer[b : b + n])
-        return len(pages) * l2[0].numel() * l2.element_size()
+    def save(self, blocks: Sequence[Sequence[int]], pages: list[int]) -> int:
+        """Copy block ``blocks[g][i]`` of every layer of group ``g`` into L2 ``pages[i]``
+        (every group must hold its block); returns bytes copied."""
+        l2, per_group = self._pairs(pages, blocks, skip_absent=False)
+        for layers, (group_pages, group_blocks) in zip(self.group_layers, per_group, strict=True):
+            for b, p, n in page_runs(group_blocks, group_pages):
+                for i in layers:
+                    l2[p : p + n, i].copy_(self.layers[i][b : b + n])
+        return len(pages) * len(self.layers) * self.block_bytes

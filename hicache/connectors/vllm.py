@@ -72,8 +72,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import protos
@@ -87,7 +90,7 @@ from hicache.connectors.engine_client import (
     engine_name,
 )
 from hicache.connectors.faults import FAIL_LOADS_ENV, ConnectorFaults, FaultConfigError
-from hicache.connectors.kv_copy import CUDA_REFUSAL, BlockCopier, PoolRef, kv_problem
+from hicache.connectors.kv_copy import CUDA_REFUSAL, NO_BLOCK, BlockCopier, PoolRef, kv_problem
 from hicache.connectors.runtime_identity import UnclassifiedOption, runtime_entries, runtime_identity
 from hicache.connectors.vllm_stats import HiCachePromMetrics, HiCacheStats
 from hicache.engine_server.geometry import EngineKVGeometry, engine_identity
@@ -119,6 +122,14 @@ SUPPORTED_VLLM = ("0.32.",)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
+HELD_SPECS = (FullAttentionSpec, SlidingWindowSpec)
+"""The KV cache group kinds hicache holds (exactly these classes, not their subclasses such
+as MLA): attention KV, full or sliding-window, of one shape across groups."""
+
+VLLM_NULL_BLOCK = 0
+"""The block id vLLM's hybrid allocator puts where a sliding-window group holds no block
+(before the window); never a real block of any group."""
+
 
 class ConnectorRefused(RuntimeError):
     """This vLLM setup cannot use hicache; the message says why."""
@@ -129,28 +140,29 @@ class ConnectorRefused(RuntimeError):
 
 @dataclass
 class LoadPlan:
-    """Copy L2 ``pages[i]`` into vLLM block ``blocks[i]``, then release ``lease`` (of
-    ``session`` in daemon run ``run``)."""
+    """Copy L2 ``pages[i]`` into vLLM block ``blocks[g][i]`` of each KV cache group ``g``
+    (``NO_BLOCK``: the group holds none there, outside its window), then release ``lease``
+    (of ``session`` in daemon run ``run``)."""
 
     rid: str
     session: int
     run: int
     lease: int
     pages: list[int]
-    blocks: list[int]
+    blocks: list[list[int]]
 
 
 @dataclass
 class SavePlan:
-    """Copy vLLM block ``blocks[i]`` into L2 ``pages[i]``, then commit ``lease`` (of
-    ``session`` in daemon run ``run``)."""
+    """Copy vLLM block ``blocks[g][i]`` of each KV cache group ``g`` into L2 ``pages[i]``,
+    then commit ``lease`` (of ``session`` in daemon run ``run``)."""
 
     rid: str
     session: int
     run: int
     lease: int
     pages: list[int]
-    blocks: list[int]
+    blocks: list[list[int]]
 
 
 @dataclass
@@ -178,22 +190,60 @@ class _Hit:
 
 
 @dataclass
+class _StepRange:
+    """A request scheduled in this step: the tokens it had computed before the step and will
+    have computed after it."""
+
+    tracked: _Tracked
+    computed_before: int
+    computed_after: int
+
+
+@dataclass
 class _Tracked:
     """The scheduler half's view of one request."""
 
     request: Request
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group, as vLLM gave them
     saved_pages: int = 0  # pages [0, saved_pages) are in the daemon or planned for saving
     known_tokens: int = 0  # tokens the daemon holds for this request (a message's base counts from them)
     saves_closed: bool = False  # began before a cache reset: its KV may be of the old weights
     retry_at: float = 0.0  # pending on an L3 prefetch: not asked again before this (monotonic)
     pending_wait: float = 0.0  # the current wait between two asks while pending
+    lookups_closed: bool = False  # an asynchronous load of it failed: it computes its prompt itself
     hit: _Hit | None = None
     loaded_tokens: int = 0
     loaded_storage_tokens: int = 0
 
 
 # ---------------------------------------------------------------------- the connector
+
+
+def kv_groups_problem(kv_cache_config: KVCacheConfig) -> str | None:
+    """None if hicache can hold every KV cache group of this engine, else which group it
+    cannot and why: each must be full or sliding-window attention (``HELD_SPECS``) with the
+    block size, heads, head size and dtype of the first (an L2 page is one block of every layer)."""
+    groups = kv_cache_config.kv_cache_groups
+    if not groups:
+        return "the engine has no KV cache groups"
+    first = groups[0].kv_cache_spec
+    for i, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        name = (f"KV cache group {i} ({type(spec).__name__}, layers {', '.join(group.layer_names[:3])}"
+                f"{', ...' if len(group.layer_names) > 3 else ''})")
+        if type(spec) not in HELD_SPECS:
+            return (f"{name}: hicache holds full and sliding-window attention KV only "
+                    f"({', '.join(c.__name__ for c in HELD_SPECS)}), not Mamba / linear-attention state or MLA")
+        if not group.enable_kv_transfer:
+            return f"{name}: vLLM marks it as not transferable"
+        assert isinstance(spec, AttentionSpec) and isinstance(first, AttentionSpec)
+        for attr in ("block_size", "num_kv_heads", "head_size", "dtype"):
+            if getattr(spec, attr) != getattr(first, attr):
+                return (f"{name}: {attr} {getattr(spec, attr)} differs from group 0's {getattr(first, attr)} "
+                        "(an L2 page holds one block of every layer, of one shape)")
+    return None
+
+
 
 
 def _load_hicache_config(extra: dict[str, Any]) -> Any:
@@ -215,7 +265,7 @@ def engine_address(cfg: Any) -> str:
     return Endpoints(cfg.ipc.transport, cfg.ipc.dir, cfg.ipc.tcp_host, cfg.ipc.tcp_base_port).address("engine")
 
 
-class HiCacheConnector(KVConnectorBase_V1):
+class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
@@ -226,10 +276,20 @@ class HiCacheConnector(KVConnectorBase_V1):
         if self.hicache.engine.kind != "vllm":
             raise ConnectorRefused(f"{extra['hicache_config']}: engine.kind is {self.hicache.engine.kind!r}; "
                                    "the daemon must run in engine mode (engine.kind: vllm)")
-        group = kv_cache_config.kv_cache_groups[0]
-        spec = group.kv_cache_spec
-        assert isinstance(spec, FullAttentionSpec)  # _check_setup refused every other kind
-        self.layer_names = list(group.layer_names)
+        groups = kv_cache_config.kv_cache_groups
+        spec = groups[0].kv_cache_spec
+        assert isinstance(spec, AttentionSpec)  # _check_setup refused every other kind
+        # An L2 page holds one block of every layer, in model order; a layer's block ids are its group's.
+        by_layer = sorted((extract_layer_index(n), n, g) for g, group in enumerate(groups) for n in group.layer_names)
+        self.layer_names = [n for _, n, _ in by_layer]
+        self.layer_groups = [g for _, _, g in by_layer]
+        self.num_groups = len(groups)
+        self.windowed = any(isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in groups)
+        """A group holds blocks of the window only: a block before it may be gone (see ``_plan_saves``)."""
+        self.load_async = self.num_groups > 1
+        """vLLM maps a failed block of a load back to its request with one KV cache group only;
+        with several, a hit loads asynchronously (the request waits for the step that loads
+        it), so a failed load is reported for the request (``failed_recving``) and recomputed."""
         self.block_size = spec.block_size
         self.num_blocks = kv_cache_config.num_blocks
         dtype = _DTYPE_NAMES.get(spec.dtype)
@@ -280,6 +340,8 @@ class HiCacheConnector(KVConnectorBase_V1):
             self.copier: BlockCopier | None = None
             self._load_errors: set[int] = set()
             self._failed_rids: set[str] = set()  # requests whose load failed in this step
+            self._loaded_async: set[str] = set()  # asynchronous loads done (or failed) since the last report
+            self._failed_async: set[str] = set()  # of which these failed
 
     @staticmethod
     def _check_setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
@@ -292,10 +354,9 @@ class HiCacheConnector(KVConnectorBase_V1):
                                    f"{par.tensor_parallel_size}, pipeline_parallel_size {par.pipeline_parallel_size})")
         if vllm_config.device_config.device_type == "cuda":
             raise ConnectorRefused(CUDA_REFUSAL)
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1 or type(groups[0].kv_cache_spec).__name__ != "FullAttentionSpec":
-            kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
-            raise ConnectorRefused(f"only one full-attention KV cache group is supported, got: {kinds}")
+        problem = kv_groups_problem(kv_cache_config)
+        if problem:
+            raise ConnectorRefused(problem)
         if kv_cache_config.kv_cache_layout != "LBHNC":
             raise ConnectorRefused(f"KV cache layout {kv_cache_config.kv_cache_layout!r} is not supported "
                                    "(supported: LBHNC, vLLM's CPU layout)")
@@ -375,6 +436,8 @@ class HiCacheConnector(KVConnectorBase_V1):
             tracked = self._requests[rid] = _Tracked(request)
         self._release(tracked.hit)
         tracked.hit = None
+        if tracked.lookups_closed:
+            return 0, False
         bs = self.block_size
         tokens = request.prompt_token_ids or []
         usable = (len(tokens) - 1) // bs * bs  # vLLM computes at least the last prompt token
@@ -407,7 +470,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             self._release(hit)
             return 0, False
         tracked.hit = hit
-        return external, False
+        return external, self.load_async
 
     def _lookup(self, tracked: _Tracked, tokens: list[int], usable: int) -> EngineAnswer | None:
         """Ask about the request's first ``usable`` prompt tokens, sending only those the
@@ -430,7 +493,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         tracked = self._requests.get(request.request_id)
         if tracked is None:
             return
-        tracked.block_ids = list(blocks.get_block_ids()[0])
+        tracked.block_ids = [list(ids) for ids in blocks.get_block_ids()]
         hit, tracked.hit = tracked.hit, None
         if hit is None:
             return
@@ -440,8 +503,10 @@ class HiCacheConnector(KVConnectorBase_V1):
             return
         first = hit.first_page
         pages = hit.pages[first : first + n]
-        self._loads.append(LoadPlan(request.request_id, hit.session, hit.run, hit.lease, pages,
-                                    tracked.block_ids[first : first + len(pages)]))
+        # a sliding-window group holds blocks of the window only: its layers of the pages before it stay unloaded
+        plan_blocks = [[NO_BLOCK if b == VLLM_NULL_BLOCK else b for b in ids[first : first + len(pages)]]
+                       for ids in tracked.block_ids]
+        self._loads.append(LoadPlan(request.request_id, hit.session, hit.run, hit.lease, pages, plan_blocks))
         tracked.loaded_tokens = len(pages) * self.block_size
         # the pages from L3 are the hit's tail: [len - storage_pages, len); count the loaded ones
         storage_start = len(hit.pages) - hit.storage_pages
@@ -449,6 +514,14 @@ class HiCacheConnector(KVConnectorBase_V1):
         tracked.loaded_storage_tokens = from_storage * self.block_size
         self.stats.add("hit_tokens_host", tracked.loaded_tokens - tracked.loaded_storage_tokens)
         self.stats.add("hit_tokens_disk", tracked.loaded_storage_tokens)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """A request whose asynchronous load failed is recomputed by vLLM from its first
+        token; it is not looked up again (the same pages could fail again)."""
+        for rid in connector_output.failed_recving or ():
+            tracked = self._requests.get(rid)
+            if tracked is not None:
+                tracked.lookups_closed = True
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         if num_external_tokens <= 0:
@@ -466,12 +539,13 @@ class HiCacheConnector(KVConnectorBase_V1):
         if self.session is None or self.session.registered is None:
             return meta
         scheduled = scheduler_output.num_scheduled_tokens
-        ranges: list[tuple[_Tracked, int]] = []  # (request, the tokens it will have computed)
+        ranges: list[_StepRange] = []
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._requests.get(new.req_id)
             if tracked is not None:
-                tracked.block_ids = list(new.block_ids[0])
-                ranges.append((tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0)))
+                tracked.block_ids = [list(ids) for ids in new.block_ids]
+                ranges.append(_StepRange(tracked, new.num_computed_tokens,
+                                         new.num_computed_tokens + scheduled.get(new.req_id, 0)))
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             tracked = self._requests.get(rid)
@@ -479,10 +553,14 @@ class HiCacheConnector(KVConnectorBase_V1):
                 continue
             new_blocks = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
-                tracked.block_ids = list(new_blocks[0]) if new_blocks else []
+                tracked.block_ids = [list(ids) for ids in new_blocks] if new_blocks else []
             elif new_blocks:
-                tracked.block_ids.extend(new_blocks[0])
-            ranges.append((tracked, cached.num_computed_tokens[i] + scheduled.get(rid, 0)))
+                if not tracked.block_ids:
+                    tracked.block_ids = [[] for _ in new_blocks]
+                for held, more in zip(tracked.block_ids, new_blocks, strict=True):
+                    held.extend(more)
+            computed = cached.num_computed_tokens[i]
+            ranges.append(_StepRange(tracked, computed, computed + scheduled.get(rid, 0)))
         self._plan_saves(ranges, meta)
         reg = self.session.registered  # after the reserves, which may have registered again
         if reg is not None:
@@ -493,11 +571,11 @@ class HiCacheConnector(KVConnectorBase_V1):
     def _save_range(self, tracked: _Tracked, computed_after_step: int) -> tuple[protos.SaveRange, int] | None:
         """The save range of the blocks that are full once this step ran, beyond
         ``saved_pages``, with the tokens it ends at; None when there are none."""
-        if tracked.saves_closed:
+        if tracked.saves_closed or not tracked.block_ids:
             return None
         bs = self.block_size
         tokens = tracked.request.all_token_ids
-        full = min(computed_after_step, len(tokens), len(tracked.block_ids) * bs) // bs
+        full = min(computed_after_step, len(tokens), min(len(ids) for ids in tracked.block_ids) * bs) // bs
         start = tracked.saved_pages
         if full <= start:
             return None
@@ -508,17 +586,20 @@ class HiCacheConnector(KVConnectorBase_V1):
                                 tracked.request.cache_salt or "", base)
         return item, end
 
-    def _plan_saves(self, ranges: list[tuple[_Tracked, int]], meta: HiCacheConnectorMetadata) -> None:
+    def _plan_saves(self, ranges: list[_StepRange], meta: HiCacheConnectorMetadata) -> None:
         """Reserve L2 pages for the step's new full blocks, one ``Reserve`` for every request
         (a second one only for requests whose tokens the daemon forgot), and plan the saves.
         The daemon reserves from the first page it lacks, which covers a gap a short or
-        failed reservation left earlier (the request still holds those blocks); so a later
-        block retries it."""
-        asks: list[tuple[_Tracked, protos.SaveRange, int]] = []  # (request, its range, the tokens it ends at)
-        for tracked, computed in ranges:
-            planned = self._save_range(tracked, computed)
+        failed reservation left earlier (with full attention only, the request still holds
+        those blocks; so a later block retries it). A sliding-window group gives up its
+        blocks before the window as the request goes on (and the ids this half saw may be
+        another request's by now): with one, only pages from the step's first block on are
+        saved, and a reservation starting before it is given back unsaved."""
+        asks: list[tuple[_StepRange, protos.SaveRange, int]] = []  # (request, its range, the tokens it ends at)
+        for step in ranges:
+            planned = self._save_range(step.tracked, step.computed_after)
             if planned is not None:
-                asks.append((tracked, *planned))
+                asks.append((step, *planned))
         if not asks:
             return
         answers = self._reserve([item for _, item, _ in asks])
@@ -527,12 +608,14 @@ class HiCacheConnector(KVConnectorBase_V1):
         if again:  # the daemon forgot those requests (or the session changed): send their tokens, once
             whole = []
             for i in again:
-                tracked, item, end = asks[i]
-                whole.append(replace(item, token_ids=protos.pack_tokens(tracked.request.all_token_ids[:end]), base=0))
+                step, item, end = asks[i]
+                whole.append(replace(item, token_ids=protos.pack_tokens(step.tracked.request.all_token_ids[:end]),
+                                     base=0))
             for i, got in zip(again, self._reserve(whole), strict=True):
                 answers[i] = got
         reg = self._registered
-        for (tracked, item, end), got in zip(asks, answers, strict=True):
+        for (step, item, end), got in zip(asks, answers, strict=True):
+            tracked = step.tracked
             if got is None:
                 continue
             if got.code:
@@ -542,10 +625,16 @@ class HiCacheConnector(KVConnectorBase_V1):
             tracked.known_tokens = end
             if not got.host_pages or reg is None:
                 continue
-            first = got.start_page
-            blocks = tracked.block_ids[first : first + len(got.host_pages)]
+            first, n = got.start_page, len(got.host_pages)
+            blocks = [ids[first : first + n] for ids in tracked.block_ids]
+            held = not self.windowed or first >= step.computed_before // self.block_size
+            if not held or any(b == VLLM_NULL_BLOCK for ids in blocks for b in ids):
+                if self.session is not None:
+                    self.session.send(protos.Commit(reg.session, reg.run, got.lease, False))
+                self.stats.add("save_skipped_blocks", n)
+                continue
             meta.saves.append(SavePlan(item.rid, reg.session, reg.run, got.lease, list(got.host_pages), blocks))
-            self.stats.add("reserved_blocks", len(blocks))
+            self.stats.add("reserved_blocks", n)
 
     def _reserve(self, items: list[protos.SaveRange]) -> list[protos.Reservation | None]:
         """The daemon's reservation for each item (None for all without an answer)."""
@@ -562,6 +651,11 @@ class HiCacheConnector(KVConnectorBase_V1):
                     if got.lease:
                         self.session.send(protos.Commit(reg.session, reg.run, got.lease, False))
         return [None] * len(items)
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's call when its hybrid allocator is on (``SupportsHMA``): as ``request_finished``."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         tracked = self._requests.pop(request.request_id, None)
@@ -581,7 +675,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         problem = kv_problem(layers, self.num_blocks, self.geometry.layer_block_bytes, self.kv_dtype)
         if problem:
             raise ConnectorRefused(f"hicache cannot copy this KV cache: {problem}")
-        self.copier = BlockCopier(layers)
+        self.copier = BlockCopier(layers, self.layer_groups)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -595,16 +689,21 @@ class HiCacheConnector(KVConnectorBase_V1):
                     raise RuntimeError("planned under another daemon run (the daemon restarted)")
                 if self.faults.take_load_failure():
                     raise RuntimeError(f"fault point {FAIL_LOADS_ENV}")
-                self._attach(meta).load(plan.pages, plan.blocks)
+                copied = self._attach(meta).load(plan.pages, plan.blocks)
                 loaded = len(plan.pages)
                 self.stats.add("loaded_blocks", loaded)
-                self.stats.add("loaded_bytes", loaded * self.geometry.page_bytes)
+                self.stats.add("loaded_bytes", copied)
             except Exception as exc:  # vLLM recomputes what could not be loaded
                 log.warning("hicache: loading %d blocks of %s failed (%s): vLLM recomputes them",
-                            len(plan.blocks), plan.rid, exc)
-                self._load_errors.update(plan.blocks)
-                self._failed_rids.add(plan.rid)
-                self.stats.add("load_errors", len(plan.blocks))
+                            len(plan.pages), plan.rid, exc)
+                if self.load_async:
+                    self._failed_async.add(plan.rid)
+                else:
+                    self._load_errors.update(b for ids in plan.blocks for b in ids if b != NO_BLOCK)
+                    self._failed_rids.add(plan.rid)
+                self.stats.add("load_errors", len(plan.pages))
+            if self.load_async:
+                self._loaded_async.add(plan.rid)
             self.stats.add("load_seconds", time.perf_counter() - began)
             self.worker_client.send(protos.Release(plan.session, plan.run, plan.lease, loaded))
 
@@ -634,15 +733,26 @@ class HiCacheConnector(KVConnectorBase_V1):
                     raise RuntimeError("its load failed in this step: its new blocks attended to KV never loaded")
                 if plan.run != meta.run:
                     raise RuntimeError("planned under another daemon run (the daemon restarted)")
-                self._attach(meta).save(plan.blocks, plan.pages)
+                copied = self._attach(meta).save(plan.blocks, plan.pages)
                 ok = True
-                self.stats.add("saved_blocks", len(plan.blocks))
-                self.stats.add("saved_bytes", len(plan.blocks) * self.geometry.page_bytes)
+                self.stats.add("saved_blocks", len(plan.pages))
+                self.stats.add("saved_bytes", copied)
             except Exception as exc:
-                log.warning("hicache: saving %d blocks of %s skipped: %s", len(plan.blocks), plan.rid, exc)
-                self.stats.add("save_skipped_blocks", len(plan.blocks))
+                log.warning("hicache: saving %d blocks of %s skipped: %s", len(plan.pages), plan.rid, exc)
+                self.stats.add("save_skipped_blocks", len(plan.pages))
             self.stats.add("save_seconds", time.perf_counter() - began)
             self.worker_client.send(protos.Commit(plan.session, plan.run, plan.lease, ok))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The requests whose asynchronous load ran since the last call (failed ones too, as
+        vLLM wants: ``get_transfer_results`` names those). Saves never delay freeing."""
+        done, self._loaded_async = self._loaded_async, set()
+        return None, done or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = super().get_transfer_results(finished_req_ids)
+        results.failed_recving, self._failed_async = self._failed_async, set()
+        return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

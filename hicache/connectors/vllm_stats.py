@@ -21,9 +21,11 @@ key                        half        counts
 ``load_errors``            worker      blocks whose load failed (vLLM recomputes them)
 ``load_seconds``           worker      time spent copying loads
 ``saved_blocks``           worker      blocks copied into L2 and committed
-``save_skipped_blocks``    worker      blocks of a save that was not done (committed as failed)
+``save_skipped_blocks``    both        blocks of a save that was not done (committed as failed;
+                                       scheduler: a sliding-window group no longer held them)
 ``save_seconds``           worker      time spent copying saves
-``loaded_bytes``           worker      bytes of ``loaded_blocks``
+``loaded_bytes``           worker      bytes copied by loads (a sliding-window group's layers of
+                                       the pages before its window are not copied)
 ``saved_bytes``            worker      bytes of ``saved_blocks``
 =========================  ==========  ==========================================================
 

@@ -85,11 +85,23 @@ def checkpoint_dtype(raw: dict[str, Any]) -> str:
     return str(name)
 
 
-def attention_shape(raw: dict[str, Any], where: str = "config.json") -> tuple[int, int, int]:
-    """``(num_layers, num_kv_heads, head_dim)`` of a full-attention decoder's config.
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+"""``layer_types`` values engine mode holds: attention layers, full or sliding-window (their
+KV has one shape; vLLM's hybrid allocator keeps them in separate groups, the connector
+copies each with its group's blocks)."""
 
-    Models with sliding-window or non-attention layers are refused: engine mode keeps
-    full-attention KV only in this build."""
+STATE_LAYER_KEYS = ("layers_block_type", "hybrid_override_pattern", "attn_layer_indices", "mamba_d_state",
+                    "ssm_state_size", "linear_num_value_heads")
+"""config.json keys of models with recurrent-state layers (Mamba, GDN / linear attention):
+their state is not attention KV, and engine mode does not hold it yet."""
+
+
+def attention_shape(raw: dict[str, Any], where: str = "config.json") -> tuple[int, int, int]:
+    """``(num_layers, num_kv_heads, head_dim)`` of a decoder whose every layer is attention,
+    full or sliding-window (every layer's KV block has that shape).
+
+    Models with recurrent-state layers (Mamba, GDN, linear attention) are refused, naming
+    what says so: engine mode keeps attention KV only in this build."""
 
     def need(name: str) -> int:
         value = raw.get(name)
@@ -102,11 +114,15 @@ def attention_shape(raw: dict[str, Any], where: str = "config.json") -> tuple[in
     kv_heads = raw.get("num_key_value_heads") or heads
     head_dim = raw.get("head_dim") or need("hidden_size") // heads
     types = raw.get("layer_types")
-    if isinstance(types, list) and any(t != "full_attention" for t in types):
-        raise EngineModelError(f"{where}: layer_types {sorted(set(types))}: engine mode serves full-attention "
-                               "models only")
-    if raw.get("sliding_window") and (raw.get("use_sliding_window", True)):
-        raise EngineModelError(f"{where}: sliding_window is set: engine mode serves full-attention models only")
+    if isinstance(types, list):
+        other = sorted({str(t) for t in types} - set(ATTENTION_LAYER_TYPES))
+        if other:
+            raise EngineModelError(f"{where}: layer_types {other}: engine mode holds attention KV only "
+                                   f"({', '.join(ATTENTION_LAYER_TYPES)}), not recurrent state")
+    state = [k for k in STATE_LAYER_KEYS if raw.get(k) not in (None, [], "")]
+    if state:
+        raise EngineModelError(f"{where}: {', '.join(state)} set: a model with recurrent-state (Mamba / linear "
+                               "attention) layers; engine mode holds attention KV only")
     return layers, int(kv_heads), int(head_dim)
 
 

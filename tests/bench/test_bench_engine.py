@@ -47,7 +47,7 @@ def test_block_copier_load_is_bitwise_exact() -> None:
         before = [t.clone() for t in rig.layers]
         pages = [4, 5, 6, 11, 2, 17]  # a run of three, then single pages
         blocks = [0, 1, 2, 20, 9, 13]
-        moved = rig.copier.load(pages, blocks)
+        moved = rig.copier.load(pages, [blocks])
         assert moved == len(pages) * rig.page_bytes
         assert loaded_correctly(rig, pages, blocks)
         untouched = [b for b in range(24) if b not in blocks]
@@ -58,7 +58,7 @@ def test_block_copier_load_is_bitwise_exact() -> None:
             layer[blocks] = torch.randint(-(1 << 14), 1 << 14, layer[blocks].shape, dtype=torch.int16).view(
                 layer.dtype)
         targets = rng.sample([p for p in range(20) if p not in pages], len(blocks))
-        rig.copier.save(blocks, targets)
+        rig.copier.save([blocks], targets)
         assert loaded_correctly(rig, targets, blocks)
         assert not loaded_correctly(rig, pages, blocks)
     finally:

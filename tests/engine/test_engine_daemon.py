@@ -40,12 +40,22 @@ def test_check_config_validates_engine_mode(tmp_path: Path, checkpoints: dict[st
     assert bad.returncode == 2
     for key in ("engine.model", "ipc.dir", "cache.l2.enabled"):
         assert key in bad.stderr
-    sliding = tmp_path / "sliding"
-    sliding.mkdir()
     raw = json.loads((checkpoints["llama-bf16"] / "config.json").read_text())
-    (sliding / "config.json").write_text(json.dumps({**raw, "sliding_window": 64}))
-    refused = _check_config(tmp_path, engine_config(sliding, tmp_path / "run"))
-    assert refused.returncode == 2 and "sliding_window" in refused.stderr
+    variants = {  # sliding-window attention is held; recurrent state is refused, naming what says so
+        "sliding": ({"sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]}, None),
+        "gdn": ({"layer_types": ["linear_attention", "full_attention"]}, "linear_attention"),
+        "mamba": ({"mamba_d_state": 16}, "mamba_d_state"),
+    }
+    for name, (change, refusal) in variants.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**raw, **change}))
+        for weights in checkpoints["llama-bf16"].glob("*.safetensors"):
+            (tmp_path / name / weights.name).symlink_to(weights)
+        got = _check_config(tmp_path, engine_config(tmp_path / name, tmp_path / "run"))
+        if refusal is None:
+            assert got.returncode == 0, got.stderr
+        else:
+            assert got.returncode == 2 and refusal in got.stderr and "attention KV only" in got.stderr, got.stderr
     huge = _check_config(tmp_path, {**engine_config(checkpoints["llama-bf16"], tmp_path / "run"),
                                     "cache": {"page_size": 32, "l2": {"tokens": 2**40}}})
     assert huge.returncode == 2 and "cache.l2.tokens" in huge.stderr

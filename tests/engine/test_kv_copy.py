@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from hicache.connectors.kv_copy import CUDA_REFUSAL, BlockCopier, PoolRef, kv_problem
+from hicache.connectors.kv_copy import CUDA_REFUSAL, NO_BLOCK, BlockCopier, PoolRef, kv_problem
 from hicache.connectors.kv_copy_cuda import CudaBlockCopier, block_first
 from hicache.memory.shm import SharedSegment, TensorSpec
 
@@ -39,21 +39,51 @@ def test_loads_and_saves_move_exactly_the_named_pages_and_blocks(pool) -> None:
     copier = BlockCopier(layers)
     copier.attach(ref)
     src, dst = [3, 4, 5, 9, 0], [7, 8, 9, 1, 11]  # a run and scattered pages
-    copier.load(src, dst)
+    assert copier.load(src, [dst]) == len(src) * LAYERS * HEADS * BS * 2 * DIM * 4
     for i, layer in enumerate(layers):
         for p, b in zip(src, dst, strict=True):
             assert torch.equal(layer[b].reshape(-1), pages[p, i])
         untouched = [b for b in range(BLOCKS) if b not in dst]
         assert not layer[untouched].any()
     before = pages.clone()
-    copier.save([7, 1], [2, 6])
+    copier.save([[7, 1]], [2, 6])
     assert torch.equal(pages[2], before[3]) and torch.equal(pages[6], before[9])
     others = [p for p in range(PAGES) if p not in (2, 6)]
     assert torch.equal(pages[others], before[others])
     with pytest.raises(ValueError, match="out of range"):
-        copier.load([PAGES], [0])
+        copier.load([PAGES], [[0]])
     with pytest.raises(ValueError, match="out of range"):
-        copier.save([BLOCKS], [0])
+        copier.save([[BLOCKS]], [0])
+    with pytest.raises(ValueError, match="KV cache groups"):
+        copier.load([1], [[1], [2]])
+    copier.detach()
+
+
+def test_each_layer_copies_its_groups_blocks_and_a_window_group_loads_only_what_it_holds(pool) -> None:
+    """Layers 0 and 2 in group 0 (full attention), layer 1 in group 1 (a sliding window that
+    holds no block for the first page): each layer's block comes from its own group's list."""
+    ref, pages = pool
+    layers = [torch.zeros(BLOCKS, HEADS, BS, 2 * DIM) for _ in range(LAYERS)]
+    copier = BlockCopier(layers, [0, 1, 0])
+    copier.attach(ref)
+    src, full, window = [2, 3, 4], [1, 2, 3], [NO_BLOCK, 6, 7]
+    block_bytes = HEADS * BS * 2 * DIM * 4
+    assert copier.load(src, [full, window]) == (3 * 2 + 2) * block_bytes
+    for i in (0, 2):
+        for p, b in zip(src, full, strict=True):
+            assert torch.equal(layers[i][b].reshape(-1), pages[p, i])
+        assert not layers[i][[b for b in range(BLOCKS) if b not in full]].any()
+    for p, b in zip(src[1:], window[1:], strict=True):
+        assert torch.equal(layers[1][b].reshape(-1), pages[p, 1])
+    assert not layers[1][[b for b in range(BLOCKS) if b not in (6, 7)]].any()  # page 2's layer 1 went nowhere
+    before = pages.clone()
+    copier.save([[1, 2], [6, 7]], [8, 9])
+    # page 8: layers 0 and 2 from full block 1 (page 2's), layer 1 from window block 6 (page 3's)
+    assert torch.equal(pages[8, 0], before[2, 0]) and torch.equal(pages[8, 2], before[2, 2])
+    assert torch.equal(pages[8, 1], before[3, 1]) and torch.equal(pages[9, 1], before[4, 1])
+    with pytest.raises(ValueError, match="out of range"):  # a save needs every group's block
+        copier.save([[1], [NO_BLOCK]], [5])
+    assert torch.equal(pages[5], before[5])
     copier.detach()
 
 

