@@ -12,7 +12,8 @@ import importlib.util
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +107,56 @@ def expected_hit(prompt_len: int, block: int) -> int:
     """Tokens an engine can load of a prompt whose every full block is cached: vLLM computes at
     least the last prompt token, so the hit ends at the last block boundary before it."""
     return (prompt_len - 1) // block * block
+
+
+class ModelStack:
+    """One model's daemon and the engines a test module starts beside it, each on first use
+    (``engine_kw``: vLLM options of every engine; the first call's options start it), with
+    vLLM alone's greedy outputs (``reference``, by prompt) as the oracle."""
+
+    def __init__(self, model: Path, daemon: Daemon, engines: Engines, reference: dict[tuple[int, ...], list[int]],
+                 **engine_kw: Any) -> None:
+        self.model, self.daemon, self.engines, self.reference = model, daemon, engines, reference
+        self.engine_kw = engine_kw
+        self._started: dict[str, VllmProcess] = {}
+
+    def engine(self, name: str, **kw: Any) -> VllmProcess:
+        if name not in self._started:
+            self._started[name] = self.engines.start(self.model, name, hicache=self.daemon,
+                                                     **{**self.engine_kw, **kw})
+        return self._started[name]
+
+    def check(self, out: dict[str, Any], prompts: list[list[int]]) -> None:
+        assert out["finish"] == ["length"] * len(prompts), out["finish"]
+        for p, o in zip(prompts, out["outputs"], strict=True):
+            assert o == self.reference[tuple(p)], f"a {len(p)}-token prompt diverged from vLLM alone"
+
+    def stats(self) -> dict[str, Any]:
+        return self.daemon.get("/cache/stats")
+
+    def wait(self, what: str, cond: Callable[[dict[str, Any]], bool], timeout_s: float = 30.0) -> dict[str, Any]:
+        return self.daemon.wait_for_stats(what, cond, timeout_s)
+
+    def idle_and_intact(self) -> None:
+        """Every lease ended and an exact integrity check ran since, without error."""
+        checks = self.wait("the leases to end", lambda st: st["leases"]["open"] == 0
+                           and st["leases"]["orphans"] == 0)["integrity"]["exact_checks"]
+        st = self.wait("an exact integrity check", lambda st: st["integrity"]["exact_checks"] > checks)
+        assert st["integrity"]["error"] is None
+
+
+def generate_in_background(engine: VllmProcess, prompts: list[list[int]], max_tokens: int
+                           ) -> tuple[threading.Thread, dict[str, Any]]:
+    """``engine.generate`` in a started thread, for a test that kills the engine under it:
+    the result dict gets ``out`` (the answer) or ``error`` (what the call raised)."""
+    result: dict[str, Any] = {}
+
+    def traffic() -> None:
+        try:
+            result["out"] = engine.generate(prompts, max_tokens)
+        except Exception as exc:  # the engine is killed under it
+            result["error"] = exc
+
+    t = threading.Thread(target=traffic)
+    t.start()
+    return t, result

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Engines, engine_config, expected_hit
+from conftest import Engines, ModelStack, engine_config, expected_hit
 from daemon import Daemon
 
 from hicache.bench.engine_lib.vllm_driver import VllmProcess
@@ -50,31 +50,11 @@ Q = HEAD + _prompt(50, 100)  # shares HEAD; its blocks 4..6 are computed in the 
 ALL = P + [Q]
 
 
-class Stack:
-    """The module's daemon and engines (started on first use)."""
+class Stack(ModelStack):
+    """The module's daemon and engines (started on first use; ``b`` keeps vLLM's stats on)."""
 
-    def __init__(self, llama: Path, daemon: Daemon, engines: Engines, reference: dict[tuple[int, ...], list[int]]
-                 ) -> None:
-        self.llama, self.daemon, self.engines, self.reference = llama, daemon, engines, reference
-        self._started: dict[str, VllmProcess] = {}
-
-    def engine(self, name: str, env: dict[str, str] | None = None) -> VllmProcess:
-        """Engine ``name``, started on first use (``b`` keeps vLLM's stats on)."""
-        if name not in self._started:
-            self._started[name] = self.engines.start(self.llama, name, hicache=self.daemon, env=env,
-                                                     log_stats=name == "b")
-        return self._started[name]
-
-    def check(self, out: dict[str, Any], prompts: list[list[int]]) -> None:
-        assert out["finish"] == ["length"] * len(prompts), out["finish"]
-        for p, o in zip(prompts, out["outputs"], strict=True):
-            assert o == self.reference[tuple(p)], f"a {len(p)}-token prompt diverged from vLLM alone"
-
-    def stats(self) -> dict[str, Any]:
-        return self.daemon.get("/cache/stats")
-
-    def wait(self, what: str, cond: Any, timeout_s: float = 20.0) -> dict[str, Any]:
-        return self.daemon.wait_for_stats(what, cond, timeout_s)
+    def engine(self, name: str, **kw: Any) -> VllmProcess:
+        return super().engine(name, **{"log_stats": name == "b", **kw})
 
 
 @pytest.fixture(scope="module")
@@ -94,14 +74,6 @@ def stack(checkpoints: dict[str, Path], engines: Engines, tmp_path_factory: pyte
         daemon.stop()
 
 
-def _idle_and_intact(s: Stack) -> None:
-    """Every lease ended and an exact integrity check ran since, without error."""
-    checks = s.wait("the leases to end", lambda st: st["leases"]["open"] == 0
-                    and st["leases"]["orphans"] == 0)["integrity"]["exact_checks"]
-    st = s.wait("an exact integrity check", lambda st: st["integrity"]["exact_checks"] > checks)
-    assert st["integrity"]["error"] is None
-
-
 def test_a_failed_load_is_recomputed_and_the_blocks_of_its_step_are_not_saved(stack: Stack) -> None:
     b = stack.engine("b")
     stack.check(b.generate([P[0]], MAX_TOKENS), [P[0]])  # HEAD's four pages go to L2
@@ -118,7 +90,7 @@ def test_a_failed_load_is_recomputed_and_the_blocks_of_its_step_are_not_saved(st
     again = b.generate([Q], MAX_TOKENS)
     stack.check(again, [Q])
     assert again["cached"] == [len(HEAD)]
-    _idle_and_intact(stack)
+    stack.idle_and_intact()
 
 
 def _hicache_metrics(engine: VllmProcess) -> dict[str, float]:
@@ -162,7 +134,7 @@ def test_an_engine_of_another_isa_and_version_gets_no_page_of_the_first(stack: S
     assert second["cached"] == hit
     namespaces = {e["namespace"] for e in stack.stats()["engines"]}
     assert len(namespaces) == 2, namespaces  # a and b share one, c has its own
-    _idle_and_intact(stack)
+    stack.idle_and_intact()
 
 
 def test_a_cache_reset_through_vllm_serves_nothing_saved_before_it(stack: Stack) -> None:
@@ -186,4 +158,4 @@ def test_a_cache_reset_through_vllm_serves_nothing_saved_before_it(stack: Stack)
     # a, which was not reset, still gets the pages saved before b's reset (its namespace)
     a = stack.engine("a")
     assert a.generate(P, MAX_TOKENS)["cached"] == hit
-    _idle_and_intact(stack)
+    stack.idle_and_intact()

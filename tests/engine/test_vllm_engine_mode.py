@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Engines, engine_config, expected_hit
+from conftest import Engines, engine_config, expected_hit, generate_in_background
 from daemon import Daemon
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -131,16 +131,7 @@ def test_l2_hits_equal_vllm_alone_within_and_across_engines(stack: Stack, refere
 
 def test_an_engine_killed_in_the_middle_of_saves_leaks_nothing(stack: Stack, reference: dict) -> None:
     d, a, b = stack.daemon, stack.a, stack.b
-    result: dict[str, Any] = {}
-
-    def traffic() -> None:
-        try:
-            result["out"] = b.generate(S, MAX_TOKENS)
-        except Exception as exc:  # the engine is killed under it
-            result["error"] = exc
-
-    t = threading.Thread(target=traffic)
-    t.start()
+    t, _ = generate_in_background(b, S, MAX_TOKENS)
     _wait(lambda: _stats(d)["engine"]["reserved_pages"] > 0 and _stats(d)["leases"]["open"] >= 0, 60,
           "saves of the long prompts")
     reserved_before = _stats(d)["engine"]["reserved_pages"]
@@ -213,18 +204,13 @@ def test_a_request_waiting_for_l3_never_holds_up_the_others(stack: Stack, refere
 
 def test_a_daemon_killed_mid_traffic_costs_hits_not_answers(stack: Stack, reference: dict) -> None:
     d, a = stack.daemon, stack.a
-    result: dict[str, Any] = {}
-
-    def traffic() -> None:
-        result["out"] = a.generate(R, MAX_TOKENS)
-
-    t = threading.Thread(target=traffic)
-    t.start()
+    t, result = generate_in_background(a, R, MAX_TOKENS)
     _wait(lambda: _stats(d)["engine"]["lookups"] > 0, 30, "lookups of the traffic")
     assert d.proc is not None
     os.killpg(d.proc.pid, signal.SIGKILL)
     d.proc.wait(30)
     t.join(300)
+    assert "out" in result, result.get("error")
     _check(result["out"], R, reference)
     down = a.generate(R, MAX_TOKENS)  # no daemon at all: every answer still right
     _check(down, R, reference)

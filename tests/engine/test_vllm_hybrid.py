@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import os
 import random
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from conftest import Engines, engine_config, expected_hit
+from conftest import Engines, ModelStack, engine_config, expected_hit, generate_in_background
 from daemon import Daemon
 
 from hicache.bench.engine_lib.vllm_driver import VllmProcess, save_random_model
@@ -60,35 +58,13 @@ def window_blocks_loaded(hit_tokens: int) -> int:
     return hit_tokens // BLOCK - skipped
 
 
-class Stack:
+class Stack(ModelStack):
+    """The Gemma 3 daemon and engines; ``run_dir``: the daemon's ipc.dir, where engines find it."""
+
     def __init__(self, model: Path, daemon: Daemon, engines: Engines, reference: dict[tuple[int, ...], list[int]],
                  run_dir: Path) -> None:
-        self.model, self.daemon, self.engines, self.reference = model, daemon, engines, reference
-        self.run_dir = run_dir  # the daemon's ipc.dir, where the engines find it
-        self._started: dict[str, VllmProcess] = {}
-
-    def engine(self, name: str, **kw: Any) -> VllmProcess:
-        if name not in self._started:
-            self._started[name] = self.engines.start(self.model, name, hicache=self.daemon, dtype="float32", **kw)
-        return self._started[name]
-
-    def check(self, out: dict[str, Any], prompts: list[list[int]]) -> None:
-        assert out["finish"] == ["length"] * len(prompts), out["finish"]
-        for p, o in zip(prompts, out["outputs"], strict=True):
-            assert o == self.reference[tuple(p)], f"a {len(p)}-token prompt diverged from vLLM alone"
-
-    def stats(self) -> dict[str, Any]:
-        return self.daemon.get("/cache/stats")
-
-    def wait(self, what: str, cond: Any, timeout_s: float = 30.0) -> dict[str, Any]:
-        return self.daemon.wait_for_stats(what, cond, timeout_s)
-
-    def idle_and_intact(self) -> None:
-        """Every lease ended and an exact integrity check ran since, without error."""
-        checks = self.wait("the leases to end", lambda st: st["leases"]["open"] == 0
-                           and st["leases"]["orphans"] == 0)["integrity"]["exact_checks"]
-        st = self.wait("an exact integrity check", lambda st: st["integrity"]["exact_checks"] > checks)
-        assert st["integrity"]["error"] is None
+        super().__init__(model, daemon, engines, reference, dtype="float32")
+        self.run_dir = run_dir
 
 
 @pytest.fixture(scope="module")
@@ -203,17 +179,8 @@ def test_redis_l3_serves_the_window_model_after_a_daemon_restart(stack: Stack, r
 
 def test_an_engine_killed_mid_save_leaves_nothing_wrong_and_nothing_leaked(stack: Stack) -> None:
     a, b = stack.engine("a"), stack.engine("b", prefix_caching=True, env={FAIL_LOADS_ENV: "1"})
-    result: dict[str, Any] = {}
-
-    def traffic() -> None:
-        try:
-            result["out"] = b.generate(S, MAX_TOKENS)
-        except Exception as exc:  # the engine is killed under it
-            result["error"] = exc
-
     reserved = stack.stats()["engine"]["reserved_pages"]
-    t = threading.Thread(target=traffic)
-    t.start()
+    t, _ = generate_in_background(b, S, MAX_TOKENS)
     stack.wait("saves of the long prompts", lambda st: st["engine"]["reserved_pages"] > reserved, 60)
     b.kill()
     t.join(60)
