@@ -207,7 +207,7 @@ class _Tracked:
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group, as vLLM gave them
     saved_pages: int = 0  # pages [0, saved_pages) are in the daemon or planned for saving
     known_tokens: int = 0  # tokens the daemon holds for this request (a message's base counts from them)
-    saves_closed: bool = False  # began before a cache reset: its KV may be of the old weights
+    saves_closed: bool = False  # began before a cache reset (its KV may be of the old weights), or a gap it cannot fill
     retry_at: float = 0.0  # pending on an L3 prefetch: not asked again before this (monotonic)
     pending_wait: float = 0.0  # the current wait between two asks while pending
     lookups_closed: bool = False  # an asynchronous load of it failed: it computes its prompt itself
@@ -594,7 +594,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         those blocks; so a later block retries it). A sliding-window group gives up its
         blocks before the window as the request goes on (and the ids this half saw may be
         another request's by now): with one, only pages from the step's first block on are
-        saved, and a reservation starting before it is given back unsaved."""
+        saved; a reservation starting before it is given back unsaved, and the request saves
+        nothing more (the tree takes no page after a gap)."""
         asks: list[tuple[_StepRange, protos.SaveRange, int]] = []  # (request, its range, the tokens it ends at)
         for step in ranges:
             planned = self._save_range(step.tracked, step.computed_after)
@@ -632,6 +633,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 if self.session is not None:
                     self.session.send(protos.Commit(reg.session, reg.run, got.lease, False))
                 self.stats.add("save_skipped_blocks", n)
+                tracked.saves_closed = True  # the gap stays: every later reservation would start in it
                 continue
             meta.saves.append(SavePlan(item.rid, reg.session, reg.run, got.lease, list(got.host_pages), blocks))
             self.stats.add("reserved_blocks", n)
