@@ -42,6 +42,14 @@ Both halves, one class (vLLM makes one instance per role):
   reserved pages and commits them, but for a request whose load failed in this step: its
   new blocks attended to KV that was never loaded, so they are committed as failed.
 
+Hybrid models (``SupportsHMA``: vLLM's hybrid allocator stays on): each KV cache group (full
+attention, sliding window) has its own block table; a page is one block of every layer, each
+taken from its layer's group, and a window group's blocks before its window are not loaded
+(vLLM holds none there). With several groups, vLLM cannot map a failed block back to its
+request, so a hit loads asynchronously: the request waits for the step whose
+``start_load_kv`` copies it (``get_finished``), and a failed load is reported for the request
+(``failed_recving``), which vLLM recomputes whole.
+
 Every plan names the daemon run it was made under (``EngineRegistered.run``); the worker
 refuses a plan of another run than the step's registration, whose page numbers would index
 a new daemon's pool. The session registers with the engine's runtime identity
@@ -50,8 +58,8 @@ value-changing options, reset generation); an option the connector cannot classi
 the engine at start, naming it.
 
 Refused at start, with the reason: tensor or pipeline parallelism, a vLLM version other than
-the supported ones, a KV cache with more than one group or not full attention, a CUDA KV
-cache (its copy path has not run on a GPU), and an engine whose model or KV geometry differs
+the supported ones, a KV cache group that is not full or sliding-window attention of one
+shape (``kv_groups_problem``: Mamba / GDN state, MLA), a CUDA KV cache (its copy path has not run on a GPU), and an engine whose model or KV geometry differs
 from what the daemon serves. A daemon that is absent or slow costs hits, never correctness:
 lookups time out (``engine.lookup_timeout_ms``) as misses and the connector backs off.
 """
@@ -242,8 +250,6 @@ def kv_groups_problem(kv_cache_config: KVCacheConfig) -> str | None:
                 return (f"{name}: {attr} {getattr(spec, attr)} differs from group 0's {getattr(first, attr)} "
                         "(an L2 page holds one block of every layer, of one shape)")
     return None
-
-
 
 
 def _load_hicache_config(extra: dict[str, Any]) -> Any:
