@@ -162,13 +162,10 @@ class BlockCopier:
         l2 = None
         per_group = []
         for ids in blocks:
-            if skip_absent:
-                kept = [(p, b) for p, b in zip(pages, ids, strict=False) if b != NO_BLOCK]
-                group_pages, group_blocks = [p for p, _ in kept], [b for _, b in kept]
-                if len(ids) != len(pages):
-                    raise ValueError(f"{len(ids)} blocks but {len(pages)} pages")
-            else:
-                group_pages, group_blocks = pages, list(ids)
+            if len(ids) != len(pages):
+                raise ValueError(f"{len(ids)} blocks but {len(pages)} pages")
+            kept = [(p, b) for p, b in zip(pages, ids, strict=True) if not skip_absent or b != NO_BLOCK]
+            group_pages, group_blocks = [p for p, _ in kept], [b for _, b in kept]
             l2 = self.l2.check(group_blocks, group_pages, self.num_blocks)
             per_group.append((group_pages, group_blocks))
         assert l2 is not None  # there is at least one group

@@ -634,8 +634,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             first, n = got.start_page, len(got.host_pages)
             blocks = [ids[first : first + n] for ids in tracked.block_ids]
-            held = not self.windowed or first >= step.computed_before // self.block_size
-            if not held or any(b == VLLM_NULL_BLOCK for ids in blocks for b in ids):
+            held = first >= step.computed_before // self.block_size  # only a window group gives blocks up
+            if self.windowed and (not held or any(b == VLLM_NULL_BLOCK for ids in blocks for b in ids)):
                 if self.session is not None:
                     self.session.send(protos.Commit(reg.session, reg.run, got.lease, False))
                 self.stats.add("save_skipped_blocks", n)
