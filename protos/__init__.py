@@ -16,10 +16,12 @@ from protos.codec import MESSAGE_TYPES, decode, encode
 from protos.lifecycle import ErrorReply, LifecycleMessage, ProcessEvent, Ready, Shutdown
 from protos.table import ENGINE_SOCKET, ROUTES, Route, accepted_by, route_of
 from protos.to_cache_server import (
+    ALL_RANKS,
     TOKEN_TYPECODE,
     CacheServerMessage,
     Commit,
     EngineRegister,
+    EngineWorker,
     Finished,
     Heartbeat,
     Lookup,
@@ -67,7 +69,7 @@ __all__ = [
     "AbortRequest", "AdminRequest", "GenerateRequest", "OpDone", "PrefetchHits", "SamplingParams",
     "SchedulerMessage", "StorageStatus",
     "AdminReply", "TokenOutput", "TokenizerMessage", "Usage",
-    "CacheServerMessage", "Commit", "EngineRegister", "Finished", "Heartbeat", "Lookup", "Release", "Reserve",
+    "ALL_RANKS", "CacheServerMessage", "Commit", "EngineRegister", "EngineWorker", "Finished", "Heartbeat", "Lookup", "Release", "Reserve",
     "SaveRange", "TOKEN_TYPECODE", "pack_tokens", "unpack_tokens", "EngineError", "EngineMessage", "EngineRegistered", "LookupResult", "Reservation", "ReserveResult",
     "ENGINE_SOCKET", "ROUTES", "Route", "accepted_by", "route_of",
 ]

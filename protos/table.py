@@ -18,7 +18,16 @@ from dataclasses import dataclass
 
 from protos.base import Message
 from protos.lifecycle import ErrorReply, ProcessEvent, Ready, Shutdown
-from protos.to_cache_server import Commit, EngineRegister, Finished, Heartbeat, Lookup, Release, Reserve
+from protos.to_cache_server import (
+    Commit,
+    EngineRegister,
+    EngineWorker,
+    Finished,
+    Heartbeat,
+    Lookup,
+    Release,
+    Reserve,
+)
 from protos.to_controller import (
     BackupToStorage,
     Cancel,
@@ -83,6 +92,7 @@ ROUTES: tuple[Route, ...] = (
     Route(Reserve, ("engine",), ("scheduler",), (ReserveResult, EngineError)),
     Route(Commit, ("engine",), ("scheduler",), ()),
     Route(Release, ("engine",), ("scheduler",), ()),
+    Route(EngineWorker, ("engine",), ("scheduler",), ()),
     Route(Heartbeat, ("engine",), ("scheduler",), ()),
     Route(Finished, ("engine",), ("scheduler",), ()),
     Route(EngineRegistered, ("scheduler",), ("engine",), ()),

@@ -19,6 +19,9 @@ request             answer                  what it does
 ``Commit``          (none)                  the reserved pages hold the KV: insert them in the tree
                                             (``ok`` False: free them)
 ``Release``         (none)                  a lookup lease is no longer needed (loaded or dropped)
+``EngineWorker``    (none)                  a worker process of a tensor-parallel engine: the
+                                            daemon waits for it too before it frees what an
+                                            expired session of that engine held
 ``Heartbeat``       (none)                  the session is alive
 ``Finished``        (none)                  the request ended: the server forgets its tokens
 ==================  ======================  =====================================================
@@ -33,7 +36,14 @@ with ``EngineError(code="unknown_session")``; on either code the engine register
 A session silent for the daemon's lease TTL expires; its leases become *orphans*
 (``hicache.engine_server.leases``): their pages stay locked or reserved, since the engine
 may still be reading or writing them, until its late ``Commit`` / ``Release`` arrives or
-the daemon sees the engine's process gone (``pid``, ``pid_namespace``, ``start_time``).
+the daemon sees the engine's process gone (``pid``, ``pid_namespace``, ``start_time``),
+and every worker process it announced (``EngineWorker``).
+
+Tensor parallelism: an engine of ``tensor_parallel`` ranks registers once (its scheduler
+half); each rank copies its own shard of every page (its heads of every layer) and sends its
+own ``Commit`` / ``Release`` with its ``rank``. A lease ends when every rank has reported:
+a reservation's pages enter the tree only if every rank wrote its shard (``ok``), and a
+lookup's pages stay locked until every rank has loaded.
 """
 
 from __future__ import annotations
@@ -73,6 +83,11 @@ def unpack_tokens(data: bytes) -> array[int]:
     return out
 
 
+ALL_RANKS = -1
+"""The ``rank`` of a ``Commit`` / ``Release`` sent for every rank at once: by the engine's
+scheduler half, for a lease no rank was given (a lookup not loaded, a reservation not saved)."""
+
+
 class CacheServerMessage(Message):
     """Base of everything an engine can tell the cache server."""
 
@@ -94,7 +109,11 @@ class EngineRegister(CacheServerMessage):
 
     ``pid_namespace`` (``/proc/self/ns/pid``'s link, empty when unknown) and ``start_time``
     (the process start in clock ticks since boot, 0 when unknown) let the daemon tell that
-    process ``pid`` is gone, which frees what an expired session held."""
+    process ``pid`` is gone, which frees what an expired session held.
+
+    ``tensor_parallel``: the engine's ranks; each sends its ``Commit`` and ``Release`` of
+    every lease (the page geometry is the whole model's: every rank holds
+    ``num_kv_heads / tensor_parallel`` of its heads)."""
 
     req: int
     engine: str
@@ -110,6 +129,24 @@ class EngineRegister(CacheServerMessage):
     runtime_identity: str
     pid_namespace: str = ""
     start_time: int = 0
+    tensor_parallel: int = 1
+
+
+@message("engine_worker")
+@dataclass(slots=True)
+class EngineWorker(CacheServerMessage):
+    """Worker process ``pid`` (rank ``rank``) serves the engine whose scheduler half runs
+    as ``engine_pid`` (its parent). Sent by each worker of a tensor-parallel engine before
+    its first copy in a daemon run: what an expired session of that engine held is freed
+    only once the engine and these workers are all gone (a live worker may still copy)."""
+
+    run: int
+    engine_pid: int
+    engine_start_time: int
+    pid_namespace: str
+    rank: int
+    pid: int
+    start_time: int
 
 
 @message("engine_lookup")
@@ -171,24 +208,28 @@ class Reserve(CacheServerMessage):
 @message("engine_commit")
 @dataclass(slots=True)
 class Commit(CacheServerMessage):
-    """The engine wrote the pages of reservation ``lease`` (``ok``) or gave up (not ``ok``)."""
+    """Rank ``rank`` of the engine wrote its shard of the pages of reservation ``lease``
+    (``ok``) or gave up (not ``ok``); ``ALL_RANKS``: every rank, the lease was never planned."""
 
     session: int
     run: int
     lease: int
     ok: bool = True
+    rank: int = 0
 
 
 @message("engine_release")
 @dataclass(slots=True)
 class Release(CacheServerMessage):
     """Unlock the pages of lookup lease ``lease``; the engine copied the first
-    ``loaded_pages`` of them into its blocks (0: none, the lookup was not used)."""
+    ``loaded_pages`` of them into its blocks (0: none, the lookup was not used); ``rank``:
+    which rank of the engine did (``ALL_RANKS``: the lookup was not used by any)."""
 
     session: int
     run: int
     lease: int
     loaded_pages: int = 0
+    rank: int = 0
 
 
 @message("engine_heartbeat")

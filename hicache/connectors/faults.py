@@ -10,6 +10,9 @@ variable                            effect
 ``HICACHE_FAULT_RUNTIME={...}``     a JSON object replacing entries of the engine's runtime
                                     identity (e.g. ``{"isa": "amx"}``: an engine that models
                                     another host; ``hicache.connectors.runtime_identity``)
+``HICACHE_FAULT_STALL_SAVES_RANK=R``  the worker of tensor-parallel rank ``R`` stops before
+                                    its first save and never copies again (a rank that
+                                    hangs or is killed mid-save; the other ranks commit)
 ==================================  ==========================================================
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +29,9 @@ log = logging.getLogger("hicache.connector")
 
 FAIL_LOADS_ENV = "HICACHE_FAULT_FAIL_LOADS"
 RUNTIME_ENV = "HICACHE_FAULT_RUNTIME"
+STALL_SAVES_RANK_ENV = "HICACHE_FAULT_STALL_SAVES_RANK"
+STALL_S = 3600.0
+"""How long a stalled rank sleeps: until the test kills it."""
 
 
 class FaultConfigError(ValueError):
@@ -35,6 +42,7 @@ class FaultConfigError(ValueError):
 class ConnectorFaults:
     fail_loads: int = 0
     runtime: dict[str, Any] = field(default_factory=dict)
+    stall_saves_rank: int | None = None
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> ConnectorFaults:
@@ -55,9 +63,15 @@ class ConnectorFaults:
             if not isinstance(runtime, dict):
                 raise FaultConfigError(f"{RUNTIME_ENV} must be a JSON object")
             out.runtime = runtime
-        for name, value in ((FAIL_LOADS_ENV, out.fail_loads), (RUNTIME_ENV, out.runtime)):
-            if value:
-                log.warning("hicache: fault point %s=%r is set (testing only)", name, value)
+        raw = env.get(STALL_SAVES_RANK_ENV)
+        if raw:
+            try:
+                out.stall_saves_rank = int(raw)
+            except ValueError:
+                raise FaultConfigError(f"{STALL_SAVES_RANK_ENV} must be an integer, got {raw!r}") from None
+        for name in (FAIL_LOADS_ENV, RUNTIME_ENV, STALL_SAVES_RANK_ENV):
+            if env.get(name):
+                log.warning("hicache: fault point %s=%r is set (testing only)", name, env[name])
         return out
 
     def take_load_failure(self) -> bool:
@@ -66,3 +80,9 @@ class ConnectorFaults:
             return False
         self.fail_loads -= 1
         return True
+
+    def stall_saves(self, rank: int) -> None:
+        """Stop here (for ``STALL_S``) if rank ``rank`` is the one whose saves stall."""
+        if self.stall_saves_rank == rank:
+            log.warning("hicache: fault point %s: rank %d stalls before its save", STALL_SAVES_RANK_ENV, rank)
+            time.sleep(STALL_S)

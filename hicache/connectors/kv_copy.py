@@ -7,6 +7,11 @@ after layer: viewed here as ``[l2_pages, num_layers, block_elems]`` over the sha
 segment the daemon named at registration. Copies go run by run (consecutive blocks to
 consecutive pages in one strided copy per layer; ``hicache.memory.pools.page_runs``).
 
+With tensor parallelism, each rank's tensors hold its own ``num_kv_heads / ranks`` heads:
+a rank's block of a layer is the contiguous slice ``[rank, rank + 1)`` of the page's block
+of that layer (heads first), so every rank copies its slice and a page has the one layout
+at any rank count.
+
 With several KV cache groups (vLLM's hybrid allocator: full and sliding-window attention
 layers in groups of their own), each layer belongs to one group and a page's block of that
 layer is the group's block: a copy names one block list per group. A sliding-window group
@@ -124,17 +129,24 @@ class L2Pages:
 
 class BlockCopier:
     """Block <-> page copies for one engine's KV tensors (``layers``, in page order);
-    ``layer_groups[i]``: the KV cache group of layer ``i`` (default: all in group 0).
+    ``layer_groups[i]``: the KV cache group of layer ``i`` (default: all in group 0);
+    ``rank`` of ``ranks``: the tensor-parallel shard these tensors hold (a page's block of a
+    layer is ``ranks`` of their blocks, rank after rank).
 
     ``attach`` maps the L2 pool of a daemon run (again when the run changes); ``load`` and
     ``save`` raise on bad indices or an unmapped pool, and the caller turns that into load
     errors (vLLM recomputes) or a failed commit (the reservation is freed).
     """
 
-    def __init__(self, layers: list[torch.Tensor], layer_groups: Sequence[int] | None = None) -> None:
+    def __init__(self, layers: list[torch.Tensor], layer_groups: Sequence[int] | None = None, *,
+                 rank: int = 0, ranks: int = 1) -> None:
+        if not 0 <= rank < ranks:
+            raise ValueError(f"rank {rank} is not one of {ranks} ranks")
         self.layers = [t.view(t.shape[0], -1) for t in layers]
         self.num_blocks = layers[0].shape[0]
-        self.l2 = L2Pages(len(layers), self.layers[0].shape[1], layers[0].dtype)
+        shard = self.layers[0].shape[1]
+        self.shard = slice(rank * shard, (rank + 1) * shard)  # this rank's part of a page's layer block
+        self.l2 = L2Pages(len(layers), shard * ranks, layers[0].dtype)
         groups = list(layer_groups) if layer_groups is not None else [0] * len(layers)
         if len(groups) != len(layers) or min(groups) < 0:
             raise ValueError("layer_groups must name a group (>= 0) for every layer")
@@ -179,7 +191,7 @@ class BlockCopier:
         for layers, (group_pages, group_blocks) in zip(self.group_layers, per_group, strict=True):
             for p, b, n in page_runs(group_pages, group_blocks):
                 for i in layers:
-                    self.layers[i][b : b + n].copy_(l2[p : p + n, i])
+                    self.layers[i][b : b + n].copy_(l2[p : p + n, i, self.shard])
             copied += len(group_pages) * len(layers) * self.block_bytes
         return copied
 
@@ -190,5 +202,5 @@ class BlockCopier:
         for layers, (group_pages, group_blocks) in zip(self.group_layers, per_group, strict=True):
             for b, p, n in page_runs(group_blocks, group_pages):
                 for i in layers:
-                    l2[p : p + n, i].copy_(self.layers[i][b : b + n])
+                    l2[p : p + n, i, self.shard].copy_(self.layers[i][b : b + n])
         return len(pages) * len(self.layers) * self.block_bytes

@@ -4,7 +4,7 @@ Two engines of one checkpoint, dtype and block size can still write different by
 same tokens: another vLLM or torch version, another attention backend, another kernel ISA
 (vLLM's CPU attention picks ``amx``, ``vec``, ``vec16``, ``neon``... per host, and the AMX
 kernels write K/V in a packed layout), a KV cache dtype, a RoPE scaling or any other
-``hf_overrides``, a quantization, a compilation mode. ``runtime_identity`` hashes all of
+``hf_overrides``, a quantization, a compilation mode, a tensor-parallel degree. ``runtime_identity`` hashes all of
 them, with the engine's cache-reset generation, into 64 hex characters; the daemon keeps
 each identity's pages in a namespace of their own (``hicache.engine_server.server``), in L2
 and in L3.
@@ -137,6 +137,8 @@ def runtime_entries(vllm_config: Any, head_size: int, override: dict[str, Any] |
         "device": vllm_config.device_config.device_type,
         "attention_backend": CPUAttentionBackend.get_name(),
         "isa": attention_isa(vllm_config, head_size),
+        # ranks all-reduce partial sums: another rank count writes other bytes for the same tokens
+        "tensor_parallel_size": vllm_config.parallel_config.tensor_parallel_size,
         "model_config": _section("model", vllm_config.model_config),
         "cache_config": _section("cache", vllm_config.cache_config),
         "attention_config": _section("attention", vllm_config.attention_config),

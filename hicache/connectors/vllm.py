@@ -57,7 +57,19 @@ a new daemon's pool. The session registers with the engine's runtime identity
 value-changing options, reset generation); an option the connector cannot classify refuses
 the engine at start, naming it.
 
-Refused at start, with the reason: tensor or pipeline parallelism, a vLLM version other than
+Tensor parallelism: the scheduler half is one per engine and plans for every rank; each
+rank's worker half copies its own heads of every layer (``BlockCopier``'s shard: a page has
+one layout at any rank count) and sends its own ``Commit`` / ``Release`` with its rank. The
+daemon inserts a saved page only when every rank committed it, and unlocks a loaded one when
+every rank released it; a rank whose load failed reports it as at one rank (vLLM joins the
+ranks' load errors, so every rank recomputes). Ranks write different bytes than one process
+(their all-reduce sums in another order): the rank count is part of the runtime identity, so
+engines of different TP degrees never share a page. Each worker announces its process to the
+daemon (``EngineWorker``): what a dead engine's expired session held is freed only once its
+workers are gone too.
+
+Refused at start, with the reason: pipeline parallelism, fewer KV heads than tensor-parallel
+ranks (vLLM replicates them), a vLLM version other than
 the supported ones, a KV cache group that is not full or sliding-window attention of one
 shape (``kv_groups_problem``: Mamba / GDN state, MLA), a CUDA KV cache (its copy path has not run on a GPU), and an engine whose model or KV geometry differs
 from what the daemon serves. A daemon that is absent or slow costs hits, never correctness:
@@ -83,6 +95,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -298,6 +311,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         it), so a failed load is reported for the request (``failed_recving``) and recomputed."""
         self.block_size = spec.block_size
         self.num_blocks = kv_cache_config.num_blocks
+        self.tp = vllm_config.parallel_config.tensor_parallel_size
+        """Tensor-parallel ranks: each holds ``num_kv_heads / tp`` heads of every layer."""
         dtype = _DTYPE_NAMES.get(spec.dtype)
         if dtype is None:
             raise ConnectorRefused(f"KV dtype {spec.dtype} is not supported (supported: {', '.join(_DTYPE_NAMES.values())})")
@@ -306,7 +321,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         assert layout is not None  # _check_setup accepted only LBHNC
         model = vllm_config.model_config.model
         self.geometry = EngineKVGeometry(engine_identity(model, dtype, layout), dtype, spec.block_size,
-                                         len(self.layer_names), spec.num_kv_heads, spec.head_size, layout)
+                                         len(self.layer_names), spec.num_kv_heads * self.tp, spec.head_size, layout)
         try:
             self.faults = ConnectorFaults.from_env()
         except FaultConfigError as exc:
@@ -344,6 +359,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self.session = None
             self.worker_client = EngineClient(self.address, timeout, curve=curve)
             self.copier: BlockCopier | None = None
+            self.rank = get_tensor_model_parallel_rank()
+            self._announced_run = 0  # the daemon run this worker announced its process to (EngineWorker)
             self._load_errors: set[int] = set()
             self._failed_rids: set[str] = set()  # requests whose load failed in this step
             self._loaded_async: set[str] = set()  # asynchronous loads done (or failed) since the last report
@@ -355,9 +372,14 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConnectorRefused(f"vLLM {vllm.__version__} is not supported (supported: "
                                    f"{', '.join(v + 'x' for v in SUPPORTED_VLLM)})")
         par = vllm_config.parallel_config
-        if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
-            raise ConnectorRefused("tensor and pipeline parallelism are not supported (tensor_parallel_size "
-                                   f"{par.tensor_parallel_size}, pipeline_parallel_size {par.pipeline_parallel_size})")
+        if par.pipeline_parallel_size != 1:
+            raise ConnectorRefused(f"pipeline parallelism is not supported (pipeline_parallel_size "
+                                   f"{par.pipeline_parallel_size}): a page holds every layer, which no rank has")
+        kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+        if kv_heads % par.tensor_parallel_size:
+            raise ConnectorRefused(f"tensor_parallel_size {par.tensor_parallel_size} does not divide the model's "
+                                   f"{kv_heads} KV heads (vLLM replicates them across ranks; hicache stores "
+                                   "each head once)")
         if vllm_config.device_config.device_type == "cuda":
             raise ConnectorRefused(CUDA_REFUSAL)
         problem = kv_groups_problem(kv_cache_config)
@@ -373,7 +395,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return protos.EngineRegister(
             0, engine_name(), os.getpid(), g.model_identity, g.kv_dtype, g.block_size, g.num_layers, g.num_kv_heads,
             g.head_dim, g.kv_layout, g.page_bytes, runtime_identity(self.runtime, self.reset_generation),
-            own_pid_namespace(), process_start_time(os.getpid()) or 0)
+            own_pid_namespace(), process_start_time(os.getpid()) or 0, self.tp)
 
     @property
     def _registered(self) -> protos.EngineRegistered | None:
@@ -420,10 +442,11 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._refuse(exc)
             return None
 
-    def _release(self, hit: _Hit | None, loaded_pages: int = 0) -> None:
+    def _release(self, hit: _Hit | None) -> None:
+        """Give back a hit no rank was given (not planned for loading)."""
         if hit is None or not hit.lease or self.session is None:
             return
-        self.session.send(protos.Release(hit.session, hit.run, hit.lease, loaded_pages))
+        self.session.send(protos.Release(hit.session, hit.run, hit.lease, 0, protos.ALL_RANKS))
 
     @staticmethod
     def _cacheable(request: Request) -> bool:
@@ -637,7 +660,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             held = first >= step.computed_before // self.block_size  # only a window group gives blocks up
             if self.windowed and (not held or any(b == VLLM_NULL_BLOCK for ids in blocks for b in ids)):
                 if self.session is not None:
-                    self.session.send(protos.Commit(reg.session, reg.run, got.lease, False))
+                    self.session.send(protos.Commit(reg.session, reg.run, got.lease, False, protos.ALL_RANKS))
                 self.stats.add("save_skipped_blocks", n)
                 tracked.saves_closed = True  # the gap stays: every later reservation would start in it
                 continue
@@ -657,7 +680,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             if reg is not None and self.session is not None:
                 for got in answer.items:
                     if got.lease:
-                        self.session.send(protos.Commit(reg.session, reg.run, got.lease, False))
+                        self.session.send(protos.Commit(reg.session, reg.run, got.lease, False, protos.ALL_RANKS))
         return [None] * len(items)
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
@@ -680,10 +703,10 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if missing:
             raise ConnectorRefused(f"vLLM registered no KV tensor for layers {missing}")
         layers = [kv_caches[n] for n in self.layer_names]
-        problem = kv_problem(layers, self.num_blocks, self.geometry.layer_block_bytes, self.kv_dtype)
+        problem = kv_problem(layers, self.num_blocks, self.geometry.layer_block_bytes // self.tp, self.kv_dtype)
         if problem:
             raise ConnectorRefused(f"hicache cannot copy this KV cache: {problem}")
-        self.copier = BlockCopier(layers, self.layer_groups)
+        self.copier = BlockCopier(layers, self.layer_groups, rank=self.rank, ranks=self.tp)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -713,14 +736,21 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             if self.load_async:
                 self._loaded_async.add(plan.rid)
             self.stats.add("load_seconds", time.perf_counter() - began)
-            self.worker_client.send(protos.Release(plan.session, plan.run, plan.lease, loaded))
+            self.worker_client.send(protos.Release(plan.session, plan.run, plan.lease, loaded, self.rank))
 
     def _attach(self, meta: HiCacheConnectorMetadata) -> BlockCopier:
-        """The copier, attached to the step's L2 pool."""
+        """The copier, attached to the step's L2 pool (a worker of a tensor-parallel engine
+        announces its process to that daemon run first)."""
         if self.copier is None:
             raise RuntimeError("register_kv_caches was not called")
         if meta.pool is None:
             raise RuntimeError("no L2 pool is known")
+        if self.tp > 1 and meta.run != self._announced_run:
+            engine = os.getppid()  # vLLM's executor, where the scheduler half runs, started this worker
+            self.worker_client.send(protos.EngineWorker(meta.run, engine, process_start_time(engine) or 0,
+                                                        own_pid_namespace(), self.rank, os.getpid(),
+                                                        process_start_time(os.getpid()) or 0))
+            self._announced_run = meta.run
         self.copier.attach(meta.pool)
         return self.copier
 
@@ -733,6 +763,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, HiCacheConnectorMetadata)
+        if meta.saves:
+            self.faults.stall_saves(self.rank)
         for plan in meta.saves:
             ok = False
             began = time.perf_counter()
@@ -749,7 +781,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 log.warning("hicache: saving %d blocks of %s skipped: %s", len(plan.pages), plan.rid, exc)
                 self.stats.add("save_skipped_blocks", len(plan.pages))
             self.stats.add("save_seconds", time.perf_counter() - began)
-            self.worker_client.send(protos.Commit(plan.session, plan.run, plan.lease, ok))
+            self.worker_client.send(protos.Commit(plan.session, plan.run, plan.lease, ok, self.rank))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """The requests whose asynchronous load ran since the last call (failed ones too, as

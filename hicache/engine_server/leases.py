@@ -12,8 +12,15 @@ pages of a planned save, when it resumes). An orphan keeps what it holds until o
   commit's pages are freed, never inserted), or
 * the engine's process is gone: same pid namespace as the daemon (``pid_namespace``),
   and ``/proc/<pid>`` missing, a zombie, or started at another time (``start_time``: the
-  pid was reused). An engine the daemon cannot see (another pid namespace, no start time) keeps
-  its orphans until their late messages arrive; ``stats`` counts them.
+  pid was reused), and so is every worker process the engine's workers announced
+  (``EngineWorker``: the ranks of a tensor-parallel engine run in processes of their own,
+  children of the engine's). An engine the daemon cannot see (another pid namespace, no
+  start time) keeps its orphans until their late messages arrive; ``stats`` counts them.
+
+An engine of ``ranks`` tensor-parallel ranks has each rank load and save its own shard of
+every page, and each sends its own ``Release`` / ``Commit``: a lease ends with the last
+rank's report (``LeaseTable.report``), a reservation commits only if every rank wrote its
+shard, and a lookup's loaded pages are the fewest any rank loaded.
 
 Who owns what while a lease is open (``CacheServer`` applies these; this table is the
 contract):
@@ -24,10 +31,11 @@ kind        holds                                 on ``Release`` / ``Commit`` / 
 LOOKUP      ``host_lock_ref`` on the matched path  ``release_host(node, npages)``: unlocked
             (``node``, ``npages``), so L2 eviction
             cannot take the pages being loaded
-RESERVE     ``pages``: L2 pages taken from the     ``Commit(ok)`` of a live lease: ``insert_host``
-            allocator, in no tree node             (the tree takes them or frees duplicates);
-                                                   ``Commit(not ok)``, any commit of an orphan,
-                                                   the end of an orphan: freed to the allocator
+RESERVE     ``pages``: L2 pages taken from the     every rank's ``Commit(ok)`` on a live lease:
+            allocator, in no tree node             ``insert_host`` (the tree takes them or frees
+                                                   duplicates); a ``Commit(not ok)`` of any rank,
+                                                   an orphan's last commit, the end of an
+                                                   orphan: freed to the allocator
 ==========  ====================================  ===============================================
 """
 
@@ -41,6 +49,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hicache.tree.node import TreeNode
+from protos import ALL_RANKS
+
+MAX_WORKER_ENGINES = 4096
+"""Tensor-parallel engines whose worker processes the lease table remembers at most."""
 
 
 class LeaseKind(enum.Enum):
@@ -66,6 +78,8 @@ class Session:
     """Prefix of every cache salt of this session (from the engine's runtime identity)."""
     last_seen: float
     leases: set[int] = field(default_factory=set)
+    ranks: int = 1
+    """Tensor-parallel ranks: each reports every lease of the session."""
 
 
 @dataclass
@@ -82,6 +96,19 @@ class Lease:
     start_page: int = 0  # RESERVE: the key's page that ``pages[0]`` holds
     pages: list[int] = field(default_factory=list)  # RESERVE: the reserved L2 pages
     process: EngineProcess | None = None  # set when the lease becomes an orphan
+    ranks: int = 1  # reports that end the lease (one per tensor-parallel rank)
+    reported: set[int] = field(default_factory=set)  # the ranks whose report came
+    failed: bool = False  # RESERVE: a rank's Commit said not ok
+    loaded_pages: int | None = None  # LOOKUP: the fewest pages a rank said it loaded
+
+
+class Report(enum.Enum):
+    """What ``LeaseTable.report`` made of one rank's ``Release`` / ``Commit``."""
+
+    UNKNOWN = "unknown"  # no such lease of that session and kind (or a bad rank): dropped
+    REPEATED = "repeated"  # that rank had reported already: dropped
+    WAITING = "waiting"  # counted; other ranks have not reported yet
+    LAST = "last"  # the last rank's report: the lease is removed, its effects are due
 
 
 def own_pid_namespace() -> str:
@@ -133,11 +160,23 @@ class LeaseTable:
         self._lease_ids = itertools.count(1)
         self.expired_leases = 0  # monotonic: leases that became orphans
         self.expired_sessions = 0
+        self.workers: dict[EngineProcess, dict[int, EngineProcess]] = {}
+        """Worker processes of tensor-parallel engines, by engine process and rank (``EngineWorker``)."""
 
-    def open_session(self, engine: str, process: EngineProcess, namespace: str, now: float) -> Session:
-        s = Session(next(self._session_ids), engine, process, namespace, now)
+    def open_session(self, engine: str, process: EngineProcess, namespace: str, now: float,
+                     ranks: int = 1) -> Session:
+        s = Session(next(self._session_ids), engine, process, namespace, now, ranks=ranks)
         self.sessions[s.session_id] = s
         return s
+
+    def add_worker(self, engine: EngineProcess, rank: int, worker: EngineProcess) -> None:
+        """Remember that ``worker`` (rank ``rank``) serves ``engine``; at most
+        ``MAX_WORKER_ENGINES`` engines are remembered (the oldest forgotten first)."""
+        ranks = self.workers.pop(engine, {})
+        ranks[rank] = worker
+        self.workers[engine] = ranks  # last in the order: the newest
+        while len(self.workers) > MAX_WORKER_ENGINES:
+            del self.workers[next(iter(self.workers))]
 
     def touch(self, session_id: int, now: float) -> Session | None:
         """The session, renewed; None if it is not open."""
@@ -153,29 +192,37 @@ class LeaseTable:
         self.sessions[lease.session].leases.add(lease.lease_id)
         return lease
 
-    def take(self, lease_id: int, session_id: int, kind: LeaseKind) -> Lease | None:
-        """Remove and return the live lease if ``session_id`` holds it and it is of ``kind``."""
-        lease = self.leases.get(lease_id)
-        if lease is None or lease.session != session_id or lease.kind is not kind:
-            return None
-        del self.leases[lease.lease_id]
-        s = self.sessions.get(lease.session)
-        if s is not None:
-            s.leases.discard(lease.lease_id)
-        return lease
-
     def credit(self, seconds: float) -> None:
         """The daemon could not hear the engines for ``seconds`` (its loop stalled): that time
         is no session's silence."""
         for s in self.sessions.values():
             s.last_seen += seconds
 
-    def take_orphan(self, lease_id: int, session_id: int, kind: LeaseKind) -> Lease | None:
-        """Remove and return the orphan if it was ``session_id``'s and of ``kind``."""
-        lease = self.orphans.get(lease_id)
-        if lease is None or lease.session != session_id or lease.kind is not kind:
-            return None
-        return self.orphans.pop(lease_id)
+    def report(self, lease_id: int, session_id: int, kind: LeaseKind, rank: int) -> tuple[Report, Lease | None]:
+        """Count rank ``rank``'s report on ``session_id``'s lease (live or orphan) of
+        ``kind``; the lease comes back with every verdict but UNKNOWN, and is removed (from
+        the live leases or the orphans) with LAST. The caller records what the report says
+        (``failed``, ``loaded_pages``) on the lease. ``ALL_RANKS`` (the engine's scheduler
+        half giving back a lease no rank was given) counts for every rank, and is a repeat
+        once any rank reported."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            lease = self.orphans.get(lease_id)
+        if (lease is None or lease.session != session_id or lease.kind is not kind
+                or not (0 <= rank < lease.ranks or rank == ALL_RANKS)):
+            return Report.UNKNOWN, None
+        if rank in lease.reported or (rank == ALL_RANKS and lease.reported):
+            return Report.REPEATED, lease
+        lease.reported.update(range(lease.ranks) if rank == ALL_RANKS else (rank,))
+        if len(lease.reported) < lease.ranks:
+            return Report.WAITING, lease
+        if self.leases.pop(lease_id, None) is not None:
+            s = self.sessions.get(session_id)
+            if s is not None:
+                s.leases.discard(lease_id)
+        else:
+            del self.orphans[lease_id]
+        return Report.LAST, lease
 
     def expire(self, now: float) -> int:
         """Close the sessions silent for more than ``ttl_s``; their leases become orphans.
@@ -193,14 +240,23 @@ class LeaseTable:
         self.expired_leases += n
         return n
 
+    def _engine_gone(self, engine: EngineProcess) -> bool:
+        """Whether the engine and every worker it announced have surely ended (its
+        workers are forgotten then)."""
+        workers = self.workers.get(engine, {})
+        if not self.gone(engine) or not all(self.gone(w) for w in workers.values()):
+            return False
+        self.workers.pop(engine, None)
+        return True
+
     def ended_orphans(self) -> list[Lease]:
-        """Remove and return the orphans whose engine process is gone."""
+        """Remove and return the orphans whose engine (with its workers) is gone."""
         verdict: dict[EngineProcess, bool] = {}
         out: list[Lease] = []
         for lease in list(self.orphans.values()):
             assert lease.process is not None
             if lease.process not in verdict:
-                verdict[lease.process] = self.gone(lease.process)
+                verdict[lease.process] = self._engine_gone(lease.process)
             if verdict[lease.process]:
                 out.append(self.orphans.pop(lease.lease_id))
         return out

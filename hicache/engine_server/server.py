@@ -38,7 +38,7 @@ from typing import Any
 
 import protos
 from hicache.engine_server.geometry import EngineKVGeometry
-from hicache.engine_server.leases import EngineProcess, Lease, LeaseKind, LeaseTable, Session
+from hicache.engine_server.leases import EngineProcess, Lease, LeaseKind, LeaseTable, Report, Session
 from hicache.engine_server.request_tokens import RequestTokens
 from hicache.tier_manager import PrefetchTicket, TierManager
 from hicache.tree.cache import MatchResult, UnifiedRadixCache
@@ -53,6 +53,9 @@ if KEY_TYPECODE != protos.TOKEN_TYPECODE:  # the wire's packed tokens become tre
 PREFETCHED_MEMORY = 16384
 """How many (session, request) pairs remember that their prefetch ran, so a request that
 vLLM asks about again is not prefetched (and held) a second time."""
+
+MAX_TENSOR_PARALLEL = 64
+"""The most tensor-parallel ranks an engine may register with."""
 
 REQUEST_MEMORY_TOKENS = 1 << 26
 """Tokens the server keeps of running requests at most, 256 MiB as keys (``RequestTokens``)."""
@@ -158,6 +161,7 @@ class CacheServer:
             protos.Reserve: self.reserve,
             protos.Commit: self.commit,
             protos.Release: self.release,
+            protos.EngineWorker: self.worker,
             protos.Heartbeat: self.heartbeat,
             protos.Finished: self.finished,
         }
@@ -222,6 +226,10 @@ class CacheServer:
         if not _IDENTITY.fullmatch(msg.runtime_identity):
             self.counters.bad_requests += 1
             return protos.EngineError(msg.req, "bad_request", "runtime_identity must be 64 lowercase hex characters")
+        if not 1 <= msg.tensor_parallel <= MAX_TENSOR_PARALLEL or msg.num_kv_heads % msg.tensor_parallel:
+            self.counters.bad_requests += 1
+            return protos.EngineError(msg.req, "bad_request", f"tensor_parallel {msg.tensor_parallel}: must be in "
+                                      f"[1, {MAX_TENSOR_PARALLEL}] and divide num_kv_heads ({msg.num_kv_heads})")
         problem = self.geometry.mismatch(theirs)
         if problem is None and msg.page_bytes != self.pool.page_bytes:
             problem = f"page_bytes: daemon {self.pool.page_bytes}, engine {msg.page_bytes}"
@@ -231,9 +239,9 @@ class CacheServer:
             return protos.EngineError(msg.req, "refused", f"this daemon serves other KV pages: {problem}")
         process = EngineProcess(msg.pid, msg.pid_namespace, msg.start_time)
         namespace = msg.runtime_identity[:NAMESPACE_CHARS]
-        s = self.leases.open_session(msg.engine, process, namespace, self.clock())
-        log.info("engine %s (pid %d) registered: session %d, namespace %s", msg.engine, msg.pid, s.session_id,
-                 namespace)
+        s = self.leases.open_session(msg.engine, process, namespace, self.clock(), msg.tensor_parallel)
+        log.info("engine %s (pid %d, %d rank%s) registered: session %d, namespace %s", msg.engine, msg.pid,
+                 msg.tensor_parallel, "s" if msg.tensor_parallel > 1 else "", s.session_id, namespace)
         p = self.pool
         return protos.EngineRegistered(msg.req, s.session_id, self.run, p.instance, p.segment, p.directory, p.pages,
                                        p.page_bytes, self.leases.ttl_s)
@@ -301,7 +309,7 @@ class CacheServer:
         npages = self.cache.protect_host(node)
         storage_pages = min(storage_pages, len(pages))
         lease = self.leases.add(Lease(0, LeaseKind.LOOKUP, session, self.clock(), node=node, npages=npages,
-                                      storage_pages=storage_pages))
+                                      storage_pages=storage_pages, ranks=self._ranks(session)))
         self.counters.lookup_hit_pages += len(pages)
         self.counters.lookup_storage_pages += storage_pages
         return protos.LookupResult(req, lease.lease_id, pages, storage_pages)
@@ -352,19 +360,30 @@ class CacheServer:
         pages = list(host.alloc(n))
         lease = self.leases.add(Lease(0, LeaseKind.RESERVE, session, self.clock(),
                                       key=key[: (start + n) * ps], cache_salt=salt,
-                                      start_page=start, pages=pages))
+                                      start_page=start, pages=pages, ranks=self._ranks(session)))
         self.counters.reserved_pages += n
         return protos.Reservation(lease.lease_id, start, pages)
 
+    def _ranks(self, session: int) -> int:
+        s = self.leases.sessions.get(session)
+        return s.ranks if s is not None else 1
+
     def commit(self, msg: protos.Commit) -> None:
+        """A rank wrote its shard of a reservation (``ok``) or gave up. With the last rank's
+        commit: into the tree if every rank wrote (and the lease is live), else freed."""
         if self._stale(msg.run):
             return
-        self.leases.touch(msg.session, self.clock())
-        lease = self.leases.take(msg.lease, msg.session, LeaseKind.RESERVE)
+        orphan = msg.lease in self.leases.orphans
+        verdict, lease = self.leases.report(msg.lease, msg.session, LeaseKind.RESERVE, msg.rank)
+        if lease is not None and not msg.ok:
+            lease.failed = True
+        lease = self._last(msg.session, msg.lease, LeaseKind.RESERVE, msg.rank, verdict, lease)
         if lease is None:
-            self._end_orphan(msg.lease, msg.session, LeaseKind.RESERVE)
             return
-        if not msg.ok:
+        if orphan:
+            self._end_orphan(lease)
+            return
+        if lease.failed:
             self.counters.commit_failed_pages += len(lease.pages)
             self.host.free(lease.pages)
             return
@@ -376,18 +395,44 @@ class CacheServer:
             self.tier.back_up(res.node)
 
     def release(self, msg: protos.Release) -> None:
+        """A rank is done with a lookup's pages; with the last rank's release they are
+        unlocked (the loaded count is the fewest any rank loaded)."""
         if self._stale(msg.run):
             return
-        self.leases.touch(msg.session, self.clock())
-        lease = self.leases.take(msg.lease, msg.session, LeaseKind.LOOKUP)
+        orphan = msg.lease in self.leases.orphans
+        verdict, lease = self.leases.report(msg.lease, msg.session, LeaseKind.LOOKUP, msg.rank)
+        if lease is not None and verdict is not Report.REPEATED:
+            loaded = max(0, msg.loaded_pages)
+            lease.loaded_pages = loaded if lease.loaded_pages is None else min(lease.loaded_pages, loaded)
+        lease = self._last(msg.session, msg.lease, LeaseKind.LOOKUP, msg.rank, verdict, lease)
         if lease is None:
-            self._end_orphan(msg.lease, msg.session, LeaseKind.LOOKUP)
+            return
+        if orphan:
+            self._end_orphan(lease)
             return
         self._end(lease)
-        loaded = max(0, msg.loaded_pages)
+        loaded = lease.loaded_pages or 0
         from_storage = min(loaded, lease.storage_pages)
         self.counters.loaded_host_pages += loaded - from_storage
         self.counters.loaded_storage_pages += from_storage
+
+    def _last(self, session: int, lease_id: int, kind: LeaseKind, rank: int, verdict: Report,
+              lease: Lease | None) -> Lease | None:
+        """The lease when ``verdict`` made its effects due (the last rank reported), else
+        None (warned about when the report was unknown or repeated)."""
+        self.leases.touch(session, self.clock())
+        if verdict is Report.UNKNOWN or verdict is Report.REPEATED:
+            log.warning("%s of %s lease %d (session %d, rank %d): dropped", kind.value,
+                        "unknown" if verdict is Report.UNKNOWN else "already reported", lease_id, session, rank)
+            return None
+        return lease if verdict is Report.LAST else None
+
+    def worker(self, msg: protos.EngineWorker) -> None:
+        """A worker process of a tensor-parallel engine: orphans of that engine wait for it too."""
+        if self._stale(msg.run):
+            return
+        engine = EngineProcess(msg.engine_pid, msg.pid_namespace, msg.engine_start_time)
+        self.leases.add_worker(engine, msg.rank, EngineProcess(msg.pid, msg.pid_namespace, msg.start_time))
 
     def heartbeat(self, msg: protos.Heartbeat) -> None:
         if self._stale(msg.run):
@@ -405,13 +450,10 @@ class CacheServer:
         if ticket is not None:  # the request ended while its prefetch ran
             self._cancel_prefetch(ticket)
 
-    def _end_orphan(self, lease_id: int, session: int, kind: LeaseKind) -> None:
-        """The late Release / Commit of an expired session's lease: the engine is done with
-        its pages, which are unlocked or freed now (a late commit's pages are never inserted)."""
-        orphan = self.leases.take_orphan(lease_id, session, kind)
-        if orphan is None:
-            log.warning("%s of unknown lease %d (session %d): dropped", kind.value, lease_id, session)
-            return
+    def _end_orphan(self, orphan: Lease) -> None:
+        """An expired session's lease whose every rank reported late: the engine is done
+        with its pages, which are unlocked or freed now (a late commit's pages are never
+        inserted)."""
         self._end(orphan)
         self.counters.orphans_ended_late += 1
 
@@ -476,7 +518,8 @@ class CacheServer:
             "l2": {"full": {"used_tokens": host.used * ps, "capacity_tokens": host.capacity * ps,
                             "reserved_tokens": reserved * ps}},
             "engines": [{"session": s.session_id, "engine": s.engine, "pid": s.process.pid,
-                         "namespace": s.namespace, "leases": len(s.leases)}
+                         "namespace": s.namespace, "leases": len(s.leases), "ranks": s.ranks,
+                         "workers": len(self.leases.workers.get(s.process, {}))}
                         for s in self.leases.sessions.values()],
             "leases": {"open": len(self.leases.leases), "expired": self.leases.expired_leases,
                        "expired_sessions": self.leases.expired_sessions, "orphans": len(self.leases.orphans),

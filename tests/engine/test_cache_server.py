@@ -56,15 +56,16 @@ _pids = iter(range(1000, 10**6))
 
 
 def register(server: CacheServer, geometry: EngineKVGeometry = GEOMETRY, page_bytes: int | None = None,
-             runtime: str = RUNTIME, pid: int = 123) -> protos.Message:
+             runtime: str = RUNTIME, pid: int = 123, tp: int = 1) -> protos.Message:
     g = geometry
     return server.handle(protos.EngineRegister(1, "engine-a", pid, g.model_identity, g.kv_dtype, g.block_size,
                                                g.num_layers, g.num_kv_heads, g.head_dim, g.kv_layout,
-                                               g.page_bytes if page_bytes is None else page_bytes, runtime))
+                                               g.page_bytes if page_bytes is None else page_bytes, runtime,
+                                               tensor_parallel=tp))
 
 
-def session_of(server: CacheServer, runtime: str = RUNTIME, pid: int = 123) -> int:
-    reg = register(server, runtime=runtime, pid=pid)
+def session_of(server: CacheServer, runtime: str = RUNTIME, pid: int = 123, tp: int = 1) -> int:
+    reg = register(server, runtime=runtime, pid=pid, tp=tp)
     assert isinstance(reg, protos.EngineRegistered) and reg.run == RUN
     return reg.session
 
@@ -522,3 +523,84 @@ def test_a_reserve_naming_tokens_the_server_lacks_is_answered_unknown_request() 
     server.handle(protos.Heartbeat(other.session, RUN))
     server.expire()
     assert server.stats()["requests"]["held"] == 0
+
+
+# ---------------------------------------------------------------------- tensor parallelism
+
+
+def test_a_rank_count_that_does_not_divide_the_kv_heads_is_refused() -> None:
+    server, _ = make_server()
+    for tp in (0, 3, 65):  # GEOMETRY has 2 KV heads
+        ans = register(server, tp=tp)
+        assert isinstance(ans, protos.EngineError) and ans.code == "bad_request" and "tensor_parallel" in ans.reason
+    assert isinstance(register(server, tp=2), protos.EngineRegistered)
+
+
+def test_a_tensor_parallel_page_enters_the_tree_only_once_every_rank_wrote_its_shard() -> None:
+    server, _ = make_server()
+    session = session_of(server, tp=2)
+    tokens = [7] * (2 * PS)
+
+    def hit_pages() -> int:
+        ans = server.handle(protos.Lookup(50, session, RUN, "probe", protos.pack_tokens(tokens)))
+        assert isinstance(ans, protos.LookupResult)
+        if ans.lease:
+            server.handle(protos.Release(session, RUN, ans.lease, 0, protos.ALL_RANKS))
+        return len(ans.host_pages)
+
+    first = reserve(server, 2, session, RUN, "r", tokens, 0)
+    server.handle(protos.Commit(session, RUN, first.lease, True, 0))
+    assert hit_pages() == 0  # rank 1 has not written its heads yet
+    server.handle(protos.Commit(session, RUN, first.lease, True, 0))  # a repeat counts once
+    server.handle(protos.Commit(session, RUN, first.lease, True, 2))  # no rank 2: dropped
+    assert hit_pages() == 0 and first.lease in server.leases.leases
+    server.handle(protos.Commit(session, RUN, first.lease, True, 1))
+    assert hit_pages() == 2 and server.counters.committed_pages == 2
+
+    longer = tokens + [8] * (2 * PS)
+    failed = reserve(server, 3, session, RUN, "r", longer, 2)
+    server.handle(protos.Commit(session, RUN, failed.lease, False, 1))  # one rank could not write
+    server.handle(protos.Commit(session, RUN, failed.lease, True, 0))
+    assert server.counters.commit_failed_pages == 2 and server.host.used == 2
+    given_back = reserve(server, 4, session, RUN, "r", longer, 2)
+    server.handle(protos.Commit(session, RUN, given_back.lease, False, protos.ALL_RANKS))  # no rank saw it
+    assert server.counters.commit_failed_pages == 4 and server.host.used == 2
+
+    hit = server.handle(protos.Lookup(5, session, RUN, "r", protos.pack_tokens(longer)))
+    assert isinstance(hit, protos.LookupResult) and len(hit.host_pages) == 2
+    server.handle(protos.Release(session, RUN, hit.lease, 2, 0))
+    assert server.cache.host_protected_size() == 2 * PS  # rank 1 may still be reading them
+    server.handle(protos.Release(session, RUN, hit.lease, 1, 1))
+    assert server.cache.host_protected_size() == 0
+    assert server.counters.loaded_host_pages == 1  # the fewest any rank loaded
+    server.check_idle()
+    assert server.integrity_error is None and server.exact_checks == 1
+
+
+def test_an_expired_tensor_parallel_engine_keeps_its_orphans_until_its_workers_are_gone_too() -> None:
+    server, clock = make_server()
+    engine_pid, workers = 500, (501, 502)
+    session = session_of(server, pid=engine_pid, tp=2)
+    for rank, pid in enumerate(workers):
+        server.handle(protos.EngineWorker(RUN, engine_pid, 0, "", rank, pid, 0))
+    tokens = [9] * (4 * PS)
+    late = reserve(server, 2, session, RUN, "r", tokens[: 2 * PS], 0)
+    stuck = reserve(server, 3, session, RUN, "s", [5] * (2 * PS), 0)
+    for lease in (late.lease, stuck.lease):
+        server.handle(protos.Commit(session, RUN, lease, True, 0))  # rank 1 stalls before its commits
+    clock.t += TTL + 1
+    assert server.expire() == 2
+    server.handle(protos.Commit(session, RUN, late.lease, True, 1))  # rank 1 resumes: the orphan ends, unsaved
+    assert server.counters.orphans_ended_late == 1 and server.counters.committed_pages == 0
+    clock.dead.add(engine_pid)  # the engine core died; rank 1's process still runs
+    server.expire()
+    assert stuck.lease in server.leases.orphans and server.host.used == 2
+    clock.dead.add(workers[0])
+    server.expire()
+    assert stuck.lease in server.leases.orphans
+    clock.dead.add(workers[1])
+    server.expire()
+    assert not server.leases.orphans and server.counters.orphans_ended_gone == 1
+    assert server.host.used == 0 and not server.leases.workers
+    server.check_idle()
+    assert server.integrity_error is None and server.exact_checks == 1

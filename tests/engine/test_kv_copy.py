@@ -87,6 +87,36 @@ def test_each_layer_copies_its_groups_blocks_and_a_window_group_loads_only_what_
     copier.detach()
 
 
+def test_tensor_parallel_ranks_each_copy_their_heads_of_every_page(pool) -> None:
+    """Two ranks of one head each save and load their slice of a page: together they write
+    exactly the page one rank of both heads writes, and each loads back only its heads."""
+    ref, pages = pool
+    torch.manual_seed(3)
+    whole = [torch.randn(BLOCKS, HEADS, BS, 2 * DIM) for _ in range(LAYERS)]
+    shards = [[t[:, r : r + 1].contiguous() for t in whole] for r in range(HEADS)]
+    ranks = [BlockCopier(shards[r], rank=r, ranks=HEADS) for r in range(HEADS)]
+    single = BlockCopier(whole)
+    for c in (*ranks, single):
+        c.attach(ref)
+    single.save([[1, 2]], [0, 1])
+    expected = pages[:2].clone()
+    pages[:2] = 0
+    assert ranks[0].save([[1, 2]], [0, 1]) == 2 * LAYERS * BS * 2 * DIM * 4  # one head's bytes
+    assert not torch.equal(pages[:2], expected)  # rank 1's heads are not written yet
+    ranks[1].save([[1, 2]], [0, 1])
+    assert torch.equal(pages[:2], expected)
+    for r, c in enumerate(ranks):
+        for t in shards[r]:
+            t.zero_()
+        c.load([0, 1], [[5, 6]])
+        for i, t in enumerate(shards[r]):
+            assert torch.equal(t[5:7], whole[i][1:3, r : r + 1]) and not t[:5].any()
+    with pytest.raises(ValueError, match="rank 2"):
+        BlockCopier(shards[0], rank=2, ranks=2)
+    for c in (*ranks, single):
+        c.detach()
+
+
 def test_layouts_the_copier_cannot_map_are_refused() -> None:
     good = [torch.zeros(BLOCKS, HEADS, BS, 2 * DIM)]
     nbytes = HEADS * BS * 2 * DIM * 4

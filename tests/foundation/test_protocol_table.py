@@ -49,7 +49,7 @@ def test_each_inbox_decodes_what_the_table_sends_it() -> None:
     assert set(tokenizer) == set(accepted_by("tokenizer")) and protos.Ready in tokenizer
     assert set(engine) == {protos.EngineRegistered, protos.LookupResult, protos.ReserveResult, protos.EngineError}
     assert set(engine_socket) == {protos.EngineRegister, protos.Lookup, protos.Reserve, protos.Commit,
-                                  protos.Release, protos.Heartbeat, protos.Finished}
+                                  protos.Release, protos.EngineWorker, protos.Heartbeat, protos.Finished}
     # no message is decoded by a process that the table does not send it to
     for process in PROCESSES:
         for m in accepted_by(process):

@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--prefix-caching", action="store_true", help="keep vLLM's own prefix cache on")
     p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks, each in a worker process of its own (VLLM_CPU_OMP_THREADS_BIND: one core list per rank)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--num-blocks", type=int, default=None,
                    help="vLLM's KV space in blocks (VLLM_CPU_KVCACHE_SPACE takes whole GiB only)")
@@ -80,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.log_stats:
         kw["disable_log_stats"] = False
+    if args.tensor_parallel_size > 1:
+        kw["tensor_parallel_size"] = args.tensor_parallel_size
+        kw["distributed_executor_backend"] = "mp"
     began = time.perf_counter()
     llm = LLM(model=args.model, skip_tokenizer_init=True, block_size=args.block_size, dtype=args.dtype,
               max_model_len=args.max_model_len, enforce_eager=True, enable_prefix_caching=args.prefix_caching,
@@ -179,13 +184,17 @@ def _steps(llm: Any, prompts: list[Any], arrivals: list[int], params: Any) -> di
             "schedule_s": schedule_s}
 
 
-def _all_cores() -> str:
-    """The cores this process may run on, as vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` list.
+def _all_cores(ranks: int = 1) -> str:
+    """The cores this process may run on, as vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` list: one
+    list per tensor-parallel rank, ``|`` between them (the cores dealt out in turn; a rank
+    shares a core when there are fewer cores than ranks).
 
     Left to itself (``auto``) vLLM keeps one core back for its own threads, but not when a
     KV connector is configured, so an engine with a connector computes on more threads than
     one without: a comparison of the two must bind both to the same cores."""
-    return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    cores = sorted(os.sched_getaffinity(0))
+    lists = [cores[r::ranks] or [cores[r % len(cores)]] for r in range(ranks)]
+    return "|".join(",".join(str(c) for c in cpus) for cpus in lists)
 
 
 class VllmError(RuntimeError):
@@ -204,7 +213,7 @@ class VllmProcess:
                  max_num_seqs: int = 16, max_num_batched_tokens: int | None = None,
                  env: dict[str, str] | None = None, start_timeout_s: float = 300.0,
                  num_blocks: int | None = None, kv_transfer: dict[str, Any] | None = None,
-                 log_stats: bool = False) -> None:
+                 log_stats: bool = False, tensor_parallel: int = 1) -> None:
         cmd = [sys.executable, "-m", "hicache.bench.engine_lib.vllm_driver", "--model", model,
                "--block-size", str(block_size), "--max-model-len", str(max_model_len), "--dtype", dtype,
                "--max-num-seqs", str(max_num_seqs)]
@@ -220,9 +229,11 @@ class VllmProcess:
             cmd += ["--kv-transfer-json", json.dumps(kv_transfer)]
         if log_stats:
             cmd.append("--log-stats")
+        if tensor_parallel > 1:
+            cmd += ["--tensor-parallel-size", str(tensor_parallel)]
         self.log_path = Path(log_path)
         child_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-                     "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_OMP_THREADS_BIND": _all_cores(), **(env or {})}
+                     "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_OMP_THREADS_BIND": _all_cores(tensor_parallel), **(env or {})}
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      env=child_env, text=True, start_new_session=True)
@@ -238,6 +249,23 @@ class VllmProcess:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def processes(self) -> dict[int, str]:
+        """The engine's live processes (the driver, vLLM's engine core, its workers): pid ->
+        command line, read from /proc (all run in the driver's session)."""
+        out: dict[int, str] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_bytes()
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(b")") + 2:].split()
+            if int(fields[3]) == self.proc.pid and fields[0] not in (b"Z", b"X"):  # field 6: the session
+                out[int(entry.name)] = cmdline
+        return out
 
     def _read(self, timeout_s: float) -> dict[str, Any]:
         import selectors
