@@ -466,6 +466,7 @@ def engine_layout(cfg: HicacheConfig) -> PoolLayout:
     """Engine mode: L2 pages of the engines' KV geometry (``engine.*``), no L1 (it is the
     engines' own). Raises ValueError when the engine model cannot be served or L2 does not
     fit in the host's available memory."""
+    from hicache.engine_server.geometry import KV_KINDS
     from hicache.memory.pools import PoolLayout, default_directory, new_instance_id, paged_layout
     from hicache.startup_checks import engine_geometry
 
@@ -474,8 +475,15 @@ def engine_layout(cfg: HicacheConfig) -> PoolLayout:
         raise ValueError("; ".join(str(p) for p in problems))
     l2_pages = cfg.cache.l2.tokens // cfg.cache.page_size
     inst = new_instance_id()
-    full = paged_layout(inst, "full", cfg.cache.page_size, 0, l2_pages, g.num_layers, g.num_kv_heads, g.head_dim,
-                        g.kv_dtype)
+    # the pool's [layers, 2, tokens, heads, dim] shape only sizes it (engines view a page as bytes):
+    # an MLA latent of head_dim per token is sized as a K/V pair of head_dim / 2
+    vectors = KV_KINDS[g.kv_kind]
+    if (g.head_dim * vectors) % 2:
+        raise ValueError(f"a KV row of {g.head_dim * vectors} values per head cannot be sized as a K/V pair")
+    full = paged_layout(inst, "full", cfg.cache.page_size, 0, l2_pages, g.num_layers, g.num_kv_heads,
+                        g.head_dim * vectors // 2, g.kv_dtype)
+    if full.l2_page_bytes != g.page_bytes:
+        raise ValueError(f"the L2 pool's pages hold {full.l2_page_bytes} bytes, the engines' {g.page_bytes}")
     return PoolLayout(inst, default_directory(), (full,))
 
 

@@ -113,7 +113,9 @@ class EngineRegister(CacheServerMessage):
 
     ``tensor_parallel``: the engine's ranks; each sends its ``Commit`` and ``Release`` of
     every lease (the page geometry is the whole model's: every rank holds
-    ``num_kv_heads / tensor_parallel`` of its heads)."""
+    ``num_kv_heads / tensor_parallel`` of its heads, or the whole latent with ``kv_kind``
+    ``mla``). ``kv_kind``: what a token row of a head holds, ``kv`` (a key and a value) or
+    ``mla`` (one latent vector)."""
 
     req: int
     engine: str
@@ -130,6 +132,7 @@ class EngineRegister(CacheServerMessage):
     pid_namespace: str = ""
     start_time: int = 0
     tensor_parallel: int = 1
+    kv_kind: str = "kv"
 
 
 @message("engine_worker")

@@ -126,17 +126,29 @@ def attention_isa(vllm_config: Any, head_size: int) -> str:
     return str(_get_attn_isa(vllm_config.model_config.dtype, cache.block_size, head_size, cache.cache_dtype))
 
 
+def mla_backend(vllm_config: Any) -> str:
+    """The MLA backend vLLM's CPU platform picks for this engine (its own rule): AMX where
+    the CPU has AMX tiles and the reference backend was not asked for, else the reference."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.platforms.interface import CpuArchEnum
+
+    asked = vllm_config.attention_config.backend
+    amx = CpuPlatform.get_cpu_architecture() == CpuArchEnum.X86 and torch.cpu._is_amx_tile_supported()
+    return "AMX_MLA" if amx and getattr(asked, "name", None) != "CPU_MLA" else "CPU_MLA"
+
+
 def runtime_entries(vllm_config: Any, head_size: int, override: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the identity hashes, by name (but the reset generation); ``override`` replaces
     entries (a test's fault point)."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
+    mla = vllm_config.model_config.use_mla
     entries: dict[str, Any] = {
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "device": vllm_config.device_config.device_type,
-        "attention_backend": CPUAttentionBackend.get_name(),
-        "isa": attention_isa(vllm_config, head_size),
+        "attention_backend": mla_backend(vllm_config) if mla else CPUAttentionBackend.get_name(),
+        "isa": "" if mla else attention_isa(vllm_config, head_size),
         # ranks all-reduce partial sums: another rank count writes other bytes for the same tokens
         "tensor_parallel_size": vllm_config.parallel_config.tensor_parallel_size,
         "model_config": _section("model", vllm_config.model_config),

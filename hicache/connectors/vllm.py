@@ -68,10 +68,14 @@ engines of different TP degrees never share a page. Each worker announces its pr
 daemon (``EngineWorker``): what a dead engine's expired session held is freed only once its
 workers are gone too.
 
+MLA (``MLAAttentionSpec``: DeepSeek V2 / V3 on vLLM's CPU MLA backend): a token's row is one
+latent vector for all heads, a page holds it for every layer (``kv_kind`` ``mla``); every
+rank holds the whole latent, so rank 0 alone saves it (stored once) and every rank loads it.
+
 Refused at start, with the reason: pipeline parallelism, fewer KV heads than tensor-parallel
-ranks (vLLM replicates them), a vLLM version other than
-the supported ones, a KV cache group that is not full or sliding-window attention of one
-shape (``kv_groups_problem``: Mamba / GDN state, MLA), a CUDA KV cache (its copy path has not run on a GPU), and an engine whose model or KV geometry differs
+ranks (vLLM replicates them), vLLM's AMX MLA backend (not run with hicache), a vLLM version other than
+the supported ones, a KV cache group that is not full or sliding-window attention or MLA of one
+shape (``kv_groups_problem``: Mamba / GDN state, MLA beside other attention), a CUDA KV cache (its copy path has not run on a GPU), and an engine whose model or KV geometry differs
 from what the daemon serves. A daemon that is absent or slow costs hits, never correctness:
 lookups time out (``engine.lookup_timeout_ms``) as misses and the connector backs off.
 """
@@ -97,7 +101,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.model_executor.models.utils import extract_layer_index
-from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import protos
@@ -112,7 +116,12 @@ from hicache.connectors.engine_client import (
 )
 from hicache.connectors.faults import FAIL_LOADS_ENV, ConnectorFaults, FaultConfigError
 from hicache.connectors.kv_copy import CUDA_REFUSAL, NO_BLOCK, BlockCopier, PoolRef, kv_problem
-from hicache.connectors.runtime_identity import UnclassifiedOption, runtime_entries, runtime_identity
+from hicache.connectors.runtime_identity import (
+    UnclassifiedOption,
+    mla_backend,
+    runtime_entries,
+    runtime_identity,
+)
 from hicache.connectors.vllm_stats import HiCachePromMetrics, HiCacheStats
 from hicache.engine_server.geometry import EngineKVGeometry, engine_identity
 from hicache.engine_server.leases import own_pid_namespace, process_start_time
@@ -143,9 +152,9 @@ SUPPORTED_VLLM = ("0.32.",)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
-HELD_SPECS = (FullAttentionSpec, SlidingWindowSpec)
-"""The KV cache group kinds hicache holds (exactly these classes, not their subclasses such
-as MLA): attention KV, full or sliding-window, of one shape across groups."""
+HELD_SPECS = (FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec)
+"""The KV cache group kinds hicache holds (exactly these classes, not other subclasses):
+attention KV, full or sliding-window, or MLA's latent, of one shape across groups."""
 
 VLLM_NULL_BLOCK = 0
 """The block id vLLM's hybrid allocator puts where a sliding-window group holds no block
@@ -253,8 +262,10 @@ def kv_groups_problem(kv_cache_config: KVCacheConfig) -> str | None:
         name = (f"KV cache group {i} ({type(spec).__name__}, layers {', '.join(group.layer_names[:3])}"
                 f"{', ...' if len(group.layer_names) > 3 else ''})")
         if type(spec) not in HELD_SPECS:
-            return (f"{name}: hicache holds full and sliding-window attention KV only "
-                    f"({', '.join(c.__name__ for c in HELD_SPECS)}), not Mamba / linear-attention state or MLA")
+            return (f"{name}: hicache holds full and sliding-window attention KV and MLA's latent only "
+                    f"({', '.join(c.__name__ for c in HELD_SPECS)}), not Mamba / linear-attention state")
+        if isinstance(spec, MLAAttentionSpec) != isinstance(first, MLAAttentionSpec):
+            return f"{name}: MLA and other attention in one engine (an L2 page holds one kind)"
         if not group.enable_kv_transfer:
             return f"{name}: vLLM marks it as not transferable"
         assert isinstance(spec, AttentionSpec) and isinstance(first, AttentionSpec)
@@ -317,11 +328,17 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if dtype is None:
             raise ConnectorRefused(f"KV dtype {spec.dtype} is not supported (supported: {', '.join(_DTYPE_NAMES.values())})")
         self.kv_dtype = spec.dtype
-        layout = kv_cache_config.kv_cache_layout
-        assert layout is not None  # _check_setup accepted only LBHNC
         model = vllm_config.model_config.model
+        self.mla = isinstance(spec, MLAAttentionSpec)
+        """Multi-head latent attention: every rank holds the whole latent (one "head"), so
+        rank 0 alone saves it, once, and every rank loads it."""
+        # _check_setup accepted LBHNC, and MLA's LBNHC: with its one head, the same bytes
+        layout = "LBHNC" if self.mla else kv_cache_config.kv_cache_layout
+        assert layout is not None
+        heads = 1 if self.mla else spec.num_kv_heads * self.tp
         self.geometry = EngineKVGeometry(engine_identity(model, dtype, layout), dtype, spec.block_size,
-                                         len(self.layer_names), spec.num_kv_heads * self.tp, spec.head_size, layout)
+                                         len(self.layer_names), heads, spec.head_size, layout,
+                                         "mla" if self.mla else "kv")
         try:
             self.faults = ConnectorFaults.from_env()
         except FaultConfigError as exc:
@@ -375,8 +392,12 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if par.pipeline_parallel_size != 1:
             raise ConnectorRefused(f"pipeline parallelism is not supported (pipeline_parallel_size "
                                    f"{par.pipeline_parallel_size}): a page holds every layer, which no rank has")
+        mla = vllm_config.model_config.use_mla
+        if mla and mla_backend(vllm_config) != "CPU_MLA":
+            raise ConnectorRefused(f"vLLM's {mla_backend(vllm_config)} backend has not run with hicache (its latent "
+                                   "layout is unchecked); set the attention backend to CPU_MLA, or run without hicache")
         kv_heads = vllm_config.model_config.get_total_num_kv_heads()
-        if kv_heads % par.tensor_parallel_size:
+        if not mla and kv_heads % par.tensor_parallel_size:
             raise ConnectorRefused(f"tensor_parallel_size {par.tensor_parallel_size} does not divide the model's "
                                    f"{kv_heads} KV heads (vLLM replicates them across ranks; hicache stores "
                                    "each head once)")
@@ -385,7 +406,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         problem = kv_groups_problem(kv_cache_config)
         if problem:
             raise ConnectorRefused(problem)
-        if kv_cache_config.kv_cache_layout != "LBHNC":
+        if kv_cache_config.kv_cache_layout != "LBHNC" and not (mla and kv_cache_config.kv_cache_layout == "LBNHC"):
             raise ConnectorRefused(f"KV cache layout {kv_cache_config.kv_cache_layout!r} is not supported "
                                    "(supported: LBHNC, vLLM's CPU layout)")
 
@@ -395,7 +416,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return protos.EngineRegister(
             0, engine_name(), os.getpid(), g.model_identity, g.kv_dtype, g.block_size, g.num_layers, g.num_kv_heads,
             g.head_dim, g.kv_layout, g.page_bytes, runtime_identity(self.runtime, self.reset_generation),
-            own_pid_namespace(), process_start_time(os.getpid()) or 0, self.tp)
+            own_pid_namespace(), process_start_time(os.getpid()) or 0, self.tp, g.kv_kind)
 
     @property
     def _registered(self) -> protos.EngineRegistered | None:
@@ -703,10 +724,11 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if missing:
             raise ConnectorRefused(f"vLLM registered no KV tensor for layers {missing}")
         layers = [kv_caches[n] for n in self.layer_names]
-        problem = kv_problem(layers, self.num_blocks, self.geometry.layer_block_bytes // self.tp, self.kv_dtype)
+        shards = 1 if self.mla else self.tp  # MLA: each rank holds the whole latent
+        problem = kv_problem(layers, self.num_blocks, self.geometry.layer_block_bytes // shards, self.kv_dtype)
         if problem:
             raise ConnectorRefused(f"hicache cannot copy this KV cache: {problem}")
-        self.copier = BlockCopier(layers, self.layer_groups, rank=self.rank, ranks=self.tp)
+        self.copier = BlockCopier(layers, self.layer_groups, rank=self.rank % shards, ranks=shards)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -773,7 +795,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                     raise RuntimeError("its load failed in this step: its new blocks attended to KV never loaded")
                 if plan.run != meta.run:
                     raise RuntimeError("planned under another daemon run (the daemon restarted)")
-                copied = self._attach(meta).save(plan.blocks, plan.pages)
+                copier = self._attach(meta)
+                copied = copier.save(plan.blocks, plan.pages) if self.rank == 0 or not self.mla else 0
                 ok = True
                 self.stats.add("saved_blocks", len(plan.pages))
                 self.stats.add("saved_bytes", copied)

@@ -26,6 +26,11 @@ ENGINE_IDENTITY_VERSION = b"hicache-engine-identity-v1"
 
 KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
+KV_KINDS = {"kv": 2, "mla": 1}
+"""What a token's row of a head holds, and how many ``head_dim`` vectors: a key and a value,
+or the compressed latent of multi-head latent attention (DeepSeek V2 / V3: ``kv_lora_rank``
+plus the rotary part, one per token for all heads)."""
+
 _MODEL_DTYPES: dict[str, DType] = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 """The KV dtypes (``KV_DTYPE_BYTES``) as ``ModelConfig.dtype`` values."""
 
@@ -40,6 +45,9 @@ class EngineKVGeometry:
 
     ``kv_layout`` names the byte order of one layer's block (vLLM's CPU backend: ``LBHNC``,
     a block is ``[num_kv_heads, block_size, 2 * head_dim]``: K then V per token row).
+    ``kv_kind`` says what a token row holds (``KV_KINDS``): ``kv``, a key and a value per
+    head; ``mla``, one latent vector of ``head_dim`` (multi-head latent attention, one
+    "head": ``[1, block_size, head_dim]``).
     """
 
     model_identity: str
@@ -49,11 +57,13 @@ class EngineKVGeometry:
     num_kv_heads: int
     head_dim: int
     kv_layout: str
+    kv_kind: str = "kv"
 
     @property
     def layer_block_bytes(self) -> int:
-        """Bytes of one layer's block (K and V)."""
-        return self.num_kv_heads * self.block_size * 2 * self.head_dim * KV_DTYPE_BYTES[self.kv_dtype]
+        """Bytes of one layer's block (K and V, or the latent)."""
+        vectors = KV_KINDS.get(self.kv_kind, 0)
+        return self.num_kv_heads * self.block_size * vectors * self.head_dim * KV_DTYPE_BYTES[self.kv_dtype]
 
     @property
     def page_bytes(self) -> int:
@@ -96,9 +106,11 @@ STATE_LAYER_KEYS = ("layers_block_type", "hybrid_override_pattern", "attn_layer_
 their state is not attention KV, and engine mode does not hold it yet."""
 
 
-def attention_shape(raw: dict[str, Any], where: str = "config.json") -> tuple[int, int, int]:
-    """``(num_layers, num_kv_heads, head_dim)`` of a decoder whose every layer is attention,
-    full or sliding-window (every layer's KV block has that shape).
+def attention_shape(raw: dict[str, Any], where: str = "config.json") -> tuple[int, int, int, str]:
+    """``(num_layers, num_kv_heads, head_dim, kv_kind)`` of a decoder whose every layer is
+    attention, full or sliding-window (every layer's KV block has that shape); a model with
+    ``kv_lora_rank`` caches a latent (``mla``: one head of ``kv_lora_rank +
+    qk_rope_head_dim``).
 
     Models with recurrent-state layers (Mamba, GDN, linear attention) are refused, naming
     what says so: engine mode keeps attention KV only in this build."""
@@ -123,7 +135,9 @@ def attention_shape(raw: dict[str, Any], where: str = "config.json") -> tuple[in
     if state:
         raise EngineModelError(f"{where}: {', '.join(state)} set: a model with recurrent-state (Mamba / linear "
                                "attention) layers; engine mode holds attention KV only")
-    return layers, int(kv_heads), int(head_dim)
+    if raw.get("kv_lora_rank"):
+        return layers, 1, need("kv_lora_rank") + need("qk_rope_head_dim"), "mla"
+    return layers, int(kv_heads), int(head_dim), "kv"
 
 
 def engine_identity(model_dir: str, kv_dtype: str, kv_layout: str) -> str:
@@ -152,6 +166,6 @@ def geometry_from_config(cfg: Any) -> EngineKVGeometry:
         raise EngineModelError("engine.model is not set")
     raw = read_hf_config(e.model)
     dtype = checkpoint_dtype(raw) if e.kv_dtype == "auto" else e.kv_dtype
-    layers, kv_heads, head_dim = attention_shape(raw, f"{e.model}/config.json")
+    layers, kv_heads, head_dim, kind = attention_shape(raw, f"{e.model}/config.json")
     return EngineKVGeometry(engine_identity(e.model, dtype, e.kv_layout), dtype, cfg.cache.page_size, layers,
-                            kv_heads, head_dim, e.kv_layout)
+                            kv_heads, head_dim, e.kv_layout, kind)

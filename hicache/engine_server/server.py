@@ -222,11 +222,12 @@ class CacheServer:
     # ------------------------------------------------------------------ register
     def register(self, msg: protos.EngineRegister) -> protos.Message:
         theirs = EngineKVGeometry(msg.model_identity, msg.kv_dtype, msg.block_size, msg.num_layers,
-                                  msg.num_kv_heads, msg.head_dim, msg.kv_layout)
+                                  msg.num_kv_heads, msg.head_dim, msg.kv_layout, msg.kv_kind)
         if not _IDENTITY.fullmatch(msg.runtime_identity):
             self.counters.bad_requests += 1
             return protos.EngineError(msg.req, "bad_request", "runtime_identity must be 64 lowercase hex characters")
-        if not 1 <= msg.tensor_parallel <= MAX_TENSOR_PARALLEL or msg.num_kv_heads % msg.tensor_parallel:
+        sharded = msg.kv_kind != "mla"  # every rank holds the whole latent of MLA
+        if not 1 <= msg.tensor_parallel <= MAX_TENSOR_PARALLEL or (sharded and msg.num_kv_heads % msg.tensor_parallel):
             self.counters.bad_requests += 1
             return protos.EngineError(msg.req, "bad_request", f"tensor_parallel {msg.tensor_parallel}: must be in "
                                       f"[1, {MAX_TENSOR_PARALLEL}] and divide num_kv_heads ({msg.num_kv_heads})")

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import random
+from dataclasses import replace
 
 import pytest
 
 import protos
-from hicache.engine_server.geometry import EngineKVGeometry
+from hicache.engine_server.geometry import EngineKVGeometry, attention_shape
 from hicache.engine_server.leases import EngineProcess, LeaseTable
 from hicache.engine_server.server import CacheServer, L2PoolInfo
 from hicache.hashing import HashNamespace
@@ -61,7 +62,7 @@ def register(server: CacheServer, geometry: EngineKVGeometry = GEOMETRY, page_by
     return server.handle(protos.EngineRegister(1, "engine-a", pid, g.model_identity, g.kv_dtype, g.block_size,
                                                g.num_layers, g.num_kv_heads, g.head_dim, g.kv_layout,
                                                g.page_bytes if page_bytes is None else page_bytes, runtime,
-                                               tensor_parallel=tp))
+                                               tensor_parallel=tp, kv_kind=g.kv_kind))
 
 
 def session_of(server: CacheServer, runtime: str = RUNTIME, pid: int = 123, tp: int = 1) -> int:
@@ -604,3 +605,19 @@ def test_an_expired_tensor_parallel_engine_keeps_its_orphans_until_its_workers_a
     assert server.host.used == 0 and not server.leases.workers
     server.check_idle()
     assert server.integrity_error is None and server.exact_checks == 1
+
+
+def test_an_mla_model_is_one_latent_head_and_every_rank_holds_it_whole() -> None:
+    raw = {"num_hidden_layers": 3, "num_attention_heads": 16, "num_key_value_heads": 16, "hidden_size": 2048,
+           "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128}
+    assert attention_shape(raw) == (3, 1, 576, "mla")
+    mla = EngineKVGeometry("a" * 64, "bfloat16", PS, 3, 1, 576, "LBHNC", "mla")
+    assert mla.page_bytes == 3 * PS * 576 * 2  # one latent vector per token and layer, no K/V pair
+    comp = FullComponent(PageAllocator(0, "l1-full"), PageAllocator(8, "l2-full"))
+    cache = UnifiedRadixCache([comp], PS, hasher=HashNamespace(mla.model_identity, "bfloat16", PS, "full"))
+    server = CacheServer(cache, None, mla, L2PoolInfo("inst", "seg", "/dev/shm", 8, mla.page_bytes), TTL, run=RUN)
+    for tp, ok in ((2, True), (8, True), (0, False)):  # one latent head, any rank count
+        ans = register(server, mla, tp=tp)
+        assert isinstance(ans, protos.EngineRegistered) == ok, ans
+    as_kv = register(server, replace(mla, kv_kind="kv"))  # an engine that kept per-head K/V (MLA off)
+    assert isinstance(as_kv, protos.EngineError) and "kv_kind" in as_kv.reason

@@ -43,6 +43,7 @@ def test_check_config_validates_engine_mode(tmp_path: Path, checkpoints: dict[st
     raw = json.loads((checkpoints["llama-bf16"] / "config.json").read_text())
     variants = {  # sliding-window attention is held; recurrent state is refused, naming what says so
         "sliding": ({"sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]}, None),
+        "mla": ({"kv_lora_rank": 512, "qk_rope_head_dim": 64}, None),
         "gdn": ({"layer_types": ["linear_attention", "full_attention"]}, "linear_attention"),
         "mamba": ({"mamba_d_state": 16}, "mamba_d_state"),
     }

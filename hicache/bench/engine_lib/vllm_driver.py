@@ -355,8 +355,10 @@ def save_random_model(out_dir: str | Path, *, arch: str = "llama", layers: int =
                       max_positions: int = 8192, sliding_window: int = 64) -> Path:
     """Save a small checkpoint with random weights (nothing is downloaded): ``llama``,
     ``qwen2``, ``gemma3`` (text only; layers alternate a sliding window of
-    ``sliding_window`` tokens and full attention, the first sliding) or ``mistral`` (every
-    layer has the sliding window)."""
+    ``sliding_window`` tokens and full attention, the first sliding), ``mistral`` (every
+    layer has the sliding window) or ``deepseek_v2`` (multi-head latent attention with
+    vLLM's CPU MLA sizes: a latent of 512 + 64 rotary; dense MLPs; ``head_dim`` is the
+    per-head query and value size)."""
     import torch
     import transformers
 
@@ -381,6 +383,12 @@ def save_random_model(out_dir: str | Path, *, arch: str = "llama", layers: int =
         cfg = transformers.Gemma3TextConfig(head_dim=head_dim, sliding_window=sliding_window, layer_types=types,
                                             query_pre_attn_scalar=head_dim, **common)
         cls = transformers.Gemma3ForCausalLM
+    elif arch == "deepseek_v2":
+        cfg = transformers.DeepseekV2Config(kv_lora_rank=512, qk_rope_head_dim=64, q_lora_rank=None,
+                                            qk_nope_head_dim=head_dim, v_head_dim=head_dim,
+                                            first_k_dense_replace=layers, n_routed_experts=4, num_experts_per_tok=2,
+                                            moe_intermediate_size=intermediate // 4, **common)
+        cls = transformers.DeepseekV2ForCausalLM
     elif arch == "mistral":
         cfg = transformers.MistralConfig(head_dim=head_dim, sliding_window=sliding_window, **common)
         cls = transformers.MistralForCausalLM
