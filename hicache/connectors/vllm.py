@@ -392,6 +392,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if par.pipeline_parallel_size != 1:
             raise ConnectorRefused(f"pipeline parallelism is not supported (pipeline_parallel_size "
                                    f"{par.pipeline_parallel_size}): a page holds every layer, which no rank has")
+        if vllm_config.device_config.device_type == "cuda":
+            raise ConnectorRefused(CUDA_REFUSAL)
         mla = vllm_config.model_config.use_mla
         if mla and mla_backend(vllm_config) != "CPU_MLA":
             raise ConnectorRefused(f"vLLM's {mla_backend(vllm_config)} backend has not run with hicache (its latent "
@@ -401,8 +403,6 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConnectorRefused(f"tensor_parallel_size {par.tensor_parallel_size} does not divide the model's "
                                    f"{kv_heads} KV heads (vLLM replicates them across ranks; hicache stores "
                                    "each head once)")
-        if vllm_config.device_config.device_type == "cuda":
-            raise ConnectorRefused(CUDA_REFUSAL)
         problem = kv_groups_problem(kv_cache_config)
         if problem:
             raise ConnectorRefused(problem)

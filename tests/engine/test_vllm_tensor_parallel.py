@@ -25,7 +25,7 @@ import pytest
 from conftest import Engines, ModelStack, engine_config, expected_hit, generate_in_background
 from daemon import Daemon
 
-from hicache.bench.engine_lib.vllm_driver import save_random_model
+from hicache.bench.engine_lib.vllm_driver import VllmError, save_random_model
 from hicache.connectors.faults import STALL_SAVES_RANK_ENV
 
 pytestmark = pytest.mark.timeout(900)
@@ -134,3 +134,14 @@ def test_a_rank_killed_mid_save_leaves_nothing_served_and_nothing_leaked(stack: 
     stack.check(out, S)
     assert out["cached"] == [0] * len(S)
     stack.idle_and_intact()
+
+
+def test_a_rank_count_that_would_replicate_kv_heads_is_refused_at_start(stack: ModelStack, engines: Engines,
+                                                                        tmp_path: Path) -> None:
+    """One KV head over two ranks: vLLM would keep a copy of it on each; the connector
+    refuses the engine at start, naming why, and vLLM does not start."""
+    model = save_random_model(tmp_path / "one-kv-head", arch="llama", kv_heads=1, dtype="float32", seed=9)
+    with pytest.raises(VllmError) as refused:
+        engines.start(model, "replicated", hicache=stack.daemon, dtype="float32", tensor_parallel=RANKS)
+    assert "does not divide the model's 1 KV heads" in str(refused.value)
+    assert not stack.stats()["engine"]["refused"]  # refused by the connector, before it asked the daemon
