@@ -38,6 +38,17 @@ class FaultConfigError(ValueError):
     """A fault variable that does not parse; the message names it."""
 
 
+def _int_env(env: dict[str, str], name: str) -> int | None:
+    """The integer variable ``name`` (None when unset or empty); FaultConfigError otherwise."""
+    raw = env.get(name)
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise FaultConfigError(f"{name} must be an integer, got {raw!r}") from None
+
+
 @dataclass
 class ConnectorFaults:
     fail_loads: int = 0
@@ -48,12 +59,7 @@ class ConnectorFaults:
     def from_env(cls, env: dict[str, str] | None = None) -> ConnectorFaults:
         env = dict(os.environ) if env is None else env
         out = cls()
-        raw = env.get(FAIL_LOADS_ENV)
-        if raw:
-            try:
-                out.fail_loads = int(raw)
-            except ValueError:
-                raise FaultConfigError(f"{FAIL_LOADS_ENV} must be an integer, got {raw!r}") from None
+        out.fail_loads = _int_env(env, FAIL_LOADS_ENV) or 0
         raw = env.get(RUNTIME_ENV)
         if raw:
             try:
@@ -63,12 +69,7 @@ class ConnectorFaults:
             if not isinstance(runtime, dict):
                 raise FaultConfigError(f"{RUNTIME_ENV} must be a JSON object")
             out.runtime = runtime
-        raw = env.get(STALL_SAVES_RANK_ENV)
-        if raw:
-            try:
-                out.stall_saves_rank = int(raw)
-            except ValueError:
-                raise FaultConfigError(f"{STALL_SAVES_RANK_ENV} must be an integer, got {raw!r}") from None
+        out.stall_saves_rank = _int_env(env, STALL_SAVES_RANK_ENV)
         for name in (FAIL_LOADS_ENV, RUNTIME_ENV, STALL_SAVES_RANK_ENV):
             if env.get(name):
                 log.warning("hicache: fault point %s=%r is set (testing only)", name, env[name])

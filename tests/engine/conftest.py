@@ -137,6 +137,13 @@ class ModelStack:
     def wait(self, what: str, cond: Callable[[dict[str, Any]], bool], timeout_s: float = 30.0) -> dict[str, Any]:
         return self.daemon.wait_for_stats(what, cond, timeout_s)
 
+    def restart_after_backups(self, block: int) -> None:
+        """Restart the daemon once every committed page is backed up to L3 (L2 comes back empty)."""
+        self.daemon.wait_for_stats("the backups to L3", lambda st: st["tiers"]["in_flight"] == 0
+                                   and st["tiers"]["backup_tokens"] >= st["engine"]["committed_pages"] * block, 30)
+        assert self.daemon.stop() == 0
+        self.daemon.start()
+
     def idle_and_intact(self) -> None:
         """Every lease ended and an exact integrity check ran since, without error."""
         checks = self.wait("the leases to end", lambda st: st["leases"]["open"] == 0

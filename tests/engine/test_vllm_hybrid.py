@@ -136,11 +136,8 @@ def test_another_engine_with_its_own_prefix_cache_loads_them_and_a_failed_load_i
 
 
 def test_file_l3_serves_the_window_model_after_a_daemon_restart(stack: Stack) -> None:
-    d, a = stack.daemon, stack.engine("a")
-    d.wait_for_stats("P's backups to L3", lambda st: st["tiers"]["in_flight"] == 0
-                     and st["tiers"]["backup_tokens"] >= st["engine"]["committed_pages"] * BLOCK, 30)
-    assert d.stop() == 0
-    d.start()
+    a = stack.engine("a")
+    stack.restart_after_backups(BLOCK)
     out = a.generate(P, MAX_TOKENS)  # a registers again; the pages come back from the file store
     stack.check(out, P)
     assert out["cached"] == [expected_hit(len(p), BLOCK) for p in P]

@@ -91,11 +91,8 @@ def test_another_two_rank_engine_loads_them(stack: ModelStack) -> None:
 
 
 def test_the_file_l3_serves_two_rank_engines_after_a_daemon_restart(stack: ModelStack) -> None:
-    d, a = stack.daemon, stack.engine("a")
-    d.wait_for_stats("P's backups to L3", lambda st: st["tiers"]["in_flight"] == 0
-                     and st["tiers"]["backup_tokens"] >= st["engine"]["committed_pages"] * BLOCK, 30)
-    assert d.stop() == 0
-    d.start()
+    a = stack.engine("a")
+    stack.restart_after_backups(BLOCK)
     out = a.generate(P, MAX_TOKENS)
     stack.check(out, P)
     assert out["cached"] == [expected_hit(len(p), BLOCK) for p in P]
