@@ -291,10 +291,12 @@ class CacheSession:
             return
         session, run = asked
         give_back: list[protos.Message] = []
+        # no rank was given these leases: they are given back for every rank at once
         if isinstance(answer, protos.LookupResult) and answer.lease:
-            give_back.append(protos.Release(session, run, answer.lease, 0))
+            give_back.append(protos.Release(session, run, answer.lease, 0, protos.ALL_RANKS))
         elif isinstance(answer, protos.ReserveResult):
-            give_back += [protos.Commit(session, run, got.lease, False) for got in answer.items if got.lease]
+            give_back += [protos.Commit(session, run, got.lease, False, protos.ALL_RANKS)
+                          for got in answer.items if got.lease]
         for msg in give_back:
             self.client.send(msg)
         self.late_leases += len(give_back)

@@ -181,23 +181,26 @@ def test_a_client_without_a_daemon_answers_none_fast(short_dir: Path) -> None:
         client.close()
 
 
-def _save(session: CacheSession, tokens: list[int]) -> None:
-    """Reserve and commit ``tokens``' pages (the bytes do not matter here)."""
+def _save(session: CacheSession, tokens: list[int], ranks: int = 1) -> None:
+    """Reserve and commit ``tokens``' pages, each rank's commit (the bytes do not matter here)."""
     ans = session.call(lambda req, reg: protos.Reserve(req, reg.session, reg.run, [protos.SaveRange("w", protos.pack_tokens(tokens), 0)]))
     assert isinstance(ans, protos.ReserveResult) and ans.items[0].host_pages, ans
     reg = session.registered
     assert reg is not None
-    assert session.send(protos.Commit(reg.session, reg.run, ans.items[0].lease, True))
+    for rank in range(ranks):
+        assert session.send(protos.Commit(reg.session, reg.run, ans.items[0].lease, True, rank))
 
 
-def test_a_lookup_answer_that_comes_after_the_timeout_is_given_back_at_once(engine_daemon) -> None:
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_lookup_answer_that_comes_after_the_timeout_is_given_back_at_once(engine_daemon, ranks: int) -> None:
+    """Given back for every rank (no rank was given it), also for a tensor-parallel engine."""
     d, cfg = engine_daemon
-    session = CacheSession(f"ipc://{cfg['ipc']['dir']}/engine.sock", 300, _register_msg(cfg))
+    session = CacheSession(f"ipc://{cfg['ipc']['dir']}/engine.sock", 300, _register_msg(cfg, tensor_parallel=ranks))
     scheduler = d.pids()["scheduler"]
     try:
         assert session.ensure() is not None
         tokens = [11] * 64
-        _save(session, tokens)
+        _save(session, tokens, ranks)
         d.wait_for_stats("the commit", lambda s: s["engine"]["committed_pages"] == 2, 10)
         os.kill(scheduler, signal.SIGSTOP)  # the daemon stalls: the answer comes after the timeout
         try:
