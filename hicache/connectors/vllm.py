@@ -728,7 +728,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         problem = kv_problem(layers, self.num_blocks, self.geometry.layer_block_bytes // shards, self.kv_dtype)
         if problem:
             raise ConnectorRefused(f"hicache cannot copy this KV cache: {problem}")
-        self.copier = BlockCopier(layers, self.layer_groups, rank=self.rank % shards, ranks=shards)
+        self.copier = BlockCopier(layers, self.layer_groups, rank=0 if self.mla else self.rank, ranks=shards)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -374,14 +374,13 @@ class CacheServer:
         commit: into the tree if every rank wrote (and the lease is live), else freed."""
         if self._stale(msg.run):
             return
-        orphan = msg.lease in self.leases.orphans
         verdict, lease = self.leases.report(msg.lease, msg.session, LeaseKind.RESERVE, msg.rank)
         if lease is not None and not msg.ok:
             lease.failed = True
         lease = self._last(msg.session, msg.lease, LeaseKind.RESERVE, msg.rank, verdict, lease)
         if lease is None:
             return
-        if orphan:
+        if lease.process is not None:  # an orphan (its session expired): never inserted
             self._end_orphan(lease)
             return
         if lease.failed:
@@ -400,7 +399,6 @@ class CacheServer:
         unlocked (the loaded count is the fewest any rank loaded)."""
         if self._stale(msg.run):
             return
-        orphan = msg.lease in self.leases.orphans
         verdict, lease = self.leases.report(msg.lease, msg.session, LeaseKind.LOOKUP, msg.rank)
         if lease is not None and verdict is not Report.REPEATED:
             loaded = max(0, msg.loaded_pages)
@@ -408,7 +406,7 @@ class CacheServer:
         lease = self._last(msg.session, msg.lease, LeaseKind.LOOKUP, msg.rank, verdict, lease)
         if lease is None:
             return
-        if orphan:
+        if lease.process is not None:  # an orphan (its session expired): never inserted
             self._end_orphan(lease)
             return
         self._end(lease)
