@@ -3,7 +3,7 @@
 Contract:
 
 - every server binds to loopback only (``127.0.0.1``), on a port that was free when it
-  was picked (``free_port``; for cluster nodes the bus port ``port + 10000`` too);
+  was picked (``loopback_ports.free_port``; for cluster nodes the bus port ``port + 10000`` too);
 - persistence is off (``--save ""``, ``--appendonly no``) and each server runs in its own
   directory (``workdir``, also where ``redis.log`` and a cluster node's ``nodes.conf``
   go): the caller chooses it, ``RedisProcess`` creates it if needed, and the caller
@@ -23,7 +23,6 @@ cheap for command-line parsers.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -31,11 +30,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hicache.loopback_ports import free_port
+
 if TYPE_CHECKING:
     import redis
 
 LOG_NAME = "redis.log"
 LOG_TAIL_CHARS = 2000
+CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on its port + 10000
 
 CLUSTER_NODE_ARGS: tuple[str, ...] = (
     "--cluster-enabled", "yes",
@@ -54,25 +56,6 @@ def find_redis_server() -> str | None:
 def find_redis_cli() -> str | None:
     """The ``redis-cli`` executable on ``PATH``, or None."""
     return shutil.which("redis-cli")
-
-
-def free_port(cluster: bool = False) -> int:
-    """A loopback port that is free now (and, for cluster nodes, whose bus port +10000 is free)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if not cluster:
-            return port
-        if port + 10000 > 65535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free loopback port found")
 
 
 class RedisProcess:
@@ -180,7 +163,7 @@ def start_cluster(
     nodes: list[RedisProcess] = []
     try:
         for i in range(masters):
-            node = RedisProcess(base_dir / f"node{i}", free_port(cluster=True), node_args)
+            node = RedisProcess(base_dir / f"node{i}", free_port(also=CLUSTER_BUS_OFFSET), node_args)
             node.start()
             nodes.append(node)
         created = subprocess.run(

@@ -108,7 +108,8 @@ class Soak:
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
         from hicache.bench.serve_lib.daemon import ManagedDaemon
-        from hicache.local_redis import RedisProcess, find_redis_server, free_port
+        from hicache.local_redis import RedisProcess, find_redis_server
+        from hicache.loopback_ports import free_port
 
         if find_redis_server() is None:
             print("hicache bench soak needs redis-server (apt-get install redis-server)")

@@ -250,7 +250,7 @@ def test_shared_prefix_open_loop_against_a_daemon(daemon: ManagedDaemon, tmp_pat
 
 
 def test_unreachable_daemon_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from hicache.bench.serve_lib.daemon import free_port
+    from hicache.loopback_ports import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     rc = main(["bench", "serve", "--url", url, "--out", str(tmp_path / "x"), "--no-progress"])

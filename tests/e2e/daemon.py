@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,18 +15,14 @@ from typing import Any
 
 import yaml
 
+from hicache.loopback_ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def shm_segments(prefix: str = "hicache-") -> set[str]:
     """The shared-memory segments whose names start with ``prefix``."""
     return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)} if os.path.isdir("/dev/shm") else set()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Daemon:

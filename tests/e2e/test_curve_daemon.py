@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from hicache.connectors.engine_client import CacheSession, EngineClient, curve_k
 from hicache.engine_server.geometry import geometry_from_config
 from hicache.ipc import CurveClientKeys, Endpoints, load_curve_keys
 from hicache.keygen_cli import write_key_dir, write_key_pair
+from hicache.loopback_ports import free_port
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE")
 
@@ -37,20 +37,7 @@ PROMPT = list(range(1, 65))
 
 def _free_base_port() -> int:
     """A port P with P..P+4 free on loopback (the five endpoints of a tcp daemon)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + 4 > 65535:
-            continue
-        try:
-            for port in range(base, base + 5):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no five consecutive free ports")
+    return free_port(span=5)
 
 
 def _tcp_ipc(keys: Path | None, base: int) -> dict:

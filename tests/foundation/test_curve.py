@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from hicache.ipc import (
     open_context,
 )
 from hicache.keygen_cli import write_key_dir, write_key_pair
+from hicache.loopback_ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 KEY_FILES = ("server.key", "server.key_secret", "client.key", "client.key_secret", "authorized_clients/client.key")
@@ -45,9 +45,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _tcp_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 @pytest.fixture

@@ -33,7 +33,8 @@ import redis
 import yaml
 
 from hicache.config import ConfigError, config_from_dict, dump_yaml
-from hicache.local_redis import CLUSTER_NODE_ARGS, LOG_NAME, find_redis_server, free_port
+from hicache.local_redis import CLUSTER_BUS_OFFSET, CLUSTER_NODE_ARGS, LOG_NAME, find_redis_server
+from hicache.loopback_ports import free_port
 from hicache.storage_settings import storage_settings_from_config
 from storage_backends import (
     RedisSettings,
@@ -145,7 +146,7 @@ class TlsRedis:
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.pki = pki
-        self.port = free_port(cluster=cluster)
+        self.port = free_port(also=CLUSTER_BUS_OFFSET if cluster else None)
         crt, key = cert or (pki.server_cert, pki.server_key)
         self.args = [
             "--port", "0", "--tls-port", str(self.port), "--bind", "127.0.0.1",

@@ -7,7 +7,6 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,13 +17,8 @@ import zmq
 import protos
 from hicache.config import HicacheConfig, config_from_dict
 from hicache.ipc import Endpoints, PullSocket, make_runtime_dir
+from hicache.loopback_ports import free_port
 from hicache.tokenizer import TokenizerArgs, tokenizer_main
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_with_log(args: TokenizerArgs, log_path: str) -> None:

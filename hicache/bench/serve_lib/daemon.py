@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,7 +28,9 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["DaemonStartError", "DaemonStopError", "ManagedDaemon", "free_port"]
+from hicache.loopback_ports import free_port
+
+__all__ = ["DaemonStartError", "DaemonStopError", "ManagedDaemon"]
 
 
 class DaemonStartError(RuntimeError):
@@ -38,13 +39,6 @@ class DaemonStartError(RuntimeError):
 
 class DaemonStopError(RuntimeError):
     """The daemon did not stop after SIGTERM in time (it was killed)."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ManagedDaemon:
