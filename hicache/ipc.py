@@ -20,8 +20,10 @@ appear in a ``repr``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
 import stat
 import tempfile
 from dataclasses import dataclass, field
@@ -49,6 +51,44 @@ def make_runtime_dir(base: str | None = None) -> Path:
     os.chmod(path, 0o700)
     ensure_private(path)
     return path
+
+
+@dataclass(frozen=True)
+class FixedRuntimeDir:
+    """A configured ``ipc.dir`` as found at start, so a clean stop removes exactly what the
+    daemon put there (its sockets, ``heartbeat/``, ``metrics/``) and nothing of anyone else.
+
+    ``existed``: the directory was there before the start; ``entries``: its names then.
+    ``clear`` removes every entry that was not there at start, and the daemon's own entries
+    even if a daemon that did not stop cleanly left them; the directory itself only if the
+    daemon created it and it is empty by then."""
+
+    path: Path
+    existed: bool
+    entries: frozenset[str]
+
+    OWN_ENTRIES = ("heartbeat", "metrics", *(f"{name}.sock" for name in ENDPOINT_NAMES))
+
+    @classmethod
+    def before_start(cls, path: Path) -> FixedRuntimeDir:
+        existed = path.is_dir()
+        return cls(path, existed, frozenset(os.listdir(path)) if existed else frozenset())
+
+    def clear(self) -> None:
+        if not self.path.is_dir():
+            return
+        for name in os.listdir(self.path):
+            if name in self.entries and name not in self.OWN_ENTRIES:
+                continue
+            entry = self.path / name
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    entry.unlink()
+        if not self.existed:
+            with contextlib.suppress(OSError):  # not empty: someone else's files arrived meanwhile
+                self.path.rmdir()
 
 
 def ensure_private(path: Path) -> None:

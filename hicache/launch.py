@@ -165,7 +165,14 @@ class Launcher:
     liveness: dict[str, Liveness] = field(default_factory=dict)
 
     def serve(self) -> int:
-        from hicache.ipc import CurveKeyError, Endpoints, PullSocket, make_runtime_dir, open_context
+        from hicache.ipc import (
+            CurveKeyError,
+            Endpoints,
+            FixedRuntimeDir,
+            PullSocket,
+            make_runtime_dir,
+            open_context,
+        )
 
         cfg = self.cfg
         from hicache.config import ConfigError
@@ -184,7 +191,8 @@ class Launcher:
         if problem:  # say so now, not after the controller and the scheduler have started
             print(f"hicache: cannot listen on {cfg.server.host}:{cfg.server.port}: {problem}", file=sys.stderr)
             return 1
-        runtime = Path(cfg.ipc.dir) if cfg.ipc.dir else make_runtime_dir()
+        fixed = FixedRuntimeDir.before_start(Path(cfg.ipc.dir)) if cfg.ipc.dir else None
+        runtime = fixed.path if fixed is not None else make_runtime_dir()
         runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
         endpoints = Endpoints(cfg.ipc.transport, str(runtime), cfg.ipc.tcp_host, cfg.ipc.tcp_base_port,
                               cfg.ipc.curve_keys_dir or None)
@@ -230,8 +238,10 @@ class Launcher:
             if pools is not None:
                 pools.close()
                 pools.unlink()
-            if not cfg.ipc.dir:
+            if fixed is None:
                 shutil.rmtree(runtime, ignore_errors=True)
+            else:  # a configured directory: remove what this daemon put there, nothing else
+                fixed.clear()
             # Stopped: a late SIGTERM / SIGINT (sent to the whole group, or a second Ctrl-C)
             # must not turn this exit into a death by signal while the interpreter shuts down.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -38,7 +38,9 @@ Every figure comes with its reference measured in the same run, as medians and r
 The model has random weights (``save_random_model``), kept under ``--workdir``: a Llama
 (``--model-kind llama``, full attention) or a Gemma 3 (``--model-kind gemma3``: layers
 alternate a ``--sliding-window`` window and full attention, which vLLM's hybrid allocator
-keeps in two KV cache groups; the connector loads those asynchronously). Its dtype
+keeps in two KV cache groups; the connector loads those asynchronously). With
+``--tensor-parallel N`` every engine of the run (vLLM alone and vLLM + hicache alike) runs at
+that rank count, its ranks bound to the same cores. Its dtype
 is bfloat16 where the CPU computes bfloat16 natively (AVX512-BF16 or AMX) and float32
 elsewhere (``--dtype auto``): without those instructions torch's bfloat16 matrix products
 run tens of times slower than float32 ones, and prefill alone would take many minutes.
@@ -70,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab", type=int, default=8192)
     g.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     g.add_argument("--block-size", type=int, default=32, help="vLLM block = hicache page (CPU: a multiple of 32)")
+    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="vLLM's --tensor-parallel-size for every engine (CPU: one worker process per rank)")
     g = parser.add_argument_group("ttft")
     g.add_argument("--prompt-tokens", type=int, default=4096)
     g.add_argument("--repeats", type=int, default=3, help="different prompts; medians over them")
@@ -142,6 +146,10 @@ def run(args: argparse.Namespace) -> int:
         print("hicache: vLLM on the CPU needs a block size that is a multiple of 32 and head_dim in "
               "{32, 64, 80, 96, 112, 128}")
         return 2
+    if args.tensor_parallel < 1 or args.kv_heads % args.tensor_parallel:
+        print(f"hicache: --tensor-parallel {args.tensor_parallel} must be >= 1 and divide --kv-heads {args.kv_heads} "
+              "(vLLM would replicate KV heads, which the connector refuses)")
+        return 2
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if _native_bf16() else "float32")
     began = time.perf_counter()
 
@@ -152,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="hicache-bench-engine-") if own_tmp else args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     figures: list[Figure] = []
-    extra: dict[str, object] = {"parts": parts, "dtype": dtype, "workdir": str(workdir)}
+    extra: dict[str, object] = {"parts": parts, "dtype": dtype, "workdir": str(workdir),
+                                "tensor_parallel": args.tensor_parallel}
     notes: list[str] = []
     code = 0
     try:
@@ -191,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
                               intermediate=args.intermediate, dtype=dtype, max_positions=positions,
                               sliding_window=args.sliding_window)
             per_token = kv_bytes_per_token(str(model_dir), 2 if dtype == "bfloat16" else 4)
-            bench = Bench(workdir, str(model_dir), args.block_size, per_token, args.vocab, dtype, progress)
+            bench = Bench(workdir, str(model_dir), args.block_size, per_token, args.vocab, dtype, progress,
+                          tensor_parallel=args.tensor_parallel)
             extra["model"] = {"dir": str(model_dir), "key": key, "kv_bytes_per_token": per_token}
             if "ttft" in parts:
                 from hicache.bench.engine_lib.parts import run_ttft

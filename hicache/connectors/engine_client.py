@@ -261,10 +261,12 @@ class CacheSession:
         self._start_heartbeat(answer.lease_ttl_s)
         return answer
 
-    def call(self, make: Callable[[int, protos.EngineRegistered], EngineCall]) -> EngineAnswer | None:
+    def call(self, make: Callable[[int, protos.EngineRegistered], EngineCall],
+             timeout_ms: int | None = None) -> EngineAnswer | None:
         """``make(req, registered)`` built and sent within the session (the message names
         ``registered.session`` and ``registered.run``); re-registers once when the daemon no
-        longer knows the session or runs another run. None when no answer could be had."""
+        longer knows the session or runs another run. None when no answer could be had.
+        ``timeout_ms``: the wait for the call's answer (None: the client's own timeout)."""
         for _ in range(2):
             reg = self.ensure()
             if reg is None:
@@ -273,7 +275,7 @@ class CacheSession:
             self._asked[req] = (reg.session, reg.run)
             while len(self._asked) > ASKED_MEMORY:
                 self._asked.popitem(last=False)
-            answer = self.client.call(make(req, reg))
+            answer = self.client.call(make(req, reg), timeout_ms)
             if answer is not None:
                 self._asked.pop(req, None)
             if isinstance(answer, protos.EngineError) and answer.code in REREGISTER_CODES:

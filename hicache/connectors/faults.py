@@ -13,6 +13,10 @@ variable                            effect
 ``HICACHE_FAULT_STALL_SAVES_RANK=R``  the worker of tensor-parallel rank ``R`` stops before
                                     its first save and never copies again (a rank that
                                     hangs or is killed mid-save; the other ranks commit)
+``HICACHE_FAULT_SLOW_PENDING_ASKS=N``  the scheduler half's first ``N`` asks again about a
+                                    request whose lookup was answered pending do not wait
+                                    for their answer (as against a daemon loop that answers
+                                    late: the answer arrives after the call gave up)
 ==================================  ==========================================================
 """
 
@@ -30,6 +34,7 @@ log = logging.getLogger("hicache.connector")
 FAIL_LOADS_ENV = "HICACHE_FAULT_FAIL_LOADS"
 RUNTIME_ENV = "HICACHE_FAULT_RUNTIME"
 STALL_SAVES_RANK_ENV = "HICACHE_FAULT_STALL_SAVES_RANK"
+SLOW_PENDING_ASKS_ENV = "HICACHE_FAULT_SLOW_PENDING_ASKS"
 STALL_S = 3600.0
 """How long a stalled rank sleeps: until the test kills it."""
 
@@ -54,6 +59,7 @@ class ConnectorFaults:
     fail_loads: int = 0
     runtime: dict[str, Any] = field(default_factory=dict)
     stall_saves_rank: int | None = None
+    slow_pending_asks: int = 0
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> ConnectorFaults:
@@ -70,7 +76,8 @@ class ConnectorFaults:
                 raise FaultConfigError(f"{RUNTIME_ENV} must be a JSON object")
             out.runtime = runtime
         out.stall_saves_rank = _int_env(env, STALL_SAVES_RANK_ENV)
-        for name in (FAIL_LOADS_ENV, RUNTIME_ENV, STALL_SAVES_RANK_ENV):
+        out.slow_pending_asks = _int_env(env, SLOW_PENDING_ASKS_ENV) or 0
+        for name in (FAIL_LOADS_ENV, RUNTIME_ENV, STALL_SAVES_RANK_ENV, SLOW_PENDING_ASKS_ENV):
             if env.get(name):
                 log.warning("hicache: fault point %s=%r is set (testing only)", name, env[name])
         return out
@@ -80,6 +87,13 @@ class ConnectorFaults:
         if self.fail_loads <= 0:
             return False
         self.fail_loads -= 1
+        return True
+
+    def take_slow_pending_ask(self) -> bool:
+        """Whether the next ask about a pending request is not to wait for its answer (counts it down)."""
+        if self.slow_pending_asks <= 0:
+            return False
+        self.slow_pending_asks -= 1
         return True
 
     def stall_saves(self, rank: int) -> None:

@@ -147,6 +147,12 @@ MAX_PENDING_RETRY_S = 0.032
 after this long, doubling up to the maximum (vLLM's scheduler calls every step: in between
 it answers "not yet" without a round trip)."""
 
+UNANSWERED_PENDING_WAIT_S = 2.0
+"""A request whose lookup was answered *pending* (the daemon is fetching its pages from L3)
+keeps waiting when a later ask gets no answer in time (a daemon loop slowed for a moment, or
+the client's backoff after one such timeout): it becomes a miss only once this long has
+passed since its first pending answer. A slow answer then costs a short wait, not the hit."""
+
 SUPPORTED_VLLM = ("0.32.",)
 """vLLM versions whose connector API this module was written and tested against."""
 
@@ -240,6 +246,7 @@ class _Tracked:
     saves_closed: bool = False  # began before a cache reset (its KV may be of the old weights), or a gap it cannot fill
     retry_at: float = 0.0  # pending on an L3 prefetch: not asked again before this (monotonic)
     pending_wait: float = 0.0  # the current wait between two asks while pending
+    pending_since: float = 0.0  # when its lookup was first answered pending (0: it was not)
     lookups_closed: bool = False  # an asynchronous load of it failed: it computes its prompt itself
     hit: _Hit | None = None
     loaded_tokens: int = 0
@@ -453,12 +460,13 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._refused_until = time.monotonic() + REFUSED_RETRY_S
         log.error("hicache: the daemon refused this engine (%s); serving without hicache", exc)
 
-    def _call(self, make: Callable[[int, protos.EngineRegistered], EngineCall]) -> EngineAnswer | None:
+    def _call(self, make: Callable[[int, protos.EngineRegistered], EngineCall],
+              timeout_ms: int | None = None) -> EngineAnswer | None:
         """A request within the session (see ``CacheSession.call``); None without an answer."""
         if self._open() is None or self.session is None:  # _open is None without a session
             return None
         try:
-            return self.session.call(make)
+            return self.session.call(make, timeout_ms)
         except RegistrationRefused as exc:  # the daemon restarted as one that serves other pages
             self._refuse(exc)
             return None
@@ -497,7 +505,12 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if now < tracked.retry_at:  # its prefetch from L3 runs: not yet, without asking
             return None, False
         self.stats.add("lookups")
-        answer = self._lookup(tracked, tokens, usable)
+        slow = tracked.pending_since > 0 and self.faults.take_slow_pending_ask()
+        answer = self._lookup(tracked, tokens, usable, timeout_ms=0 if slow else None)
+        if answer is None and tracked.pending_since and now - tracked.pending_since < UNANSWERED_PENDING_WAIT_S:
+            self.stats.add("lookups_unanswered_pending")  # its prefetch ran a moment ago: wait, ask again
+            tracked.retry_at = now + MAX_PENDING_RETRY_S
+            return None, False
         if not isinstance(answer, protos.LookupResult):
             self.stats.add("lookup_misses")
             if isinstance(answer, protos.EngineError):
@@ -507,8 +520,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self.stats.add("lookups_pending")
             tracked.pending_wait = min(max(tracked.pending_wait * 2, PENDING_RETRY_S), MAX_PENDING_RETRY_S)
             tracked.retry_at = now + tracked.pending_wait
+            tracked.pending_since = tracked.pending_since or now
             return None, False
-        tracked.pending_wait = tracked.retry_at = 0.0
+        tracked.pending_wait = tracked.retry_at = tracked.pending_since = 0.0
         reg = self._registered
         if reg is None:  # the session changed under the call: nothing to release to
             return 0, False
@@ -522,17 +536,21 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         tracked.hit = hit
         return external, self.load_async
 
-    def _lookup(self, tracked: _Tracked, tokens: list[int], usable: int) -> EngineAnswer | None:
+    def _lookup(self, tracked: _Tracked, tokens: list[int], usable: int,
+                timeout_ms: int | None = None) -> EngineAnswer | None:
         """Ask about the request's first ``usable`` prompt tokens, sending only those the
-        daemon does not hold for it yet (all of them again if it forgot them)."""
+        daemon does not hold for it yet (all of them again if it forgot them). ``timeout_ms``:
+        the wait for the answer (None: ``engine.lookup_timeout_ms``)."""
         rid = tracked.request.request_id
         salt = tracked.request.cache_salt or ""
         base = min(tracked.known_tokens, usable)
         new = protos.pack_tokens(tokens[base:usable])
-        answer = self._call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, rid, new, salt, True, base))
+        answer = self._call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, rid, new, salt, True, base),
+                            timeout_ms)
         if isinstance(answer, protos.EngineError) and answer.code == "unknown_request" and base:
             whole = protos.pack_tokens(tokens[:usable])
-            answer = self._call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, rid, whole, salt))
+            answer = self._call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, rid, whole, salt),
+                                timeout_ms)
         if isinstance(answer, protos.LookupResult):
             tracked.known_tokens = usable
         elif isinstance(answer, protos.EngineError):

@@ -41,7 +41,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 KEYS: tuple[str, ...] = (
-    "lookups", "lookup_misses", "lookups_pending", "hit_tokens_host", "hit_tokens_disk", "reserved_blocks", "late_answers",
+    "lookups", "lookup_misses", "lookups_pending", "lookups_unanswered_pending", "hit_tokens_host", "hit_tokens_disk",
+    "reserved_blocks", "late_answers",
     "loaded_blocks", "load_errors", "load_seconds", "saved_blocks", "save_skipped_blocks", "save_seconds",
     "loaded_bytes", "saved_bytes",
 )
@@ -51,6 +52,8 @@ _HELP = {
     "lookups": "Lookups hicache's connector sent to the daemon.",
     "lookup_misses": "Lookups without an answer (timeout, daemon down or backing off, refused): misses.",
     "lookups_pending": "Lookups answered pending: the daemon was fetching the prompt's pages from L3.",
+    "lookups_unanswered_pending": "Asks about a request whose L3 prefetch was running that got no answer in "
+                                  "time: the request kept waiting instead of becoming a miss.",
     "reserved_blocks": "Blocks the daemon reserved L2 pages for, to save into.",
     "late_answers": "Daemon answers that came after their call gave up; their leases were given back.",
     "loaded_blocks": "KV blocks copied from hicache's L2 into vLLM's KV cache.",

@@ -52,7 +52,8 @@ if KEY_TYPECODE != protos.TOKEN_TYPECODE:  # the wire's packed tokens become tre
 
 PREFETCHED_MEMORY = 16384
 """How many (session, request) pairs remember that their prefetch ran, so a request that
-vLLM asks about again is not prefetched (and held) a second time."""
+vLLM asks about again is not prefetched (and held) a second time, and how many pages it
+brought (still the hit's L3 tail when the answer that said so never reached the engine)."""
 
 MAX_TENSOR_PARALLEL = 64
 """The most tensor-parallel ranks an engine may register with."""
@@ -151,7 +152,7 @@ class CacheServer:
         self.clock = clock
         self.counters = EngineCounters()
         self._prefetches: dict[tuple[int, str], PrefetchTicket] = {}
-        self._prefetched: OrderedDict[tuple[int, str], None] = OrderedDict()
+        self._prefetched: OrderedDict[tuple[int, str], int] = OrderedDict()  # slot -> pages from L3
         self.requests = RequestTokens(REQUEST_MEMORY_TOKENS)
         self.exact_checks = 0
         self.integrity_error: str | None = None
@@ -269,12 +270,12 @@ class CacheServer:
         if msg.prefetch and self.tier is not None and self.tier.l3_enabled and slot not in self._prefetched:
             match = self.cache.match_prefix(key, salt)
             if len(key) > match.host_hit_length:
-                self._remember_prefetched(slot)
+                self._remember_prefetched(slot, 0)
                 ticket = self.tier.start_prefetch(msg.rid, key, match, salt)
                 if ticket is not None and ticket.policy != "best_effort":
                     self._prefetches[slot] = ticket
                     return self._prefetch_answer(msg.req, msg.session, slot, key, salt, ticket)
-        return self._answer(msg.req, msg.session, key, salt, 0, match)
+        return self._answer(msg.req, msg.session, key, salt, self._prefetched.get(slot, 0), match)
 
     def _prefetch_answer(self, req: int, session: int, slot: tuple[int, str], key: array[int], salt: str,
                          ticket: PrefetchTicket) -> protos.Message:
@@ -285,7 +286,10 @@ class CacheServer:
             return protos.LookupResult(req, pending=True)
         del self._prefetches[slot]
         self._cancel_prefetch(ticket)
-        return self._answer(req, session, key, salt, ticket.arrived_tokens // self.cache.page_size)
+        brought = ticket.arrived_tokens // self.cache.page_size
+        if slot in self._prefetched:
+            self._prefetched[slot] = brought
+        return self._answer(req, session, key, salt, brought)
 
     def _cancel_prefetch(self, ticket: PrefetchTicket) -> None:
         if self.tier is None:  # tickets come from the tier manager: there are none without one
@@ -315,8 +319,8 @@ class CacheServer:
         self.counters.lookup_storage_pages += storage_pages
         return protos.LookupResult(req, lease.lease_id, pages, storage_pages)
 
-    def _remember_prefetched(self, slot: tuple[int, str]) -> None:
-        self._prefetched[slot] = None
+    def _remember_prefetched(self, slot: tuple[int, str], pages: int) -> None:
+        self._prefetched[slot] = pages
         while len(self._prefetched) > PREFETCHED_MEMORY:
             self._prefetched.popitem(last=False)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from daemon import Daemon, alive
 
 from hicache.local_redis import RedisProcess, find_redis_server, started
@@ -57,7 +58,8 @@ def segments_of(launcher_pid: int) -> set[str]:
 
 
 def check_stopped_cleanly(d: Daemon, code: int, pids: dict[str, int]) -> None:
-    """Exit code 0, every child gone, no shared memory of this daemon left."""
+    """Exit code 0, every child gone, no shared memory of this daemon left, and nothing of it
+    left in a configured ``ipc.dir``."""
     assert d.proc is not None
     assert code == 0, f"daemon {d.dir.name} exited with {code}:\n{d.log()}"
     deadline = time.monotonic() + 10
@@ -67,6 +69,10 @@ def check_stopped_cleanly(d: Daemon, code: int, pids: dict[str, int]) -> None:
     assert not left, f"processes left running after the stop: {left}\n{d.log()}"
     leaked = segments_of(d.proc.pid)
     assert not leaked, f"shared memory left behind: {sorted(leaked)}\n{d.log()}"
+    ipc_dir = (yaml.safe_load(d.config_path.read_text()).get("ipc") or {}).get("dir")
+    if ipc_dir and os.path.isdir(ipc_dir):  # a configured ipc.dir: the daemon's files removed
+        left = sorted(os.listdir(ipc_dir))
+        assert not left, f"left in ipc.dir {ipc_dir}: {left}\n{d.log()}"
 
 
 DaemonFactory = Callable[..., Daemon]

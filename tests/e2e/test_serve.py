@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -143,6 +145,32 @@ def test_sigterm_leaves_nothing_behind(tmp_path: Path) -> None:
     for name, pid in pids.items():
         assert not alive(pid), f"{name} (pid {pid}) still running"
     assert not _owned(d)
+
+
+@pytest.mark.parametrize("existing", [True, False], ids=["dir-existed", "dir-created"])
+def test_a_configured_ipc_dir_keeps_only_what_was_there_before(tmp_path: Path, existing: bool) -> None:
+    """With ``ipc.dir`` set, a clean stop removes the daemon's sockets, heartbeat files and
+    metrics files there, keeps what the operator put there, and removes the directory itself
+    only if the daemon created it."""
+    run = Path(tempfile.mkdtemp(prefix="hc", dir="/tmp")) / "run"  # unix socket paths stay short
+    try:
+        if existing:
+            run.mkdir(mode=0o700)
+            (run / "operator-notes.txt").write_text("kept")
+            (run / "scheduler.sock").write_text("")  # a stale socket of a daemon that was killed
+        d = Daemon(tmp_path, {**_config(tmp_path), "ipc": {"dir": str(run)}})
+        d.start()
+        made = set(os.listdir(run))
+        assert {"heartbeat", "metrics", "scheduler.sock", "tokenizer.sock", "controller.sock"} <= made, made
+        d.generate([5] * 40, 4)
+        assert d.stop() == 0, d.log()
+        if existing:
+            assert os.listdir(run) == ["operator-notes.txt"]
+            assert (run / "operator-notes.txt").read_text() == "kept"
+        else:
+            assert not run.exists()
+    finally:
+        shutil.rmtree(run.parent, ignore_errors=True)
 
 
 def test_killed_launcher_leaves_no_orphans_and_next_start_cleans_up(tmp_path: Path) -> None:

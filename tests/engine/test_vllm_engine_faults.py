@@ -11,9 +11,13 @@ hicache equal those of the same model in a vLLM without the connector.
 * A cache reset through vLLM's own ``reset_prefix_cache(reset_connector=True)`` serves
   nothing saved before it.
 * vLLM's own metrics carry hicache's hits per tier, loads, saves and errors.
+* After a daemon restart, asks about a request whose pages come back from L3 that get no
+  answer in time (a fault point makes the connector give up on them at once, as against a
+  slow daemon loop) cost a short wait, not the hit (last: it restarts the daemon).
 
-The module shares one daemon and four engines (vLLM alone, ``a`` with the load fault,
-``b``, ``c`` with the other identity), each started when a test first needs it.
+The module shares one daemon (with a file L3) and five engines (vLLM alone, ``a`` with the
+load fault, ``b``, ``c`` with the other identity, ``d`` with the unanswered-asks fault), each
+started when a test first needs it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from conftest import Engines, ModelStack, engine_config, expected_hit
 from daemon import Daemon
 
 from hicache.bench.engine_lib.vllm_driver import VllmProcess
-from hicache.connectors.faults import FAIL_LOADS_ENV, RUNTIME_ENV
+from hicache.connectors.faults import FAIL_LOADS_ENV, RUNTIME_ENV, SLOW_PENDING_ASKS_ENV
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -48,13 +52,15 @@ P = [_prompt(40 + i, n) for i, n in enumerate([150, 230, 300])]
 HEAD = P[0][:128]  # the four full blocks of P[0] that an engine can load
 Q = HEAD + _prompt(50, 100)  # shares HEAD; its blocks 4..6 are computed in the step that loads HEAD
 ALL = P + [Q]
+SLOW_ASKS = 1  # one call given up on: the client then backs off for 0.5 s, as after a timeout
 
 
 class Stack(ModelStack):
-    """The module's daemon and engines (started on first use; ``b`` keeps vLLM's stats on)."""
+    """The module's daemon and engines (started on first use; ``b`` and ``d`` keep vLLM's
+    stats on)."""
 
     def engine(self, name: str, **kw: Any) -> VllmProcess:
-        return super().engine(name, **{"log_stats": name == "b", **kw})
+        return super().engine(name, **{"log_stats": name in ("b", "d"), **kw})
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +72,8 @@ def stack(checkpoints: dict[str, Path], engines: Engines, tmp_path_factory: pyte
     alone.stop()
     reference = {tuple(p): o for p, o in zip(ALL, out["outputs"], strict=True)}
     tmp = tmp_path_factory.mktemp("engine-faults")
-    daemon = Daemon(tmp, engine_config(llama, Path(f"/tmp/hcf-{os.getpid()}")), "daemon")
+    l3 = {"backend": "file", "file": {"dir": str(tmp / "l3")}}
+    daemon = Daemon(tmp, engine_config(llama, Path(f"/tmp/hcf-{os.getpid()}"), l3=l3), "daemon")
     daemon.start()
     try:
         yield Stack(llama, daemon, engines, reference)
@@ -158,4 +165,33 @@ def test_a_cache_reset_through_vllm_serves_nothing_saved_before_it(stack: Stack)
     # a, which was not reset, still gets the pages saved before b's reset (its namespace)
     a = stack.engine("a")
     assert a.generate(P, MAX_TOKENS)["cached"] == hit
+    stack.idle_and_intact()
+
+
+def test_asks_unanswered_while_pages_come_back_from_l3_cost_no_hit(stack: Stack) -> None:
+    """Run last: it restarts the daemon. Engine ``d``, started after the restart, asks about
+    prompts whose pages are in L3 only: each lookup is answered pending while they come back,
+    and ``d``'s first ask again gets no answer (the call gives up at once, and the client
+    backs off as after a timeout). The request keeps waiting and still gets its whole hit, and
+    the pages are still counted as L3's (the answer that said so was the one given up on)."""
+    b = stack.engine("b")
+    stack.check(b.generate(P, MAX_TOKENS), P)  # P in L2, then backed up to the file L3
+    stack.wait("the saves", lambda st: st["leases"]["open"] == 0)
+    stack.restart_after_backups(BLOCK)  # L2 empty: every hit below is prefetched from L3
+    d = stack.engine("d", env={SLOW_PENDING_ASKS_ENV: str(SLOW_ASKS)})
+    before = _hicache_metrics(d)
+    # one prompt at a time: a request whose *first* lookup falls in the client's backoff is a
+    # miss by design (the daemon looks unwell); the fault hits the first prompt's asks again
+    answers = [d.generate([p], MAX_TOKENS) for p in P]
+    out = {k: [x for a in answers for x in a[k]] for k in ("outputs", "cached", "finish")}
+    stack.check(out, P)
+    assert out["cached"] == [expected_hit(len(p), BLOCK) for p in P]
+    after = _hicache_metrics(d)
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("vllm:hicache_lookups_unanswered_pending") >= SLOW_ASKS, after  # the fault fired
+    assert delta("vllm:hicache_lookup_misses") == 0, after
+    assert delta("vllm:hicache_hit_tokens{tier=disk}") == sum(out["cached"]), after
     stack.idle_and_intact()

@@ -49,6 +49,8 @@ class Bench:
     dtype: str
     progress: Callable[[str], None]
     engine_env: dict[str, str] = field(default_factory=dict)
+    tensor_parallel: int = 1
+    """vLLM's ``--tensor-parallel-size`` for every engine of the run (its ranks share the cores)."""
     logs: list[str] = field(default_factory=list)
 
     def log_path(self, name: str) -> Path:
@@ -63,6 +65,7 @@ class Bench:
 
     def engine(self, name: str, env: dict[str, str] | None = None, **kw: Any) -> VllmProcess:
         self.progress(f"starting vLLM ({name})")
+        kw.setdefault("tensor_parallel", self.tensor_parallel)
         eng = VllmProcess(self.model, self.log_path(name), block_size=self.block_size, dtype=self.dtype,
                           env={**self.engine_env, **(env or {})}, **kw)
         self.progress(f"vLLM ({name}) started in {eng.start_s:.0f} s")
