@@ -110,6 +110,7 @@ def run_workload(workload: list[tuple[array[int], array[int]]], page_size: int, 
     t0 = time.perf_counter()
     for inp, outp in workload:
         m = cache.match_prefix(inp)
+        cache.record_hit(m)  # admitted at once: its hit counted (as a scheduler does)
         lock = cache.inc_lock_ref(m.last_device_node)
         seq = inp + outp
         have = len(m.device_indices)

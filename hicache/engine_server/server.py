@@ -53,7 +53,8 @@ if KEY_TYPECODE != protos.TOKEN_TYPECODE:  # the wire's packed tokens become tre
 PREFETCHED_MEMORY = 16384
 """How many (session, request) pairs remember that their prefetch ran, so a request that
 vLLM asks about again is not prefetched (and held) a second time, and how many pages it
-brought (still the hit's L3 tail when the answer that said so never reached the engine)."""
+brought (still the hit's L3 tail when the answer that said so never reached the engine);
+as many remember that the tree counted their hit (once per request, however often asked)."""
 
 MAX_TENSOR_PARALLEL = 64
 """The most tensor-parallel ranks an engine may register with."""
@@ -153,6 +154,7 @@ class CacheServer:
         self.counters = EngineCounters()
         self._prefetches: dict[tuple[int, str], PrefetchTicket] = {}
         self._prefetched: OrderedDict[tuple[int, str], int] = OrderedDict()  # slot -> pages from L3
+        self._hit_counted: OrderedDict[tuple[int, str], None] = OrderedDict()  # slots whose hit the tree counted
         self.requests = RequestTokens(REQUEST_MEMORY_TOKENS)
         self.exact_checks = 0
         self.integrity_error: str | None = None
@@ -265,7 +267,7 @@ class CacheServer:
         salt = namespaced_salt(session.namespace, msg.cache_salt)
         ticket = self._prefetches.get(slot)
         if ticket is not None:
-            return self._prefetch_answer(msg.req, msg.session, slot, key, salt, ticket)
+            return self._prefetch_answer(msg.req, slot, key, salt, ticket)
         match = None
         if msg.prefetch and self.tier is not None and self.tier.l3_enabled and slot not in self._prefetched:
             match = self.cache.match_prefix(key, salt)
@@ -274,10 +276,10 @@ class CacheServer:
                 ticket = self.tier.start_prefetch(msg.rid, key, match, salt)
                 if ticket is not None and ticket.policy != "best_effort":
                     self._prefetches[slot] = ticket
-                    return self._prefetch_answer(msg.req, msg.session, slot, key, salt, ticket)
-        return self._answer(msg.req, msg.session, key, salt, self._prefetched.get(slot, 0), match)
+                    return self._prefetch_answer(msg.req, slot, key, salt, ticket)
+        return self._answer(msg.req, slot, key, salt, self._prefetched.get(slot, 0), match)
 
-    def _prefetch_answer(self, req: int, session: int, slot: tuple[int, str], key: array[int], salt: str,
+    def _prefetch_answer(self, req: int, slot: tuple[int, str], key: array[int], salt: str,
                          ticket: PrefetchTicket) -> protos.Message:
         """``pending`` while the slot's prefetch runs; once it is done (or its policy gave up
         on it), the hit with what it brought."""
@@ -289,7 +291,7 @@ class CacheServer:
         brought = ticket.arrived_tokens // self.cache.page_size
         if slot in self._prefetched:
             self._prefetched[slot] = brought
-        return self._answer(req, session, key, salt, brought)
+        return self._answer(req, slot, key, salt, brought)
 
     def _cancel_prefetch(self, ticket: PrefetchTicket) -> None:
         if self.tier is None:  # tickets come from the tier manager: there are none without one
@@ -301,14 +303,21 @@ class CacheServer:
         """Requests whose lookup waits for a prefetch from L3."""
         return len(self._prefetches)
 
-    def _answer(self, req: int, session: int, key: array[int], salt: str, storage_pages: int,
+    def _answer(self, req: int, slot: tuple[int, str], key: array[int], salt: str, storage_pages: int,
                 match: MatchResult | None = None) -> protos.Message:
         """The L2 hit of ``key`` now, locked under a lease (none for no hit); ``match``: the
-        key's match made a moment ago in this call, if any (not made twice)."""
+        key's match made a moment ago in this call, if any (not made twice). The request's
+        first lease counts its hit in the tree (``record_hit``); asking again does not."""
+        session = slot[0]
         if match is None:
             match = self.cache.match_prefix(key, salt)
         if match.host_hit_length == 0:
             return protos.LookupResult(req)
+        if slot not in self._hit_counted:
+            self._hit_counted[slot] = None
+            while len(self._hit_counted) > PREFETCHED_MEMORY:
+                self._hit_counted.popitem(last=False)
+            self.cache.record_hit(match)
         node = match.last_host_node
         pages = self.cache.host_prefix_pages(node)
         npages = self.cache.protect_host(node)

@@ -209,6 +209,7 @@ class TieredSimulator:
                 storage = got
                 m = cache.match_prefix(key)
                 host = min(host, m.host_hit_length // ps)
+        cache.record_hit(m)  # the request is served now: one hit counted
         loaded = 0
         pages = _page_list(m.device_indices)
         last = m.last_device_node

@@ -553,6 +553,7 @@ class Scheduler:
                     raise RuntimeError("the matched node has no Mamba state")
                 self.mamba.copy_state(src, slot)  # type: ignore[misc]
         req.status = RUNNING
+        self.cache.record_hit(m)  # once per request: the passes it waited matched without counting
         self._account_hits(req, prefix)
         return True
 

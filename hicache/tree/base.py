@@ -47,6 +47,8 @@ class MatchResult:
     ``walked_len``: with auxiliary components, the tokens of the key the tree holds on
     the matched path in any tier, before the validators cut it (where the key forks from
     the tree or ends): a branch point whose state a request computing through it may add.
+    ``walked_node``: the deepest node of that path (the root when nothing matched), where
+    ``UnifiedRadixCache.record_hit`` counts the request's hit.
     """
 
     device_indices: PageIndices
@@ -56,6 +58,7 @@ class MatchResult:
     device_len: int = 0
     copies: dict[str, Any] = field(default_factory=dict)
     walked_len: int = 0
+    walked_node: TreeNode | None = None
 
 
 @dataclass

@@ -111,7 +111,7 @@ class UnifiedRadixCache(TierCalls):
     ``eviction_policy``: ``lru`` (default) or ``slru``. ``write_policy``: ``write_through``,
     ``write_through_selective`` (``hit_count >= write_through_threshold``) or ``write_back``.
 
-    Scheduler calls: ``match_prefix``, ``inc_lock_ref`` / ``dec_lock_ref``, ``insert`` /
+    Scheduler calls: ``match_prefix`` (a peek) and ``record_hit``, ``inc_lock_ref`` / ``dec_lock_ref``, ``insert`` /
     ``insert_with``, ``evict`` / ``evict_units``, ``cache_finished_req``,
     ``cache_unfinished_req``, ``evictable_size`` / ``protected_size`` / ``total_size``,
     ``flush``, ``check_integrity``.
@@ -143,8 +143,11 @@ class UnifiedRadixCache(TierCalls):
     def match_prefix(self, key: Sequence[int], cache_salt: str = "", *, copy_on_match: bool = True) -> MatchResult:
         """Longest cached prefix of ``key`` valid for every component.
 
-        Splits a node where the key forks inside it and stops there. Refreshes the matched
-        path (access times, every LRU order, ``hit_count``). The L2-only part after a fully
+        A peek: it changes no access time, LRU order or ``hit_count`` (a request waiting in
+        a queue is matched on every scheduling pass, an engine's request on every ask);
+        ``record_hit`` counts the hit once, when the request is admitted or its lease taken.
+        It only splits a node where the key forks inside it (and stops there), which changes
+        the tree's shape, never what it holds. The L2-only part after a fully
         valid device prefix (``host_hit_length``) ends at the last boundary that every
         component's validator accepts with the L2 data counted. With ``copy_on_match``,
         each component that asks for it (``TreeComponent.copy_on_match``: Mamba) gives the
@@ -176,9 +179,6 @@ class UnifiedRadixCache(TierCalls):
                         ok = False
                 if ok:
                     best = j + 1
-        for node in path:
-            node.hit_count += 1
-        core.touch(path)
         if best == 0:
             indices = self._empty()
         else:
@@ -186,7 +186,7 @@ class UnifiedRadixCache(TierCalls):
             for j in range(1, best):
                 indices.extend(path[j].data[0].value)
         last_dev = path[best - 1] if best else root
-        res = MatchResult(indices, last_dev, last_dev, 0, len(indices) * self.page_size)
+        res = MatchResult(indices, last_dev, last_dev, 0, len(indices) * self.page_size, walked_node=path[-1])
         if validators:
             res.walked_len = sum(len(x.key) for x in path)
         if best == ndev and ndev < len(path):
@@ -206,6 +206,24 @@ class UnifiedRadixCache(TierCalls):
         if copy_on_match and best and self.aux:
             self._copy_on_match(res)
         return res
+
+    def record_hit(self, res: MatchResult) -> None:
+        """Count one hit for the request that made the match ``res``: ``hit_count + 1`` on
+        every node of its matched path (root side first) and each of them refreshed as just
+        used (access times, every LRU order). Call it once per request, when it is admitted
+        or its lease taken. If the tree removed a node of the path since the match (a
+        removed node has no parent: it no longer leads to its root), nothing is counted."""
+        node = res.walked_node
+        path: list[TreeNode] = []
+        while node is not None and node.parent is not None:
+            path.append(node)
+            node = node.parent
+        if node is None or node.salt is None or self.core.root(node.salt) is not node:
+            return
+        path.reverse()
+        for n in path:
+            n.hit_count += 1
+        self.core.touch(path)
 
     def _copy_on_match(self, res: MatchResult) -> None:
         node = res.last_device_node

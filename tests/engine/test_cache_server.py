@@ -623,3 +623,32 @@ def test_an_mla_model_is_one_latent_head_and_every_rank_holds_it_whole() -> None
         assert isinstance(ans, protos.EngineRegistered) == ok, ans
     as_kv = register(server, replace(mla, kv_kind="kv"))  # an engine that kept per-head K/V (MLA off)
     assert isinstance(as_kv, protos.EngineError) and "kv_kind" in as_kv.reason
+
+
+def test_a_request_asked_about_many_times_counts_one_hit() -> None:
+    """vLLM asks about a waiting request on every step: its first lease counts the hit in the
+    tree, asking again and its reservations do not; another request counts its own."""
+    from hicache.engine_server.server import namespaced_salt
+
+    server, _ = make_server()
+    eng = FakeEngine(server, {})
+    tokens = list(range(1, 3 * PS + 1))
+    eng.save(tokens)  # saving counts no hit
+    salt = namespaced_salt(server.leases.sessions[eng.session].namespace, "")
+
+    def hits() -> int:
+        return server.cache.match_prefix(tokens, salt).last_host_node.hit_count
+
+    assert hits() == 0
+
+    def ask(rid: str) -> None:
+        ans = server.handle(protos.Lookup(eng.next_req(), eng.session, RUN, rid, protos.pack_tokens(tokens)))
+        assert isinstance(ans, protos.LookupResult) and len(ans.host_pages) == 3, ans
+        server.handle(protos.Release(eng.session, RUN, ans.lease, 0))
+
+    for _ in range(6):
+        ask("waiting")
+    reserve(server, eng.next_req(), eng.session, RUN, "waiting", tokens + [5] * PS, 0)
+    assert hits() == 1
+    ask("another")
+    assert hits() == 2

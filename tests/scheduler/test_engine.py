@@ -143,3 +143,27 @@ def test_a_prompt_prefilled_in_one_chunk_is_matched_while_it_decodes(page_size: 
     assert rig.cached("second") == (prompt_len - 1) // page_size * page_size
     want = cold_tokens(cfg, "cold", prompt, 12)
     assert rig.tokens("first") == want and rig.tokens("second") == want
+
+
+def test_a_request_waiting_many_passes_counts_one_hit() -> None:
+    """A queued request is matched on every scheduling pass; only its admission counts a hit
+    (``hit_count`` drives write_through_selective, SLRU and LFU)."""
+    cfg = config_from_dict({"cache": {"page_size": 4, "l1": {"tokens": 96}, "l2": {"enabled": False},
+                                      "l3": {"backend": "none"}},
+                            "scheduler": {"chunked_prefill_tokens": 32}})
+    rig = Rig(cfg)
+    shared = list(range(1, 17))  # four pages
+    rig.run([gen("first", shared, 2)])
+    rig.sched.submit(gen("big", [7] * 40, 20))  # 15 of 24 pages while it runs
+    rig.sched.step()
+    rig.sched.submit(gen("waiter", shared + [9] * 24, 20))  # another 15: waits for big to finish
+    waited = 0
+    while "waiter" not in rig.out:
+        rig.sched.step()
+        waited += 1
+    assert waited >= 5, waited  # it was matched on each of these passes
+    rig.run([])
+    assert rig.cached("waiter") == len(shared)
+    m = rig.cache.match_prefix(shared)
+    assert m.device_len == len(shared)
+    assert m.last_device_node.hit_count == 1  # the waiter's admission, once

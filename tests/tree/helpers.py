@@ -26,10 +26,11 @@ def full_cache(capacity: int = 256, page_size: int = 1, host_capacity: int | Non
 
 
 def cache_seq(cache: UnifiedRadixCache, alloc: PageAllocator, key: list[int], salt: str = ""):
-    """What a scheduler does for one request: match, lock, allocate the rest, insert,
-    free duplicates and the unaligned tail, unlock. Returns the match."""
+    """What a scheduler does for one request: match, count its hit (admitted), lock, allocate
+    the rest, insert, free duplicates and the unaligned tail, unlock. Returns the match."""
     ps = cache.page_size
     m = cache.match_prefix(key, salt)
+    cache.record_hit(m)
     lock = cache.inc_lock_ref(m.last_device_node)
     have = len(m.device_indices)
     need = -(-len(key) // ps) - have

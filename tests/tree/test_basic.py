@@ -71,7 +71,9 @@ def test_eviction_is_lru_leaf_first_and_skips_locked():
     cache_seq(cache, dev, toks("aaaa"))
     cache_seq(cache, dev, toks("bbbb"))
     cache_seq(cache, dev, toks("cccc"))
-    m = cache.match_prefix(toks("aaaa"))  # a is now most recent
+    cache.match_prefix(toks("cccc"))  # a peek: c stays the least recent
+    m = cache.match_prefix(toks("aaaa"))
+    cache.record_hit(m)  # a request admitted on a: now most recent
     lock = cache.inc_lock_ref(cache.match_prefix(toks("bbbb")).last_device_node)  # b locked
     assert cache.protected_size() == 4 and cache.evictable_size() == 8
     res = cache.evict(4)
@@ -206,4 +208,28 @@ def test_cache_with_array_indices_returns_arrays():
     m = cache.match_prefix(toks("abcxyz"))
     assert isinstance(m.device_indices, array) and len(m.device_indices) == 3
     assert isinstance(cache.match_prefix(toks("zzz")).device_indices, array)
+    cache.check_integrity(exact=True)
+
+
+def test_a_match_is_a_peek_and_record_hit_counts_once_what_is_still_there():
+    cache, dev, _ = full_cache(capacity=64)
+    cache_seq(cache, dev, toks("aaaabbbb"))
+    cache_seq(cache, dev, toks("cccc"))  # the most recent
+    for _ in range(3):
+        m = cache.match_prefix(toks("aaaabbbb"))
+    node = m.last_device_node
+    assert node.hit_count == 0  # three peeks
+    cache.evict(4)
+    assert cache.match_prefix(toks("aaaabbbb")).device_len == 0  # still the oldest: evicted first
+    cache_seq(cache, dev, toks("aaaabbbb"))
+    m = cache.match_prefix(toks("aaaabbbb"))
+    cache.record_hit(m)
+    assert m.last_device_node.hit_count == 1
+    cache.evict(4)  # now "cccc" is the oldest
+    assert cache.match_prefix(toks("cccc")).device_len == 0
+    stale = cache.match_prefix(toks("aaaabbbb"))
+    cache.evict(100)  # the matched nodes are removed before the hit is recorded ...
+    cache.record_hit(stale)  # ... which then counts nothing and changes nothing (no crash)
+    assert stale.last_device_node.hit_count == 1
+    assert cache.total_size() == 0
     cache.check_integrity(exact=True)

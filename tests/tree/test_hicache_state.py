@@ -168,9 +168,12 @@ def test_write_through_selective_waits_for_hits():
                                   write_through_threshold=2)
     cache_seq(cache, dev, toks("abcdef"))
     assert cache.nodes_to_write_to_host() == []
-    cache.match_prefix(toks("abcdef"))
+    for _ in range(5):  # one request waiting five scheduling passes: matched, never admitted
+        cache.match_prefix(toks("abcdef"))
+    assert cache.nodes_to_write_to_host() == []  # no hit counted by a peek
+    cache.record_hit(cache.match_prefix(toks("abcdef")))
     assert cache.nodes_to_write_to_host() == []  # one hit so far
-    cache.match_prefix(toks("abcdef"))
+    cache.record_hit(cache.match_prefix(toks("abcdef")))
     assert len(cache.nodes_to_write_to_host()) == 1
 
 

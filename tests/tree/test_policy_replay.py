@@ -24,7 +24,7 @@ def test_policy_lists_are_consistent():
 def test_slru_prefers_evicting_nodes_never_reused():
     cache, dev, _ = full_cache(capacity=64, eviction_policy="slru")
     cache_seq(cache, dev, toks("aaaa"))
-    cache.match_prefix(toks("aaaa"))  # re-used: promoted
+    cache.record_hit(cache.match_prefix(toks("aaaa")))  # re-used: promoted
     cache_seq(cache, dev, toks("bbbb"))
     cache_seq(cache, dev, toks("cccc"))
     cache.evict(4)

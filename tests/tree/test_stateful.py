@@ -48,7 +48,8 @@ class Reference:
             pg.tick = t
             pg.htick = t
 
-    def match(self, key: list[int]) -> tuple[int, int, list[tuple[int, ...]]]:
+    def match(self, key: list[int], record: bool = False) -> tuple[int, int, list[tuple[int, ...]]]:
+        """A peek; with ``record``, the request's hit is counted: every matched page touched."""
         path = []
         for p in self.prefixes(key):
             if p not in self.pages:
@@ -58,7 +59,8 @@ class Reference:
         while ndev < len(path) and self.pages[path[ndev]].device:
             ndev += 1
         nhost = len(path) - ndev
-        self.touch(path)
+        if record:
+            self.touch(path)
         return ndev * self.ps, nhost * self.ps, path[:ndev]
 
     def insert(self, key: list[int]) -> int:
@@ -163,12 +165,16 @@ class CacheMachine(RuleBasedStateMachine):
         self.writes: list = []  # (op, prefixes)
 
     # ---------------------------------------------------------------- rules
-    @rule(key=keys)
-    def match(self, key):
+    @rule(key=keys, record=st.booleans())
+    def match(self, key, record):
+        """A match is a peek (a waiting request, matched on every pass); ``record``: the
+        request is admitted, its hit counted once (``record_hit``)."""
         m = self.cache.match_prefix(key)
-        dev_len, host_len, _ = self.ref.match(key)
+        dev_len, host_len, _ = self.ref.match(key, record)
         assert (m.device_len, m.host_hit_length) == (dev_len, host_len)
         assert len(m.device_indices) == dev_len // self.page_size
+        if record:
+            self.cache.record_hit(m)
 
     @rule(key=keys)
     def insert(self, key):
@@ -181,8 +187,10 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(key=keys)
     def lock(self, key):
+        """Admission: the match is counted as a hit and locked."""
         m = self.cache.match_prefix(key)
-        _, _, dev_path = self.ref.match(key)
+        _, _, dev_path = self.ref.match(key, record=True)
+        self.cache.record_hit(m)
         token = self.cache.inc_lock_ref(m.last_device_node)
         for p in dev_path:
             self.ref.pages[p].lock += 1
