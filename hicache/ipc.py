@@ -55,31 +55,25 @@ def make_runtime_dir(base: str | None = None) -> Path:
 
 @dataclass(frozen=True)
 class FixedRuntimeDir:
-    """A configured ``ipc.dir`` as found at start, so a clean stop removes exactly what the
-    daemon put there (its sockets, ``heartbeat/``, ``metrics/``) and nothing of anyone else.
+    """A configured ``ipc.dir``, so a clean stop removes what the daemon puts there and
+    nothing of anyone else (the directory may be shared, such as ``/run``).
 
-    ``existed``: the directory was there before the start; ``entries``: its names then.
-    ``clear`` removes every entry that was not there at start, and the daemon's own entries
-    even if a daemon that did not stop cleanly left them; the directory itself only if the
-    daemon created it and it is empty by then."""
+    ``OWN_ENTRIES`` are the names the daemon creates there: its ``ipc://`` sockets,
+    ``heartbeat/`` and ``metrics/``. ``clear`` removes those (also when a daemon that did not
+    stop cleanly left them) and nothing else; the directory itself only if the daemon
+    created it (``existed`` False) and it is empty by then."""
 
     path: Path
     existed: bool
-    entries: frozenset[str]
 
     OWN_ENTRIES = ("heartbeat", "metrics", *(f"{name}.sock" for name in ENDPOINT_NAMES))
 
     @classmethod
     def before_start(cls, path: Path) -> FixedRuntimeDir:
-        existed = path.is_dir()
-        return cls(path, existed, frozenset(os.listdir(path)) if existed else frozenset())
+        return cls(path, path.is_dir())
 
     def clear(self) -> None:
-        if not self.path.is_dir():
-            return
-        for name in os.listdir(self.path):
-            if name in self.entries and name not in self.OWN_ENTRIES:
-                continue
+        for name in self.OWN_ENTRIES:
             entry = self.path / name
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)
@@ -87,7 +81,7 @@ class FixedRuntimeDir:
                 with contextlib.suppress(FileNotFoundError):
                     entry.unlink()
         if not self.existed:
-            with contextlib.suppress(OSError):  # not empty: someone else's files arrived meanwhile
+            with contextlib.suppress(OSError):  # not empty: someone else's files are there
                 self.path.rmdir()
 
 

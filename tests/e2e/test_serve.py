@@ -150,8 +150,9 @@ def test_sigterm_leaves_nothing_behind(tmp_path: Path) -> None:
 @pytest.mark.parametrize("existing", [True, False], ids=["dir-existed", "dir-created"])
 def test_a_configured_ipc_dir_keeps_only_what_was_there_before(tmp_path: Path, existing: bool) -> None:
     """With ``ipc.dir`` set, a clean stop removes the daemon's sockets, heartbeat files and
-    metrics files there, keeps what the operator put there, and removes the directory itself
-    only if the daemon created it."""
+    metrics files there (also a stale socket of a daemon that was killed), keeps what anyone
+    else put there (before the start or while it ran), and removes the directory itself only
+    if the daemon created it."""
     run = Path(tempfile.mkdtemp(prefix="hc", dir="/tmp")) / "run"  # unix socket paths stay short
     try:
         if existing:
@@ -163,9 +164,11 @@ def test_a_configured_ipc_dir_keeps_only_what_was_there_before(tmp_path: Path, e
         made = set(os.listdir(run))
         assert {"heartbeat", "metrics", "scheduler.sock", "tokenizer.sock", "controller.sock"} <= made, made
         d.generate([5] * 40, 4)
+        if existing:
+            (run / "other-service.sock").write_text("")  # another process's file, made meanwhile
         assert d.stop() == 0, d.log()
         if existing:
-            assert os.listdir(run) == ["operator-notes.txt"]
+            assert sorted(os.listdir(run)) == ["operator-notes.txt", "other-service.sock"]
             assert (run / "operator-notes.txt").read_text() == "kept"
         else:
             assert not run.exists()
