@@ -8,6 +8,7 @@ the admitted client key pair show that they would have acted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -57,9 +58,11 @@ def _builtin_config(keys: Path | None, base: int) -> dict:
 
 
 def _push(ctx: zmq.Context, address: str, curve: CurveClientKeys | None) -> zmq.Socket:
-    """A raw PUSH socket, as an attacker (or an admitted client) would make it."""
+    """A raw PUSH socket, as an attacker (or an admitted client) would make it. A send waits at
+    most 10 s (``zmq.Again``): a client whose handshake failed may have no pipe to queue on."""
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, 10000)
     if curve is not None:
         sock.curve_serverkey = curve.server_public
         sock.curve_publickey = curve.client_public
@@ -118,7 +121,8 @@ def test_curve_daemon_serves_and_ignores_unauthorised_clients(tmp_path: Path, da
         for curve in (None, unknown):
             for address, msg in attacks:
                 sock = _push(ctx, address, curve)
-                sock.send(protos.encode(msg))
+                with contextlib.suppress(zmq.Again):  # not even queued: then nothing can act either
+                    sock.send(protos.encode(msg))
                 attackers.append(sock)
         time.sleep(2.0)
         assert d.proc is not None and d.proc.poll() is None, f"the daemon stopped:\n{d.log()}"
