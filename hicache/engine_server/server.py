@@ -50,11 +50,9 @@ log = logging.getLogger("hicache.engine_server")
 if KEY_TYPECODE != protos.TOKEN_TYPECODE:  # the wire's packed tokens become tree keys as they are
     raise ImportError(f"tree keys ({KEY_TYPECODE!r}) and packed tokens ({protos.TOKEN_TYPECODE!r}) differ")
 
-PREFETCHED_MEMORY = 16384
-"""How many (session, request) pairs remember that their prefetch ran, so a request that
-vLLM asks about again is not prefetched (and held) a second time, and how many pages it
-brought (still the hit's L3 tail when the answer that said so never reached the engine);
-as many remember that the tree counted their hit (once per request, however often asked)."""
+SLOT_MEMORY = 16384
+"""How many (session, request) pairs the server remembers between lookups (``SlotMemory``);
+the oldest is forgotten first."""
 
 MAX_TENSOR_PARALLEL = 64
 """The most tensor-parallel ranks an engine may register with."""
@@ -70,6 +68,19 @@ NAMESPACE_CHARS = 32
 def namespaced_salt(namespace: str, cache_salt: str) -> str:
     """The salt the tree and the page hashes see for a session's ``cache_salt``."""
     return f"{namespace}:{cache_salt}"
+
+
+@dataclass
+class SlotMemory:
+    """What the server remembers of one (session, request) between its lookups."""
+
+    prefetched: bool = False
+    """Its prefetch ran: vLLM asking again starts no second one (nor holds pages twice)."""
+    storage_pages: int = 0
+    """Pages its prefetch brought: still the hit's L3 tail when the answer that said so never
+    reached the engine (a call that gave up before it arrived)."""
+    hit_counted: bool = False
+    """The tree counted its hit (``record_hit``): once per request, however often asked."""
 
 
 @dataclass(frozen=True)
@@ -153,8 +164,7 @@ class CacheServer:
         self.clock = clock
         self.counters = EngineCounters()
         self._prefetches: dict[tuple[int, str], PrefetchTicket] = {}
-        self._prefetched: OrderedDict[tuple[int, str], int] = OrderedDict()  # slot -> pages from L3
-        self._hit_counted: OrderedDict[tuple[int, str], None] = OrderedDict()  # slots whose hit the tree counted
+        self._slots: OrderedDict[tuple[int, str], SlotMemory] = OrderedDict()
         self.requests = RequestTokens(REQUEST_MEMORY_TOKENS)
         self.exact_checks = 0
         self.integrity_error: str | None = None
@@ -269,15 +279,16 @@ class CacheServer:
         if ticket is not None:
             return self._prefetch_answer(msg.req, slot, key, salt, ticket)
         match = None
-        if msg.prefetch and self.tier is not None and self.tier.l3_enabled and slot not in self._prefetched:
+        memory = self._slot(slot)
+        if msg.prefetch and self.tier is not None and self.tier.l3_enabled and not memory.prefetched:
             match = self.cache.match_prefix(key, salt)
             if len(key) > match.host_hit_length:
-                self._remember_prefetched(slot, 0)
+                memory.prefetched = True
                 ticket = self.tier.start_prefetch(msg.rid, key, match, salt)
                 if ticket is not None and ticket.policy != "best_effort":
                     self._prefetches[slot] = ticket
                     return self._prefetch_answer(msg.req, slot, key, salt, ticket)
-        return self._answer(msg.req, slot, key, salt, self._prefetched.get(slot, 0), match)
+        return self._answer(msg.req, slot, key, salt, memory.storage_pages, match)
 
     def _prefetch_answer(self, req: int, slot: tuple[int, str], key: array[int], salt: str,
                          ticket: PrefetchTicket) -> protos.Message:
@@ -289,8 +300,8 @@ class CacheServer:
         del self._prefetches[slot]
         self._cancel_prefetch(ticket)
         brought = ticket.arrived_tokens // self.cache.page_size
-        if slot in self._prefetched:
-            self._prefetched[slot] = brought
+        memory = self._slot(slot)
+        memory.prefetched, memory.storage_pages = True, brought
         return self._answer(req, slot, key, salt, brought)
 
     def _cancel_prefetch(self, ticket: PrefetchTicket) -> None:
@@ -313,10 +324,9 @@ class CacheServer:
             match = self.cache.match_prefix(key, salt)
         if match.host_hit_length == 0:
             return protos.LookupResult(req)
-        if slot not in self._hit_counted:
-            self._hit_counted[slot] = None
-            while len(self._hit_counted) > PREFETCHED_MEMORY:
-                self._hit_counted.popitem(last=False)
+        memory = self._slot(slot)
+        if not memory.hit_counted:
+            memory.hit_counted = True
             self.cache.record_hit(match)
         node = match.last_host_node
         pages = self.cache.host_prefix_pages(node)
@@ -328,10 +338,14 @@ class CacheServer:
         self.counters.lookup_storage_pages += storage_pages
         return protos.LookupResult(req, lease.lease_id, pages, storage_pages)
 
-    def _remember_prefetched(self, slot: tuple[int, str], pages: int) -> None:
-        self._prefetched[slot] = pages
-        while len(self._prefetched) > PREFETCHED_MEMORY:
-            self._prefetched.popitem(last=False)
+    def _slot(self, slot: tuple[int, str]) -> SlotMemory:
+        """The memory of ``slot``, made (and the oldest beyond ``SLOT_MEMORY`` forgotten) if new."""
+        memory = self._slots.get(slot)
+        if memory is None:
+            memory = self._slots[slot] = SlotMemory()
+            while len(self._slots) > SLOT_MEMORY:
+                self._slots.popitem(last=False)
+        return memory
 
     # ------------------------------------------------------------------ save
     def reserve(self, msg: protos.Reserve) -> protos.Message:
