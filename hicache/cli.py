@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check-config": ("hicache.config_cli", "validate a config file and print the resolved config"),
     "replay": ("hicache.replay", "replay a request trace offline through the real tree and tier policies"),
     "storage": ("hicache.storage_cli", "inspect, verify, clear or gc the configured L3 store"),
+    "events": ("hicache.events_cli", "subscribe to a KV event publisher and print its events"),
     "keygen": ("hicache.keygen_cli", "write the CURVE key pairs that ipc.transport: tcp needs"),
     "version": ("hicache.version_cli", "print the version"),
 }
@@ -36,6 +37,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("hicache.bench.serve", "drive a running daemon with realistic workloads"),
     "ttft": ("hicache.bench.ttft", "time to first token of a long prompt from each tier vs cold"),
     "engine": ("hicache.bench.engine", "vLLM with hicache beside it against vLLM alone"),
+    "events": ("hicache.bench.events", "serving with KV events on against off, and the events' lag"),
     "soak": ("hicache.bench.soak", "mixed traffic with faults on a schedule, checked against a cold daemon"),
 }
 

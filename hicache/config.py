@@ -404,6 +404,25 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class EventsConfig:
+    """KV events (docs/architecture.md §14): every change of what a tier holds, published in
+    vLLM's event format on a ZeroMQ PUB socket for KV-aware routers.
+
+    ``endpoint``: bound when it contains ``*`` or is ``ipc://``, connected to otherwise (as
+    vLLM's publisher does). ``replay_endpoint``: a ROUTER socket from which a subscriber
+    that missed batches gets them again (the last ``replay_batches``). ``topic``: None gives
+    ``kv@<host name>@<model>``. A round's batch is sent without waiting: a subscriber that
+    falls behind loses batches at the socket, sees the gap in the sequence numbers and gets
+    them from the replay socket."""
+
+    enabled: bool = False
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    topic: str | None = None
+    replay_batches: int = 10_000
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     level: LogLevel = "info"
     json: bool = False
@@ -420,6 +439,7 @@ class HicacheConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     ipc: IpcConfig = field(default_factory=IpcConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
@@ -720,6 +740,15 @@ def validate(cfg: HicacheConfig) -> list[ConfigProblem]:
     if dev not in DEVICES:
         bad("device", f"must be auto or cpu; got {dev!r} (cuda / cuda:N are not supported by this build: "
             "L1 lives in host memory)")
+
+    ev = cfg.events
+    if ev.enabled:
+        positive("events.replay_batches", ev.replay_batches)
+        for key, endpoint in (("events.endpoint", ev.endpoint), ("events.replay_endpoint", ev.replay_endpoint)):
+            if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+                bad(key, f"must be a ZeroMQ endpoint (tcp://HOST:PORT, tcp://*:PORT or ipc://PATH), got {endpoint!r}")
+        if ev.replay_endpoint is not None and ev.replay_endpoint == ev.endpoint:
+            bad("events.replay_endpoint", "must differ from events.endpoint")
 
     c = cfg.cache
     if not _power_of_two(c.page_size):

@@ -101,6 +101,7 @@ Kind = Literal["counter", "gauge", "histogram"]
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_EVENT_LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 _TRANSFER_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 
 
@@ -149,6 +150,12 @@ SPECS: tuple[MetricSpec, ...] = (
                "Bytes of page objects the storage (L3) backend holds; absent where the backend cannot tell"),
     MetricSpec("hicache_storage_pages", "gauge",
                "Page objects the storage (L3) backend holds; absent where the backend cannot tell"),
+    MetricSpec("hicache_kv_events_total", "counter",
+               "KV events for routers (events.enabled): published, or dropped because the publisher's "
+               "queue was full", ("outcome",)),
+    MetricSpec("hicache_kv_event_lag_seconds", "histogram",
+               "Per KV event batch: from the oldest tier change in it to the batch on the socket",
+               buckets=_EVENT_LAG_BUCKETS),
     MetricSpec("hicache_process_up", "gauge",
                "1 while a process is alive and its heartbeat is at most server.health_stale_s old "
                "(what /health calls ok), else 0", ("process",)),
@@ -157,10 +164,13 @@ SPECS: tuple[MetricSpec, ...] = (
                "(NaN while it has none)", ("process",)),
 )
 
+KV_EVENT_OUTCOMES = ("published", "dropped")
+
 SERIES_OWNERS: dict[str, tuple[tuple[str, str, tuple[str, ...]], ...]] = {
     "tokenizer": (("hicache_cached_tokens_total", "tier", TIERS),
                   ("hicache_requests_total", "status", REQUEST_STATUSES)),
-    "scheduler": (("hicache_evicted_tokens_total", "tier", ("device", "host")),),
+    "scheduler": (("hicache_evicted_tokens_total", "tier", ("device", "host")),
+                  ("hicache_kv_events_total", "outcome", KV_EVENT_OUTCOMES)),
     "controller": (("hicache_transfer_bytes_total", "direction", DIRECTIONS),
                    ("hicache_transfer_seconds", "direction", DIRECTIONS),
                    ("hicache_storage_errors_total", "op", STORAGE_OPS)),
@@ -378,6 +388,17 @@ class Metrics:
     def backed_up(self, tokens: int) -> None:
         if tokens:
             self._m["hicache_backup_tokens_total"].inc(tokens)
+
+    def kv_events(self, published: int, dropped: int) -> None:
+        """Counts of KV events published and dropped since the last call (``events.enabled``)."""
+        if published:
+            self._m["hicache_kv_events_total"].labels(outcome="published").inc(published)
+        if dropped:
+            self._m["hicache_kv_events_total"].labels(outcome="dropped").inc(dropped)
+
+    def kv_event_lag(self, seconds: float) -> None:
+        """One KV event batch sent, ``seconds`` after the oldest change in it."""
+        self._m["hicache_kv_event_lag_seconds"].observe(max(0.0, seconds))
 
     def load_join_waited(self, seconds: float) -> None:
         if seconds > 0.0:

@@ -86,12 +86,14 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 import vllm
+from vllm.distributed import kv_events as vllm_events
+from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -123,8 +125,10 @@ from hicache.connectors.runtime_identity import (
     runtime_identity,
 )
 from hicache.connectors.vllm_stats import HiCachePromMetrics, HiCacheStats
-from hicache.engine_server.geometry import EngineKVGeometry, engine_identity
+from hicache.engine_server.geometry import EngineKVGeometry, engine_identity, namespace_of
 from hicache.engine_server.leases import own_pid_namespace, process_start_time
+from hicache.kv_events.follower import EventFollower, connect_address
+from hicache.kv_events.format import BlockRemoved, BlockStored, KVEvent
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -302,6 +306,17 @@ def engine_address(cfg: Any) -> str:
     return Endpoints(cfg.ipc.transport, cfg.ipc.dir, cfg.ipc.tcp_host, cfg.ipc.tcp_base_port).address("engine")
 
 
+def _vllm_event(event: KVEvent) -> KVCacheEvent:
+    """One of hicache's KV events as vLLM's class of it."""
+    if isinstance(event, BlockStored):
+        return vllm_events.BlockStored(block_hashes=list(event.block_hashes), parent_block_hash=event.parent_block_hash,
+                                       token_ids=list(event.token_ids), block_size=event.block_size, lora_id=None,
+                                       medium=event.medium, lora_name=None, extra_keys=event.extra_keys)
+    if isinstance(event, BlockRemoved):
+        return vllm_events.BlockRemoved(block_hashes=list(event.block_hashes), medium=event.medium)
+    return vllm_events.AllBlocksCleared()
+
+
 class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.HOST
 
@@ -373,6 +388,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._requests: dict[str, _Tracked] = {}
             self._loads: list[LoadPlan] = []
             self._refused_until = 0.0
+            self.events = self._follow_events(vllm_config)
+            self._events_run = 0  # the daemon run the follower's numbering belongs to
             try:
                 if self.session.ensure(timeout_ms=max(timeout, 2000)) is None:
                     log.warning("hicache: the daemon at %s is not answering; serving without it until it does",
@@ -381,6 +398,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 raise ConnectorRefused(f"the hicache daemon at {self.address} refused this engine: {exc}") from exc
         else:
             self.session = None
+            self.events = None
             self.worker_client = EngineClient(self.address, timeout, curve=curve)
             self.copier: BlockCopier | None = None
             self.rank = get_tensor_model_parallel_rank()
@@ -418,6 +436,39 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                                    "(supported: LBHNC, vLLM's CPU layout)")
 
     # ================================================================== scheduler half
+    def _follow_events(self, vllm_config: VllmConfig) -> EventFollower | None:
+        """With vLLM's KV events on and the daemon's ``events`` on: a follower of the daemon's
+        stream, whose events ``take_events`` hands to vLLM's publisher (docs/architecture.md §14)."""
+        wanted = vllm_config.kv_events_config
+        ev = self.hicache.events
+        if wanted is None or not wanted.enable_kv_cache_events or not ev.enabled:
+            return None
+        host = self.hicache.ipc.tcp_host
+        follower = EventFollower(connect_address(ev.endpoint, host),
+                                 connect_address(ev.replay_endpoint, host) if ev.replay_endpoint else None,
+                                 self._namespace())
+        log.info("hicache: handing the daemon's KV events (%s) to vLLM's publisher", ev.endpoint)
+        return follower
+
+    def _namespace(self) -> str:
+        return namespace_of(runtime_identity(self.runtime, self.reset_generation))
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The daemon's L2 and L3 events for this engine's pages since the last call, as
+        vLLM's events (see ``hicache.kv_events.follower``); never raises."""
+        if self.events is None:
+            return ()
+        try:
+            reg = self._registered
+            if reg is not None and reg.run != self._events_run:
+                if self._events_run:
+                    self.events.restart()
+                self._events_run = reg.run
+            return [_vllm_event(e) for e in self.events.take()]
+        except Exception:  # the events are a view for routers: never a reason to fail a step
+            log.exception("hicache: cannot hand on the daemon's KV events")
+            return ()
+
     def _register_msg(self) -> protos.EngineRegister:
         g = self.geometry
         return protos.EngineRegister(
@@ -438,6 +489,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         self.reset_generation = secrets.token_hex(16)
         self.session.reregister(self._register_msg())
+        if self.events is not None:  # the old namespace's pages are no longer this engine's
+            self.events.change_namespace(self._namespace())
         for tracked in self._requests.values():
             self._release(tracked.hit)
             tracked.hit = None
@@ -860,5 +913,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.session is not None:
             self.session.close()
+            if self.events is not None:
+                self.events.close()
         elif getattr(self, "worker_client", None) is not None:
             self.worker_client.close()

@@ -140,6 +140,16 @@ def attention_shape(raw: dict[str, Any], where: str = "config.json") -> tuple[in
     return layers, int(kv_heads), int(head_dim), "kv"
 
 
+NAMESPACE_CHARS = 32
+"""Hex characters of an engine's runtime identity that prefix its session's salts (128 bits):
+its *namespace* (docs/architecture.md §13)."""
+
+
+def namespace_of(runtime_identity: str) -> str:
+    """The namespace of the engines with ``runtime_identity``: they share pages, and only they."""
+    return runtime_identity[:NAMESPACE_CHARS]
+
+
 def engine_identity(model_dir: str, kv_dtype: str, kv_layout: str) -> str:
     """64 hex characters naming (checkpoint, KV dtype, KV layout)."""
     from hicache.config import ModelConfig

@@ -54,6 +54,7 @@ from hicache.scheduler.loop import (
 
 if TYPE_CHECKING:
     from hicache.engine_server.server import CacheServer
+    from hicache.kv_events.stream import KVEventStream
     from hicache.memory.pools import SharedPools
 
 log = logging.getLogger("hicache.engine_server")
@@ -115,10 +116,11 @@ class CacheServerProcess(ProcessLoop):
     title = "cache server"
 
     def __init__(self, args: SchedulerArgs, links: Links, pools: SharedPools | None, server: CacheServer,
-                 engines: RouterSocket[protos.Message], *, telemetry: Telemetry, stop: StopSignal) -> None:
+                 engines: RouterSocket[protos.Message], *, telemetry: Telemetry, stop: StopSignal,
+                 kv_events: KVEventStream | None = None) -> None:
         tier = server.tier
         assert tier is not None and links.to_controller is not None, "engine mode always runs a controller"
-        super().__init__(args, links, pools, tier=tier, telemetry=telemetry, stop=stop)
+        super().__init__(args, links, pools, tier=tier, telemetry=telemetry, stop=stop, kv_events=kv_events)
         self.server = server
         self.engines = engines
         links.extra.append(engines)
@@ -140,8 +142,11 @@ class CacheServerProcess(ProcessLoop):
     @classmethod
     def build(cls, args: SchedulerArgs, stop: StopSignal) -> CacheServerProcess:
         """Map the pools, open the sockets (the engines' ROUTER too), build the cache server."""
+        from hicache.engine_server.server import split_salt
         from hicache.engine_server.telemetry import EngineTelemetry
+        from hicache.kv_events.stream import KVEventStream
         from hicache.metrics import init_process_metrics
+        from hicache.tree import Tier
 
         pools = attach_pools(args.layout)
         links = Links.open(args, controller=True)
@@ -150,7 +155,10 @@ class CacheServerProcess(ProcessLoop):
         engines: RouterSocket[protos.Message] = RouterSocket(links.ctx, args.endpoints.address("engine"),
                                                              ENGINE_ACCEPTS)
         telemetry = EngineTelemetry(init_process_metrics(args.config.metrics, "scheduler"), server)
-        return cls(args, links, pools, server, engines, telemetry=telemetry, stop=stop)
+        # L2 and L3 (the engines keep L1 themselves); events name the request's own cache_salt
+        events = KVEventStream.open(args.config, server.cache, tiers=(Tier.HOST, Tier.STORAGE),
+                                    split_salt=split_salt)
+        return cls(args, links, pools, server, engines, telemetry=telemetry, stop=stop, kv_events=events)
 
     def ready_line(self) -> str:
         g, cfg = self.server.geometry, self.args.config

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import protos
-from hicache.engine_server.geometry import EngineKVGeometry
+from hicache.engine_server.geometry import EngineKVGeometry, namespace_of
 from hicache.engine_server.leases import EngineProcess, Lease, LeaseKind, LeaseTable, Report, Session
 from hicache.engine_server.request_tokens import RequestTokens
 from hicache.tier_manager import PrefetchTicket, TierManager
@@ -61,13 +61,17 @@ REQUEST_MEMORY_TOKENS = 1 << 26
 """Tokens the server keeps of running requests at most, 256 MiB as keys (``RequestTokens``)."""
 
 _IDENTITY = re.compile(r"[0-9a-f]{64}")
-NAMESPACE_CHARS = 32
-"""Hex characters of the runtime identity that prefix a session's salts (128 bits)."""
 
 
 def namespaced_salt(namespace: str, cache_salt: str) -> str:
     """The salt the tree and the page hashes see for a session's ``cache_salt``."""
     return f"{namespace}:{cache_salt}"
+
+
+def split_salt(tree_salt: str) -> tuple[str | None, str]:
+    """``namespaced_salt``'s arguments back from its result: (namespace, ``cache_salt``)."""
+    namespace, _, cache_salt = tree_salt.partition(":")
+    return namespace, cache_salt
 
 
 @dataclass
@@ -252,7 +256,7 @@ class CacheServer:
             log.warning("refused engine %s (pid %d): %s", msg.engine, msg.pid, problem)
             return protos.EngineError(msg.req, "refused", f"this daemon serves other KV pages: {problem}")
         process = EngineProcess(msg.pid, msg.pid_namespace, msg.start_time)
-        namespace = msg.runtime_identity[:NAMESPACE_CHARS]
+        namespace = namespace_of(msg.runtime_identity)
         s = self.leases.open_session(msg.engine, process, namespace, self.clock(), msg.tensor_parallel)
         log.info("engine %s (pid %d, %d rank%s) registered: session %d, namespace %s", msg.engine, msg.pid,
                  msg.tensor_parallel, "s" if msg.tensor_parallel > 1 else "", s.session_id, namespace)

@@ -200,6 +200,9 @@ class Scheduler:
         """Every running request's L1 reservation (the only place those numbers change)."""
         self.counters = SchedulerCounters()
         self.forward_s_ewma = 0.0  # recent forward-pass duration (s), for load_join_wait_s
+        # called right before each model call (the loop publishes the KV events of the tier
+        # changes so far, so that none waits for the pass)
+        self.before_model: Callable[[], None] | None = None
         self._rng = random.Random(0)
         self._match_len: dict[str, int] = {}
         self._match_node: dict[str, object] = {}
@@ -666,6 +669,8 @@ class Scheduler:
                                                req.mamba.own if req.mamba else None, snaps, logits)))
         if not batch:
             return
+        if self.before_model is not None:
+            self.before_model()
         try:
             outputs = list(self.runner.forward([item for _r, item in batch]))
             if len(outputs) != len(batch):

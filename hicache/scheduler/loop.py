@@ -7,7 +7,9 @@
    plus one poll (``IDLE_POLL_MS`` builtin, ``hicache.engine_server.process.POLL_MS`` engine),
    so a heartbeat older than ``server.health_stale_s`` means the process is stopped or stuck;
 2. after SIGTERM, start draining with ``SchedulerArgs.grace_s``;
-3. ``round()``: the mode's own work (read the sockets, compute, answer);
+3. ``round()``: the mode's own work (read the sockets, compute, answer); then, with
+   ``events.enabled``, publish the round's tier changes as one KV event batch
+   (``hicache.kv_events``, never waiting);
 4. ask the launcher, once, to restart a controller that has left an op unanswered for
    ``CONTROLLER_OP_TIMEOUT_S``;
 5. publish telemetry every ``METRICS_INTERVAL_S``; run the idle integrity check every
@@ -46,11 +48,13 @@ from hicache.config import HicacheConfig
 from hicache.heartbeat import HeartbeatWriter
 from hicache.ipc import Endpoints, PullSocket, PushSocket, ResettablePush, open_context
 from hicache.logging_setup import setup_logging
+from hicache.metrics import get_metrics
 from hicache.proc import die_with_parent
 
 if TYPE_CHECKING:
     import zmq
 
+    from hicache.kv_events.stream import KVEventStream
     from hicache.memory.pools import PoolLayout, SharedPools
     from hicache.tier_manager import TierManager
 
@@ -182,6 +186,7 @@ class ProcessLoop(abc.ABC):
 
     def __init__(self, args: SchedulerArgs, links: Links, pools: SharedPools | None, *,
                  tier: TierManager | None, telemetry: Telemetry, stop: StopSignal,
+                 kv_events: KVEventStream | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.args = args
         self.links = links
@@ -189,6 +194,8 @@ class ProcessLoop(abc.ABC):
         self.tier = tier
         self.telemetry = telemetry
         self.stop = stop
+        self.kv_events = kv_events
+        self._kv_events_counted = (0, 0)  # (published, dropped) events last put in the metrics
         self.clock = clock
         self.restart_asked = False
         self.drain_deadline: float | None = None
@@ -243,6 +250,7 @@ class ProcessLoop(abc.ABC):
                 if self.stop.requested:
                     self.begin_drain(self.args.grace_s)
                 self.round()
+                self.publish_kv_events()
                 self.housekeeping()
                 if self.drain_over():
                     break
@@ -256,10 +264,31 @@ class ProcessLoop(abc.ABC):
         now = self.clock()
         if self._metrics.due(now):
             self.telemetry.publish()
+            self.count_kv_events()
         if self.idle() and self._idle_check.due(now):
             self.check_idle()
 
+    def publish_kv_events(self) -> None:
+        """Publish the tier changes since the last call as one batch (never waits); a mode
+        may call it inside its round too, before a long step, so the events wait for nothing."""
+        if self.kv_events is not None:
+            lag = self.kv_events.flush()
+            if lag is not None:
+                get_metrics().kv_event_lag(lag)
+
+    def count_kv_events(self) -> None:
+        """Put the events published and dropped since the last call in the metrics."""
+        if self.kv_events is None:
+            return
+        st = self.kv_events.stats()
+        published, dropped = self._kv_events_counted
+        get_metrics().kv_events(st.published_events - published, st.dropped_events - dropped)
+        self._kv_events_counted = (st.published_events, st.dropped_events)
+
     def close(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.count_kv_events()
         self.heartbeat.close()
         self.links.close()
         if self.pools is not None:

@@ -38,6 +38,7 @@ from hicache.memory.pools import PoolLayout, attach_pools
 from hicache.scheduler.loop import Links, ProcessLoop, SchedulerArgs, StopSignal, Telemetry, enter_process
 
 if TYPE_CHECKING:
+    from hicache.kv_events.stream import KVEventStream
     from hicache.memory.pools import SharedPools
     from hicache.scheduler.engine import Scheduler
     from hicache.tier_manager import TierManager
@@ -66,9 +67,12 @@ class SchedulerProcess(ProcessLoop):
     log = log
 
     def __init__(self, args: SchedulerArgs, links: Links, pools: SharedPools | None, sched: Scheduler, *,
-                 tier: TierManager | None, telemetry: Telemetry, stop: StopSignal) -> None:
-        super().__init__(args, links, pools, tier=tier, telemetry=telemetry, stop=stop)
+                 tier: TierManager | None, telemetry: Telemetry, stop: StopSignal,
+                 kv_events: KVEventStream | None = None) -> None:
+        super().__init__(args, links, pools, tier=tier, telemetry=telemetry, stop=stop, kv_events=kv_events)
         self.sched = sched
+        if kv_events is not None:  # the round's changes so far wait for no forward pass
+            sched.before_model = self.publish_kv_events
         self._was_busy = False
         self.handlers.update({
             protos.GenerateRequest: self.on_generate,
@@ -83,6 +87,7 @@ class SchedulerProcess(ProcessLoop):
     def build(cls, args: SchedulerArgs, stop: StopSignal) -> SchedulerProcess:
         """Map the pools, load the model and the tokenizer's end tokens, build the tree, the
         tier manager (when L2 is on) and the ``Scheduler``, open the sockets."""
+        from hicache.kv_events.stream import KVEventStream
         from hicache.metrics import init_process_metrics
         from hicache.model.loader import load_model
         from hicache.model.runner import ModelRunner
@@ -91,6 +96,7 @@ class SchedulerProcess(ProcessLoop):
         from hicache.scheduler.telemetry import SchedulerTelemetry
         from hicache.text import load_tokenizer
         from hicache.tier_manager import TierManager
+        from hicache.tree import Tier
 
         cfg = args.config
         pools = attach_pools(args.layout)
@@ -110,7 +116,8 @@ class SchedulerProcess(ProcessLoop):
         sched = Scheduler(cfg, model, runner, cache, l1, links.to_tokenizer.send, tier=tier,
                           controller_send=to_controller.send if to_controller else None, eos_token_ids=eos)
         telemetry = SchedulerTelemetry(init_process_metrics(cfg.metrics, "scheduler"), sched)
-        return cls(args, links, pools, sched, tier=tier, telemetry=telemetry, stop=stop)
+        events = KVEventStream.open(cfg, cache, tiers=tuple(Tier))  # L1, L2 and L3: this tree has them all
+        return cls(args, links, pools, sched, tier=tier, telemetry=telemetry, stop=stop, kv_events=events)
 
     def ready_line(self) -> str:
         cfg, layout = self.args.config, self.args.layout
@@ -125,6 +132,7 @@ class SchedulerProcess(ProcessLoop):
         sched = self.sched
         self._was_busy = sched.busy or (self.tier is not None and self.tier.in_flight > 0)
         self.read_inbox(self._poll_ms())
+        self.publish_kv_events()  # the controller's acks: pages that arrived in L2 / L3
         sched.schedule()
         if self._wait_for_load_backs():
             sched.schedule()

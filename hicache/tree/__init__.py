@@ -22,6 +22,7 @@ from hicache.tree.components import (
     SWAComponent,
     TreeComponent,
 )
+from hicache.tree.content import ContentObserver, Tier
 from hicache.tree.core import TreeCore
 from hicache.tree.integrity import IntegrityError, check_integrity
 from hicache.tree.node import ComponentData, ComponentType, TreeNode
@@ -29,9 +30,9 @@ from hicache.tree.policy import POLICIES, EvictionPolicy, LRUPolicy, SLRUPolicy,
 from hicache.tree.tiering import TierOp
 
 __all__ = [
-    "POLICIES", "ComponentData", "ComponentType", "EvictResult", "EvictionPolicy", "FullComponent",
+    "POLICIES", "ComponentData", "ContentObserver", "ComponentType", "EvictResult", "EvictionPolicy", "FullComponent",
     "InsertParams", "InsertResult", "IntegrityError", "LRUPolicy", "LockToken", "MambaComponent", "MatchResult",
     "NoRoom", "PagedAuxComponent", "PagedInsert",
-    "RequestState", "SLRUPolicy", "SWAComponent", "TierOp", "TreeComponent", "TreeCore", "TreeNode",
+    "RequestState", "SLRUPolicy", "SWAComponent", "Tier", "TierOp", "TreeComponent", "TreeCore", "TreeNode",
     "UnifiedRadixCache", "check_integrity", "make_policy",
 ]

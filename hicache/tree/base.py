@@ -7,7 +7,7 @@ below it:
   ``TreeCore``, the write policy, the hasher, the counters), the result types both halves
   return (``MatchResult``, ``InsertResult``, ``EvictResult``, ``LockToken``), and the helpers
   both use: ``_aligned`` (keys), ``_npages`` / ``_op_nodes`` (an op's span of nodes),
-  ``_free`` (giving units back to an allocator), ``_salt_of`` and ``_delete`` (removing a
+  ``_free`` (giving units back to an allocator), ``salt_of`` and ``_delete`` (removing a
   node, where L1 and L2 eviction both end);
 * ``TierCalls`` (``hicache.tree.tiering``): what moves between tiers and how the nodes'
   state follows (§5), with L2 eviction;
@@ -195,7 +195,8 @@ class CacheBase:
             alloc.free(units)
 
     @staticmethod
-    def _salt_of(node: TreeNode) -> str:
+    def salt_of(node: TreeNode) -> str:
+        """The ``cache_salt`` of the root ``node`` hangs under ("" for none)."""
         while node.parent is not None:
             node = node.parent
         return node.salt or ""

@@ -234,7 +234,7 @@ class UnifiedRadixCache(TierCalls):
                 for name, got in res.copies.items():  # give back the copies made so far
                     done = self._by_name[name]
                     self._free(done, done.as_pages(got))
-                root = self.core.root(self._salt_of(node)) or self._void_root
+                root = self.core.root(self.salt_of(node)) or self._void_root
                 res.device_indices, res.last_device_node, res.last_host_node = self._empty(), root, root
                 res.device_len = res.host_hit_length = 0
                 res.copies = {}

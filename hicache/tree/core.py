@@ -28,6 +28,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hicache.tree.content import ContentObserver, Tier
 from hicache.tree.node import KEY_TYPECODE, ComponentData, Key, TreeNode
 from hicache.tree.policy import EvictionPolicy
 
@@ -70,6 +71,8 @@ class TreeCore:
         # got there: what the write-through policies copy to L2 (kept by set/clear_value,
         # set/clear_host and split, so finding them never scans L1)
         self.unwritten: dict[TreeNode, None] = {}
+        # told of every change of the Full pages L1 and L2 hold (``hicache.tree.content``)
+        self.observer: ContentObserver | None = None
 
     # ------------------------------------------------------------------ structure
     def root(self, salt: str) -> TreeNode | None:
@@ -216,6 +219,8 @@ class TreeCore:
         if cd.value is not None:
             raise ValueError("component value already set")
         cd.value = value
+        if i == 0 and self.observer is not None:
+            self.observer.pages_added(node, Tier.DEVICE)
         u = self.units[i](value)
         self.dev_total[i] += u
         if cd.lock_ref:
@@ -237,6 +242,8 @@ class TreeCore:
         if cd.lock_ref:
             self.dev_prot[i] -= u
         self.dev_lru[i].remove(cd.dlink)
+        if i == 0 and self.observer is not None:
+            self.observer.pages_dropped(node, Tier.DEVICE)
         cd.value = None
         if self._aux_written:
             self._retrack(node)
@@ -249,6 +256,8 @@ class TreeCore:
         if cd.host_value is not None:
             raise ValueError("component host value already set")
         cd.host_value = host_value
+        if i == 0 and self.observer is not None:
+            self.observer.pages_added(node, Tier.HOST)
         u = self.units[i](host_value)
         self.host_total[i] += u
         if cd.host_lock_ref:
@@ -272,6 +281,8 @@ class TreeCore:
         if cd.host_lock_ref:
             self.host_prot[i] -= u
         self.host_lru[i].remove(cd.hlink)
+        if i == 0 and self.observer is not None:
+            self.observer.pages_dropped(node, Tier.HOST)
         cd.host_value = None
         if cd.value is not None and self._written[i]:
             self.unwritten[node] = None

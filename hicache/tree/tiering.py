@@ -60,6 +60,7 @@ from hicache.hashing import PageHasher, component_keys
 from hicache.memory.allocator import PageIndices
 from hicache.tree.base import CacheBase, EvictResult, InsertResult, LockToken, MatchResult
 from hicache.tree.components import TreeComponent
+from hicache.tree.content import Tier
 from hicache.tree.node import TreeNode
 
 
@@ -368,9 +369,12 @@ class TierCalls(CacheBase):
         """Release the node of a ``start_backup`` (either way; L3 residency is not stored)."""
         self._close(op, "backup")
         nodes = self._op_nodes(op.node, op.npages)
+        observer = self.core.observer
         for n in nodes:
             n.in_flight -= 1
             self.core.host_unlock(n, 0)
+            if ok and observer is not None:
+                observer.pages_added(n, Tier.STORAGE)
         for name in op.aux_keys:
             c = self._by_name[name]
             for n in c.op_span(nodes):
@@ -581,7 +585,7 @@ class TierCalls(CacheBase):
             chain.append(n)
             n = n.parent
         parent_hash = n.hash_value[-1] if n.parent is not None and n.hash_value else None
-        hasher = self.hasher_for(self._salt_of(node))
+        hasher = self.hasher_for(self.salt_of(node))
         for x in reversed(chain):
             x.hash_value = hasher.hash_pages(x.key, parent_hash)
             parent_hash = x.hash_value[-1]

@@ -62,8 +62,9 @@ def reference(llama: Path, engines: Engines) -> dict[tuple[int, ...], list[int]]
 
 
 class Stack:
-    def __init__(self, daemon: Daemon, a: VllmProcess, b: VllmProcess) -> None:
+    def __init__(self, daemon: Daemon, a: VllmProcess, b: VllmProcess, b_events: str, daemon_events: str) -> None:
         self.daemon, self.a, self.b = daemon, a, b
+        self.b_events, self.daemon_events = b_events, daemon_events
 
 
 @pytest.fixture(scope="module")
@@ -72,13 +73,18 @@ def stack(llama: Path, engines: Engines, reference: dict, tmp_path_factory: pyte
     tmp = tmp_path_factory.mktemp("engine-mode")
     run_dir = Path(f"/tmp/hce-{os.getpid()}")
     cfg = engine_config(llama, run_dir, l3={"backend": "file", "file": {"dir": str(tmp / "l3")}})
+    cfg["events"] = {"enabled": True, "endpoint": f"ipc://{run_dir}/kv-events.sock",
+                     "replay_endpoint": f"ipc://{run_dir}/kv-events-replay.sock"}
     daemon = Daemon(tmp, cfg, "daemon")
     try:
         a = engines.start(llama, "a", hicache=daemon)  # the daemon is not running yet
         assert "not answering" in a.log_path.read_text(), a.log_tail()
         daemon.start()
-        b = engines.start(llama, "b", hicache=daemon, prefix_caching=True)
-        yield Stack(daemon, a, b)
+        # B publishes vLLM's own KV events, the daemon's L2 and L3 events among them
+        b = engines.start(llama, "b", hicache=daemon, prefix_caching=True,
+                          kv_events={"enable_kv_cache_events": True, "publisher": "zmq",
+                                     "endpoint": f"ipc://{tmp}/vllm-b-events.sock"})
+        yield Stack(daemon, a, b, f"ipc://{tmp}/vllm-b-events.sock", cfg["events"]["endpoint"])
     finally:
         daemon.stop()
 
@@ -127,6 +133,68 @@ def test_l2_hits_equal_vllm_alone_within_and_across_engines(stack: Stack, refere
         return 0.0
 
     _wait(lambda: host_hits() == 2 * sum(expected_hit(len(p), BLOCK) for p in P), 10, "the host hit metric")
+
+
+class Stream:
+    """A subscriber thread: every event of a publisher, decoded with vLLM's ``KVEventBatch``."""
+
+    def __init__(self, endpoint: str) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(endpoint)
+        self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self.events: list[Any] = []
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        time.sleep(0.3)  # the subscription reaches the publisher
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.sub.poll(100):
+                self.events += self.decoder.decode(self.sub.recv_multipart()[2]).events
+
+    def stored(self, medium: str) -> set[bytes]:
+        return {h for e in list(self.events) if type(e).__name__ == "BlockStored" and e.medium == medium
+                for h in e.block_hashes}
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(5)
+        self.sub.close(0)
+        self.ctx.term()
+
+
+def test_the_daemons_kv_events_reach_vllms_own_publisher(stack: Stack) -> None:
+    """Engine B publishes vLLM's KV events; its connector hands the daemon's L2 (CPU) and L3
+    (STORAGE) events on to that publisher, with the daemon's own hashes, beside vLLM's GPU
+    events, and never the daemon's ``AllBlocksCleared``."""
+    b = stack.b
+    from_b, from_daemon = Stream(stack.b_events), Stream(stack.daemon_events)
+    try:
+        prompt = _prompts(5, [260])
+        b.generate(prompt, MAX_TOKENS)  # computed by B, saved to L2 and L3
+        pages = expected_hit(len(prompt[0]), BLOCK) // BLOCK
+        _wait(lambda: len(from_daemon.stored("STORAGE")) >= pages, 30, "the daemon's L3 events")
+        want_cpu, want_storage = from_daemon.stored("CPU"), from_daemon.stored("STORAGE")
+        assert len(want_cpu) >= pages
+
+        def relayed() -> bool:
+            b.generate(_prompts(6, [40]), 1)  # a step of B's scheduler hands on what arrived since
+            return want_cpu <= from_b.stored("CPU") and want_storage <= from_b.stored("STORAGE")
+
+        _wait(relayed, 60, "the daemon's events in vLLM's stream")
+        assert from_b.stored("GPU"), "vLLM's own GPU events are missing"
+        assert not from_b.stored("GPU") & want_cpu  # vLLM's hashes and hicache's are different keys
+        assert not any(type(e).__name__ == "AllBlocksCleared" for e in from_b.events)
+    finally:
+        from_b.close()
+        from_daemon.close()
 
 
 def test_an_engine_killed_in_the_middle_of_saves_leaks_nothing(stack: Stack, reference: dict) -> None:

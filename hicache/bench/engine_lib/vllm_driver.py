@@ -24,7 +24,8 @@ starts ``vllm.LLM`` (with ``HiCacheConnector`` when ``--hicache-config`` is give
 
 ``--num-blocks`` sets vLLM's KV space in blocks (``num_gpu_blocks_override``: the
 ``VLLM_CPU_KVCACHE_SPACE`` variable takes whole GiB only); ``--kv-transfer-json`` loads any
-other connector (vLLM's ``OffloadingConnector``, LMCache's) for comparisons.
+other connector (vLLM's ``OffloadingConnector``, LMCache's) for comparisons;
+``--kv-events-json`` turns vLLM's own KV event publisher on (its ``kv_events_config``).
 
 ``VllmProcess`` is the parent side. Nothing here is imported by the daemon.
 """
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-stats", action="store_true", help="keep vLLM's stats on (the metrics op)")
     p.add_argument("--kv-transfer-json", default=None,
                    help="any kv_transfer_config (another connector), instead of --hicache-config")
+    p.add_argument("--kv-events-json", default=None,
+                   help="vLLM's kv_events_config (its own KV event publisher), as JSON")
     args = p.parse_args(argv)
     # Only answers go to the parent's pipe: vLLM and its engine-core child print to fd 1.
     out = os.fdopen(os.dup(1), "w")
@@ -82,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.log_stats:
         kw["disable_log_stats"] = False
+    if args.kv_events_json:
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(**json.loads(args.kv_events_json))
     if args.tensor_parallel_size > 1:
         kw["tensor_parallel_size"] = args.tensor_parallel_size
         kw["distributed_executor_backend"] = "mp"
@@ -213,7 +220,7 @@ class VllmProcess:
                  max_num_seqs: int = 16, max_num_batched_tokens: int | None = None,
                  env: dict[str, str] | None = None, start_timeout_s: float = 300.0,
                  num_blocks: int | None = None, kv_transfer: dict[str, Any] | None = None,
-                 log_stats: bool = False, tensor_parallel: int = 1) -> None:
+                 log_stats: bool = False, tensor_parallel: int = 1, kv_events: dict[str, Any] | None = None) -> None:
         cmd = [sys.executable, "-m", "hicache.bench.engine_lib.vllm_driver", "--model", model,
                "--block-size", str(block_size), "--max-model-len", str(max_model_len), "--dtype", dtype,
                "--max-num-seqs", str(max_num_seqs)]
@@ -229,6 +236,8 @@ class VllmProcess:
             cmd += ["--kv-transfer-json", json.dumps(kv_transfer)]
         if log_stats:
             cmd.append("--log-stats")
+        if kv_events is not None:
+            cmd += ["--kv-events-json", json.dumps(kv_events)]
         if tensor_parallel > 1:
             cmd += ["--tensor-parallel-size", str(tensor_parallel)]
         self.log_path = Path(log_path)

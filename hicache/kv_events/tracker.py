@@ -1,0 +1,108 @@
+"""What the tree's tiers hold, as KV events (docs/architecture.md §14).
+
+``TierEventTracker`` is the tree's ``ContentObserver`` (``hicache.tree.content``): each
+change of the Full pages a tier holds becomes one event, kept until the process loop takes
+the round's events (``take``) and publishes them as one batch.
+
+| tree call                           | event                                                         |
+|-------------------------------------|---------------------------------------------------------------|
+| ``pages_added(node, tier)``         | ``BlockStored``: the node's page hashes, the hash of the page |
+|                                     | before it (None under a root), its tokens, the page size, the |
+|                                     | medium of the tier, ``extra_keys`` ``(cache_salt,)`` per page |
+|                                     | when the request had a salt                                   |
+| ``pages_dropped(node, tier)``       | ``BlockRemoved``: the node's page hashes, the medium          |
+
+Mediums: L1 ``GPU`` (vLLM's name for the engine's own KV blocks, whatever the device), L2
+``CPU``, L3 ``STORAGE``. The hashes are hicache's page hashes (docs/architecture.md §6: the
+32-byte SHA-256 chain over the namespace and the tokens), not vLLM's block hashes; the tokens
+and the parent hash in each ``BlockStored`` let a subscriber index by its own hash. A tracker
+built with ``tiers`` leaves the other tiers' changes out. Not thread-safe: it runs inside the
+tree's calls, on the loop that owns the tree.
+
+A batch's ``ts`` is the wall-clock time of its oldest event (``first_change_at``), so a
+subscriber's receive time minus ``ts`` is the whole lag from a tier's change to its index.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection
+
+from hicache.kv_events.format import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
+from hicache.tree import UnifiedRadixCache
+from hicache.tree.content import Tier
+from hicache.tree.node import TreeNode
+
+MEDIUM_OF_TIER = {Tier.DEVICE: Medium.GPU, Tier.HOST: Medium.CPU, Tier.STORAGE: Medium.STORAGE}
+
+
+def plain_salt(tree_salt: str) -> tuple[str | None, str]:
+    """(no namespace, the request's ``cache_salt``): the tree keys by the salt unchanged
+    (standalone mode)."""
+    return None, tree_salt
+
+
+class TierEventTracker:
+    """Turns ``cache``'s tier changes into KV events (see the module docstring).
+
+    Installing it (the constructor) makes it ``cache.core.observer``; ``close`` takes it off.
+    ``split_salt`` maps the salt a tree root is keyed by to (namespace, the request's
+    ``cache_salt``): engine mode prefixes the salt with the engines' namespace, which goes in
+    ``BlockStored.namespace``. The first event is
+    ``AllBlocksCleared``: a new run of the daemon holds nothing of what an earlier run said.
+    """
+
+    def __init__(self, cache: UnifiedRadixCache, *, tiers: Collection[Tier] = tuple(Tier),
+                 split_salt: Callable[[str], tuple[str | None, str]] = plain_salt) -> None:
+        if cache.core.observer is not None:
+            raise RuntimeError("the tree already has a content observer")
+        self._cache = cache
+        self._tiers = frozenset(tiers)
+        self._split_salt = split_salt
+        self._events: list[KVEvent] = [AllBlocksCleared()]
+        self.first_change_at = time.time()
+        """Wall-clock time of the oldest event not yet taken (the batch's ``ts``)."""
+        cache.core.observer = self
+
+    def close(self) -> None:
+        if self._cache.core.observer is self:
+            self._cache.core.observer = None
+
+    def take(self) -> list[KVEvent]:
+        """The events since the last call, oldest first (the caller owns the list)."""
+        events, self._events = self._events, []
+        return events
+
+    def pending(self) -> int:
+        return len(self._events)
+
+    # -- ContentObserver -------------------------------------------------------------
+
+    def pages_added(self, node: TreeNode, tier: Tier) -> None:
+        if tier not in self._tiers:
+            return
+        hashes = self._cache.node_hashes(node)
+        parent = node.parent
+        parent_hash = parent.hash_value[-1] if parent is not None and parent.parent is not None \
+            and parent.hash_value else None
+        namespace, salt = self._split_salt(self._cache.salt_of(node))
+        self._add(BlockStored(
+            block_hashes=[bytes.fromhex(h) for h in hashes],
+            parent_block_hash=bytes.fromhex(parent_hash) if parent_hash else None,
+            token_ids=list(node.key),
+            block_size=self._cache.page_size,
+            medium=MEDIUM_OF_TIER[tier].value,
+            extra_keys=[(salt,)] * len(hashes) if salt else None,
+            namespace=namespace,
+        ))
+
+    def pages_dropped(self, node: TreeNode, tier: Tier) -> None:
+        if tier not in self._tiers:
+            return
+        hashes = self._cache.node_hashes(node)
+        self._add(BlockRemoved(block_hashes=[bytes.fromhex(h) for h in hashes], medium=MEDIUM_OF_TIER[tier].value))
+
+    def _add(self, event: KVEvent) -> None:
+        if not self._events:
+            self.first_change_at = time.time()
+        self._events.append(event)

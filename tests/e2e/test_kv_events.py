@@ -1,0 +1,207 @@
+"""End to end: a standalone daemon's KV events, decoded with vLLM's own ``KVEventBatch``,
+keep a router's index equal to what each tier holds: L1 and L2 page counts equal the pools'
+(at rest), L3 page hashes equal the file store's objects one for one; a flush empties L1
+and L2 in the index and leaves L3; a restarted daemon begins with ``AllBlocksCleared``, and
+the prefix it brings back from L3 is announced again. Sequence numbers have no gap, and the
+replay socket serves the batches a late subscriber missed."""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from daemon import Daemon
+
+kv_events = pytest.importorskip("vllm.distributed.kv_events")
+
+PS = 16
+
+
+class Index:
+    """A subscriber thread: every batch applied in sequence order to a per-medium page set."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str) -> None:
+        self.replay_endpoint = replay_endpoint
+        self.expected = 0
+        self.replayed = 0
+        self.error: BaseException | None = None
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(endpoint)
+        self.decoder = msgspec.msgpack.Decoder(kv_events.KVEventBatch)
+        self.held: dict[str, set[bytes]] = {"GPU": set(), "CPU": set(), "STORAGE": set()}
+        self.topics: set[bytes] = set()
+        self.seqs: list[int] = []
+        self.cleared = 0
+        self.lock = threading.Lock()
+        self.last = time.monotonic()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._follow()
+        except BaseException as exc:  # the test reads it; a dead thread must not look quiet
+            self.error = exc
+
+    def _follow(self) -> None:
+        while not self._stop.is_set():
+            if not self.sub.poll(100):
+                continue
+            topic, seq_bytes, payload = self.sub.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big")
+            if seq < self.expected:  # the publisher restarted: its numbers begin at 0 again
+                self.expected = 0
+            if seq > self.expected:  # a gap (e.g. batches sent before this socket was connected)
+                for s, missed in _replay(self.replay_endpoint, self.expected):
+                    if s < seq:
+                        self.replayed += 1
+                        self.apply(topic, s, missed)
+            self.apply(topic, seq, payload)
+            self.expected = seq + 1
+
+    def apply(self, topic: bytes, seq: int, payload: bytes) -> None:
+        batch = self.decoder.decode(payload)
+        with self.lock:
+            self.topics.add(topic)
+            self.seqs.append(seq)
+            for ev in batch.events:
+                if isinstance(ev, kv_events.AllBlocksCleared):
+                    self.cleared += 1
+                    for pages in self.held.values():
+                        pages.clear()
+                elif isinstance(ev, kv_events.BlockStored):
+                    assert ev.block_size == PS and len(ev.token_ids) == PS * len(ev.block_hashes)
+                    self.held[ev.medium].update(ev.block_hashes)
+                else:
+                    self.held[ev.medium].difference_update(ev.block_hashes)
+            self.last = time.monotonic()
+
+    def quiet(self, for_s: float = 1.0, timeout_s: float = 20.0) -> None:
+        """Until no batch came for ``for_s`` (the daemon publishes each round's changes at once)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() - self.last < for_s:
+            assert self.error is None, repr(self.error)
+            assert time.monotonic() < deadline, "the event stream never went quiet"
+            time.sleep(0.1)
+
+    def until(self, what: str, check: Any, timeout_s: float = 20.0) -> None:
+        """Until ``check()`` holds (events arrive a little after the change they announce)."""
+        deadline = time.monotonic() + timeout_s
+        while not check():
+            assert self.error is None, repr(self.error)
+            assert time.monotonic() < deadline, f"the index never showed {what}: {self.counts()}"
+            time.sleep(0.1)
+
+    def counts(self) -> dict[str, int]:
+        with self.lock:
+            return {m: len(p) for m, p in self.held.items()}
+
+    def count(self, medium: str) -> int:
+        with self.lock:
+            return len(self.held[medium])
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(5)
+        self.sub.close(0)
+        self.ctx.term()
+
+
+def _store_objects(root: Path) -> set[bytes]:
+    return {bytes.fromhex(p.name.removesuffix(".page")) for p in root.glob("*/*.page")}
+
+
+def _config(tmp: Path) -> dict[str, Any]:
+    return {
+        "model": {"reference": {"preset": "tiny"}},
+        "cache": {"page_size": PS, "l1": {"tokens": 1024}, "l2": {"tokens": 2048},
+                  "l3": {"backend": "file", "file": {"dir": str(tmp / "l3")}},
+                  "prefetch": {"threshold_tokens": 1, "policy": "wait_complete"}},
+        "events": {"enabled": True, "endpoint": f"ipc://{tmp}/events.sock",
+                   "replay_endpoint": f"ipc://{tmp}/events-replay.sock"},
+        "logging": {"level": "warning"},
+    }
+
+
+def _replay(endpoint: str, start: int) -> list[tuple[int, bytes]]:
+    """The batches the replay socket sends back from ``start`` (vLLM's protocol)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart([b"", start.to_bytes(8, "big")])
+        seqs = []
+        while True:
+            assert sock.poll(10_000), "no replay answer"
+            frames = sock.recv_multipart()
+            seq = int.from_bytes(frames[2], "big", signed=True)
+            if seq == -1:
+                return seqs
+            seqs.append((seq, frames[3]))
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def test_the_index_follows_every_tier_through_a_flush_and_a_restart(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    d = Daemon(tmp_path, cfg, "a")
+    index = Index(cfg["events"]["endpoint"], cfg["events"]["replay_endpoint"])
+    d.start()
+    try:
+        rng = random.Random(7)
+        stems = [[rng.randrange(1, 250) for _ in range(96)] for _ in range(3)]
+        prompts = [stems[i % 3] + [rng.randrange(1, 250) for _ in range(rng.randrange(20, 200))]
+                   for i in range(12)]
+        for p in prompts:  # more than L1 (1024 tokens) and L2 (2048) hold: both evict
+            d.generate(p, n=4)
+        stats = d.wait_tiers_idle("writes and backups done")
+        index.quiet()
+        assert stats["l1"]["full"]["used_tokens"] == index.count("GPU") * PS > 0
+        assert stats["l2"]["full"]["used_tokens"] == index.count("CPU") * PS > 0
+        assert index.held["STORAGE"] == _store_objects(tmp_path / "l3") and index.held["STORAGE"]
+        assert index.topics == {f"kv@{socket.gethostname()}@hicache-reference-tiny".encode()}
+        assert index.seqs == list(range(len(index.seqs)))  # no gap
+        assert index.cleared == 1  # the run's first event
+
+        # a subscriber that missed the beginning gets it from the replay socket
+        assert [s for s, _ in _replay(cfg["events"]["replay_endpoint"], 0)] == index.seqs
+
+        status, _ = d.request("POST", "/cache/flush")
+        assert status == 200
+        index.until("L1 and L2 empty", lambda: index.count("GPU") == index.count("CPU") == 0)
+        assert index.held["STORAGE"] == _store_objects(tmp_path / "l3")
+        samples = d.metric_samples()
+        assert samples[("hicache_kv_events_total", frozenset({("outcome", "published")}))] > 0
+    finally:
+        assert d.stop() == 0
+
+    index.quiet()
+    index.expected = 0  # its publisher is gone: a new run numbers from 0
+    d2 = Daemon(tmp_path, cfg, "b")
+    d2.start()
+    try:
+        # the new run's first batch (AllBlocksCleared) may go out before the subscriber is
+        # connected again: the next batch shows the gap, and the replay socket fills it
+        out = d2.generate(prompts[-1], n=4)
+        assert out["meta_info"]["cached_tokens_details"]["storage"] > 0
+        stats = d2.wait_tiers_idle("the load-back done", backed_up=False)  # (L3 holds the prefix already)
+        index.until("the new run's clear", lambda: index.cleared == 2)
+        index.quiet()
+        assert index.cleared == 2  # the new run said it holds nothing of the old run's
+        assert index.held["STORAGE"] <= _store_objects(tmp_path / "l3")
+        assert stats["l1"]["full"]["used_tokens"] == index.count("GPU") * PS > 0
+        assert stats["l2"]["full"]["used_tokens"] == index.count("CPU") * PS > 0
+    finally:
+        assert d2.stop() == 0
+        index.close()

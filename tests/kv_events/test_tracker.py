@@ -1,0 +1,175 @@
+"""The tree's tier changes as KV events: a subscriber that applies every event, decoded with
+vLLM's own ``KVEventBatch``, holds exactly what each tier holds, page for page, after any
+sequence of inserts, matches, writes, load-backs, L1 and L2 evictions, backups and flushes
+(a random workload against the real tree; the reference for L3 is the set of pages whose
+backup was acknowledged)."""
+
+from __future__ import annotations
+
+from array import array
+
+import msgspec
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant, precondition, rule
+
+from hicache.hashing import HashNamespace
+from hicache.kv_events.format import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
+from hicache.kv_events.tracker import TierEventTracker
+from hicache.memory.allocator import PageAllocator
+from hicache.tree import FullComponent, SWAComponent, Tier, TreeComponent, UnifiedRadixCache
+from tests.tree.helpers import cache_seq
+from tests.tree.test_hybrid_random import HybridMachine
+
+kv_events = pytest.importorskip("vllm.distributed.kv_events")
+DECODER = msgspec.msgpack.Decoder(kv_events.KVEventBatch)
+
+
+class Subscriber:
+    """A router's index: the page hashes each medium holds, built from decoded events only."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, set[bytes]] = {}
+        self.tokens: dict[bytes, tuple[int, ...]] = {}
+
+    def apply(self, payload: bytes) -> None:
+        batch = DECODER.decode(payload)
+        for ev in batch.events:
+            if isinstance(ev, kv_events.AllBlocksCleared):
+                self.held.clear()
+            elif isinstance(ev, kv_events.BlockStored):
+                assert len(ev.token_ids) == len(ev.block_hashes) * ev.block_size
+                for i, h in enumerate(ev.block_hashes):
+                    self.held.setdefault(ev.medium, set()).add(h)
+                    self.tokens[h] = tuple(ev.token_ids[i * ev.block_size:(i + 1) * ev.block_size])
+                if ev.parent_block_hash is not None:  # a subscriber can chain it to what it knows
+                    assert ev.parent_block_hash in self.tokens
+            else:
+                assert isinstance(ev, kv_events.BlockRemoved)
+                for h in ev.block_hashes:
+                    self.held.get(ev.medium, set()).discard(h)
+
+
+def tier_pages(cache: UnifiedRadixCache, slot: str) -> set[bytes]:
+    """The page hashes of every node whose Full ``value`` / ``host_value`` is set."""
+    out: set[bytes] = set()
+    stack = list(cache.core.roots.values())
+    while stack:
+        n = stack.pop()
+        stack.extend(n.children.values())
+        if n.parent is not None and getattr(n.data[0], slot) is not None:
+            out.update(bytes.fromhex(h) for h in cache.node_hashes(n))
+    return out
+
+
+class EventMachine(HybridMachine):
+    """``HybridMachine``'s workload (SWA beside Full, L2 for both), with hashes, a tracker,
+    backups, and a subscriber fed every round."""
+
+    @property
+    def hasher(self) -> HashNamespace:
+        return HashNamespace("test-model", "bf16", self.page_size)
+
+    @initialize()
+    def setup(self):
+        super().setup()
+        comps: list[TreeComponent] = [FullComponent(self.dev, self.host)]
+        a, h = self.allocs["swa"]
+        comps.append(SWAComponent(a, sliding_window=3, host_allocator=h))
+        self.cache = UnifiedRadixCache(comps, self.page_size, write_policy=self.write_policy, hasher=self.hasher)
+        self.tracker = TierEventTracker(self.cache)
+        self.subscriber = Subscriber()
+        self.backups: list = []
+        self.stored: set[bytes] = set()
+
+    @precondition(lambda self: hasattr(self, "cache"))
+    @rule(i=st.integers(0, 50), ok=st.booleans(), finish=st.booleans())
+    def backup(self, i, ok, finish):
+        nodes = [n for n in self._nodes() if n.data[0].host_value is not None]
+        if nodes:
+            op = self.cache.start_backup(nodes[i % len(nodes)])
+            if op is not None:
+                self.backups.append((op, [bytes.fromhex(h) for h in op.hashes]))
+        if finish and self.backups:
+            op, hashes = self.backups.pop(0)
+            self.cache.finish_backup(op, ok)
+            if ok:
+                self.stored.update(hashes)
+
+    def _nodes(self):
+        stack, out = list(self.cache.core.roots.values()), []
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if n.parent is not None:
+                out.append(n)
+        return out
+
+    @invariant()
+    def consistent(self):
+        if getattr(self, "backups", None):  # a backup in flight: no exact (no-leak) check
+            self.cache.check_integrity(exact=False)
+        else:
+            super().consistent()
+
+    @invariant()
+    def index_equals_tiers(self):
+        if not hasattr(self, "tracker"):
+            return
+        self.subscriber.apply(encode_batch(1.0, self.tracker.take()))
+        held = self.subscriber.held
+        assert held.get("GPU", set()) == tier_pages(self.cache, "value")
+        assert held.get("CPU", set()) == tier_pages(self.cache, "host_value")
+        assert held.get("STORAGE", set()) == self.stored
+
+    def teardown(self):
+        if hasattr(self, "cache"):
+            for op, _hashes in self.backups:
+                self.cache.finish_backup(op, False)
+        super().teardown()
+        if hasattr(self, "tracker"):
+            self.subscriber.apply(encode_batch(2.0, self.tracker.take()))
+            assert not self.subscriber.held.get("GPU") and not self.subscriber.held.get("CPU")
+
+
+EventMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestEventsFollowTheTiers = EventMachine.TestCase
+
+
+def test_events_carry_tokens_parent_salt_and_page_size():
+    """One request under a salt, page size 2: the L1 event names its pages, tokens, salt."""
+    dev = PageAllocator(64, "l1")
+    cache = UnifiedRadixCache([FullComponent(dev, PageAllocator(64, "l2"))], 2,
+                              hasher=HashNamespace("m", "bf16", 2))
+    tracker = TierEventTracker(cache, tiers=(Tier.DEVICE,))
+    cache_seq(cache, dev, list(range(10, 16)), salt="tenant-a")
+    cache_seq(cache, dev, list(range(10, 20)), salt="tenant-a")
+    events = tracker.take()
+    assert isinstance(events[0], AllBlocksCleared)
+    first, second = events[1], events[2]
+    assert isinstance(first, BlockStored) and isinstance(second, BlockStored)
+    assert first.token_ids == list(range(10, 16)) and first.block_size == 2 and first.medium == "GPU"
+    assert first.parent_block_hash is None
+    assert first.extra_keys == [("tenant-a",)] * 3
+    assert second.token_ids == [16, 17, 18, 19]
+    assert second.parent_block_hash == first.block_hashes[-1]
+    # the hashes are the L3 page hashes of the same prefix
+    assert [h.hex() for h in first.block_hashes + second.block_hashes] == \
+        cache.hasher_for("tenant-a").hash_pages(array("I", range(10, 20)), None)
+    cache.flush()
+    removed = tracker.take()
+    assert all(isinstance(e, BlockRemoved) and e.medium == "GPU" for e in removed)
+    assert {h for e in removed for h in e.block_hashes} == set(first.block_hashes + second.block_hashes)
+    tracker.close()
+    assert cache.core.observer is None
+
+
+def test_only_the_tiers_asked_for():
+    dev = PageAllocator(64, "l1")
+    cache = UnifiedRadixCache([FullComponent(dev, PageAllocator(64, "l2"))], 1, hasher=HashNamespace("m", "bf16", 1))
+    tracker = TierEventTracker(cache, tiers=(Tier.HOST,))
+    cache_seq(cache, dev, [1, 2, 3])
+    assert [type(e) for e in tracker.take()] == [AllBlocksCleared]
+    with pytest.raises(RuntimeError, match="already has"):
+        TierEventTracker(cache)
