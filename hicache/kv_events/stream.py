@@ -1,11 +1,13 @@
 """A process's KV event stream (docs/architecture.md §14): a ``TierEventTracker`` on the tree
-the process owns and a ``KVEventPublisher``; the process loop calls ``flush`` once a round,
-which publishes that round's events as one batch (none when nothing changed).
+the process owns and a ``KVEventPublisher``. The process loop calls ``flush`` a few times a
+round (after its inbox, before a model call, at the end), each publishing the changes since
+the last as one batch (none when nothing changed).
 
 Publishing never waits: the batch is encoded and sent non-blocking on the PUB socket, which
-drops for a subscriber that fell behind (it sees the sequence gap and replays). Who owns what: the stream owns the tracker (installed on
-the tree by the constructor, taken off by ``close``) and the publisher (its thread and
-sockets, closed by ``close``); the tree stays the process's.
+drops for a subscriber that fell behind (it sees the sequence gap and replays). Who owns
+what: the stream owns the tracker (installed on the tree by the constructor, taken off by
+``close``) and the publisher (its replay thread and sockets, closed by ``close``); the tree
+stays the process's.
 """
 
 from __future__ import annotations

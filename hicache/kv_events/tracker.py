@@ -17,7 +17,7 @@ Mediums: L1 ``GPU`` (vLLM's name for the engine's own KV blocks, whatever the de
 32-byte SHA-256 chain over the namespace and the tokens), not vLLM's block hashes; the tokens
 and the parent hash in each ``BlockStored`` let a subscriber index by its own hash. A tracker
 built with ``tiers`` leaves the other tiers' changes out. Not thread-safe: it runs inside the
-tree's calls, on the loop that owns the tree.
+tree's calls, on the loop that owns the tree, and never raises into them.
 
 A batch's ``ts`` is the wall-clock time of its oldest event (``first_change_at``), so a
 subscriber's receive time minus ``ts`` is the whole lag from a tier's change to its index.
@@ -25,6 +25,7 @@ subscriber's receive time minus ``ts`` is the whole lag from a tier's change to 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Collection
 
@@ -32,6 +33,8 @@ from hicache.kv_events.format import AllBlocksCleared, BlockRemoved, BlockStored
 from hicache.tree import UnifiedRadixCache
 from hicache.tree.content import Tier
 from hicache.tree.node import TreeNode
+
+log = logging.getLogger("hicache.kv_events")
 
 MEDIUM_OF_TIER = {Tier.DEVICE: Medium.GPU, Tier.HOST: Medium.CPU, Tier.STORAGE: Medium.STORAGE}
 
@@ -59,6 +62,8 @@ class TierEventTracker:
         self._cache = cache
         self._tiers = frozenset(tiers)
         self._split_salt = split_salt
+        self.failed = False
+        """An event could not be made; no more are (see ``_fail``)."""
         self._events: list[KVEvent] = [AllBlocksCleared()]
         self.first_change_at = time.time()
         """Wall-clock time of the oldest event not yet taken (the batch's ``ts``)."""
@@ -79,8 +84,32 @@ class TierEventTracker:
     # -- ContentObserver -------------------------------------------------------------
 
     def pages_added(self, node: TreeNode, tier: Tier) -> None:
-        if tier not in self._tiers:
+        if tier not in self._tiers or self.failed:
             return
+        try:
+            self._stored(node, tier)
+        except Exception:
+            self._fail()
+
+    def pages_dropped(self, node: TreeNode, tier: Tier) -> None:
+        if tier not in self._tiers or self.failed:
+            return
+        try:
+            hashes = self._cache.node_hashes(node)
+            self._add(BlockRemoved(block_hashes=[bytes.fromhex(h) for h in hashes],
+                                   medium=MEDIUM_OF_TIER[tier].value))
+        except Exception:
+            self._fail()
+
+    def _fail(self) -> None:
+        """An event could not be made (a bug): the stream can no longer say exactly what the
+        tiers hold, so it says they hold nothing it knows of (``AllBlocksCleared``) and stops.
+        The tree's own call goes on unharmed."""
+        log.exception("KV events: cannot describe a tier change; the event stream stops (AllBlocksCleared)")
+        self.failed = True
+        self._add(AllBlocksCleared())
+
+    def _stored(self, node: TreeNode, tier: Tier) -> None:
         hashes = self._cache.node_hashes(node)
         parent = node.parent
         parent_hash = parent.hash_value[-1] if parent is not None and parent.parent is not None \
@@ -96,11 +125,6 @@ class TierEventTracker:
             namespace=namespace,
         ))
 
-    def pages_dropped(self, node: TreeNode, tier: Tier) -> None:
-        if tier not in self._tiers:
-            return
-        hashes = self._cache.node_hashes(node)
-        self._add(BlockRemoved(block_hashes=[bytes.fromhex(h) for h in hashes], medium=MEDIUM_OF_TIER[tier].value))
 
     def _add(self, event: KVEvent) -> None:
         if not self._events:

@@ -219,8 +219,6 @@ class TreeCore:
         if cd.value is not None:
             raise ValueError("component value already set")
         cd.value = value
-        if i == 0 and self.observer is not None:
-            self.observer.pages_added(node, Tier.DEVICE)
         u = self.units[i](value)
         self.dev_total[i] += u
         if cd.lock_ref:
@@ -231,19 +229,21 @@ class TreeCore:
             node.last_access_time = self.tick
         if cd.host_value is None and self._written[i]:
             self.unwritten[node] = None
+        if i == 0 and self.observer is not None:
+            self.observer.pages_added(node, Tier.DEVICE)
 
     def clear_value(self, node: TreeNode, i: int) -> Any:
         cd = node.data[i]
         value = cd.value
         if value is None:
             return None
+        if i == 0 and self.observer is not None:
+            self.observer.pages_dropped(node, Tier.DEVICE)
         u = self.units[i](value)
         self.dev_total[i] -= u
         if cd.lock_ref:
             self.dev_prot[i] -= u
         self.dev_lru[i].remove(cd.dlink)
-        if i == 0 and self.observer is not None:
-            self.observer.pages_dropped(node, Tier.DEVICE)
         cd.value = None
         if self._aux_written:
             self._retrack(node)
@@ -256,8 +256,6 @@ class TreeCore:
         if cd.host_value is not None:
             raise ValueError("component host value already set")
         cd.host_value = host_value
-        if i == 0 and self.observer is not None:
-            self.observer.pages_added(node, Tier.HOST)
         u = self.units[i](host_value)
         self.host_total[i] += u
         if cd.host_lock_ref:
@@ -270,19 +268,21 @@ class TreeCore:
             self._retrack(node)
         elif i == 0:
             self.unwritten.pop(node, None)
+        if i == 0 and self.observer is not None:
+            self.observer.pages_added(node, Tier.HOST)
 
     def clear_host(self, node: TreeNode, i: int) -> Any:
         cd = node.data[i]
         hv = cd.host_value
         if hv is None:
             return None
+        if i == 0 and self.observer is not None:
+            self.observer.pages_dropped(node, Tier.HOST)
         u = self.units[i](hv)
         self.host_total[i] -= u
         if cd.host_lock_ref:
             self.host_prot[i] -= u
         self.host_lru[i].remove(cd.hlink)
-        if i == 0 and self.observer is not None:
-            self.observer.pages_dropped(node, Tier.HOST)
         cd.host_value = None
         if cd.value is not None and self._written[i]:
             self.unwritten[node] = None

@@ -173,3 +173,18 @@ def test_only_the_tiers_asked_for():
     assert [type(e) for e in tracker.take()] == [AllBlocksCleared]
     with pytest.raises(RuntimeError, match="already has"):
         TierEventTracker(cache)
+
+
+def test_a_failure_to_describe_a_change_stops_the_stream_and_never_the_tree():
+    """A tracker that cannot make an event (here: no hasher) says ``AllBlocksCleared`` and
+    stops; the tree's own call completes and stays consistent."""
+    dev = PageAllocator(64, "l1")
+    cache = UnifiedRadixCache([FullComponent(dev, PageAllocator(64, "l2"))], 1)  # no hasher
+    tracker = TierEventTracker(cache)
+    tracker.take()
+    cache_seq(cache, dev, [1, 2, 3])
+    assert tracker.failed and [type(e) for e in tracker.take()] == [AllBlocksCleared]
+    cache_seq(cache, dev, [1, 2, 3, 4])
+    assert tracker.take() == []
+    assert cache.match_prefix([1, 2, 3, 4]).device_len == 4
+    cache.check_integrity(exact=True)
