@@ -73,6 +73,11 @@ class EventFollower:
     def close(self) -> None:
         self._sub.close(linger=0)
 
+    def announced(self, medium: str) -> frozenset[bytes]:
+        """The page hashes handed on as held in ``medium`` and not removed since: this
+        follower's index of the daemon's content (as of the last ``take``)."""
+        return frozenset(self._announced.get(medium, ()))
+
     def change_namespace(self, namespace: str) -> None:
         """This engine's pages are now ``namespace``'s (a cache reset): what was announced of
         the old one is handed on as removed, on the next ``take``."""

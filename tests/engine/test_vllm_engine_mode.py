@@ -26,6 +26,8 @@ from daemon import Daemon
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.bench.engine_lib.vllm_driver import VllmProcess
+from hicache.kv_events.follower import EventFollower
+from hicache.kv_events.format import BlockStored
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -62,9 +64,10 @@ def reference(llama: Path, engines: Engines) -> dict[tuple[int, ...], list[int]]
 
 
 class Stack:
-    def __init__(self, daemon: Daemon, a: VllmProcess, b: VllmProcess, b_events: str, daemon_events: str) -> None:
+    def __init__(self, daemon: Daemon, a: VllmProcess, b: VllmProcess, b_events: str, daemon_events: dict[str, Any],
+                 l3_dir: Path) -> None:
         self.daemon, self.a, self.b = daemon, a, b
-        self.b_events, self.daemon_events = b_events, daemon_events
+        self.b_events, self.daemon_events, self.l3_dir = b_events, daemon_events, l3_dir
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +87,7 @@ def stack(llama: Path, engines: Engines, reference: dict, tmp_path_factory: pyte
         b = engines.start(llama, "b", hicache=daemon, prefix_caching=True,
                           kv_events={"enable_kv_cache_events": True, "publisher": "zmq",
                                      "endpoint": f"ipc://{tmp}/vllm-b-events.sock"})
-        yield Stack(daemon, a, b, f"ipc://{tmp}/vllm-b-events.sock", cfg["events"]["endpoint"])
+        yield Stack(daemon, a, b, f"ipc://{tmp}/vllm-b-events.sock", cfg["events"], tmp / "l3")
     finally:
         daemon.stop()
 
@@ -174,8 +177,8 @@ def test_the_daemons_kv_events_reach_vllms_own_publisher(stack: Stack) -> None:
     """Engine B publishes vLLM's KV events; its connector hands the daemon's L2 (CPU) and L3
     (STORAGE) events on to that publisher, with the daemon's own hashes, beside vLLM's GPU
     events, and never the daemon's ``AllBlocksCleared``."""
-    b = stack.b
-    from_b, from_daemon = Stream(stack.b_events), Stream(stack.daemon_events)
+    d, b = stack.daemon, stack.b
+    from_b, from_daemon = Stream(stack.b_events), Stream(stack.daemon_events["endpoint"])
     try:
         prompt = _prompts(5, [260])
         b.generate(prompt, MAX_TOKENS)  # computed by B, saved to L2 and L3
@@ -192,6 +195,25 @@ def test_the_daemons_kv_events_reach_vllms_own_publisher(stack: Stack) -> None:
         assert from_b.stored("GPU"), "vLLM's own GPU events are missing"
         assert not from_b.stored("GPU") & want_cpu  # vLLM's hashes and hicache's are different keys
         assert not any(type(e).__name__ == "AllBlocksCleared" for e in from_b.events)
+
+        # the daemon's whole stream (replayed from its first batch) indexes exactly what L2 and
+        # L3 hold once nothing is in flight, and names B's namespace on B's pages
+        index = EventFollower(stack.daemon_events["endpoint"], stack.daemon_events["replay_endpoint"], None)
+        namespaces: set[str | None] = set()
+        try:
+            def at_rest() -> bool:
+                namespaces.update(e.namespace for e in index.take() if isinstance(e, BlockStored))
+                s = _stats(d)
+                return not s["leases"]["open"] and not s["tiers"]["in_flight"] and \
+                    s["l2"]["full"]["used_tokens"] == len(index.announced("CPU")) * BLOCK
+
+            _wait(at_rest, 30, "the daemon's index to equal its L2")
+            on_disk = {bytes.fromhex(p.name.removesuffix(".page")) for p in stack.l3_dir.glob("*/*.page")}
+            assert index.announced("STORAGE") == on_disk
+            assert index.missed == 0
+            assert namespaces and namespaces <= {e["namespace"] for e in _stats(d)["engines"]}
+        finally:
+            index.close()
     finally:
         from_b.close()
         from_daemon.close()
