@@ -105,6 +105,10 @@ def test_all_problems_are_reported_with_their_paths() -> None:
     ({"engine": {"kind": "vllm", "model": "/nonexistent"}}, "ipc.dir", "fixed runtime directory"),
     ({"engine": {"kind": "gpu"}}, "engine.kind", "one of"),
     ({"engine": {"lease_ttl_s": 0}}, "engine.lease_ttl_s", "> 0"),
+    ({"events": {"enabled": True, "endpoint": "localhost:5557"}}, "events.endpoint", "ZeroMQ endpoint"),
+    ({"events": {"enabled": True, "replay_endpoint": "tcp://*:5557"}}, "events.replay_endpoint", "differ"),
+    ({"events": {"enabled": True, "replay_batches": 0}}, "events.replay_batches", "> 0"),
+    ({"events": {"enabled": "on"}}, "events.enabled", "true or false"),
 ])
 def test_single_problems(raw: dict, path: str, needle: str) -> None:
     probs = _problems(raw)
