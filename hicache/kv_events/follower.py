@@ -73,6 +73,11 @@ class EventFollower:
     def close(self) -> None:
         self._sub.close(linger=0)
 
+    @property
+    def next_seq(self) -> int:
+        """The sequence number of the next batch this follower expects from the daemon."""
+        return self._expected
+
     def announced(self, medium: str) -> frozenset[bytes]:
         """The page hashes handed on as held in ``medium`` and not removed since: this
         follower's index of the daemon's content (as of the last ``take``)."""

@@ -25,6 +25,19 @@ def removed(tag: int, medium: str = "CPU") -> BlockRemoved:
     return BlockRemoved([bytes([tag]) * 32], medium)
 
 
+def connected(f: EventFollower, pub: KVEventPublisher, timeout_s: float = 10.0) -> None:
+    """Until the follower's subscription has landed: removals of a page it never announced
+    (they hand on nothing) are published until one arrives live."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert time.monotonic() < deadline, "the follower never connected"
+        pub.publish([removed(255)])
+        time.sleep(0.05)
+        assert f.take() == []
+        if f.next_seq == (pub.stats().last_seq or 0) + 1:
+            return
+
+
 def take_until(f: EventFollower, n: int, timeout_s: float = 5.0) -> list[KVEvent]:
     got: list[KVEvent] = []
     deadline = time.monotonic() + timeout_s
@@ -42,7 +55,7 @@ def test_hands_on_its_namespace_and_turns_a_clear_into_removals(ctx, ipc) -> Non
         pub.publish([AllBlocksCleared(), stored(1), stored(2, namespace=OTHER)])  # before the follower: replayed
         f = EventFollower(pub.endpoint, pub.replay_endpoint, MINE, ctx=ctx)
         assert f.take() == [stored(1)] and f.replayed == 1 and f.missed == 0
-        time.sleep(0.2)  # the subscription reaches the publisher
+        connected(f, pub)
         pub.publish([stored(3, "STORAGE"), removed(2), removed(1), stored(4)])
         assert take_until(f, 3) == [stored(3, "STORAGE"), removed(1), stored(4)]  # 2 was never announced
         pub.publish([AllBlocksCleared()])  # the daemon's new run holds nothing
@@ -64,7 +77,8 @@ def test_a_gap_is_filled_from_the_replay_socket(ctx, ipc) -> None:
     try:
         f = EventFollower(pub.endpoint, pub.replay_endpoint, MINE, ctx=ctx)
         f._sub.setsockopt(zmq.RCVHWM, 2)
-        time.sleep(0.2)
+        connected(f, pub)
+        first = pub.stats().last_seq
         for i in range(1, 200):  # far more than the pipes hold: most are dropped for this reader
             pub.publish([stored(i)])
         time.sleep(0.2)
@@ -72,7 +86,7 @@ def test_a_gap_is_filled_from_the_replay_socket(ctx, ipc) -> None:
         pub.publish([stored(200)])  # the batch after the last lost one shows the gap
         got += take_until(f, 200 - len(got))
         assert [e.token_ids[0] for e in got if isinstance(e, BlockStored)] == list(range(1, 201))
-        assert f.replayed > 0 and f.missed == 0
+        assert f.replayed > 0 and f.missed == 0 and first is not None
         f.close()
     finally:
         pub.close()
@@ -84,9 +98,11 @@ def test_without_a_replay_socket_a_gap_is_counted(ctx, ipc) -> None:
         pub.publish([stored(1)])
         pub.publish([stored(2)])
         f = EventFollower(pub.endpoint, None, MINE, ctx=ctx)
-        time.sleep(0.2)
+        connected(f, pub)  # the first probe to arrive shows the two batches (and any probe) it missed
+        missed = f.missed
+        assert missed >= 2
         pub.publish([stored(3)])
-        assert take_until(f, 1) == [stored(3)] and f.missed == 2
+        assert take_until(f, 1) == [stored(3)] and f.missed == missed
         f.close()
     finally:
         pub.close()
