@@ -31,7 +31,10 @@ Both halves, one class (vLLM makes one instance per role):
   more than their tokens (multimodal inputs, prompt embeddings, LoRA adapters) are neither
   looked up nor saved. ``reset_cache`` (vLLM's cache reset, e.g. after a weight update)
   moves the engine to a fresh namespace: nothing saved before it is served after it, and
-  requests that began before it save nothing more.
+  requests that began before it save nothing more. With vLLM's KV events on
+  (``--kv-events-config``) and the daemon's (``events.enabled``), ``take_events`` hands vLLM's
+  publisher the daemon's L2 and L3 events for this engine's pages
+  (``hicache.kv_events.follower``; docs/architecture.md §14).
 * **Worker half** (vLLM's worker). ``register_kv_caches`` checks the KV layout (CPU, block
   index first, contiguous blocks); ``start_load_kv`` copies the planned loads before the
   forward pass (so ``wait_for_layer_load`` has nothing to wait for) and releases each lease;
@@ -444,9 +447,14 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if wanted is None or not wanted.enable_kv_cache_events or not ev.enabled:
             return None
         host = self.hicache.ipc.tcp_host
-        follower = EventFollower(connect_address(ev.endpoint, host),
-                                 connect_address(ev.replay_endpoint, host) if ev.replay_endpoint else None,
-                                 self._namespace())
+        try:
+            follower = EventFollower(connect_address(ev.endpoint, host),
+                                     connect_address(ev.replay_endpoint, host) if ev.replay_endpoint else None,
+                                     self._namespace())
+        except Exception as exc:  # the events are a view for routers, never a reason not to serve
+            log.error("hicache: cannot follow the daemon's KV events at %s (%s); vLLM publishes its own only",
+                      ev.endpoint, exc)
+            return None
         log.info("hicache: handing the daemon's KV events (%s) to vLLM's publisher", ev.endpoint)
         return follower
 
