@@ -413,13 +413,16 @@ class EventsConfig:
     that missed batches gets them again (the last ``replay_batches``). ``topic``: None gives
     ``kv@<host name>@<model>``. A round's batch is sent without waiting: a subscriber that
     falls behind loses batches at the socket, sees the gap in the sequence numbers and gets
-    them from the replay socket."""
+    them from the replay socket. ``journal``: a local file where the daemon keeps what it
+    announced as stored in L3, so that after a restart it announces again what L3 still holds
+    (``hicache.kv_events.journal``); None announces L3 only as pages are backed up."""
 
     enabled: bool = False
     endpoint: str = "tcp://*:5557"
     replay_endpoint: str | None = None
     topic: str | None = None
     replay_batches: int = 10_000
+    journal: str | None = None
 
 
 @dataclass(frozen=True)
@@ -749,6 +752,10 @@ def validate(cfg: HicacheConfig) -> list[ConfigProblem]:
                 bad(key, f"must be a ZeroMQ endpoint (tcp://HOST:PORT, tcp://*:PORT or ipc://PATH), got {endpoint!r}")
         if ev.replay_endpoint is not None and ev.replay_endpoint == ev.endpoint:
             bad("events.replay_endpoint", "must differ from events.endpoint")
+        if ev.journal is not None and cfg.cache.l3.backend == "none":
+            bad("events.journal", "keeps what L3 holds across restarts: it needs an L3 (cache.l3.backend)")
+        if ev.journal is not None and not ev.journal.strip():
+            bad("events.journal", "must be a file path (or null)")
 
     c = cfg.cache
     if not _power_of_two(c.page_size):

@@ -3,6 +3,10 @@ the process owns and a ``KVEventPublisher``. The process loop calls ``flush`` a 
 round (after its inbox, before a model call, at the end), each publishing the changes since
 the last as one batch (none when nothing changed).
 
+With ``events.journal`` the stream also keeps the L3 journal (``hicache.kv_events.journal``):
+at start it asks the configured L3 which journaled pages survive and publishes them right
+after the run's ``AllBlocksCleared``; each flush appends the batch's L3 events to it.
+
 Publishing never waits: the batch is encoded and sent non-blocking on the PUB socket, which
 drops for a subscriber that fell behind (it sees the sequence gap and replays). Who owns
 what: the stream owns the tracker (installed on the tree by the constructor, taken off by
@@ -12,6 +16,7 @@ stays the process's.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import time
@@ -21,11 +26,16 @@ from pathlib import Path
 import zmq
 
 from hicache.config import HicacheConfig
+from hicache.kv_events.format import BlockStored, KVEvent
+from hicache.kv_events.journal import StorageJournal
 from hicache.kv_events.publisher import KVEventPublisher, PublisherStats
 from hicache.kv_events.tracker import TierEventTracker, plain_salt
 from hicache.tree import Tier, UnifiedRadixCache
 
 log = logging.getLogger("hicache.kv_events")
+
+MAX_BATCH_EVENTS = 1024
+"""Events per published batch at most (a restart's L3 announcement can be many)."""
 
 
 def model_name(cfg: HicacheConfig) -> str:
@@ -58,6 +68,17 @@ class KVEventStream:
         except zmq.ZMQError as exc:
             raise RuntimeError(f"events: cannot open {ev.endpoint} (replay {ev.replay_endpoint}): {exc}") from exc
         self.tracker = TierEventTracker(cache, tiers=tiers, split_salt=split_salt)
+        self.journal: StorageJournal | None = None
+        if ev.journal is not None and Tier.STORAGE in tiers:
+            try:
+                self.journal = StorageJournal(ev.journal)
+            except OSError as exc:
+                self.close()
+                raise RuntimeError(f"events.journal: cannot use {ev.journal}: {exc}") from exc
+            restored = _surviving_l3_pages(cfg, self.journal)
+            self._publish(self.tracker.take() + list(restored), time.time())  # AllBlocksCleared first
+            log.info("KV events: announced %d pages L3 still holds of the journal %s",
+                     sum(len(e.block_hashes) for e in restored), self.journal.path)
         log.info("KV events: publishing on %s (replay %s), topic %r", self.publisher.endpoint,
                  self.publisher.replay_endpoint or "off", self.topic)
 
@@ -75,9 +96,19 @@ class KVEventStream:
         if not self.tracker.pending():
             return None
         ts = self.tracker.first_change_at
-        if not self.publisher.publish(self.tracker.take(), ts=ts):
+        events = self.tracker.take()
+        if self.journal is not None:
+            self.journal.record(events)
+        if not self._publish(events, ts):
             return None
         return time.time() - ts
+
+    def _publish(self, events: list[KVEvent], ts: float) -> bool:
+        """Publish ``events`` in batches of at most ``MAX_BATCH_EVENTS``; True iff all went."""
+        sent = True
+        for start in range(0, len(events), MAX_BATCH_EVENTS):
+            sent = self.publisher.publish(events[start:start + MAX_BATCH_EVENTS], ts=ts) and sent
+        return sent
 
     def stats(self) -> PublisherStats:
         return self.publisher.stats()
@@ -87,3 +118,33 @@ class KVEventStream:
         self.flush()
         self.tracker.close()
         self.publisher.close()
+
+
+def _surviving_l3_pages(cfg: HicacheConfig, journal: StorageJournal) -> list[BlockStored]:
+    """The journal's pages that the configured L3 still holds (``StorageJournal.replay``).
+    A store that cannot be opened or does not answer announces nothing and leaves the
+    journal as it is (its pages may well be there; the next start asks again)."""
+    from hicache.storage_settings import storage_settings_from_config
+    from storage_backends import FileSettings
+    from storage_backends.registry import create_backend
+
+    settings = storage_settings_from_config(cfg.cache.l3)
+    if settings is None:
+        return []
+    if isinstance(settings, FileSettings):  # existence is a stat; the controller keeps the store's index
+        settings = dataclasses.replace(settings, scan_on_start=False)
+    try:
+        backend = create_backend(settings, None)
+    except Exception as exc:
+        log.error("KV events: cannot open L3 to check the journal (%s); L3 is not announced again", exc)
+        return []
+    try:
+        if not backend.health():
+            log.error("KV events: L3 does not answer; its content is not announced again in this run")
+            return []
+        return journal.replay(backend.exists_each)
+    except Exception:
+        log.exception("KV events: cannot check the journal against L3; L3 is not announced again")
+        return []
+    finally:
+        backend.close()

@@ -1,9 +1,10 @@
 """End to end: a standalone daemon's KV events, decoded with vLLM's own ``KVEventBatch``,
 keep a router's index equal to what each tier holds: L1 and L2 page counts equal the pools'
 (at rest), L3 page hashes equal the file store's objects one for one; a flush empties L1
-and L2 in the index and leaves L3; a restarted daemon begins with ``AllBlocksCleared``, and
-the prefix it brings back from L3 is announced again. Sequence numbers have no gap, and the
-replay socket serves the batches a late subscriber missed."""
+and L2 in the index and leaves L3; a restarted daemon begins with ``AllBlocksCleared`` and
+announces again, from its journal, what L3 still holds (whole chains: pages the store lost
+between the runs, and the pages after them, are not announced). Sequence numbers have no
+gap, and the replay socket serves the batches a late subscriber missed."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ class Index:
         self.sub.connect(endpoint)
         self.decoder = msgspec.msgpack.Decoder(kv_events.KVEventBatch)
         self.held: dict[str, set[bytes]] = {"GPU": set(), "CPU": set(), "STORAGE": set()}
+        self.parent: dict[bytes, bytes | None] = {}
+        self.tokens: dict[bytes, tuple[int, ...]] = {}
         self.topics: set[bytes] = set()
         self.seqs: list[int] = []
         self.cleared = 0
@@ -82,6 +85,10 @@ class Index:
                 elif isinstance(ev, kv_events.BlockStored):
                     assert ev.block_size == PS and len(ev.token_ids) == PS * len(ev.block_hashes)
                     self.held[ev.medium].update(ev.block_hashes)
+                    for parent, h in zip([ev.parent_block_hash, *ev.block_hashes], ev.block_hashes, strict=False):
+                        self.parent[h] = parent
+                    for i, h in enumerate(ev.block_hashes):
+                        self.tokens[h] = tuple(ev.token_ids[i * PS:(i + 1) * PS])
                 else:
                     self.held[ev.medium].difference_update(ev.block_hashes)
             self.last = time.monotonic()
@@ -121,6 +128,15 @@ def _store_objects(root: Path) -> set[bytes]:
     return {bytes.fromhex(p.name.removesuffix(".page")) for p in root.glob("*/*.page")}
 
 
+def _descends_from(h: bytes, ancestor: bytes, parent: dict[bytes, bytes | None]) -> bool:
+    cur = parent.get(h)
+    while cur is not None:
+        if cur == ancestor:
+            return True
+        cur = parent.get(cur)
+    return False
+
+
 def _config(tmp: Path) -> dict[str, Any]:
     return {
         "model": {"reference": {"preset": "tiny"}},
@@ -128,7 +144,7 @@ def _config(tmp: Path) -> dict[str, Any]:
                   "l3": {"backend": "file", "file": {"dir": str(tmp / "l3")}},
                   "prefetch": {"threshold_tokens": 1, "policy": "wait_complete"}},
         "events": {"enabled": True, "endpoint": f"ipc://{tmp}/events.sock",
-                   "replay_endpoint": f"ipc://{tmp}/events-replay.sock"},
+                   "replay_endpoint": f"ipc://{tmp}/events-replay.sock", "journal": str(tmp / "l3.journal")},
         "logging": {"level": "warning"},
     }
 
@@ -188,6 +204,19 @@ def test_the_index_follows_every_tier_through_a_flush_and_a_restart(tmp_path: Pa
 
     index.quiet()
     index.expected = 0  # its publisher is gone: a new run numbers from 0
+    # L3 loses two pages while no daemon runs: the first page of one stem's chain, and a leaf
+    # of another; the third stem's chain is the prefix the new run brings back
+    stored = set(index.held["STORAGE"])
+    parents = {index.parent[h] for h in stored}
+    roots = {index.tokens[h]: h for h in stored if index.parent[h] is None}
+    kept_root = roots[tuple(prompts[-1][:PS])]
+    root = roots[tuple(stems[0][:PS])]
+    assert kept_root != root and len(roots) == 3
+    leaf = next(h for h in sorted(stored) if h not in parents and h not in roots.values()
+                and not _descends_from(h, root, index.parent) and not _descends_from(h, kept_root, index.parent))
+    lost = {leaf, root} | {h for h in stored if _descends_from(h, root, index.parent)}
+    for h in (leaf, root):
+        (tmp_path / "l3" / h.hex()[:2] / f"{h.hex()}.page").unlink()
     d2 = Daemon(tmp_path, cfg, "b")
     d2.start()
     try:
@@ -199,7 +228,10 @@ def test_the_index_follows_every_tier_through_a_flush_and_a_restart(tmp_path: Pa
         index.until("the new run's clear", lambda: index.cleared == 2)
         index.quiet()
         assert index.cleared == 2  # the new run said it holds nothing of the old run's
-        assert index.held["STORAGE"] <= _store_objects(tmp_path / "l3")
+        # ... but announced again what L3 still holds, whole chains only
+        announced = index.held["STORAGE"]
+        assert announced >= stored - lost and not announced & lost - _store_objects(tmp_path / "l3")
+        assert announced == _store_objects(tmp_path / "l3") - (lost - {leaf, root})
         assert stats["l1"]["full"]["used_tokens"] == index.count("GPU") * PS > 0
         assert stats["l2"]["full"]["used_tokens"] == index.count("CPU") * PS > 0
     finally:

@@ -77,7 +77,7 @@ def stack(llama: Path, engines: Engines, reference: dict, tmp_path_factory: pyte
     run_dir = Path(f"/tmp/hce-{os.getpid()}")
     cfg = engine_config(llama, run_dir, l3={"backend": "file", "file": {"dir": str(tmp / "l3")}})
     cfg["events"] = {"enabled": True, "endpoint": f"ipc://{run_dir}/kv-events.sock",
-                     "replay_endpoint": f"ipc://{run_dir}/kv-events-replay.sock"}
+                     "replay_endpoint": f"ipc://{run_dir}/kv-events-replay.sock", "journal": str(tmp / "l3.journal")}
     daemon = Daemon(tmp, cfg, "daemon")
     try:
         a = engines.start(llama, "a", hicache=daemon)  # the daemon is not running yet
@@ -240,9 +240,21 @@ def test_an_engine_killed_in_the_middle_of_saves_leaks_nothing(stack: Stack, ref
 
 def test_file_l3_serves_after_a_daemon_restart(stack: Stack, reference: dict) -> None:
     d, a = stack.daemon, stack.a
+    namespaces = {e["namespace"] for e in _stats(d)["engines"]}
     assert d.stop() == 0
     d.start()
     assert _stats(d)["l2"]["full"]["used_tokens"] == 0
+    # the new run announces, from its journal, what the file store holds, in the engines' namespace
+    index = EventFollower(stack.daemon_events["endpoint"], stack.daemon_events["replay_endpoint"], None)
+    try:
+        on_disk = {bytes.fromhex(p.name.removesuffix(".page")) for p in stack.l3_dir.glob("*/*.page")}
+        stored: list[BlockStored] = []
+        _wait(lambda: bool(stored.extend(e for e in index.take() if isinstance(e, BlockStored)))
+              or index.announced("STORAGE") == on_disk, 10, "L3 announced again")
+        assert on_disk and not index.announced("CPU")
+        assert namespaces and {e.namespace for e in stored} == namespaces
+    finally:
+        index.close()
     out = a.generate(P, MAX_TOKENS)  # A registers again; the prefix comes back from the file store
     _check(out, P, reference)
     assert out["cached"] == [expected_hit(len(p), BLOCK) for p in P]

@@ -109,6 +109,9 @@ def test_all_problems_are_reported_with_their_paths() -> None:
     ({"events": {"enabled": True, "replay_endpoint": "tcp://*:5557"}}, "events.replay_endpoint", "differ"),
     ({"events": {"enabled": True, "replay_batches": 0}}, "events.replay_batches", "> 0"),
     ({"events": {"enabled": "on"}}, "events.enabled", "true or false"),
+    ({"events": {"enabled": True, "journal": "/tmp/j"}, "cache": {"l3": {"backend": "none"}}},
+     "events.journal", "needs an L3"),
+    ({"events": {"enabled": True, "journal": " "}}, "events.journal", "file path"),
 ])
 def test_single_problems(raw: dict, path: str, needle: str) -> None:
     probs = _problems(raw)
