@@ -19,6 +19,7 @@ Cancel                 main loop: an op not yet started is       the op's own Op
                        answered ``cancelled``; a running one     (never a second one)
                        finishes normally
 StorageAdmin           main loop, once no L3 op is running       StorageStatus
+(the store evicts)     main loop, each round                     StorageEvicted (unprompted)
 Shutdown / SIGTERM     stop reading, finish queued ops, exit 0   —
 =====================  ========================================  ==========================
 
@@ -86,6 +87,9 @@ competing for the two cores, and copies of 0.5-4 MiB stalled for a scheduler tic
 16-token pages (128 KiB runs, below torch's split size) copy at the same speed either way.
 Alone on the machine, two threads copy multi-page 64-token runs up to ~1.5x faster: a host
 with cores to spare may raise this."""
+
+EVICTED_PER_FRAME = 4096
+"""Hashes per ``StorageEvicted`` at most (about 270 kB, far below the frame limit)."""
 
 ACCEPTS = protos.accepted_by("controller")
 """What the controller's inbox decodes (``protos.table``)."""
@@ -362,10 +366,18 @@ class ControllerServer:
             self.heartbeat.beat()
             if self.pending_admin:
                 self._run_admin()
+            self._forward_evictions()
             now = time.monotonic()
             if now - self._last_health > 1.0:
                 self._last_health = now
                 self._publish_storage()
+
+    def _forward_evictions(self) -> None:
+        """Tell the scheduler which pages the store evicted on its own (``StorageEvicted``,
+        for its KV events), in frames of at most ``EVICTED_PER_FRAME`` hashes."""
+        evicted = self.storage.take_evicted()
+        for start in range(0, len(evicted), EVICTED_PER_FRAME):
+            self.outbox.send(protos.StorageEvicted(evicted[start:start + EVICTED_PER_FRAME]))
 
     def _publish_storage(self) -> None:
         """``hicache_storage_attached``, ``hicache_storage_up``, and the L3 size gauges where

@@ -297,6 +297,18 @@ class StorageIO:
             log.exception("the L3 backend could not tell its size")
             return None
 
+    def take_evicted(self) -> list[str]:
+        """The pages the store evicted on its own since the last call
+        (``StorageBackend.take_evicted``); [] with no store attached. Never raises."""
+        backend = self.backend
+        if backend is None:
+            return []
+        try:
+            return backend.take_evicted()
+        except Exception:  # the events are a view: never let them stop the controller's loop
+            log.exception("the L3 backend could not tell what it evicted")
+            return []
+
     def attach(self, settings: Any) -> None:
         """Replace the store; raises (StorageError / StorageConfigError) if the new one cannot start."""
         backend = create_backend(settings, self.default_layout())

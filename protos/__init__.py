@@ -57,6 +57,7 @@ from protos.to_scheduler import (
     PrefetchHits,
     SamplingParams,
     SchedulerMessage,
+    StorageEvicted,
     StorageStatus,
 )
 from protos.to_tokenizer import AdminReply, TokenizerMessage, TokenOutput, Usage
@@ -67,7 +68,7 @@ __all__ = [
     "BackupToStorage", "Cancel", "ControllerMessage", "LoadToDevice", "PrefetchFetch", "PrefetchQuery",
     "StorageAdmin", "WriteToHost",
     "AbortRequest", "AdminRequest", "GenerateRequest", "OpDone", "PrefetchHits", "SamplingParams",
-    "SchedulerMessage", "StorageStatus",
+    "SchedulerMessage", "StorageEvicted", "StorageStatus",
     "AdminReply", "TokenOutput", "TokenizerMessage", "Usage",
     "ALL_RANKS", "CacheServerMessage", "Commit", "EngineRegister", "EngineWorker", "Finished", "Heartbeat", "Lookup", "Release", "Reserve",
     "SaveRange", "TOKEN_TYPECODE", "pack_tokens", "unpack_tokens", "EngineError", "EngineMessage", "EngineRegistered", "LookupResult", "Reservation", "ReserveResult",

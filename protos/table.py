@@ -44,6 +44,7 @@ from protos.to_scheduler import (
     GenerateRequest,
     OpDone,
     PrefetchHits,
+    StorageEvicted,
     StorageStatus,
 )
 from protos.to_tokenizer import AdminReply, TokenOutput
@@ -86,6 +87,8 @@ ROUTES: tuple[Route, ...] = (
     Route(PrefetchHits, ("controller",), ("scheduler",), ()),
     Route(StorageStatus, ("controller",), ("scheduler",), (),
           "answers StorageAdmin, or unprompted (op_id -1) when the store changed on its own"),
+    Route(StorageEvicted, ("controller",), ("scheduler",), (),
+          "unprompted: pages the store evicted, for the KV events"),
     # engine connector -> cache server (scheduler process, engine socket), and back
     Route(EngineRegister, ("engine",), ("scheduler",), (EngineRegistered, EngineError)),
     Route(Lookup, ("engine",), ("scheduler",), (LookupResult, EngineError)),

@@ -112,3 +112,13 @@ class StorageStatus(SchedulerMessage):
     up: bool
     stats: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+
+
+@message("storage_evicted")
+@dataclass(slots=True)
+class StorageEvicted(SchedulerMessage):
+    """Pages the L3 store removed on its own (its capacity eviction), unprompted, oldest
+    first; nothing answers it. The scheduler announces them as KV events (``BlockRemoved``,
+    medium ``STORAGE``); the tree is not changed (a prefetch finds what is missing)."""
+
+    hashes: list[str]

@@ -106,6 +106,13 @@ class StorageBackend(ABC):
     def close(self) -> None:
         """Stop threads and close connections. Idempotent; the backend is unusable after."""
 
+    def take_evicted(self) -> list[str]:
+        """The pages this backend removed on its own (its capacity eviction) since the last
+        call, oldest first; the caller owns the list. ``[]`` where the backend evicts nothing
+        itself or cannot tell (the default, and Redis: its ``maxmemory`` evictions happen
+        in the server). Never raises."""
+        return []
+
     # -- administration (``hicache storage``) ---------------------------------------
 
     @abstractmethod

@@ -16,12 +16,14 @@ by a background scan of the directory (ordered by file access time) while the st
 already serving; reads and existence checks go to the file system, so pages are usable
 before the scan reaches them. When the bytes in the index exceed ``max_size_gb``, the
 least recently used pages are deleted down to ``low_water`` of the cap. A full disk
-(``ENOSPC``) drops the write, counts it, and evicts a little to make room.
+(``ENOSPC``) drops the write, counts it, and evicts a little to make room. The evicted
+hashes wait for ``take_evicted`` (the controller announces them as KV events).
 
 Threads: page I/O runs on a pool of ``io_threads`` workers; a call waits at most
 ``timeout_s`` for pages that have not started. A page read or write already in progress
 is always finished before the call returns, so no worker touches a caller's buffer after
-the call. ``_index_lock`` guards the index and ``_used``; it is never held across I/O.
+the call. ``_index_lock`` guards the index, ``_used`` and the evicted hashes; it is never
+held across I/O.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -62,6 +64,8 @@ _ATIME_REFRESH_S = 3600.0
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _CHECKSUM_END = PREFIX_SIZE + 8
 INLINE_MAX_OBJECT_BYTES = 192 * 1024
+MAX_EVICTED_KEPT = 100_000
+"""Evicted hashes kept for ``take_evicted`` at most (older ones are dropped untold)."""
 """Batches of objects up to this size run on the calling thread (see ``FileBackend._run``)."""
 
 
@@ -150,6 +154,8 @@ class FileBackend(StorageBackend):
         )
         # hash -> (object bytes, last access time we know of), least recently used first.
         self._index: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        # pages evicted and not yet taken (``take_evicted``); under the index lock
+        self._evicted: deque[str] = deque(maxlen=MAX_EVICTED_KEPT)
         self._used = 0
         self._scan_done = threading.Event()
         if settings.scan_on_start:
@@ -661,19 +667,33 @@ class FileBackend(StorageBackend):
                 freed += size
                 victims.append(h)
         removed = 0
+        gone: list[str] = []
         for h in victims:
             try:
                 os.unlink(self._path(h))
                 removed += 1
+                gone.append(h)
             except FileNotFoundError:
-                pass
+                gone.append(h)  # another process sharing the store removed it: gone all the same
             except OSError as exc:
                 self._counters.add(errors=1)
                 log.warning("file store: cannot evict page %s: %s", h, exc)
         if victims:
             self._counters.add(evictions=removed)
             log.debug("file store: evicted %d pages (%d bytes)", removed, freed)
+        if gone:
+            with self._index_lock:
+                self._evicted.extend(gone)
         return removed, freed
+
+    def take_evicted(self) -> list[str]:
+        """The pages this instance's capacity eviction removed since the last call (at most
+        the last ``MAX_EVICTED_KEPT``; another process's evictions in a shared store are
+        not seen)."""
+        with self._index_lock:
+            out = list(self._evicted)
+            self._evicted.clear()
+        return out
 
     # -- start-up scan -----------------------------------------------------------------
 

@@ -103,6 +103,11 @@ class KVEventStream:
             return None
         return time.time() - ts
 
+    def storage_evicted(self, hashes: list[str]) -> None:
+        """The L3 store evicted these pages on its own: ``BlockRemoved`` (medium ``STORAGE``)
+        with the next flush, and in the journal."""
+        self.tracker.pages_gone(hashes, Tier.STORAGE)
+
     def _publish(self, events: list[KVEvent], ts: float) -> bool:
         """Publish ``events`` in batches of at most ``MAX_BATCH_EVENTS``; True iff all went."""
         sent = True

@@ -11,6 +11,8 @@ the round's events (``take``) and publishes them as one batch.
 |                                     | medium of the tier, ``extra_keys`` ``(cache_salt,)`` per page |
 |                                     | when the request had a salt                                   |
 | ``pages_dropped(node, tier)``       | ``BlockRemoved``: the node's page hashes, the medium          |
+| ``pages_gone(hashes, tier)``        | ``BlockRemoved`` of those hashes (not a tree call: the L3     |
+|                                     | store's own evictions, through the process loop)              |
 
 Mediums: L1 ``GPU`` (vLLM's name for the engine's own KV blocks, whatever the device), L2
 ``CPU``, L3 ``STORAGE``. The hashes are hicache's page hashes (docs/architecture.md §6: the
@@ -60,7 +62,7 @@ class TierEventTracker:
         if cache.core.observer is not None:
             raise RuntimeError("the tree already has a content observer")
         self._cache = cache
-        self._tiers = frozenset(tiers)
+        self.tiers = frozenset(tiers)
         self._split_salt = split_salt
         self.failed = False
         """An event could not be made; no more are (see ``_fail``)."""
@@ -84,7 +86,7 @@ class TierEventTracker:
     # -- ContentObserver -------------------------------------------------------------
 
     def pages_added(self, node: TreeNode, tier: Tier) -> None:
-        if tier not in self._tiers or self.failed:
+        if tier not in self.tiers or self.failed:
             return
         try:
             self._stored(node, tier)
@@ -92,12 +94,23 @@ class TierEventTracker:
             self._fail()
 
     def pages_dropped(self, node: TreeNode, tier: Tier) -> None:
-        if tier not in self._tiers or self.failed:
+        if tier not in self.tiers or self.failed:
             return
         try:
             hashes = self._cache.node_hashes(node)
             self._add(BlockRemoved(block_hashes=[bytes.fromhex(h) for h in hashes],
                                    medium=MEDIUM_OF_TIER[tier].value))
+        except Exception:
+            self._fail()
+
+    def pages_gone(self, hashes: list[str], tier: Tier) -> None:
+        """Pages ``tier`` lost without the tree's knowledge (the L3 store's own eviction):
+        ``BlockRemoved``. A hash that was never announced is harmless to a subscriber, which
+        removes what it does not hold as nothing."""
+        if tier not in self.tiers or self.failed or not hashes:
+            return
+        try:
+            self._add(BlockRemoved(block_hashes=[bytes.fromhex(h) for h in hashes], medium=MEDIUM_OF_TIER[tier].value))
         except Exception:
             self._fail()
 

@@ -205,6 +205,7 @@ class ProcessLoop(abc.ABC):
             protos.Shutdown: self.on_shutdown,
             protos.ProcessEvent: self.on_process_event,
             protos.ErrorReply: self.on_error_reply,
+            protos.StorageEvicted: self.on_storage_evicted,
         }
         self.heartbeat = HeartbeatWriter(args.endpoints.dir, "scheduler")
 
@@ -275,6 +276,11 @@ class ProcessLoop(abc.ABC):
             lag = self.kv_events.flush()
             if lag is not None:
                 get_metrics().kv_event_lag(lag)
+
+    def on_storage_evicted(self, msg: protos.StorageEvicted) -> None:
+        """The L3 store evicted these pages: announce it (the tree is not changed)."""
+        if self.kv_events is not None:
+            self.kv_events.storage_evicted(msg.hashes)
 
     def count_kv_events(self) -> None:
         """Put the events published and dropped since the last call in the metrics."""

@@ -44,6 +44,7 @@ class Index:
         self.topics: set[bytes] = set()
         self.seqs: list[int] = []
         self.cleared = 0
+        self.removed: dict[str, int] = {"GPU": 0, "CPU": 0, "STORAGE": 0}
         self.lock = threading.Lock()
         self.last = time.monotonic()
         self._stop = threading.Event()
@@ -91,6 +92,7 @@ class Index:
                         self.tokens[h] = tuple(ev.token_ids[i * PS:(i + 1) * PS])
                 else:
                     self.held[ev.medium].difference_update(ev.block_hashes)
+                    self.removed[ev.medium] += len(ev.block_hashes)
             self.last = time.monotonic()
 
     def quiet(self, for_s: float = 1.0, timeout_s: float = 20.0) -> None:
@@ -236,4 +238,29 @@ def test_the_index_follows_every_tier_through_a_flush_and_a_restart(tmp_path: Pa
         assert stats["l2"]["full"]["used_tokens"] == index.count("CPU") * PS > 0
     finally:
         assert d2.stop() == 0
+        index.close()
+
+
+def test_pages_the_l3_store_evicts_leave_the_index(tmp_path: Path) -> None:
+    """A file store capped at 40 pages evicts on its own; the controller reports what it
+    evicted and the index follows, page for page."""
+    cfg = _config(tmp_path)
+    object_bytes = PS * 2 * 2 * 2 * 16 * 4 + 96  # tiny: 2 layers x K,V x 2 heads x 16 dims, float32; header
+    cfg["cache"]["l3"]["file"]["max_size_gb"] = 40 * object_bytes / 1024**3
+    d = Daemon(tmp_path, cfg, "capped")
+    index = Index(cfg["events"]["endpoint"], cfg["events"]["replay_endpoint"])
+    d.start()
+    try:
+        rng = random.Random(11)
+        for _ in range(10):  # ~90 pages to back up
+            d.generate([rng.randrange(1, 250) for _ in range(rng.randrange(100, 180))], n=2)
+        d.wait_tiers_idle("writes and backups done")
+        on_disk = _store_objects(tmp_path / "l3")
+        assert all(p.stat().st_size == object_bytes for p in (tmp_path / "l3").glob("*/*.page"))
+        index.until("the store's evictions", lambda: index.held["STORAGE"] == on_disk)
+        index.quiet()
+        assert index.held["STORAGE"] == _store_objects(tmp_path / "l3") == on_disk
+        assert index.removed["STORAGE"] > 0 and len(on_disk) <= 40
+    finally:
+        assert d.stop() == 0
         index.close()

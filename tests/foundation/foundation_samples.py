@@ -15,6 +15,7 @@ SAMPLES: dict[str, p.Message] = {
     "op_done": p.OpDone(12, "failed", 3, "timeout", {"swa": [True, False], "mamba": [True]}),
     "prefetch_hits": p.PrefetchHits(13, 5, {"swa": [0, 1, 4], "mamba": [4]}),
     "storage_status": p.StorageStatus(-1, "redis", False, {"errors": 2}, "connection refused"),
+    "storage_evicted": p.StorageEvicted(["ab" * 32, "cd" * 32]),
     "token_output": p.TokenOutput("req-1", [5, 6], True, "stop", p.Usage(4, 2, 2, 1, 0), None,
                                   [-0.5, -1.25], [[5, 3], [6, 5]], [[-0.5, -2.0], [-1.25, -1.5]]),
     "admin_reply": p.AdminReply("adm-1", True, {"flushed_tokens": 128}),

@@ -267,6 +267,10 @@ def test_file_size_cap_evicts_least_recently_used(tmp_path: Path) -> None:
     assert be.batch_exists(first[:2]) == 2
     assert be.batch_exists(more) == 4
     assert be.usage().bytes == be.used_bytes
+    # what it evicted is told once, exactly: the pages no longer there
+    evicted = be.take_evicted()
+    assert len(evicted) == st.evictions and set(evicted) == {h for h in first + more if not be.batch_exists([h])}
+    assert be.take_evicted() == []
     be.close()
 
 
