@@ -33,7 +33,10 @@ the same settings.
 
 Processes: the client is created per process (checked by pid on every call), never shared
 across ``fork``. Thread safety: redis-py clients are thread-safe; this class adds no lock
-besides the one guarding client creation.
+besides the one guarding client (and key-event listener) creation.
+
+Evictions: ``take_evicted`` follows the server's evicted / expired key events where the
+server publishes them (``storage_backends.redis_evictions``).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from storage_backends.errors import (
 )
 from storage_backends.keys import check_hashes, is_page_hash
 from storage_backends.page_format import PageLayout, check_object, encode_header
+from storage_backends.redis_evictions import KeyEventListener
 from storage_backends.redis_wire import PageValue, connection_class_for
 from storage_backends.resilience import CircuitBreaker, ExponentialJitterBackoff
 from storage_backends.settings import RedisSettings, redact_url, tls_file_problems
@@ -138,6 +142,8 @@ class RedisBackend(StorageBackend):
         self._client: Any = None
         self._pid = -1
         self._node_breakers: dict[str, CircuitBreaker] = {}
+        self._listener: KeyEventListener | None = None  # this process's, made by take_evicted
+        self._listener_pid = -1
         self.name = f"{'redis-cluster' if settings.cluster else 'redis'}:{_redact(settings.url)}"
         res = settings.resilience
         self._breaker = CircuitBreaker(
@@ -163,20 +169,17 @@ class RedisBackend(StorageBackend):
 
     # -- client per process ------------------------------------------------------------
 
-    def _make_client(self) -> Any:
+    def _client_options(self) -> dict[str, Any]:
+        """What every client of this store is made with: timeouts, password, TLS."""
         s = self.settings
         t = s.resilience.timeout_s
         common: dict[str, Any] = {
             "socket_timeout": t,
             "socket_connect_timeout": t,
-            "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-            "max_connections": s.max_connections,
             "health_check_interval": 0,
         }
         if self._password is not None:
             common["password"] = self._password
-        common["connection_class"] = connection_class_for(s.url)
-        url = s.url
         if s.tls:
             common.update(
                 ssl_cert_reqs="required",
@@ -185,6 +188,15 @@ class RedisBackend(StorageBackend):
                 ssl_certfile=s.tls_cert_file,
                 ssl_keyfile=s.tls_key_file,
             )
+        return common
+
+    def _make_client(self) -> Any:
+        s = self.settings
+        common = self._client_options()
+        common["retry"] = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+        common["max_connections"] = s.max_connections
+        common["connection_class"] = connection_class_for(s.url)
+        url = s.url
         try:
             if s.cluster:
                 from redis.cluster import RedisCluster
@@ -492,6 +504,23 @@ class RedisBackend(StorageBackend):
             removed += self._delete_keys(batch)
         return removed
 
+    def take_evicted(self) -> list[str]:
+        """The page keys the server evicted or expired since the last call, as told by its
+        key-event notifications (``storage_backends.redis_evictions``: only when the server's
+        ``notify-keyspace-events`` publishes them; standalone Redis only). The first call in
+        a process subscribes."""
+        if self.settings.cluster or self._closed:
+            return []
+        listener: KeyEventListener | None
+        with self._client_lock:
+            if self._listener_pid != os.getpid():
+                self._listener_pid = os.getpid()  # once per process, followed or not
+                listener = KeyEventListener(lambda: redis.Redis.from_url(self.settings.url, **self._client_options()),
+                                            self._prefix_b, self.name)
+                self._listener = listener if listener.start() else None
+            listener = self._listener
+        return listener.take() if listener is not None else []
+
     def stats(self) -> StorageStats:
         up = self._breaker.up and all(b.up for b in list(self._node_breakers.values()))
         return self._counters.snapshot(self.kind, up and not self._closed)
@@ -504,6 +533,10 @@ class RedisBackend(StorageBackend):
             return
         self._closed = True
         self._breaker.close()
+        with self._client_lock:
+            listener, self._listener = self._listener, None
+        if listener is not None and self._listener_pid == os.getpid():
+            listener.close()
         with self._client_lock:
             node_breakers = list(self._node_breakers.values())
         for breaker in node_breakers:

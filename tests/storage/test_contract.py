@@ -78,6 +78,7 @@ def test_existing_page_is_stored_and_delete_removes(make_backend: BackendFactory
     assert be.batch_exists(hashes) == 0
     assert be.batch_exists(hashes[2:]) == 1
     assert be.batch_get(hashes, buffers(3)) == [False, False, True]
+    assert be.take_evicted() == []  # a delete asked for is no eviction of the store's own
 
 
 def test_clear_removes_only_this_store(make_backend: BackendFactory, kind: str, tmp_path) -> None:
