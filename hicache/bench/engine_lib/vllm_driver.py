@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="any kv_transfer_config (another connector), instead of --hicache-config")
     p.add_argument("--kv-events-json", default=None,
                    help="vLLM's kv_events_config (its own KV event publisher), as JSON")
+    p.add_argument("--attention-backend", default=None,
+                   help="vLLM's attention backend by name (e.g. CPU_MLA: the reference MLA backend, which "
+                        "vLLM's CPU platform otherwise replaces by AMX_MLA where the CPU has AMX tiles)")
     args = p.parse_args(argv)
     # Only answers go to the parent's pipe: vLLM and its engine-core child print to fd 1.
     out = os.fdopen(os.dup(1), "w")
@@ -89,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         from vllm.config import KVEventsConfig
 
         kw["kv_events_config"] = KVEventsConfig(**json.loads(args.kv_events_json))
+    if args.attention_backend:
+        kw["attention_backend"] = args.attention_backend
     if args.tensor_parallel_size > 1:
         kw["tensor_parallel_size"] = args.tensor_parallel_size
         kw["distributed_executor_backend"] = "mp"
@@ -220,7 +225,8 @@ class VllmProcess:
                  max_num_seqs: int = 16, max_num_batched_tokens: int | None = None,
                  env: dict[str, str] | None = None, start_timeout_s: float = 300.0,
                  num_blocks: int | None = None, kv_transfer: dict[str, Any] | None = None,
-                 log_stats: bool = False, tensor_parallel: int = 1, kv_events: dict[str, Any] | None = None) -> None:
+                 log_stats: bool = False, tensor_parallel: int = 1, kv_events: dict[str, Any] | None = None,
+                 attention_backend: str | None = None) -> None:
         cmd = [sys.executable, "-m", "hicache.bench.engine_lib.vllm_driver", "--model", model,
                "--block-size", str(block_size), "--max-model-len", str(max_model_len), "--dtype", dtype,
                "--max-num-seqs", str(max_num_seqs)]
@@ -240,6 +246,8 @@ class VllmProcess:
             cmd += ["--kv-events-json", json.dumps(kv_events)]
         if tensor_parallel > 1:
             cmd += ["--tensor-parallel-size", str(tensor_parallel)]
+        if attention_backend:
+            cmd += ["--attention-backend", attention_backend]
         self.log_path = Path(log_path)
         child_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
                      "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_OMP_THREADS_BIND": _all_cores(tensor_parallel), **(env or {})}
