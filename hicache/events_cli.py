@@ -13,7 +13,10 @@ Lines (stdout), the sequence number and timestamp of the batch first::
 Gaps: after the first batch received (or from ``--from-seq``), a sequence number past the next
 one expected is a gap. With ``--replay-endpoint`` the missing batches are fetched from the
 replay socket and printed first, marked ``replayed``; what the replay buffer no longer holds,
-or every missing batch without a replay socket, is reported as missed.
+or every missing batch without a replay socket, is reported as missed. ``--from-seq`` with
+``--replay-endpoint`` prints what the replay socket holds from that number at once (an idle
+publisher sends no live batch to show the gap); a live batch printed that way is not printed
+again.
 
 Exit status: 0 after ``--count`` events or ``--timeout-s`` seconds without a message; 2 for an
 endpoint that is not ``tcp://HOST:PORT`` or ``ipc://PATH``.
@@ -128,6 +131,9 @@ class _Subscriber:
     topic: bytes
     printer: _Printer
     expected: int | None = None
+    replayed_below: int | None = None
+    """Batches below this number were printed from the replay socket at start (``catch_up``):
+    live copies of them are skipped."""
 
     def _replayed(self, start: int) -> Iterator[tuple[int, bytes]]:
         """(seq, payload) of each batch the replay socket sends from ``start``; raises
@@ -175,12 +181,30 @@ class _Subscriber:
             self.printer.line(f"missed {missing - got} batches (seq {first}..{last}): "
                               "not all in the replay buffer")
 
+    def catch_up(self, start: int) -> None:
+        """Print every batch the replay socket holds from ``start`` on, now."""
+        self.expected = start
+        try:
+            for seq, payload in self._replayed(start):
+                if seq >= self.expected:
+                    self.printer.batch(seq, payload, replayed=True)
+                    self.expected = seq + 1
+                    if self.printer.done:
+                        return
+        except TimeoutError:
+            self.printer.line(f"warning: the replay socket did not answer within {_REPLAY_WAIT_S:.0f}s")
+        self.replayed_below = self.expected
+
     def handle(self, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
             self.printer.line(f"warning: malformed message ({len(frames)} frames)")
             return
         _topic, seq_bytes, payload = frames
         seq = int.from_bytes(seq_bytes, "big")
+        if self.replayed_below is not None:
+            if seq < self.replayed_below:
+                return  # printed by catch_up already
+            self.replayed_below = None
         if self.expected is not None:
             if seq > self.expected:
                 self.fill(self.expected, seq - 1)
@@ -224,6 +248,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"listening on {args.endpoint} topic={args.topic!r}", file=sys.stderr, flush=True)
         printer = _Printer(sys.stdout, args.count)
         state = _Subscriber(ctx, sub, args.replay_endpoint, topic, printer, expected=args.from_seq)
+        if args.from_seq is not None and args.replay_endpoint is not None:
+            state.catch_up(args.from_seq)
         quiet_since = time.monotonic()
         while not printer.done:
             wait_ms = _POLL_SLICE_MS

@@ -74,6 +74,29 @@ def test_replays_from_seq_and_prints_one_line_per_event(ctx: zmq.Context[zmq.Soc
     assert "listening on" in err
 
 
+def test_from_seq_prints_the_replay_at_once_and_no_batch_twice(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """An idle publisher sends nothing live: the replay is printed without waiting for a gap.
+    Live batches then follow, none printed twice, whenever the subscription landed."""
+    pub_port, replay_port = free_port(), free_port()
+    with KVEventPublisher(f"tcp://*:{pub_port}", f"tcp://127.0.0.1:{replay_port}", TOPIC, ctx=ctx) as pub:
+        for batch in _batches():
+            pub.publish(batch, ts=1712345678.25)
+        args = ("--endpoint", f"tcp://127.0.0.1:{pub_port}", "--replay-endpoint", f"tcp://127.0.0.1:{replay_port}",
+                "--from-seq", "1")
+        idle = _cli(*args, "--count", "2")
+        out, err = idle.communicate(timeout=30)  # nothing is published meanwhile
+        assert idle.returncode == 0, err
+        assert [line.split(" ts=")[0] for line in out.splitlines()] == ["replayed seq=1", "replayed seq=2"]
+
+        busy = _cli(*args, "--count", "6")
+        _feed_until_exit(busy, _filler(pub))
+        out, err = busy.communicate()
+    assert busy.returncode == 0, err
+    seqs = [int(m.group(1)) for m in re.finditer(r"^(?:replayed )?seq=(\d+) ", out, re.MULTILINE)]
+    assert seqs == list(range(1, 7)), out
+    assert "warning" not in out + err
+
+
 def test_gap_without_replay_is_reported_as_missed(tmp_path: Path, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     endpoint = f"ipc://{tmp_path / 'pub'}"
     with KVEventPublisher(endpoint, None, TOPIC, ctx=ctx) as pub:
