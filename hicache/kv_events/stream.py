@@ -76,7 +76,7 @@ class KVEventStream:
                 self.close()
                 raise RuntimeError(f"events.journal: cannot use {ev.journal}: {exc}") from exc
             restored = _surviving_l3_pages(cfg, self.journal)
-            self._publish(self.tracker.take() + list(restored), time.time())  # AllBlocksCleared first
+            self._publish([*self.tracker.take(), *restored], time.time())  # AllBlocksCleared first
             log.info("KV events: announced %d pages L3 still holds of the journal %s",
                      sum(len(e.block_hashes) for e in restored), self.journal.path)
         log.info("KV events: publishing on %s (replay %s), topic %r", self.publisher.endpoint,

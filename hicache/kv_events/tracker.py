@@ -62,7 +62,7 @@ class TierEventTracker:
         if cache.core.observer is not None:
             raise RuntimeError("the tree already has a content observer")
         self._cache = cache
-        self.tiers = frozenset(tiers)
+        self._tiers = frozenset(tiers)
         self._split_salt = split_salt
         self.failed = False
         """An event could not be made; no more are (see ``_fail``)."""
@@ -86,7 +86,7 @@ class TierEventTracker:
     # -- ContentObserver -------------------------------------------------------------
 
     def pages_added(self, node: TreeNode, tier: Tier) -> None:
-        if tier not in self.tiers or self.failed:
+        if tier not in self._tiers or self.failed:
             return
         try:
             self._stored(node, tier)
@@ -94,12 +94,10 @@ class TierEventTracker:
             self._fail()
 
     def pages_dropped(self, node: TreeNode, tier: Tier) -> None:
-        if tier not in self.tiers or self.failed:
+        if tier not in self._tiers or self.failed:
             return
         try:
-            hashes = self._cache.node_hashes(node)
-            self._add(BlockRemoved(block_hashes=[bytes.fromhex(h) for h in hashes],
-                                   medium=MEDIUM_OF_TIER[tier].value))
+            self._removed(self._cache.node_hashes(node), tier)
         except Exception:
             self._fail()
 
@@ -107,10 +105,10 @@ class TierEventTracker:
         """Pages ``tier`` lost without the tree's knowledge (the L3 store's own eviction):
         ``BlockRemoved``. A hash that was never announced is harmless to a subscriber, which
         removes what it does not hold as nothing."""
-        if tier not in self.tiers or self.failed or not hashes:
+        if tier not in self._tiers or self.failed or not hashes:
             return
         try:
-            self._add(BlockRemoved(block_hashes=[bytes.fromhex(h) for h in hashes], medium=MEDIUM_OF_TIER[tier].value))
+            self._removed(hashes, tier)
         except Exception:
             self._fail()
 
@@ -121,6 +119,9 @@ class TierEventTracker:
         log.exception("KV events: cannot describe a tier change; the event stream stops (AllBlocksCleared)")
         self.failed = True
         self._add(AllBlocksCleared())
+
+    def _removed(self, hashes: list[str], tier: Tier) -> None:
+        self._add(BlockRemoved(block_hashes=[bytes.fromhex(h) for h in hashes], medium=MEDIUM_OF_TIER[tier].value))
 
     def _stored(self, node: TreeNode, tier: Tier) -> None:
         hashes = self._cache.node_hashes(node)
