@@ -53,7 +53,8 @@ def _default_packer() -> Any:
     if HIREDIS_AVAILABLE:
         from redis.connection import HiredisRespSerializer
 
-        return HiredisRespSerializer()
+        serializer: Any = HiredisRespSerializer  # untyped in some redis releases (8.2)
+        return serializer()
     from redis.connection import PythonRespSerializer
 
     return PythonRespSerializer(6000, _arg_bytes)
