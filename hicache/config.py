@@ -31,7 +31,6 @@ ModelKind = Literal["reference", "hf"]
 DType = Literal["float32", "bfloat16", "float16"]
 LayerKind = Literal["full", "swa", "mamba"]
 Preset = Literal["tiny", "small", "bench"]
-L3Backend = Literal["none", "file", "redis"]
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 EvictionPolicy = Literal["lru", "lfu", "slru"]
@@ -243,9 +242,14 @@ class RedisStoreConfig:
 
 @dataclass(frozen=True)
 class L3Config:
-    backend: L3Backend = "file"
+    """``cache.l3``: ``backend`` is ``none``, ``file``, ``redis`` (each with its section) or
+    the kind of an installed plug-in (``storage_backends.plugins``), whose settings are
+    ``options``: a mapping whose keys, checks and secrets the plug-in defines."""
+
+    backend: str = "file"
     file: FileStoreConfig = field(default_factory=FileStoreConfig)
     redis: RedisStoreConfig = field(default_factory=RedisStoreConfig)
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -611,6 +615,11 @@ def _convert(hint: Any, value: Any, path: str, problems: list[ConfigProblem]) ->
             problems.append(ConfigProblem(path, f"must be one of {choices}; got {value!r}"))
             return _MISSING
         return value
+    if origin is dict:  # a free mapping (a plug-in's settings): its owner checks the values
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            problems.append(ConfigProblem(path, f"must be a mapping with string keys, got {_type_name(value)}"))
+            return _MISSING
+        return dict(value)
     if origin is tuple:
         if not isinstance(value, list | tuple):
             problems.append(ConfigProblem(path, f"must be a list, got {_type_name(value)}"))
@@ -798,6 +807,10 @@ def validate(cfg: HicacheConfig) -> list[ConfigProblem]:
     non_negative("cache.prefetch.timeout_per_ki_token_s", p.timeout_per_ki_token_s)
     if not 0.0 < p.max_reserved_fraction <= 1.0:
         bad("cache.prefetch.max_reserved_fraction", f"must be in (0, 1], got {p.max_reserved_fraction}")
+    from hicache.storage_settings import l3_problems
+
+    for key, reason in l3_problems(c.l3):
+        bad(f"cache.l3.{key}", reason)
     if c.l3.backend == "file":
         positive("cache.l3.file.max_size_gb", c.l3.file.max_size_gb)
         if not c.l3.file.dir:
@@ -1024,7 +1037,8 @@ def to_dict(cfg: Any) -> Any:
 
 def dump_yaml(cfg: HicacheConfig) -> str:
     """The config as YAML, for people: secrets (the Redis password, inline or in the URL,
-    ``server.api_key`` and the inline keys of ``server.api_keys``) show as ``***``."""
+    ``server.api_key``, the inline keys of ``server.api_keys`` and a plug-in backend's secret
+    options) show as ``***``."""
     data = to_dict(cfg)
     redis_section = data["cache"]["l3"]["redis"]
     if redis_section.get("password") is not None:
@@ -1034,7 +1048,9 @@ def dump_yaml(cfg: HicacheConfig) -> str:
     for entry in data["server"].get("api_keys") or []:
         if entry.get("key") is not None:
             entry["key"] = "***"
+    from hicache.storage_settings import redacted_options
     from storage_backends.settings import redact_url
 
     redis_section["url"] = redact_url(redis_section["url"])
+    data["cache"]["l3"]["options"] = redacted_options(cfg.cache.l3)
     return str(yaml.safe_dump(data, sort_keys=False, default_flow_style=None))

@@ -2,7 +2,8 @@
 
 The store comes from the config file (``--config``, ``--set cache.l3....``) or, to use the
 command without a config, from ``--backend file --dir PATH`` / ``--backend redis --url URL``
-(flags win over the config). Subcommands:
+(flags win over the config); a plug-in backend's store comes from the config's
+``cache.l3.options``. Subcommands:
 
 - ``stats``  pages and bytes in the store (a scan), plus server memory settings for Redis;
 - ``verify`` re-check every object's header and checksum; ``--delete`` removes bad ones;
@@ -24,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 from hicache.storage_settings import storage_settings_from_config
 
 if TYPE_CHECKING:
-    from storage_backends import FileSettings, RedisSettings
     from storage_backends.base import StorageBackend
     from storage_backends.file_backend import FileBackend
     from storage_backends.redis_backend import RedisBackend
@@ -53,10 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--to-gb", type=float, required=True, metavar="GB", help="target size in GiB")
 
 
-def _settings(args: argparse.Namespace) -> FileSettings | RedisSettings | None:
+def _settings(args: argparse.Namespace) -> Any:
     from storage_backends import FileSettings, RedisSettings, ResilienceSettings
 
-    base: FileSettings | RedisSettings | None = None
+    base: Any = None
     if args.config or args.overrides or not args.backend:
         from hicache.config import load_config
 
@@ -86,7 +86,7 @@ def _settings(args: argparse.Namespace) -> FileSettings | RedisSettings | None:
         if args.password is not None:  # replaces every other password source
             flagged.update(password=args.password, password_file=None, password_env=None)
         return dataclasses.replace(start, **flagged)
-    return None
+    return base  # None (no L3), or a plug-in's settings from the config
 
 
 def _progress(iterable: Any, desc: str) -> Any:
@@ -118,7 +118,7 @@ def _stats(be: StorageBackend, args: argparse.Namespace) -> int:
         store = _file_store(be)
         out["dir"] = store.root
         out["max_size_gb"] = store.settings.max_size_gb
-    else:
+    elif be.kind == "redis":
         redis = _redis_store(be)
         out["url"] = redis.name
         out.update(redis.server_info())

@@ -2,36 +2,82 @@
 
 ``storage_backends`` does not read the daemon's config; this module is the one place that
 converts it. Used by the controller (to build the L3 store and for the admin API's
-attach) and by ``hicache storage``. It imports ``storage_backends`` lazily, so importing
-it costs nothing until a store is configured.
+attach), by ``hicache storage`` and by the config's validation and printing. It imports
+``storage_backends`` lazily, so importing it costs nothing until a store is configured.
+
+The built-in kinds have sections of their own (``cache.l3.file``, ``cache.l3.redis``); a
+kind an installed package provides (``storage_backends.plugins``) takes its settings from
+``cache.l3.options``, whose keys, checks and secrets its plug-in defines.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from storage_backends import FileSettings, RedisSettings
-
-L3_BACKENDS = ("none", "file", "redis")
-"""The values ``cache.l3.backend`` may take."""
+BUILTIN_L3_BACKENDS = ("none", "file", "redis")
+"""The values of ``cache.l3.backend`` that need no plug-in."""
 
 
-def storage_settings_from_config(l3cfg: Any) -> FileSettings | RedisSettings | None:
+def l3_backends() -> list[str]:
+    """Every value ``cache.l3.backend`` may take here: built in, or an installed plug-in's kind."""
+    from storage_backends import plugin_kinds
+
+    return [*BUILTIN_L3_BACKENDS, *plugin_kinds()]
+
+
+def l3_problems(l3cfg: Any) -> list[tuple[str, str]]:
+    """What is wrong with a ``cache.l3`` section's backend and options, as ``(key, reason)``
+    with ``key`` relative to ``cache.l3``: an unknown backend (naming those available), a
+    plug-in that cannot be used, options its settings refuse. The built-in sections' own
+    keys are checked by ``hicache.config.validate``."""
+    from storage_backends import StorageConfigError, plugin_for
+
+    backend, options = l3cfg.backend, l3cfg.options
+    if backend in BUILTIN_L3_BACKENDS:
+        return []  # options are read only for a plug-in (as cache.l3.redis is only for redis)
+    try:
+        plugin = plugin_for(backend)
+    except StorageConfigError as exc:
+        return [("backend", str(exc))]
+    try:
+        plugin.settings(options)
+    except StorageConfigError as exc:
+        return [("options", str(exc))]
+    return []
+
+
+def redacted_options(l3cfg: Any) -> dict[str, Any]:
+    """``cache.l3.options`` for printing: the plug-in's secrets as ``***``, and every value
+    when the plug-in cannot be found (it alone knows which keys are secret)."""
+    from storage_backends import StorageConfigError, find_plugin
+
+    options = dict(l3cfg.options)
+    try:
+        plugin = find_plugin(l3cfg.backend) if l3cfg.backend not in BUILTIN_L3_BACKENDS else None
+    except StorageConfigError:
+        plugin = None
+    if plugin is None:
+        return {k: "***" if v is not None else v for k, v in options.items()}
+    return plugin.redacted(options)
+
+
+def storage_settings_from_config(l3cfg: Any) -> Any:
     """Convert a ``cache.l3`` section (``hicache.config.L3Config``) into backend settings.
 
-    Returns ``None`` for ``backend: none`` (no L3 store), ``FileSettings`` for ``file``
-    and ``RedisSettings`` for ``redis``; settings the section does not name keep the
+    Returns ``None`` for ``backend: none`` (no L3 store), ``FileSettings`` for ``file``,
+    ``RedisSettings`` for ``redis`` and a plug-in's settings (from ``options``) for a kind
+    an installed package provides; settings the section does not name keep the
     backends' defaults. Duck-typed, so anything with the same attributes works: reads
     ``backend``, ``file.dir``, ``file.max_size_gb``, optional ``file.fsync``, and
     ``redis.url`` plus optional ``.cluster``, ``.password``, ``.password_file``,
     ``.password_env``, ``.tls_ca_file``, ``.tls_cert_file``, ``.tls_key_file``,
-    ``.tls_verify_hostname``, ``.ttl_s``, ``.key_prefix``, ``.timeout_s``. Raises
+    ``.tls_verify_hostname``, ``.ttl_s``, ``.key_prefix``, ``.timeout_s``; ``options``
+    for a plug-in. Raises
     ``StorageConfigError`` (a ``ValueError``) for an unknown backend or a value the settings
     refuse; never touches the store, and never reads a password file or variable (the
     backend does, when it connects).
     """
-    from storage_backends import FileSettings, RedisSettings, ResilienceSettings, StorageConfigError
+    from storage_backends import FileSettings, RedisSettings, ResilienceSettings, plugin_for
 
     backend = getattr(l3cfg, "backend", "none")
     if backend in (None, "none"):
@@ -60,4 +106,4 @@ def storage_settings_from_config(l3cfg: Any) -> FileSettings | RedisSettings | N
             key_prefix=str(getattr(r, "key_prefix", "hicache")),
             resilience=ResilienceSettings(timeout_s=float(timeout)) if timeout else ResilienceSettings(),
         )
-    raise StorageConfigError(f"cache.l3.backend: unknown backend {backend!r} ({', '.join(L3_BACKENDS)})")
+    return plugin_for(str(backend)).settings(getattr(l3cfg, "options", None) or {})

@@ -291,8 +291,14 @@ def storage_body() -> Schema:
         "timeout_s": positive,
     }, ("url", "cluster", "password", "password_file", "password_env", "tls_ca_file", "tls_cert_file",
         "tls_key_file", "tls_verify_hostname", "ttl_s", "key_prefix", "timeout_s"))
-    return _object({"backend": {"enum": ["file", "redis"]}, "file": file, "redis": redis},
-                   ("backend", "file", "redis"), required=("backend",))
+    from hicache.storage_settings import l3_backends
+
+    kinds = [k for k in l3_backends() if k != "none"]
+    options = {"type": "object", "description": "the settings of a plug-in backend (its own keys); "
+               "file and redis do not read it"}
+    return _object({"backend": {"enum": kinds, "description": "file, redis or an installed plug-in's kind"},
+                    "file": file, "redis": redis, "options": options},
+                   ("backend", "file", "redis", "options"), required=("backend",))
 
 
 # --------------------------------------------------------------------------- responses

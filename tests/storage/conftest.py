@@ -8,6 +8,7 @@ the fixture that started it. Tests that need Redis are skipped, with the reason,
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,7 +16,14 @@ from pathlib import Path
 import pytest
 
 from hicache.local_redis import RedisProcess, find_redis_cli, find_redis_server, started, started_cluster
-from storage_backends import FileSettings, PageLayout, RedisSettings, ResilienceSettings, create_backend
+from storage_backends import (
+    FileSettings,
+    PageLayout,
+    RedisSettings,
+    ResilienceSettings,
+    create_backend,
+    plugin_for,
+)
 from storage_backends.base import StorageBackend
 
 REDIS_SERVER = find_redis_server()
@@ -62,13 +70,32 @@ def redis_cluster_nodes(tmp_path: Path) -> Iterator[list[RedisProcess]]:
 
 LAYOUT = PageLayout(layout_id=7, dtype="bfloat16", shape=(2, 4, 16, 64))  # 16 KiB pages
 
-BACKEND_KINDS = ["file", "redis", "redis-cluster"]
+BACKEND_KINDS = ["file", "redis", "redis-cluster", "sqlite-plugin"]
+"""``sqlite-plugin``: the example plug-in (``examples/sqlite_store``), installed by pip into a
+directory on ``sys.path`` and built through its entry point, as a third party's would be."""
+
+
+@pytest.fixture(scope="session")
+def sqlite_plugin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The example plug-in installed into a fresh directory put on ``sys.path`` (spawned
+    children inherit it) for the session; yields the directory."""
+    from tests.storage.plugin_install import install_sqlite_plugin
+
+    site = install_sqlite_plugin(tmp_path_factory.mktemp("plugin-site") / "site")
+    sys.path.insert(0, str(site))
+    try:
+        yield site
+    finally:
+        sys.path.remove(str(site))
 
 
 def settings_for(kind: str, request: pytest.FixtureRequest, store: str, **overrides: object) -> object:
     """Settings for ``kind``; ``store`` names the directory (file) or key prefix (redis)."""
     if kind == "file":
         return FileSettings(dir=store, **{"resilience": FAST, **overrides})  # type: ignore[arg-type]
+    if kind == "sqlite-plugin":
+        request.getfixturevalue("sqlite_plugin")
+        return plugin_for("sqlite").settings({"path": os.path.join(store, "l3.sqlite"), **overrides})
     prefix = os.path.basename(store)
     if kind == "redis":
         url = request.getfixturevalue("redis_standalone").url

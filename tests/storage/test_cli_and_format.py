@@ -6,7 +6,6 @@ import json
 import random
 import threading
 import time
-import typing
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +15,7 @@ from hypothesis import strategies as st
 
 from hicache.cli import main
 from hicache.local_redis import RedisProcess
-from hicache.storage_settings import L3_BACKENDS, storage_settings_from_config
+from hicache.storage_settings import BUILTIN_L3_BACKENDS, storage_settings_from_config
 from storage_backends import FileSettings, PageFormatError, PageLayout, RedisSettings, StorageConfigError
 from storage_backends.page_format import (
     HEADER_SIZE,
@@ -105,7 +104,7 @@ def test_settings_from_config_duck_typed(tmp_path: Path) -> None:
     assert (r.url, r.cluster, r.password, r.ttl_s, r.key_prefix) == ("rediss://h:6380/1", True, "pw", 60, "x")
     assert r.resilience.timeout_s == 0.7
     assert storage_settings_from_config(SimpleNamespace(backend="none")) is None
-    with pytest.raises(StorageConfigError):
+    with pytest.raises(StorageConfigError, match="unknown L3 backend 's3'.*available: none, file, redis"):
         storage_settings_from_config(SimpleNamespace(backend="s3"))
     with pytest.raises(StorageConfigError):
         storage_settings_from_config(SimpleNamespace(backend="redis", redis=SimpleNamespace(url="http://x")))
@@ -116,7 +115,8 @@ def test_settings_from_the_real_config(tmp_path: Path) -> None:
     cfg = config.load_config(None, [f"cache.l3.file.dir={tmp_path}"])
     s = storage_settings_from_config(cfg.cache.l3)
     assert isinstance(s, FileSettings) and s.dir == str(tmp_path)
-    assert set(typing.get_args(config.L3Backend)) == set(L3_BACKENDS)
+    for backend in BUILTIN_L3_BACKENDS:
+        assert config.load_config(None, [f"cache.l3.backend={backend}"]).cache.l3.backend == backend
     r = storage_settings_from_config(config.load_config(None, ["cache.l3.backend=redis"]).cache.l3)
     assert isinstance(r, RedisSettings) and r.resilience.timeout_s == config.RedisStoreConfig().timeout_s
 
