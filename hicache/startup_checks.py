@@ -97,7 +97,7 @@ def engine_geometry(cfg: HicacheConfig) -> tuple[Any, list[ConfigProblem]]:
 def _model_geometry(cfg: HicacheConfig, out: list[ConfigProblem]) -> ModelGeometry | None:
     """The model's pool geometry, or None after appending why the scheduler cannot serve it."""
     from hicache.model.geometry import geometry_for, unsupported_reason
-    from hicache.model.spec import CheckpointError
+    from hicache.model.hf_config import CheckpointError
 
     hf = cfg.model.kind == "hf"
     try:
@@ -115,7 +115,7 @@ def _model_geometry(cfg: HicacheConfig, out: list[ConfigProblem]) -> ModelGeomet
 
 def _check_weights(cfg: HicacheConfig, out: list[ConfigProblem]) -> None:
     from hicache.model.checkpoint import weight_files
-    from hicache.model.spec import CheckpointError
+    from hicache.model.hf_config import CheckpointError
 
     assert cfg.model.path is not None  # _model_geometry read its config.json
     try:

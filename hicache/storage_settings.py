@@ -18,6 +18,13 @@ BUILTIN_L3_BACKENDS = ("none", "file", "redis")
 """The values of ``cache.l3.backend`` that need no plug-in."""
 
 
+REDIS_CONFIG_KEYS = ("url", "cluster", "password", "password_file", "password_env", "tls_ca_file", "tls_cert_file",
+                     "tls_key_file", "tls_verify_hostname", "ttl_s", "key_prefix")
+"""The keys of ``cache.l3.redis`` that are ``RedisSettings`` fields of the same name and
+meaning (its ``timeout_s`` becomes ``resilience.timeout_s``; the rest of ``RedisSettings`` is
+tuning the config does not expose). A test keeps the two classes agreeing on them."""
+
+
 def l3_backends() -> list[str]:
     """Every value ``cache.l3.backend`` may take here: built in, or an installed plug-in's kind."""
     from storage_backends import plugin_kinds
@@ -68,11 +75,8 @@ def storage_settings_from_config(l3cfg: Any) -> Any:
     ``RedisSettings`` for ``redis`` and a plug-in's settings (from ``options``) for a kind
     an installed package provides; settings the section does not name keep the
     backends' defaults. Duck-typed, so anything with the same attributes works: reads
-    ``backend``, ``file.dir``, ``file.max_size_gb``, optional ``file.fsync``, and
-    ``redis.url`` plus optional ``.cluster``, ``.password``, ``.password_file``,
-    ``.password_env``, ``.tls_ca_file``, ``.tls_cert_file``, ``.tls_key_file``,
-    ``.tls_verify_hostname``, ``.ttl_s``, ``.key_prefix``, ``.timeout_s``; ``options``
-    for a plug-in. Raises
+    ``backend``, ``file.dir``, ``file.max_size_gb``, optional ``file.fsync``; those of
+    ``REDIS_CONFIG_KEYS`` and ``timeout_s`` that ``redis`` has; ``options`` for a plug-in. Raises
     ``StorageConfigError`` (a ``ValueError``) for an unknown backend or a value the settings
     refuse; never touches the store, and never reads a password file or variable (the
     backend does, when it connects).
@@ -92,18 +96,9 @@ def storage_settings_from_config(l3cfg: Any) -> Any:
     if backend == "redis":
         r = l3cfg.redis
         timeout = getattr(r, "timeout_s", None)
+        given = {name: getattr(r, name) for name in REDIS_CONFIG_KEYS if hasattr(r, name)}
         return RedisSettings(
-            url=str(r.url),
-            cluster=bool(getattr(r, "cluster", False)),
-            password=getattr(r, "password", None),
-            password_file=getattr(r, "password_file", None),
-            password_env=getattr(r, "password_env", None),
-            tls_ca_file=getattr(r, "tls_ca_file", None),
-            tls_cert_file=getattr(r, "tls_cert_file", None),
-            tls_key_file=getattr(r, "tls_key_file", None),
-            tls_verify_hostname=bool(getattr(r, "tls_verify_hostname", True)),
-            ttl_s=getattr(r, "ttl_s", None),
-            key_prefix=str(getattr(r, "key_prefix", "hicache")),
+            **given,
             resilience=ResilienceSettings(timeout_s=float(timeout)) if timeout else ResilienceSettings(),
         )
     return plugin_for(str(backend)).settings(getattr(l3cfg, "options", None) or {})

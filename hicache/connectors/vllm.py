@@ -480,9 +480,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def _register_msg(self) -> protos.EngineRegister:
         g = self.geometry
         return protos.EngineRegister(
-            0, engine_name(), os.getpid(), g.model_identity, g.kv_dtype, g.block_size, g.num_layers, g.num_kv_heads,
-            g.head_dim, g.kv_layout, g.page_bytes, runtime_identity(self.runtime, self.reset_generation),
-            own_pid_namespace(), process_start_time(os.getpid()) or 0, self.tp, g.kv_kind)
+            req=0, engine=engine_name(), pid=os.getpid(), **g.register_fields(),
+            runtime_identity=runtime_identity(self.runtime, self.reset_generation),
+            pid_namespace=own_pid_namespace(), start_time=process_start_time(os.getpid()) or 0, tensor_parallel=self.tp)
 
     @property
     def _registered(self) -> protos.EngineRegistered | None:

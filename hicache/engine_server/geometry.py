@@ -14,9 +14,7 @@ or in L3.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -69,6 +67,15 @@ class EngineKVGeometry:
     def page_bytes(self) -> int:
         return self.num_layers * self.layer_block_bytes
 
+    @classmethod
+    def of_register(cls, msg: Any) -> EngineKVGeometry:
+        """The geometry an ``EngineRegister`` states: its fields of the same names."""
+        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})
+
+    def register_fields(self) -> dict[str, Any]:
+        """The ``EngineRegister`` fields that state this geometry, ``page_bytes`` included."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "page_bytes": self.page_bytes}
+
     def mismatch(self, other: EngineKVGeometry) -> str | None:
         """None if ``other`` describes the same pages, else which fields differ (daemon vs engine)."""
         diffs = [f"{f.name}: daemon {getattr(self, f.name)!r}, engine {getattr(other, f.name)!r}"
@@ -77,14 +84,14 @@ class EngineKVGeometry:
 
 
 def read_hf_config(model_dir: str) -> dict[str, Any]:
-    path = Path(model_dir) / "config.json"
+    """The checkpoint's ``config.json`` (``hicache.model.hf_config``), EngineModelError naming the file."""
+    from hicache.model.hf_config import CheckpointError
+    from hicache.model.hf_config import read_hf_config as read
+
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise EngineModelError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise EngineModelError(f"{path}: not a JSON object")
-    return raw
+        return read(model_dir)
+    except CheckpointError as exc:
+        raise EngineModelError(str(exc)) from None
 
 
 def checkpoint_dtype(raw: dict[str, Any]) -> str:
@@ -115,16 +122,14 @@ def attention_shape(raw: dict[str, Any], where: str = "config.json") -> tuple[in
     Models with recurrent-state layers (Mamba, GDN, linear attention) are refused, naming
     what says so: engine mode keeps attention KV only in this build."""
 
-    def need(name: str) -> int:
-        value = raw.get(name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise EngineModelError(f"{where}: {name} must be a positive integer, got {value!r}")
-        return value
+    from hicache.model.hf_config import CheckpointError, attention_sizes, positive_int
 
-    layers = need("num_hidden_layers")
-    heads = need("num_attention_heads")
-    kv_heads = raw.get("num_key_value_heads") or heads
-    head_dim = raw.get("head_dim") or need("hidden_size") // heads
+    try:
+        sizes = attention_sizes(raw, where)
+        latent = (positive_int(raw, "kv_lora_rank", where) + positive_int(raw, "qk_rope_head_dim", where)
+                  if raw.get("kv_lora_rank") else 0)
+    except CheckpointError as exc:
+        raise EngineModelError(str(exc)) from None
     types = raw.get("layer_types")
     if isinstance(types, list):
         other = sorted({str(t) for t in types} - set(ATTENTION_LAYER_TYPES))
@@ -135,9 +140,9 @@ def attention_shape(raw: dict[str, Any], where: str = "config.json") -> tuple[in
     if state:
         raise EngineModelError(f"{where}: {', '.join(state)} set: a model with recurrent-state (Mamba / linear "
                                "attention) layers; engine mode holds attention KV only")
-    if raw.get("kv_lora_rank"):
-        return layers, 1, need("kv_lora_rank") + need("qk_rope_head_dim"), "mla"
-    return layers, int(kv_heads), int(head_dim), "kv"
+    if latent:
+        return sizes.num_layers, 1, latent, "mla"
+    return sizes.num_layers, sizes.num_kv_heads, sizes.head_dim, "kv"
 
 
 NAMESPACE_CHARS = 32

@@ -238,8 +238,7 @@ class CacheServer:
 
     # ------------------------------------------------------------------ register
     def register(self, msg: protos.EngineRegister) -> protos.Message:
-        theirs = EngineKVGeometry(msg.model_identity, msg.kv_dtype, msg.block_size, msg.num_layers,
-                                  msg.num_kv_heads, msg.head_dim, msg.kv_layout, msg.kv_kind)
+        theirs = EngineKVGeometry.of_register(msg)
         if not _IDENTITY.fullmatch(msg.runtime_identity):
             self.counters.bad_requests += 1
             return protos.EngineError(msg.req, "bad_request", "runtime_identity must be 64 lowercase hex characters")

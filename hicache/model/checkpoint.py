@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
+from hicache.model.hf_config import CheckpointError
 from hicache.model.pools import torch_dtype
 from hicache.model.safetensors_io import SafetensorsFile
-from hicache.model.spec import CheckpointError, DecoderSpec
+from hicache.model.spec import DecoderSpec
 from hicache.model.weights import AttentionWeights, DecoderWeights, LayerWeights
 
 log = logging.getLogger(__name__)

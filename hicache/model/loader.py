@@ -8,7 +8,8 @@ from pathlib import Path
 from hicache.config import ModelConfig
 from hicache.model.fingerprint import model_identity
 from hicache.model.geometry import ModelGeometry
-from hicache.model.spec import DecoderSpec, read_hf_config, spec_from_hf_config, spec_from_reference
+from hicache.model.hf_config import read_hf_config
+from hicache.model.spec import DecoderSpec, spec_from_hf_config, spec_from_reference
 from hicache.model.weights import DecoderWeights, init_reference_weights
 
 
@@ -32,7 +33,7 @@ def load_model(model: ModelConfig) -> LoadedModel:
         weights = init_reference_weights(spec, model.reference.seed)
     else:
         from hicache.model.checkpoint import load_hf_weights
-        from hicache.model.spec import CheckpointError
+        from hicache.model.hf_config import CheckpointError
 
         if not model.path:
             raise CheckpointError("model.path is required when model.kind is hf")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from hicache.model.spec import CheckpointError
+from hicache.model.hf_config import CheckpointError
 
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "F32": (torch.float32, 4),

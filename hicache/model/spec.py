@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hicache.config import REFERENCE_PRESETS, ModelConfig, ReferenceModelConfig
+from hicache.model.hf_config import CheckpointError, attention_sizes, positive_int, read_hf_config
 
 LAYER_KINDS = ("full", "swa", "mamba")
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -34,10 +35,6 @@ the model identity, so old cached pages stop matching)."""
 
 MAMBA_EXPAND = 2
 MAMBA_CONV_KERNEL = 4
-
-
-class CheckpointError(ValueError):
-    """A model directory, config.json or weight file is missing, malformed or unsupported."""
 
 
 @dataclass(frozen=True)
@@ -138,23 +135,6 @@ def spec_from_reference(ref: ReferenceModelConfig, dtype: str = "float32") -> De
     )
 
 
-def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
-    """The parsed ``config.json`` of a local checkpoint directory; CheckpointError naming the file."""
-    path = Path(model_dir)
-    if not path.is_dir():
-        raise CheckpointError(f"model directory {path} does not exist or is not a directory")
-    cfg_path = path / "config.json"
-    try:
-        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"{cfg_path} is missing (a Hugging Face checkpoint needs config.json)") from exc
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{cfg_path} is not readable JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{cfg_path} must hold a JSON object")
-    return raw
-
-
 def _int_list(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -209,16 +189,10 @@ def spec_from_hf_config(raw: dict[str, Any], dtype: str = "float32", where: str 
         raise CheckpointError(f"{where}: hidden_act {act!r} is not supported (only silu)")
 
     def need(name: str) -> int:
-        value = raw.get(name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise CheckpointError(f"{where}: {name} must be a positive integer, got {value!r}")
-        return value
+        return positive_int(raw, name, where)
 
-    hidden = need("hidden_size")
-    heads = need("num_attention_heads")
-    kv_heads = raw.get("num_key_value_heads") or heads
-    head_dim = raw.get("head_dim") or hidden // heads
-    num_layers = need("num_hidden_layers")
+    sizes = attention_sizes(raw, where)
+    num_layers = sizes.num_layers
     window = raw.get("sliding_window")
     kinds: tuple[str, ...]
     layer_types = raw.get("layer_types")
@@ -242,10 +216,10 @@ def spec_from_hf_config(raw: dict[str, Any], dtype: str = "float32", where: str 
         return DecoderSpec(
             architecture=arch,
             layer_kinds=kinds,
-            hidden_size=hidden,
-            num_heads=heads,
-            num_kv_heads=int(kv_heads),
-            head_dim=int(head_dim),
+            hidden_size=sizes.hidden_size,
+            num_heads=sizes.num_heads,
+            num_kv_heads=sizes.num_kv_heads,
+            head_dim=sizes.head_dim,
             intermediate_size=need("intermediate_size"),
             vocab_size=need("vocab_size"),
             max_context=int(raw.get("max_position_embeddings") or 4096),

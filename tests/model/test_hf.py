@@ -13,9 +13,9 @@ import torch
 from hicache.config import ModelConfig
 from hicache.model.fingerprint import model_identity
 from hicache.model.geometry import geometry_for
+from hicache.model.hf_config import CheckpointError
 from hicache.model.loader import load_model
 from hicache.model.sampling_params import SamplingParams
-from hicache.model.spec import CheckpointError
 from tests.model.conftest import Driver, Req
 
 transformers = pytest.importorskip(

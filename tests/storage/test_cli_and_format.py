@@ -16,7 +16,14 @@ from hypothesis import strategies as st
 from hicache.cli import main
 from hicache.local_redis import RedisProcess
 from hicache.storage_settings import BUILTIN_L3_BACKENDS, storage_settings_from_config
-from storage_backends import FileSettings, PageFormatError, PageLayout, RedisSettings, StorageConfigError
+from storage_backends import (
+    FileSettings,
+    PageFormatError,
+    PageLayout,
+    RedisSettings,
+    ResilienceSettings,
+    StorageConfigError,
+)
 from storage_backends.page_format import (
     HEADER_SIZE,
     check_object,
@@ -119,6 +126,23 @@ def test_settings_from_the_real_config(tmp_path: Path) -> None:
         assert config.load_config(None, [f"cache.l3.backend={backend}"]).cache.l3.backend == backend
     r = storage_settings_from_config(config.load_config(None, ["cache.l3.backend=redis"]).cache.l3)
     assert isinstance(r, RedisSettings) and r.resilience.timeout_s == config.RedisStoreConfig().timeout_s
+
+
+def test_the_config_redis_section_and_the_redis_settings_agree() -> None:
+    """``cache.l3.redis`` is ``RedisSettings`` seen from the config: the keys it shares carry
+    the same defaults, and ``timeout_s`` is the resilience timeout's."""
+    import dataclasses
+
+    from hicache.config import RedisStoreConfig
+    from hicache.storage_settings import REDIS_CONFIG_KEYS
+
+    section = {f.name: f for f in dataclasses.fields(RedisStoreConfig)}
+    settings = {f.name: f for f in dataclasses.fields(RedisSettings)}
+    assert set(section) == {*REDIS_CONFIG_KEYS, "timeout_s"}
+    for name in REDIS_CONFIG_KEYS:
+        assert section[name].default == settings[name].default, name
+        assert section[name].metadata.get("secret", False) == (not settings[name].repr), name
+    assert RedisStoreConfig().timeout_s == ResilienceSettings().timeout_s
 
 
 def test_storage_cli_uses_the_settings_module() -> None:
