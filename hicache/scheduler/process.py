@@ -14,7 +14,7 @@ launcher     PUSH    ready, and a restart request when the controller hangs
 ===========  ======  ==========================================================
 
 ``SchedulerProcess`` is the loop (``hicache.scheduler.loop.ProcessLoop``: heartbeat,
-telemetry, controller watchdog, drain) around ``hicache.scheduler.engine.Scheduler``; one
+telemetry, controller watchdog, drain) around ``hicache.scheduler.scheduler.Scheduler``; one
 handler per inbox message type (``handlers``). A round reads the inbox, schedules, and runs
 at most one forward pass. It waits on the inbox only while there is nothing to compute:
 ``RUNNING_POLL_MS`` with requests running, ``WAITING_POLL_MS`` with only waiting ones (their
@@ -40,7 +40,7 @@ from hicache.scheduler.loop import Links, ProcessLoop, SchedulerArgs, StopSignal
 if TYPE_CHECKING:
     from hicache.kv_events.stream import KVEventStream
     from hicache.memory.pools import SharedPools
-    from hicache.scheduler.engine import Scheduler
+    from hicache.scheduler.scheduler import Scheduler
     from hicache.tier_manager import TierManager
 
 log = logging.getLogger("hicache.scheduler")
@@ -92,7 +92,7 @@ class SchedulerProcess(ProcessLoop):
         from hicache.model.loader import load_model
         from hicache.model.runner import ModelRunner
         from hicache.scheduler.assembly import build_cache, kv_pools_from_shared
-        from hicache.scheduler.engine import Scheduler
+        from hicache.scheduler.scheduler import Scheduler
         from hicache.scheduler.telemetry import SchedulerTelemetry
         from hicache.text import load_tokenizer
         from hicache.tier_manager import TierManager

@@ -11,8 +11,9 @@ loading     its L2-only prefix is being loaded into L1    the load is acknowledg
 running     admitted: holds a tree lock and L1 pages     finished, aborted or failed
 ==========  ===========================================  ===================================
 
-A request leaves every state by ``Scheduler._finish`` (also when serving it raised: see
-``Scheduler._fail_request``), which gives back what it holds and emits its final output
+A request leaves every state by ``Finisher.finish`` (``hicache.scheduler.finishing``; also
+when serving it raised: see
+``Finisher.fail_request``), which gives back what it holds and emits its final output
 (``finished``).
 
 A running request's ``state`` (``RequestState``) is what the tree sees: its token ids
@@ -237,7 +238,7 @@ class Request:
     load: LoadTicket | None = None
     """Its load-back (``TierManager.start_load_back``); the tier manager sets ``ok``."""
     hold: LockToken | None = None
-    """The loaded prefix, locked from the load's ack (``Scheduler._load_finished``) to admission."""
+    """The loaded prefix, locked from the load's ack (``Admission.load_finished``) to admission."""
     first_token_at: float | None = None
     admitted_at: float | None = None
     load_sent_at: float | None = None
@@ -250,7 +251,7 @@ class Request:
     top_logprobs: list[list[float]] = field(default_factory=list)
     """Parallel to ``output_ids`` when ``params.logprobs`` is set (``sample.token_logprobs``)."""
     finished: bool = False
-    """Its final output has been emitted (by ``Scheduler._finish`` or ``_fail_request``)."""
+    """Its final output has been emitted (by ``Finisher.finish`` or ``fail_request``)."""
 
     @property
     def prompt_len(self) -> int:

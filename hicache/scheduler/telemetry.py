@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 from hicache.metrics import Metrics
-from hicache.scheduler.engine import Scheduler
 from hicache.scheduler.request import LOADING, PREFETCH, WAITING
+from hicache.scheduler.scheduler import Scheduler
 
 N = TypeVar("N", int, float)
 

@@ -16,7 +16,7 @@ from hicache.model.loader import load_model
 from hicache.model.pools import allocate_pools
 from hicache.model.runner import ModelRunner
 from hicache.scheduler.assembly import build_cache
-from hicache.scheduler.engine import Scheduler
+from hicache.scheduler.scheduler import Scheduler
 
 
 class Rig:

@@ -312,8 +312,8 @@ def test_multi_turn_waits_for_pinned_pages_instead_of_recomputing_what_l2_holds(
 def test_a_load_back_acknowledged_before_the_next_pass_joins_it() -> None:
     """The loop may wait (``load_join_wait_s``) for a load-back in flight while others run;
     once the ack is in, the next scheduling pass admits the request into that same forward."""
-    from hicache.scheduler.engine import LOAD_JOIN_WAIT_MAX_S
     from hicache.scheduler.request import LOADING, RUNNING
+    from hicache.scheduler.scheduler import LOAD_JOIN_WAIT_MAX_S
 
     cfg = config_from_dict({
         "cache": {"page_size": 4, "l1": {"tokens": 256}, "l2": {"tokens": 2048}, "l3": {"backend": "none"},

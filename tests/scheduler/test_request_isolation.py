@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-import hicache.scheduler.engine as engine_module
+import hicache.scheduler.forward_pass as forward_pass_module
+import hicache.scheduler.scheduler as scheduler_module
 import protos
 from hicache.config import HicacheConfig, config_from_dict
 from hicache.model.sampling import PenaltyState, sample_next
@@ -71,7 +72,7 @@ def test_a_sampler_exception_fails_only_its_request(monkeypatch: pytest.MonkeyPa
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
         return sample_next(logits, params, seed, step, penalties)
 
-    monkeypatch.setattr(engine_module, "sample_next", sampler)
+    monkeypatch.setattr(forward_pass_module, "sample_next", sampler)
     rig = Rig(cfg)
     rig.run([gen("victim", victim_ids, 8, stream=True, seed=VICTIM_SEED), gen("other", other_ids, 8, stream=True)])
     assert calls == [2]
@@ -113,7 +114,7 @@ def test_an_exception_late_in_admission_gives_back_the_lock_and_slots(
     victim_ids, other_ids = shared + [7, 8, 9], shared + [10, 11]
     rig = Rig(cfg)
     rig.run([gen("warm", shared)])  # so that the victim matches a cached prefix (and its state)
-    real = rig.sched._account_hits
+    real = rig.sched.admission.account_hits
 
     def account_hits(req: Any, prefix: int) -> None:
         if req.rid == "victim":
@@ -121,7 +122,7 @@ def test_an_exception_late_in_admission_gives_back_the_lock_and_slots(
             raise RuntimeError("accounting failed")
         real(req, prefix)
 
-    monkeypatch.setattr(rig.sched, "_account_hits", account_hits)
+    monkeypatch.setattr(rig.sched.admission, "account_hits", account_hits)
     if kind == "mamba":
         copy = rig.sched.mamba.copy_state  # type: ignore[union-attr]
         copied: list[int] = []
@@ -140,7 +141,7 @@ def test_an_exception_right_after_locking_the_match_releases_the_lock(monkeypatc
     shared = _prompts(10, 1, 40)[0]
     rig = Rig(cfg)
     rig.run([gen("warm", shared)])
-    real = rig.sched._release_hold
+    real = rig.sched.finisher.release_hold
     raised: list[str] = []
 
     def release_hold(req: Any) -> None:
@@ -149,7 +150,7 @@ def test_an_exception_right_after_locking_the_match_releases_the_lock(monkeypatc
             raise RuntimeError("hold bookkeeping failed")
         real(req)
 
-    monkeypatch.setattr(rig.sched, "_release_hold", release_hold)
+    monkeypatch.setattr(rig.sched.finisher, "release_hold", release_hold)
     rig.run([gen("victim", shared + [3, 4])])  # ``run`` checks the cache is exact afterwards
     assert raised == ["victim"]
     _assert_failed(rig, "victim", "admitting the request")
@@ -179,7 +180,7 @@ def test_an_exception_preparing_a_forward_fails_only_its_request(monkeypatch: py
     cfg = _cfg()
     victim_ids, other_ids = _prompts(5, 2, 45)
     rig = Rig(cfg)
-    real = rig.sched._ensure_pages
+    real = rig.sched.forward_pass.ensure_pages
     seen: list[int] = []
 
     def ensure_pages(req: Any, upto: int) -> bool:
@@ -188,7 +189,7 @@ def test_an_exception_preparing_a_forward_fails_only_its_request(monkeypatch: py
             raise MemoryError("no pages")
         return real(req, upto)
 
-    monkeypatch.setattr(rig.sched, "_ensure_pages", ensure_pages)
+    monkeypatch.setattr(rig.sched.forward_pass, "ensure_pages", ensure_pages)
     rig.run([gen("victim", victim_ids, 8), gen("other", other_ids, 8)])
     assert seen == [len(victim_ids) + 3]
     _assert_failed(rig, "victim", "preparing its forward pass")
@@ -263,14 +264,14 @@ def _logits(rig: Rig, req: protos.GenerateRequest) -> list[torch.Tensor]:
 def test_an_unexpected_exception_checking_a_request_answers_it(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = _cfg()
     rig = Rig(cfg)
-    real = engine_module.resolve_seed
+    real = scheduler_module.resolve_seed
 
     def resolve_seed(params: SamplingParams) -> int:
         if params.seed == VICTIM_SEED:
             raise OverflowError("seed out of range")
         return real(params)
 
-    monkeypatch.setattr(engine_module, "resolve_seed", resolve_seed)
+    monkeypatch.setattr(scheduler_module, "resolve_seed", resolve_seed)
     ids = _prompts(7, 1)[0]
     rig.run([gen("victim", ids, seed=VICTIM_SEED), gen("other", ids)])
     _assert_failed(rig, "victim", "checking the request")
