@@ -237,8 +237,8 @@ class TierManager:
     def issue_writes(self, limit: int | None = None) -> int:
         """Start the L2 writes the write policy asks for now; returns how many were sent."""
         sent = 0
-        for node in self.cache.nodes_to_write_to_host(limit):
-            op = self.cache.start_write(node)
+        for node in self.cache.tiers.nodes_to_write_to_host(limit):
+            op = self.cache.tiers.start_write(node)
             if op is None:
                 continue
             op_id = next(self._ids)
@@ -255,7 +255,7 @@ class TierManager:
         recompute it instead (shorter than ``load_back_threshold``, or no room in L1)."""
         if match.host_hit_length <= 0 or match.host_hit_length < self.load_back_threshold:
             return None
-        op = self.cache.start_load_back(match)
+        op = self.cache.tiers.start_load_back(match)
         if op is None:
             return None
         ticket = LoadTicket(next(self._ids), rid, op.node, match.host_hit_length)
@@ -270,7 +270,7 @@ class TierManager:
         """Write ``node``'s L2 pages to L3 (no-op with L3 off or no L2 copy)."""
         if not self.l3_enabled:
             return
-        op = self.cache.start_backup(node)
+        op = self.cache.tiers.start_backup(node)
         if op is None:
             return
         op_id = next(self._ids)
@@ -293,8 +293,8 @@ class TierManager:
         rest_pages = (len(token_ids) - start) // ps
         if rest_pages <= 0 or rest_pages * ps < max(self.prefetch_cfg.threshold_tokens, 1):
             return None
-        parent = self.cache.last_page_hash(match.last_host_node) if match.last_host_node.parent else None
-        hasher = self.cache.hasher_for(cache_salt)
+        parent = self.cache.tiers.last_page_hash(match.last_host_node) if match.last_host_node.parent else None
+        hasher = self.cache.tiers.hasher_for(cache_salt)
         hashes = hasher.hash_pages(token_ids[start : start + rest_pages * ps], parent)
         cfg = self.prefetch_cfg
         deadline = None
@@ -320,7 +320,7 @@ class TierManager:
         cap = int(host_alloc.capacity * self.prefetch_cfg.max_reserved_fraction) - self._prefetch_reserved
         n = min(n, max(cap, 0))
         if n and host_alloc.free_count < n:
-            self.cache.evict_host((n - host_alloc.free_count) * ps)
+            self.cache.tiers.evict_host((n - host_alloc.free_count) * ps)
         n = min(n, host_alloc.free_count)
         pages = host_alloc.alloc(n) if n > 0 else None
         if not pages:
@@ -386,7 +386,7 @@ class TierManager:
         ticket.aux_units = {}
         if pages_done:
             end = ticket.start_tokens + pages_done * ps
-            res = self.cache.insert_host(ticket.key[:end], pages[:pages_done], ticket.cache_salt,
+            res = self.cache.tiers.insert_host(ticket.key[:end], pages[:pages_done], ticket.cache_salt,
                                          start_page=first, aux=aux)
             ticket.arrived_tokens = res.host_pages_taken * ps
             self.counters.prefetch_tokens += pages_done * ps
@@ -431,7 +431,7 @@ class TierManager:
         cache = self.cache
         if e.kind is OpKind.WRITE:
             assert e.transfer is not None
-            written = cache.finish_write(e.transfer, ok)
+            written = cache.tiers.finish_write(e.transfer, ok)
             if ok:
                 self.counters.writes += 1
                 for node in written:  # every node of the write, also the parts of a split
@@ -440,7 +440,7 @@ class TierManager:
                 self.counters.writes_failed += 1
         elif e.kind is OpKind.LOAD:
             assert e.transfer is not None and e.load is not None
-            cache.finish_load_back(e.transfer, ok)
+            cache.tiers.finish_load_back(e.transfer, ok)
             e.load.ok = ok
             if ok:
                 self.counters.loads += 1
@@ -450,7 +450,7 @@ class TierManager:
             return e.load
         elif e.kind is OpKind.BACKUP:
             assert e.transfer is not None
-            cache.finish_backup(e.transfer, ok)
+            cache.tiers.finish_backup(e.transfer, ok)
             if ok:
                 self.counters.backups += 1
                 self.counters.backup_tokens += e.transfer.npages * cache.page_size

@@ -332,8 +332,8 @@ class CacheServer:
             memory.hit_counted = True
             self.cache.record_hit(match)
         node = match.last_host_node
-        pages = self.cache.host_prefix_pages(node)
-        npages = self.cache.protect_host(node)
+        pages = self.cache.tiers.host_prefix_pages(node)
+        npages = self.cache.tiers.protect_host(node)
         storage_pages = min(storage_pages, len(pages))
         lease = self.leases.add(Lease(0, LeaseKind.LOOKUP, session, self.clock(), node=node, npages=npages,
                                       storage_pages=storage_pages, ranks=self._ranks(session)))
@@ -382,7 +382,7 @@ class CacheServer:
             return protos.Reservation(0, start)
         host = self.host
         if host.free_count < want:
-            self.cache.evict_host((want - host.free_count) * ps)
+            self.cache.tiers.evict_host((want - host.free_count) * ps)
         n = min(want, host.free_count)
         if n < want:
             self.counters.reserve_short_pages += want - n
@@ -418,7 +418,7 @@ class CacheServer:
             self.host.free(lease.pages)
             return
         assert lease.key is not None
-        res = self.cache.insert_host(lease.key, lease.pages, lease.cache_salt, start_page=lease.start_page)
+        res = self.cache.tiers.insert_host(lease.key, lease.pages, lease.cache_salt, start_page=lease.start_page)
         self.counters.committed_pages += res.host_pages_taken
         self.counters.commit_duplicate_pages += len(lease.pages) - res.host_pages_taken
         if res.host_pages_taken and self.tier is not None:
@@ -491,7 +491,7 @@ class CacheServer:
         """Undo what an open lease holds (release its lock or free its reserved pages)."""
         if lease.kind is LeaseKind.LOOKUP:
             assert lease.node is not None
-            self.cache.release_host(lease.node, lease.npages)
+            self.cache.tiers.release_host(lease.node, lease.npages)
         else:
             self.host.free(lease.pages)
 

@@ -97,7 +97,7 @@ class TierEventTracker:
         if tier not in self._tiers or self.failed:
             return
         try:
-            self._removed(self._cache.node_hashes(node), tier)
+            self._removed(self._cache.tiers.node_hashes(node), tier)
         except Exception:
             self._fail()
 
@@ -124,7 +124,7 @@ class TierEventTracker:
         self._add(BlockRemoved(block_hashes=[bytes.fromhex(h) for h in hashes], medium=MEDIUM_OF_TIER[tier].value))
 
     def _stored(self, node: TreeNode, tier: Tier) -> None:
-        hashes = self._cache.node_hashes(node)
+        hashes = self._cache.tiers.node_hashes(node)
         parent = node.parent
         parent_hash = parent.hash_value[-1] if parent is not None and parent.parent is not None \
             and parent.hash_value else None

@@ -215,9 +215,9 @@ class TieredSimulator:
         last = m.last_device_node
         have = m.device_len // ps
         if m.host_hit_length > 0 and m.host_hit_length * self._unit >= cfg.load_back_threshold:
-            op = cache.start_load_back(m)
+            op = cache.tiers.start_load_back(m)
             if op is not None:
-                cache.finish_load_back(op, True)
+                cache.tiers.finish_load_back(op, True)
                 loaded = op.npages
                 self.pages["h2d"] += loaded
                 pages = pages + _page_list(op.dst_pages)
@@ -256,41 +256,41 @@ class TieredSimulator:
         if rest <= 0 or rest * self.cfg.page_tokens < max(self.cfg.prefetch_threshold, 1):
             return 0
         node = m.last_host_node
-        parent = cache.last_page_hash(node) if node.parent is not None else None
-        hashes = cache.hasher_for("").hash_pages(key[start * ps:npages * ps], parent)
+        parent = cache.tiers.last_page_hash(node) if node.parent is not None else None
+        hashes = cache.tiers.hasher_for("").hash_pages(key[start * ps:npages * ps], parent)
         n = l3.consecutive(hashes)
         if n == 0 or n * self.cfg.page_tokens < max(self.cfg.prefetch_threshold, 1):
             return 0
         l2 = self.l2
         assert l2 is not None  # L3 implies L2 (SimConfig.validate)
         if l2.free_count < n:
-            guard = cache.protect_host(node) if node.parent is not None and node.host_value is not None else None
-            cache.evict_host((n - l2.free_count) * ps)
+            guard = cache.tiers.protect_host(node) if node.parent is not None and node.host_value is not None else None
+            cache.tiers.evict_host((n - l2.free_count) * ps)
             if guard is not None:
-                cache.release_host(node, guard)
+                cache.tiers.release_host(node, guard)
         n = min(n, l2.free_count)
         got = l2.alloc(n) if n else None
         if not got:
             return 0
         l3.touch(hashes[:n])
         self.pages["s2h"] += n
-        res = cache.insert_host(key[:(start + n) * ps], got, start_page=start)
+        res = cache.tiers.insert_host(key[:(start + n) * ps], got, start_page=start)
         self.l2_taken += res.host_pages_taken
         return res.host_pages_taken
 
     def _write_node(self, node: TreeNode) -> None:
         cache = self.cache
-        op = cache.start_write(node)
+        op = cache.tiers.start_write(node)
         if op is None:
             return
-        cache.finish_write(op, True)
+        cache.tiers.finish_write(op, True)
         self.pages["d2h"] += op.npages
         self.l2_taken += op.npages
         if self.l3 is not None:
-            bop = cache.start_backup(op.node)
+            bop = cache.tiers.start_backup(op.node)
             if bop is not None:
                 self.pages["h2s"] += self.l3.put(bop.hashes)
-                cache.finish_backup(bop, True)
+                cache.tiers.finish_backup(bop, True)
 
     def _write_path(self, node: TreeNode) -> None:
         cfg = self.cfg
@@ -316,7 +316,7 @@ class TieredSimulator:
             self.l1_evicted += freed
             wrote = 0
             if write_back:
-                for n in cache.nodes_to_write_to_host():
+                for n in cache.tiers.nodes_to_write_to_host():
                     self._write_node(n)
                     wrote += 1
             if not freed and not wrote:

@@ -69,7 +69,7 @@ class ForwardPass:
                     tokens = array(KEY_TYPECODE, [req.output_ids[-1]])
                     logits = "last"
                 if not self.ensure_pages(req, req.computed + len(tokens)):
-                    if s.tier is not None and (s.tier.in_flight or s.cache.nodes_to_write_to_host(limit=1)):
+                    if s.tier is not None and (s.tier.in_flight or s.cache.tiers.nodes_to_write_to_host(limit=1)):
                         # Pages held by in-flight transfers, or queued for an L2 write before
                         # eviction (write_back), free up once the controller is done: sit this
                         # pass out rather than fail (the admission reservation covers us then).

@@ -279,7 +279,7 @@ class Scheduler:
                     out["l2"][c.name] = {f"used_{key}": h.used * unit, f"capacity_{key}": h.capacity * unit}
         if self.tier is not None:
             out["tiers"] = {**vars(self.tier.counters), "in_flight": self.tier.in_flight,
-                            "writes_due": len(self.cache.nodes_to_write_to_host())}
+                            "writes_due": len(self.cache.tiers.nodes_to_write_to_host())}
         return out
 
     # ------------------------------------------------------------------ the step

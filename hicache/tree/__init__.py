@@ -2,11 +2,12 @@
 
 Layers: ``TreeCore`` (pure tree, orders, counters), ``TreeComponent`` (one per kind of cached
 data: ``FullComponent``, ``SWAComponent``, ``MambaComponent``), ``UnifiedRadixCache`` (the API
-the scheduler calls, executing decisions against index allocators). ``UnifiedRadixCache`` is
-three classes deep: ``CacheBase`` (``base``: constructor state, result types, shared
-helpers), ``TierCalls`` (``tiering``: what moves between tiers and how the nodes' state
-follows, L2 eviction, ``TierOp``) and ``UnifiedRadixCache`` itself (``cache``: match,
-insert, locks, sizes, L1 eviction, requests).
+the scheduler calls, executing decisions against index allocators). ``UnifiedRadixCache``
+(``cache``: match, insert, locks, sizes, L1 eviction, requests) derives from ``CacheBase``
+(``base``: the tree's state, result types, shared helpers) and holds its tier half as
+``tiers``: a ``TierCalls`` (``tiering``: what moves between tiers and how the nodes' state
+follows, L2 eviction, ``TierOp``), which holds the cache in turn through a written interface
+(the ``CacheBase`` state and ``TreeLocks``).
 """
 
 from __future__ import annotations

@@ -1,18 +1,19 @@
 """CacheBase: the state and helpers both halves of ``UnifiedRadixCache`` share (docs/architecture.md §4).
 
-``UnifiedRadixCache`` is built in three classes, one module each, each deriving from the one
-below it:
+``UnifiedRadixCache`` is built in three classes, one module each:
 
 * ``CacheBase`` (this module): the constructor (the components checked and numbered, the
-  ``TreeCore``, the write policy, the hasher, the counters), the result types both halves
+  ``TreeCore``, the write policy, the counters), the result types both halves
   return (``MatchResult``, ``InsertResult``, ``EvictResult``, ``LockToken``), and the helpers
   both use: ``_aligned`` (keys), ``_npages`` / ``_op_nodes`` (an op's span of nodes),
   ``_free`` (giving units back to an allocator), ``salt_of`` and ``_delete`` (removing a
   node, where L1 and L2 eviction both end);
 * ``TierCalls`` (``hicache.tree.tiering``): what moves between tiers and how the nodes'
-  state follows (§5), with L2 eviction;
+  state follows (§5), with L2 eviction and the page hashes; it holds a ``CacheBase`` (it
+  derives from nothing);
 * ``UnifiedRadixCache`` (``hicache.tree.cache``): the tree semantics the scheduler calls
-  (match, insert, locks, sizes, L1 eviction, requests, flush, integrity).
+  (match, insert, locks, sizes, L1 eviction, requests, flush, integrity); it derives from
+  ``CacheBase`` and holds its ``TierCalls`` as ``tiers``.
 
 This module imports neither of the two above it.
 """
@@ -24,7 +25,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicache.hashing import HashNamespace, PageHasher
 from hicache.memory.allocator import PageIndices
 from hicache.tree.components import FullComponent, TreeComponent
 from hicache.tree.core import TreeCore
@@ -109,7 +109,6 @@ class CacheBase:
         components: Sequence[TreeComponent],
         page_size: int = 1,
         *,
-        hasher: PageHasher | HashNamespace | None = None,
         eviction_policy: str = "lru",
         write_policy: str = "write_through",
         write_through_threshold: int = 2,
@@ -140,18 +139,11 @@ class CacheBase:
                              lambda: make_policy(eviction_policy),
                              written=[i == 0 or (hicache and c.host_allocator is not None)
                                       for i, c in enumerate(comps)])
-        if isinstance(hasher, HashNamespace):
-            hasher = PageHasher(hasher)
-        if hasher is not None and hasher.page_size != page_size:
-            raise ValueError("the hasher's page size differs from the cache's")
-        self._hasher = hasher
-        self._hashers: dict[str, PageHasher] = {}
         self.write_policy = write_policy
         self.write_through_threshold = write_through_threshold
         self.hicache = hicache
         self._write_back = self.hicache and write_policy == "write_back"
         self._write_back_queue: dict[TreeNode, None] = {}
-        self._open_transfers = 0  # TierOps started and not finished (their owner keeps them)
         self.evicted_device_tokens = 0  # monotonic: FULL tokens freed from L1 / L2 by eviction
         self.evicted_host_tokens = 0
         self._empty = self.full.allocator.empty

@@ -7,9 +7,9 @@ cache controller (another process) copies them and acknowledges.
 
 This module holds the tree semantics: match, insert, locks, sizes, L1 eviction, requests,
 flush and the integrity check. The tier-facing half (what moves between tiers and how the
-nodes' state follows, with L2 eviction) is ``TierCalls`` in ``hicache.tree.tiering``, which
-this class derives from; the constructor's state, the result types and the helpers both
-halves use are ``CacheBase``'s, in ``hicache.tree.base``.
+nodes' state follows, with L2 eviction) is ``TierCalls`` in ``hicache.tree.tiering``, held
+as ``tiers``; the state, the result types and the helpers both halves use are
+``CacheBase``'s, in ``hicache.tree.base``, which this class derives from.
 
 Ownership of page indices in the tree's calls (Full component; SWA behaves alike, Mamba with
 one slot; the tier calls' rows, ``evict_host`` to ``insert_host``, are in
@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from hicache.tree.base import WRITE_POLICIES, EvictResult, InsertResult, LockToken, MatchResult
+from hicache.hashing import HashNamespace, PageHasher
+from hicache.tree.base import WRITE_POLICIES, CacheBase, EvictResult, InsertResult, LockToken, MatchResult
 from hicache.tree.components import (
     RELEASED,
     MambaComponent,
@@ -99,7 +100,7 @@ class RequestState:
     mamba_slot: int | None = None
 
 
-class UnifiedRadixCache(TierCalls):
+class UnifiedRadixCache(CacheBase):
     """One radix tree over FULL plus any auxiliary components, with L1 and optional L2 state.
 
     ``components``: a ``FullComponent`` first (the primary: its data decides whether a node
@@ -115,14 +116,29 @@ class UnifiedRadixCache(TierCalls):
     ``insert_with``, ``evict`` / ``evict_units``, ``cache_finished_req``,
     ``cache_unfinished_req``, ``evictable_size`` / ``protected_size`` / ``total_size``,
     ``flush``, ``check_integrity``.
-    Tier calls (inherited from ``TierCalls``, ``hicache.tree.tiering``; see its table):
-    ``nodes_to_write_to_host``, ``start_write`` / ``finish_write``, ``start_load_back`` /
-    ``finish_load_back``, ``start_backup`` / ``finish_backup``, ``evict_host``,
-    ``protect_host`` / ``release_host``, ``insert_host``, ``node_hashes`` /
-    ``last_page_hash``, ``open_transfers``. The constructor and the state both halves share
-    are ``CacheBase``'s (``hicache.tree.base``).
+    Tier calls: on ``tiers`` (``TierCalls``, ``hicache.tree.tiering``; see its table), which
+    holds this cache: ``nodes_to_write_to_host``, ``start_write`` / ``finish_write``,
+    ``start_load_back`` / ``finish_load_back``, ``start_backup`` / ``finish_backup``,
+    ``evict_host``, ``protect_host`` / ``release_host``, ``insert_host``, ``node_hashes`` /
+    ``last_page_hash``, ``open_transfers``. The state both halves share is ``CacheBase``'s
+    (``hicache.tree.base``).
     Not thread-safe: only the scheduler's loop calls it.
     """
+
+    def __init__(
+        self,
+        components: Sequence[TreeComponent],
+        page_size: int = 1,
+        *,
+        hasher: PageHasher | HashNamespace | None = None,
+        eviction_policy: str = "lru",
+        write_policy: str = "write_through",
+        write_through_threshold: int = 2,
+    ) -> None:
+        super().__init__(components, page_size, eviction_policy=eviction_policy, write_policy=write_policy,
+                         write_through_threshold=write_through_threshold)
+        self.tiers = TierCalls(self, self, hasher)
+        """The tier calls (L2 writes, load-backs, L3 backups, L2 eviction, page hashes)."""
 
     # ---- component lookup (for callers that serve a given model; the tree never needs it)
     def component(self, kind: ComponentType | str) -> TreeComponent:
@@ -663,7 +679,7 @@ class UnifiedRadixCache(TierCalls):
                 before = (self.core.node_count, self.core.dev_total[0], self.core.host_total[0])
                 self.evict(full_tokens=(self.core.dev_total[0] + 1) * self.page_size)
                 if self.hicache:
-                    self.evict_host((self.core.host_total[0] + 1) * self.page_size)
+                    self.tiers.evict_host((self.core.host_total[0] + 1) * self.page_size)
                 if (self.core.node_count, self.core.dev_total[0], self.core.host_total[0]) == before:
                     return
         finally:

@@ -33,7 +33,7 @@ def check_integrity(cache: UnifiedRadixCache, exact: bool = False) -> None:
     cache: no request holds pages, no transfer is pending) also requires the used pages of
     every checked allocator to be exactly the pages the tree holds: no leak."""
     core = cache.core
-    if exact and cache.open_transfers:
+    if exact and cache.tiers.open_transfers:
         _fail("exact check with transfers pending")
     ps = cache.page_size
     comps = cache.components

@@ -10,12 +10,12 @@ What moves between tiers and how the tree's node state follows: which nodes to w
 touches KV bytes: the calls return *which* pages to copy, and the cache controller (another
 process) copies them and acknowledges.
 
-What it needs from the rest of the cache: the state and shared helpers of ``CacheBase``
-(``hicache.tree.base``), which it derives from, and three calls of the tree half
-(``UnifiedRadixCache`` in ``hicache.tree.cache``, which derives from this class): a
-load-back locks its path with ``inc_lock_ref`` / ``dec_lock_ref`` while it evicts L1 for room
-with ``evict``. Those three are declared below and defined there; this module does not
-import ``hicache.tree.cache``.
+What it needs from the rest of the cache, its written interface: the state and shared
+helpers of ``CacheBase`` (``hicache.tree.base``; ``TierCalls.tree``) and three calls of the
+tree half (``TreeLocks``; ``TierCalls.locks``): a load-back locks its path with
+``inc_lock_ref`` / ``dec_lock_ref`` while it evicts L1 for room with ``evict``.
+``UnifiedRadixCache`` (``hicache.tree.cache``) is both and holds its ``TierCalls`` as
+``tiers``; this module does not import ``hicache.tree.cache``.
 
 Ownership of page indices in the tier calls (Full component; SWA behaves alike, Mamba with
 one slot; the tree's own calls are in ``hicache.tree.cache``'s table):
@@ -55,13 +55,25 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from hicache.hashing import PageHasher, component_keys
+from hicache.hashing import HashNamespace, PageHasher, component_keys
 from hicache.memory.allocator import PageIndices
 from hicache.tree.base import CacheBase, EvictResult, InsertResult, LockToken, MatchResult
 from hicache.tree.components import TreeComponent
 from hicache.tree.content import Tier
 from hicache.tree.node import TreeNode
+
+
+class TreeLocks(Protocol):
+    """The tree calls the tier half makes (``UnifiedRadixCache`` defines them): a load-back
+    locks its path while it evicts L1 for room."""
+
+    def inc_lock_ref(self, node: TreeNode) -> LockToken: ...
+
+    def dec_lock_ref(self, node: TreeNode | LockToken, token: LockToken | None = None) -> None: ...
+
+    def evict(self, full_tokens: int = 0, *, swa_tokens: int = 0, mamba_states: int = 0) -> EvictResult: ...
 
 
 @dataclass
@@ -93,19 +105,24 @@ class TierOp:
         return self.transfers["full"][1]
 
 
-class TierCalls(CacheBase):
-    """The tier calls of ``UnifiedRadixCache`` (see the module docstring); not used on its own."""
+class TierCalls:
+    """The tier calls of a ``UnifiedRadixCache`` (see the module docstring): the cache holds
+    one as ``cache.tiers``.
 
-    # ---- defined by the tree half (``UnifiedRadixCache``): a load-back locks its path and
-    # evicts L1 for room
-    def inc_lock_ref(self, node: TreeNode) -> LockToken:
-        raise NotImplementedError
+    It holds the tree (``tree``: the state and helpers of ``CacheBase``, read and changed
+    here as the tables above say) and the three tree calls a load-back needs (``locks``:
+    ``TreeLocks``); it keeps the count of ops in flight and the page hashers itself."""
 
-    def dec_lock_ref(self, node: TreeNode | LockToken, token: LockToken | None = None) -> None:
-        raise NotImplementedError
-
-    def evict(self, full_tokens: int = 0, *, swa_tokens: int = 0, mamba_states: int = 0) -> EvictResult:
-        raise NotImplementedError
+    def __init__(self, tree: CacheBase, locks: TreeLocks, hasher: PageHasher | HashNamespace | None = None) -> None:
+        if isinstance(hasher, HashNamespace):
+            hasher = PageHasher(hasher)
+        if hasher is not None and hasher.page_size != tree.page_size:
+            raise ValueError("the hasher's page size differs from the cache's")
+        self.tree = tree
+        self.locks = locks
+        self._hasher = hasher
+        self._hashers: dict[str, PageHasher] = {}
+        self._open_transfers = 0  # TierOps started and not finished (their owner keeps them)
 
     # ================================================================== tiers (§5)
     def nodes_to_write_to_host(self, limit: int | None = None) -> list[TreeNode]:
@@ -119,16 +136,16 @@ class TierCalls(CacheBase):
         policies look only at the nodes not yet in L2 (``TreeCore.unwritten``), not at all
         of L1.
         """
-        if not self.hicache:
+        if not self.tree.hicache:
             return []
-        if self.write_policy == "write_back":
-            unwritten = self.core.unwritten
-            cands = [n for n in self._write_back_queue
+        if self.tree.write_policy == "write_back":
+            unwritten = self.tree.core.unwritten
+            cands = [n for n in self.tree._write_back_queue
                      if n.parent is not None and n in unwritten and n.data[0].value is not None
                      and not n.in_flight and not n.loading]
         else:  # unwritten: in L1, not in L2 (by construction)
-            thr = self.write_through_threshold if self.write_policy == "write_through_selective" else 0
-            cands = [n for n in self.core.unwritten if not n.in_flight and not n.loading and n.hit_count >= thr]
+            thr = self.tree.write_through_threshold if self.tree.write_policy == "write_through_selective" else 0
+            cands = [n for n in self.tree.core.unwritten if not n.in_flight and not n.loading and n.hit_count >= thr]
         cands.sort(key=self._depth)
         return cands if limit is None else cands[:limit]
 
@@ -148,13 +165,13 @@ class TierCalls(CacheBase):
         ``full``). Returns None (nothing changed) if L2 has no room for the FULL pages, or
         nothing is left to write, or the node is not writable (no L1 data, transfer in
         flight); an auxiliary component without room is left out of the write."""
-        if not self.hicache:
+        if not self.tree.hicache:
             raise RuntimeError("start_write needs an L2 allocator")
-        core = self.core
+        core = self.tree.core
         if node.parent is None or node.in_flight or node.loading or node.data[0].value is None:
             return None
         transfers: dict[str, tuple[list[int], PageIndices]] = {}
-        for c in self.components:
+        for c in self.tree.components:
             cd = node.data[c.slot]
             host = c.host_allocator
             if host is None or cd.value is None or cd.host_value is not None:
@@ -162,23 +179,23 @@ class TierCalls(CacheBase):
             src = c.as_pages(cd.value)
             dst = host.alloc(len(src))
             if dst is None:
-                if c is self.full:
-                    self.evict_host((len(src) - host.free_count) * self.page_size)
+                if c is self.tree.full:
+                    self.evict_host((len(src) - host.free_count) * self.tree.page_size)
                 else:
                     self._evict_host_aux(c, len(src) - host.free_count)
                 dst = host.alloc(len(src))
             if dst is None:
-                if c is self.full:
+                if c is self.tree.full:
                     for name, (_s, d) in transfers.items():
-                        self._free(self._by_name[name], d, host=True)
+                        self.tree._free(self.tree._by_name[name], d, host=True)
                     return None
                 continue
             transfers[c.name] = (list(src), dst)
         if not transfers:
             return None
-        op = TierOp("write", node, self._npages(node), transfers)
-        self.full.lock(core, node)
-        for c in self.aux:
+        op = TierOp("write", node, self.tree._npages(node), transfers)
+        self.tree.full.lock(core, node)
+        for c in self.tree.aux:
             core.lock(node, c.slot)
         node.in_flight += 1
         self._open_transfers += 1
@@ -203,18 +220,18 @@ class TierCalls(CacheBase):
         now hold the written pages in L2, upper first (more than ``op.node`` when a split
         happened while the write was in flight); empty when ``ok`` is False."""
         self._close(op, "write")
-        core = self.core
-        nodes = self._op_nodes(op.node, op.npages)
+        core = self.tree.core
+        nodes = self.tree._op_nodes(op.node, op.npages)
         for n in nodes:
             n.in_flight -= 1
-        for c in self.aux:
+        for c in self.tree.aux:
             for n in c.op_span(nodes):
                 core.unlock(n, c.slot)
-        self.full.unlock(core, op.node)
+        self.tree.full.unlock(core, op.node)
         for name, (_src, dst) in op.transfers.items():
-            c = self._by_name[name]
+            c = self.tree._by_name[name]
             if not ok:
-                self._free(c, dst, host=True)
+                self.tree._free(c, dst, host=True)
                 continue
             span = c.op_span(nodes)
             if len(span) == 1:
@@ -222,13 +239,13 @@ class TierCalls(CacheBase):
                 continue
             start = 0
             for n in reversed(span):  # upper first: parents older than children in L2 order
-                k = self._npages(n)
+                k = self.tree._npages(n)
                 core.set_host(n, c.slot, dst[start:start + k])
                 start += k
         if not ok:
             return []
         for n in nodes:
-            self._write_back_queue.pop(n, None)
+            self.tree._write_back_queue.pop(n, None)
         return list(reversed(nodes))
 
     def start_load_back(self, match: MatchResult) -> TierOp | None:
@@ -239,7 +256,7 @@ class TierCalls(CacheBase):
         ``finish_load_back``; meanwhile the path is L1-locked, the new auxiliary data
         locked, and the nodes host-locked. None (nothing changed) when there is nothing to
         load or no room."""
-        core = self.core
+        core = self.tree.core
         if match.host_hit_length <= 0:
             return None
         top = match.last_device_node
@@ -251,23 +268,23 @@ class TierCalls(CacheBase):
             nodes.append(n)
             n = n.parent
         nodes.reverse()
-        need = sum(self._npages(x) for x in nodes)
+        need = sum(self.tree._npages(x) for x in nodes)
         for x in nodes:
-            for c in self.components:
+            for c in self.tree.components:
                 if x.data[c.slot].host_value is not None:
                     core.host_lock(x, c.slot)
-        lock = self.inc_lock_ref(top) if top.parent is not None else None
+        lock = self.locks.inc_lock_ref(top) if top.parent is not None else None
         try:
-            dev = self.full.allocator.alloc(need)
+            dev = self.tree.full.allocator.alloc(need)
             if dev is None:
-                self.evict(full_tokens=(need - self.full.allocator.free_count) * self.page_size)
-                dev = self.full.allocator.alloc(need)
+                self.locks.evict(full_tokens=(need - self.tree.full.allocator.free_count) * self.tree.page_size)
+                dev = self.tree.full.allocator.alloc(need)
         finally:
             if lock is not None:
-                self.dec_lock_ref(lock)
+                self.locks.dec_lock_ref(lock)
         if dev is None:
             for x in nodes:
-                for c in self.components:
+                for c in self.tree.components:
                     if x.data[c.slot].host_value is not None:
                         core.host_unlock(x, c.slot)
             return None
@@ -276,13 +293,13 @@ class TierCalls(CacheBase):
         aux_src: dict[str, list[int]] = {}
         aux_dst: dict[str, list[int]] = {}
         for x in nodes:
-            k = self._npages(x)
+            k = self.tree._npages(x)
             src_all.extend(x.data[0].host_value)
             core.set_value(x, 0, dev[off:off + k])
             off += k
             x.loading = True
             x.in_flight += 1
-            for c in self.aux:
+            for c in self.tree.aux:
                 hv = x.data[c.slot].host_value
                 if hv is None:
                     continue
@@ -294,11 +311,11 @@ class TierCalls(CacheBase):
                 core.lock(x, c.slot)  # not evictable until the load finishes
                 aux_src.setdefault(c.name, []).extend(pages)
                 aux_dst.setdefault(c.name, []).extend(d)
-        transfers = {self.full.name: (src_all, dev)}
+        transfers = {self.tree.full.name: (src_all, dev)}
         for name in aux_src:
             transfers[name] = (aux_src[name], aux_dst[name])
         op = TierOp("load", match.last_host_node, need, transfers)
-        self.full.lock(core, op.node)
+        self.tree.full.lock(core, op.node)
         self._open_transfers += 1
         return op
 
@@ -306,38 +323,38 @@ class TierCalls(CacheBase):
         """Apply the acknowledgement of a ``start_load_back``; on failure the nodes are
         L2-only again and their new L1 pages are freed."""
         self._close(op, "load")
-        core = self.core
-        nodes = self._op_nodes(op.node, op.npages)
-        self.full.unlock(core, op.node)
-        loaded = {name: set(dst) for name, (_src, dst) in op.transfers.items() if name != self.full.name}
-        dev = op.transfers[self.full.name][1]
+        core = self.tree.core
+        nodes = self.tree._op_nodes(op.node, op.npages)
+        self.tree.full.unlock(core, op.node)
+        loaded = {name: set(dst) for name, (_src, dst) in op.transfers.items() if name != self.tree.full.name}
+        dev = op.transfers[self.tree.full.name][1]
         end = len(dev)
         for x in nodes:  # lowest first: its pages are the last ones
-            k = self._npages(x)
+            k = self.tree._npages(x)
             mine = dev[end - k:end]
             end -= k
             x.in_flight -= 1
-            for c in self.components:
+            for c in self.tree.components:
                 cd = x.data[c.slot]
                 if cd.host_value is not None and cd.host_lock_ref > 0:
                     core.host_unlock(x, c.slot)
-            for c in self.aux:  # the lock start_load_back took on the data it placed here
+            for c in self.tree.aux:  # the lock start_load_back took on the data it placed here
                 cd = x.data[c.slot]
                 if cd.value is not None and c.name in loaded and set(c.as_pages(cd.value)) <= loaded[c.name]:
                     core.unlock(x, c.slot)
             if not x.loading:
                 # an insert re-filled it with a request's own pages meanwhile: ours are spare
-                self._free(self.full, mine)
+                self.tree._free(self.tree.full, mine)
             elif not ok:
                 pages = core.clear_value(x, 0)
-                self._free(self.full, pages)
+                self.tree._free(self.tree.full, pages)
             x.loading = False
             if not ok:
-                for c in self.aux:  # what the failed load put there is not valid data
+                for c in self.tree.aux:  # what the failed load put there is not valid data
                     cd = x.data[c.slot]
                     if cd.value is not None and c.name in loaded and set(c.as_pages(cd.value)) <= loaded[c.name]:
                         v = core.clear_value(x, c.slot)
-                        self._free(c, c.as_pages(v))
+                        self.tree._free(c, c.as_pages(v))
 
     def start_backup(self, node: TreeNode) -> TierOp | None:
         """L3 backup of ``node``'s L2 data: returns its FULL L2 pages and page hashes and,
@@ -348,8 +365,8 @@ class TierCalls(CacheBase):
         if node.parent is None or node.data[0].host_value is None:
             return None
         hashes = self.node_hashes(node)
-        op = TierOp("backup", node, self._npages(node), {"full": (list(node.data[0].host_value), [])}, hashes)
-        for c in self.aux:
+        op = TierOp("backup", node, self.tree._npages(node), {"full": (list(node.data[0].host_value), [])}, hashes)
+        for c in self.tree.aux:
             hv = node.data[c.slot].host_value
             if hv is None or c.host_allocator is None:
                 continue
@@ -359,8 +376,8 @@ class TierCalls(CacheBase):
                 continue
             op.transfers[c.name] = (units, [])
             op.aux_keys[c.name] = keys
-            self.core.host_lock(node, c.slot)
-        self.core.host_lock(node, 0)
+            self.tree.core.host_lock(node, c.slot)
+        self.tree.core.host_lock(node, 0)
         node.in_flight += 1
         self._open_transfers += 1
         return op
@@ -368,33 +385,33 @@ class TierCalls(CacheBase):
     def finish_backup(self, op: TierOp, ok: bool) -> None:
         """Release the node of a ``start_backup`` (either way; L3 residency is not stored)."""
         self._close(op, "backup")
-        nodes = self._op_nodes(op.node, op.npages)
-        observer = self.core.observer
+        nodes = self.tree._op_nodes(op.node, op.npages)
+        observer = self.tree.core.observer
         for n in nodes:
             n.in_flight -= 1
-            self.core.host_unlock(n, 0)
+            self.tree.core.host_unlock(n, 0)
             if ok and observer is not None:
                 observer.pages_added(n, Tier.STORAGE)
         for name in op.aux_keys:
-            c = self._by_name[name]
+            c = self.tree._by_name[name]
             for n in c.op_span(nodes):
-                self.core.host_unlock(n, c.slot)
+                self.tree.core.host_unlock(n, c.slot)
 
     def protect_host(self, node: TreeNode) -> int:
         """Host-lock ``node`` (its FULL L2 copy); returns the page count to pass back to
         ``release_host`` (the node may be split meanwhile)."""
         if node.parent is None or node.data[0].host_value is None:
             raise ValueError("protect_host: the node has no L2 copy")
-        self.core.host_lock(node, 0)
-        return self._npages(node)
+        self.tree.core.host_lock(node, 0)
+        return self.tree._npages(node)
 
     def release_host(self, node: TreeNode, npages: int | None = None) -> None:
-        nodes = self._op_nodes(node, self._npages(node) if npages is None else npages)
+        nodes = self.tree._op_nodes(node, self.tree._npages(node) if npages is None else npages)
         for n in nodes:
             if n.data[0].host_lock_ref <= 0:
                 raise ValueError(f"release_host: host_lock_ref of {n!r} would go below zero")
         for n in nodes:
-            self.core.host_unlock(n, 0)
+            self.tree.core.host_unlock(n, 0)
 
     def host_prefix_pages(self, node: TreeNode) -> list[int]:
         """The FULL L2 pages of the key from its root down to ``node``, in key order; every
@@ -422,19 +439,19 @@ class TierCalls(CacheBase):
         node with a FULL L2 copy, no transfer and no such data gets it where it covers the
         node whole (a state: where it ends the node). Every unit the tree does not keep is
         freed here."""
-        if not self.hicache:
+        if not self.tree.hicache:
             raise RuntimeError("insert_host needs an L2 allocator")
-        core = self.core
-        ps = self.page_size
-        key, n = self._aligned(key)
+        core = self.tree.core
+        ps = self.tree.page_size
+        key, n = self.tree._aligned(key)
         npages = n // ps
         hp = list(host_pages)
         if len(hp) != npages - start_page:
             raise ValueError("insert_host: host_pages must cover the key from start_page on")
         units: dict[str, dict[int, int]] = {}
         for name, m in (aux or {}).items():
-            c = self._by_name.get(name)
-            if c is None or c is self.full or c.host_allocator is None:
+            c = self.tree._by_name.get(name)
+            if c is None or c is self.tree.full or c.host_allocator is None:
                 raise ValueError(f"insert_host: no auxiliary L2 component {name!r}")
             if any(not start_page <= j < npages for j in m):
                 raise ValueError(f"insert_host: {name} pages outside the inserted part of the key")
@@ -445,16 +462,16 @@ class TierCalls(CacheBase):
         node = path[-1] if path else root
         res = InsertResult(have, node)
         if have < start_page * ps:
-            self.full.host_allocator.free(hp)  # type: ignore[union-attr]
+            self.tree.full.host_allocator.free(hp)  # type: ignore[union-attr]
             self._free_aux_units(units)
             return res
         dup = hp[:have // ps - start_page]
         if dup:
-            self.full.host_allocator.free(dup)  # type: ignore[union-attr]
+            self.tree.full.host_allocator.free(dup)  # type: ignore[union-attr]
         if units:  # existing nodes past start_page: take what they lack and is given whole
             first = 0
             for x in path:
-                k = self._npages(x)
+                k = self.tree._npages(x)
                 if first + k > start_page and x.data[0].host_value is not None and not x.in_flight \
                         and not x.loading:
                     self._take_aux(x, first, units)
@@ -462,7 +479,7 @@ class TierCalls(CacheBase):
         if have < n:
             cuts = {have // ps, npages}
             for name, m in units.items():
-                c = self._by_name[name]
+                c = self.tree._by_name[name]
                 for j in m:
                     if j >= have // ps:
                         if c.paged:
@@ -470,7 +487,7 @@ class TierCalls(CacheBase):
                         else:
                             cuts.add(j + 1)
             edges = sorted(cuts)
-            if any(not self._by_name[name].paged for name in units) or len(edges) > 2:
+            if any(not self.tree._by_name[name].paged for name in units) or len(edges) > 2:
                 edges = self._merge_edges(edges, units)
             parent, made = node, []
             for a, b in zip(edges, edges[1:], strict=False):
@@ -490,8 +507,8 @@ class TierCalls(CacheBase):
         boundary is: fewer, longer nodes."""
         keep = [edges[0]]
         for e in edges[1:-1]:
-            state_edge = any(not self._by_name[name].paged and (e - 1) in m for name, m in units.items())
-            change = any(self._by_name[name].paged and ((e - 1) in m) != (e in m) for name, m in units.items())
+            state_edge = any(not self.tree._by_name[name].paged and (e - 1) in m for name, m in units.items())
+            change = any(self.tree._by_name[name].paged and ((e - 1) in m) != (e in m) for name, m in units.items())
             if state_edge or change:
                 keep.append(e)
         keep.append(edges[-1])
@@ -500,30 +517,30 @@ class TierCalls(CacheBase):
     def _take_aux(self, node: TreeNode, first: int, units: dict[str, dict[int, int]]) -> None:
         """Give ``node`` (its key starts at page ``first``) the auxiliary L2 units of
         ``units`` that cover it whole, removing them from ``units``."""
-        k = self._npages(node)
+        k = self.tree._npages(node)
         for name, m in units.items():
-            c = self._by_name[name]
+            c = self.tree._by_name[name]
             if node.data[c.slot].host_value is not None:
                 continue
             if c.paged:
                 if all(j in m for j in range(first, first + k)):
-                    self.core.set_host(node, c.slot, [m.pop(j) for j in range(first, first + k)])
+                    self.tree.core.set_host(node, c.slot, [m.pop(j) for j in range(first, first + k)])
             elif first + k - 1 in m:
-                self.core.set_host(node, c.slot, c.from_pages([m.pop(first + k - 1)]))
+                self.tree.core.set_host(node, c.slot, c.from_pages([m.pop(first + k - 1)]))
 
     def _free_aux_units(self, units: dict[str, dict[int, int]]) -> None:
         for name, m in units.items():
             if m:
-                self._free(self._by_name[name], list(m.values()), host=True)
+                self.tree._free(self.tree._by_name[name], list(m.values()), host=True)
             m.clear()
 
     # ================================================================== L2 eviction
     def evict_host(self, tokens: int) -> int:
         """L2 eviction: delete L2-only leaves with ``host_lock_ref == 0`` (LRU first) until
         ``tokens`` worth of FULL L2 pages are free. Returns tokens freed."""
-        need = -(-tokens // self.page_size)
+        need = -(-tokens // self.tree.page_size)
         freed = 0
-        for node in self.core.host_lru[0].candidates():
+        for node in self.tree.core.host_lru[0].candidates():
             if freed >= need:
                 break
             while freed < need and self._host_evictable(node):
@@ -531,19 +548,19 @@ class TierCalls(CacheBase):
                 assert parent is not None  # _host_evictable refuses roots
                 t = node.host_time
                 freed += len(node.data[0].host_value)
-                self._delete(node)
+                self.tree._delete(node)
                 if parent.host_time > t:
                     break  # newer: still ahead in the scan
                 node = parent
-        self.evicted_host_tokens += freed * self.page_size
-        return freed * self.page_size
+        self.tree.evicted_host_tokens += freed * self.tree.page_size
+        return freed * self.tree.page_size
 
     def _evict_host_aux(self, c: TreeComponent, need: int) -> int:
         """L2 eviction of one auxiliary component's data (``need`` units): the node keeps
         its FULL copy and becomes an L2 tombstone of ``c``. Only L2-only data goes (as for
         FULL: a copy of data still in L1 stays, or the node would want writing again);
         host-locked data and data of a node with a transfer in flight stay."""
-        core = self.core
+        core = self.tree.core
         freed = 0
         for node in core.host_lru[c.slot].candidates():
             if freed >= need:
@@ -553,7 +570,7 @@ class TierCalls(CacheBase):
                 continue
             hv = core.clear_host(node, c.slot)
             freed += core.units[c.slot](hv)
-            self._free(c, c.as_pages(hv), host=True)
+            self.tree._free(c, c.as_pages(hv), host=True)
         return freed
 
     @staticmethod
@@ -585,7 +602,7 @@ class TierCalls(CacheBase):
             chain.append(n)
             n = n.parent
         parent_hash = n.hash_value[-1] if n.parent is not None and n.hash_value else None
-        hasher = self.hasher_for(self.salt_of(node))
+        hasher = self.hasher_for(self.tree.salt_of(node))
         for x in reversed(chain):
             x.hash_value = hasher.hash_pages(x.key, parent_hash)
             parent_hash = x.hash_value[-1]

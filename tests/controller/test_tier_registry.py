@@ -66,9 +66,9 @@ def test_a_load_is_known_by_the_id_the_controller_sees_and_ends_once() -> None:
     (msg,) = rig.take(protos.LoadToDevice)
     assert msg.op_id == ticket.op_id and ticket.op_id > 0
     assert rig.cache.protected_size() == 6  # the load's new L1 pages: locked until it ends
-    assert rig.cache.open_transfers == 1 and rig.tier.in_flight == 1
+    assert rig.cache.tiers.open_transfers == 1 and rig.tier.in_flight == 1
     assert rig.ok(msg) is ticket and ticket.ok is True
-    assert rig.cache.protected_size() == 0 and rig.cache.open_transfers == 0
+    assert rig.cache.protected_size() == 0 and rig.cache.tiers.open_transfers == 0
     assert rig.ok(msg) is None  # a second answer for the same id changes nothing
     assert rig.tier.counters.loads == 1
     assert rig.cache.match_prefix(_key("abcdef")).device_len == 6
@@ -108,13 +108,13 @@ def test_controller_loss_ends_every_op_once_and_gives_back_what_each_held() -> N
     assert [m.op_id for m in rig.take(protos.PrefetchQuery)] == [fetching.query_op, querying.query_op]
     assert not rig.sent
     assert rig.tier.in_flight_kinds() == {"write": 1, "backup": 1, "load": 1, "fetch": 1, "query": 1}
-    assert rig.cache.open_transfers == 3
+    assert rig.cache.tiers.open_transfers == 3
 
     assert rig.tier.on_controller_lost() == 5
     c = rig.tier.counters
     assert (c.writes_failed, c.backups_failed, c.loads_failed) == (1, 1, 1)
     assert load.ok is False and fetching.complete and fetching.arrived_tokens == 0 and querying.complete
-    assert rig.tier.in_flight == 0 and rig.cache.open_transfers == 0
+    assert rig.tier.in_flight == 0 and rig.cache.tiers.open_transfers == 0
     assert rig.host.used == 12  # abcdef and ghijkl; the failed write's and the fetch's pages freed
     assert rig.dev.used == 12  # ghijkl and uvwxyz; the failed load's pages freed
     rig.cache.check_integrity(exact=True)

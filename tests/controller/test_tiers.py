@@ -90,7 +90,7 @@ class TierRig:
         for _ in range(20):
             self.tier.issue_writes()
             self.pump()
-            if not self.cache.nodes_to_write_to_host():
+            if not self.cache.tiers.nodes_to_write_to_host():
                 return
 
     def check_served(self, tokens: list[int]) -> None:
@@ -239,7 +239,7 @@ def test_controller_killed_mid_batch_leaks_nothing_and_recovers(harness: Control
     harness.outbox.reset()
     assert failed == sent and rig.tier.counters.writes_failed == sent  # each write failed once
     rig.cache.check_integrity(exact=True)
-    assert rig.tier.in_flight == 0 and rig.cache.open_transfers == 0
+    assert rig.tier.in_flight == 0 and rig.cache.tiers.open_transfers == 0
     while True:  # answers the dead controller sent before dying are ignored
         try:
             rig.tier.on_message(harness.recv(0.3))

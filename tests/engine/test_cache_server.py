@@ -349,7 +349,7 @@ def test_a_reserve_after_a_gap_starts_at_the_first_page_l2_lacks() -> None:
     eng = FakeEngine(server, {})
     tokens = list(range(1, 4 * PS + 1))
     eng.save(tokens[: 2 * PS])
-    server.cache.evict_host(2 * PS)  # L2 lost the request's first pages since it saved them
+    server.cache.tiers.evict_host(2 * PS)  # L2 lost the request's first pages since it saved them
     later = eng.save(tokens, start_page=2)  # the engine asks from page 2; L2 lacks 0..3
     assert later.start_page == 0 and len(later.host_pages) == 4
     assert len(eng.lookup(tokens).host_pages) == 4  # before: pages 2, 3 were reserved, then freed

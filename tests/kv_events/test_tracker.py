@@ -59,7 +59,7 @@ def tier_pages(cache: UnifiedRadixCache, slot: str) -> set[bytes]:
         n = stack.pop()
         stack.extend(n.children.values())
         if n.parent is not None and getattr(n.data[0], slot) is not None:
-            out.update(bytes.fromhex(h) for h in cache.node_hashes(n))
+            out.update(bytes.fromhex(h) for h in cache.tiers.node_hashes(n))
     return out
 
 
@@ -88,12 +88,12 @@ class EventMachine(HybridMachine):
     def backup(self, i, ok, finish):
         nodes = [n for n in self._nodes() if n.data[0].host_value is not None]
         if nodes:
-            op = self.cache.start_backup(nodes[i % len(nodes)])
+            op = self.cache.tiers.start_backup(nodes[i % len(nodes)])
             if op is not None:
                 self.backups.append((op, [bytes.fromhex(h) for h in op.hashes]))
         if finish and self.backups:
             op, hashes = self.backups.pop(0)
-            self.cache.finish_backup(op, ok)
+            self.cache.tiers.finish_backup(op, ok)
             if ok:
                 self.stored.update(hashes)
 
@@ -126,7 +126,7 @@ class EventMachine(HybridMachine):
     def teardown(self):
         if hasattr(self, "cache"):
             for op, _hashes in self.backups:
-                self.cache.finish_backup(op, False)
+                self.cache.tiers.finish_backup(op, False)
         super().teardown()
         if hasattr(self, "tracker"):
             self.subscriber.apply(encode_batch(2.0, self.tracker.take()))
@@ -156,7 +156,7 @@ def test_events_carry_tokens_parent_salt_and_page_size():
     assert second.parent_block_hash == first.block_hashes[-1]
     # the hashes are the L3 page hashes of the same prefix
     assert [h.hex() for h in first.block_hashes + second.block_hashes] == \
-        cache.hasher_for("tenant-a").hash_pages(array("I", range(10, 20)), None)
+        cache.tiers.hasher_for("tenant-a").hash_pages(array("I", range(10, 20)), None)
     cache.flush()
     removed = tracker.take()
     assert all(isinstance(e, BlockRemoved) and e.medium == "GPU" for e in removed)

@@ -382,11 +382,11 @@ def test_a_load_back_lost_with_the_controller_is_recomputed_and_leaks_nothing() 
         sched.schedule()
         again = sched.by_rid["again"]
         assert again.status == LOADING and again.load is not None
-        assert rig.cache.open_transfers >= 1 and rig.cache.protected_size() > 0  # the load holds its pages
+        assert rig.cache.tiers.open_transfers >= 1 and rig.cache.protected_size() > 0  # the load holds its pages
         assert rig.tier.on_controller_lost() >= 1
         rig.inbox.clear()  # what the dead controller never received
         assert again.load.ok is False and again.hold is None
-        assert rig.tier.in_flight == 0 and rig.cache.open_transfers == 0
+        assert rig.tier.in_flight == 0 and rig.cache.tiers.open_transfers == 0
         rig.cache.check_integrity()
         rig.run([])
         assert rig.tokens("again") == rig.tokens("first")

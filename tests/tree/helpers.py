@@ -45,5 +45,5 @@ def cache_seq(cache: UnifiedRadixCache, alloc: PageAllocator, key: list[int], sa
     alloc.free(dup)
     alloc.free(pages[len(key) // ps:])
     cache.dec_lock_ref(lock)
-    cache.check_integrity(exact=not cache.open_transfers)  # no leak when nothing is in flight
+    cache.check_integrity(exact=not cache.tiers.open_transfers)  # no leak when nothing is in flight
     return m

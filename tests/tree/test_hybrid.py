@@ -236,18 +236,18 @@ def test_a_load_back_protects_the_auxiliary_data_it_places():
     cache = UnifiedRadixCache([FullComponent(dev, host), MambaComponent(states, states_host)], 1)
     key = toks("aaaabbbb")
     r = cache.insert_with(InsertParams(key, dev.alloc(8), aux={"mamba": states.alloc(1)[0]}))
-    op = cache.start_write(r.node)
-    cache.finish_write(op, True)
+    op = cache.tiers.start_write(r.node)
+    cache.tiers.finish_write(op, True)
     cache.evict(100)  # L2-only now, with its state in L2
     assert cache.total_size(MAMBA) == 0 and states.used == 0
     m = cache.match_prefix(key, copy_on_match=False)
     assert m.host_hit_length == 8  # valid once loaded: the state comes back too
-    load = cache.start_load_back(m)
+    load = cache.tiers.start_load_back(m)
     assert load is not None and set(load.transfers) == {"full", "mamba"}
     assert cache.total_size(MAMBA) == 1 and cache.evictable_size(MAMBA) == 0
     assert cache.evictable_size() == 0
     assert cache.evict(100, mamba_states=5).mamba_states == 0  # nothing evictable was hidden
-    cache.finish_load_back(load, True)
+    cache.tiers.finish_load_back(load, True)
     assert cache.evictable_size(MAMBA) == 1 and cache.evictable_size() == 8
     assert cache.match_prefix(key, copy_on_match=False).device_len == 8
     cache.check_integrity(exact=True)
@@ -259,7 +259,7 @@ def test_host_hit_ends_where_the_l2_data_is_valid():
     states = PageAllocator(8, "mamba")
     cache = UnifiedRadixCache([FullComponent(dev, host), MambaComponent(states, PageAllocator(0, "m2"))], 1)
     r = cache.insert_with(InsertParams(toks("aaaabbbb"), dev.alloc(8), aux={"mamba": states.alloc(1)[0]}))
-    cache.finish_write(cache.start_write(r.node), True)  # no L2 room for the state: Full only
+    cache.tiers.finish_write(cache.tiers.start_write(r.node), True)  # no L2 room for the state: Full only
     cache.evict(100)
     m = cache.match_prefix(toks("aaaabbbb"), copy_on_match=False)
     assert m.device_len == 0 and m.host_hit_length == 0  # loading it back would give no valid match
@@ -284,24 +284,24 @@ def test_a_window_recovered_on_a_written_node_gets_its_own_l2_copy():
     b = cache.match_prefix(key).last_device_node
     a = b.parent
     assert a.key == toks("aaaa") and cache.data(a, SWA).value is None
-    for n in cache.nodes_to_write_to_host():
-        op = cache.start_write(n)
+    for n in cache.tiers.nodes_to_write_to_host():
+        op = cache.tiers.start_write(n)
         assert op is not None and set(op.transfers) == ({"full"} if n is a else {"full", "swa"})
-        cache.finish_write(op, True)
+        cache.tiers.finish_write(op, True)
     assert a.data[0].host_value is not None and cache.data(a, SWA).host_value is None
-    assert cache.nodes_to_write_to_host() == []
+    assert cache.tiers.nodes_to_write_to_host() == []
     cache.check_integrity(exact=True)
     again = dev.alloc(8)
     own = swa.alloc(8)
     r = cache.insert_with(InsertParams(key, again, aux={"swa": PagedInsert(own)}))  # recovers "aaaa"'s window
     dev.free(again[:r.prefix_len])
     assert cache.data(a, SWA).value == own[:4]
-    assert cache.nodes_to_write_to_host() == [a]  # FULL is in L2: the window alone is due
+    assert cache.tiers.nodes_to_write_to_host() == [a]  # FULL is in L2: the window alone is due
     cache.check_integrity(exact=True)
-    op = cache.start_write(a)
+    op = cache.tiers.start_write(a)
     assert op is not None and set(op.transfers) == {"swa"} and op.transfers["swa"][0] == own[:4]
-    cache.finish_write(op, True)
-    assert cache.data(a, SWA).host_value is not None and cache.nodes_to_write_to_host() == []
+    cache.tiers.finish_write(op, True)
+    assert cache.data(a, SWA).host_value is not None and cache.tiers.nodes_to_write_to_host() == []
     cache.check_integrity(exact=True)
     cache.evict(100, swa_tokens=100)
     assert cache.total_size() == 0
@@ -317,17 +317,17 @@ def test_a_mamba_state_added_to_a_written_node_is_written_alone():
     key = toks("aaaabbbb")
     full = dev.alloc(8)
     r = cache.insert_with(InsertParams(key, full))  # no state yet
-    cache.finish_write(cache.start_write(r.node), True)
-    assert cache.nodes_to_write_to_host() == []
+    cache.tiers.finish_write(cache.tiers.start_write(r.node), True)
+    assert cache.tiers.nodes_to_write_to_host() == []
     state = states.alloc(1)[0]
     again = dev.alloc(8)
     r2 = cache.insert_with(InsertParams(key, again, aux={"mamba": state}))
     dev.free(again[:r2.prefix_len])
-    assert cache.data(r.node, MAMBA).value == state and cache.nodes_to_write_to_host() == [r.node]
-    op = cache.start_write(r.node)
+    assert cache.data(r.node, MAMBA).value == state and cache.tiers.nodes_to_write_to_host() == [r.node]
+    op = cache.tiers.start_write(r.node)
     assert op is not None and set(op.transfers) == {"mamba"}
-    assert cache.start_write(r.node) is None  # in flight
-    cache.finish_write(op, True)
+    assert cache.tiers.start_write(r.node) is None  # in flight
+    cache.tiers.finish_write(op, True)
     cache.check_integrity(exact=True)
     cache.evict(100, mamba_states=8)
     m = cache.match_prefix(key, copy_on_match=False)
@@ -340,10 +340,10 @@ def test_write_back_writes_an_unwritten_window_before_evicting_it():
     key = toks("aaaabbbb")
     r = cache.insert_with(InsertParams(key, dev.alloc(8), aux={"swa": PagedInsert(swa.alloc(8))}))
     assert cache.evict(swa_tokens=8).swa_tokens == 0  # queued for its write, nothing lost
-    assert cache.nodes_to_write_to_host() == [r.node]
-    op = cache.start_write(r.node)
+    assert cache.tiers.nodes_to_write_to_host() == [r.node]
+    op = cache.tiers.start_write(r.node)
     assert op is not None and set(op.transfers) == {"full", "swa"}
-    cache.finish_write(op, True)
+    cache.tiers.finish_write(op, True)
     assert cache.evict(swa_tokens=8).swa_tokens == 8
     m = cache.match_prefix(key)
     assert m.host_hit_length == 8  # the window went to L2 first
@@ -357,17 +357,17 @@ def test_l2_eviction_of_auxiliary_data_keeps_copies_of_l1_data():
     swa, swa_host = PageAllocator(64, "swa"), PageAllocator(4, "swa-l2")
     cache = UnifiedRadixCache([FullComponent(dev, host), SWAComponent(swa, 4, swa_host)], 1)
     r1 = cache.insert_with(InsertParams(toks("aaaa"), dev.alloc(4), aux={"swa": PagedInsert(swa.alloc(4))}))
-    cache.finish_write(cache.start_write(r1.node), True)
+    cache.tiers.finish_write(cache.tiers.start_write(r1.node), True)
     r2 = cache.insert_with(InsertParams(toks("bbbb"), dev.alloc(4), aux={"swa": PagedInsert(swa.alloc(4))}))
-    op = cache.start_write(r2.node)
+    op = cache.tiers.start_write(r2.node)
     assert op is not None and set(op.transfers) == {"full"}  # no room: "aaaa"'s copy stays
-    cache.finish_write(op, True)
+    cache.tiers.finish_write(op, True)
     assert cache.data(r1.node, SWA).host_value is not None
-    assert cache.nodes_to_write_to_host() == [r2.node]  # its window still waits
+    assert cache.tiers.nodes_to_write_to_host() == [r2.node]  # its window still waits
     cache.evict(4)  # "aaaa" (LRU) leaves L1: its L2 window is L2-only now
     assert cache.data(r1.node, SWA).value is None
-    op = cache.start_write(r2.node)
+    op = cache.tiers.start_write(r2.node)
     assert op is not None and set(op.transfers) == {"swa"}
-    cache.finish_write(op, True)
+    cache.tiers.finish_write(op, True)
     assert cache.data(r1.node, SWA).host_value is None and cache.data(r2.node, SWA).host_value is not None
     cache.check_integrity(exact=True)

@@ -227,40 +227,40 @@ class HybridMachine(RuleBasedStateMachine):
         for _ in range(20):
             for c in cache.components:
                 cache.evict_units({c.name: cache.total_size(c.name) + 1})
-            cands = cache.nodes_to_write_to_host()
+            cands = cache.tiers.nodes_to_write_to_host()
             if not cands:
                 break
             for n in cands:
-                op = cache.start_write(n)
+                op = cache.tiers.start_write(n)
                 if op is not None:
-                    cache.finish_write(op, True)
+                    cache.tiers.finish_write(op, True)
             cache.check_integrity(exact=True)
-        assert cache.nodes_to_write_to_host() == []
+        assert cache.tiers.nodes_to_write_to_host() == []
         for c in cache.components:
             assert cache.total_size(c.name) == 0, c.name
 
     @rule(i=st.integers(0, 50), ok=st.booleans(), finish=st.booleans())
     def write(self, i, ok, finish):
-        cands = self.cache.nodes_to_write_to_host()
+        cands = self.cache.tiers.nodes_to_write_to_host()
         if cands:
-            op = self.cache.start_write(cands[i % len(cands)])
+            op = self.cache.tiers.start_write(cands[i % len(cands)])
             if op is not None:
                 self.writes.append(op)
         if finish and self.writes:
-            self.cache.finish_write(self.writes.pop(0), ok)
+            self.cache.tiers.finish_write(self.writes.pop(0), ok)
 
     @rule(tokens=st.integers(1, 8))
     def evict_host(self, tokens):
-        self.cache.evict_host(tokens)
+        self.cache.tiers.evict_host(tokens)
 
     @rule(key=keys, ok=st.booleans(), finish=st.booleans())
     def load_back(self, key, ok, finish):
         m = self.cache.match_prefix(array("I", key), copy_on_match=False)
-        op = self.cache.start_load_back(m)
+        op = self.cache.tiers.start_load_back(m)
         if op is not None:
             self.loads.append(op)
         if finish and self.loads:
-            self.cache.finish_load_back(self.loads.pop(0), ok)
+            self.cache.tiers.finish_load_back(self.loads.pop(0), ok)
 
     @invariant()
     def consistent(self):
@@ -279,12 +279,12 @@ class HybridMachine(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "cache"):
             return
-        assert self.cache.open_transfers == len(self.writes) + len(self.loads)
+        assert self.cache.tiers.open_transfers == len(self.writes) + len(self.loads)
         for op in self.writes:  # what a lost controller does: every op failed, once
-            self.cache.finish_write(op, False)
+            self.cache.tiers.finish_write(op, False)
         for op in self.loads:
-            self.cache.finish_load_back(op, False)
-        assert self.cache.open_transfers == 0
+            self.cache.tiers.finish_load_back(op, False)
+        assert self.cache.tiers.open_transfers == 0
         for token, _node, _pages in self.locks:
             self.cache.dec_lock_ref(token)
         self.cache.flush()

@@ -224,12 +224,12 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(i=st.integers(0, 100))
     def start_write(self, i):
-        cands = self.cache.nodes_to_write_to_host()
+        cands = self.cache.tiers.nodes_to_write_to_host()
         if not cands:
             return
         node = cands[i % len(cands)]
         prefixes = node_prefixes(node, self.page_size)
-        op = self.cache.start_write(node)
+        op = self.cache.tiers.start_write(node)
         assert op is not None
         _, _, path = self._path_to(prefixes[-1])
         for p in path:
@@ -244,7 +244,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 100), ok=st.booleans())
     def finish_write(self, i, ok):
         op, prefixes, path = self.writes.pop(i % len(self.writes))
-        self.cache.finish_write(op, ok)
+        self.cache.tiers.finish_write(op, ok)
         for p in path:
             self.ref.pages[p].lock -= 1
         if ok:
@@ -256,14 +256,14 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(tokens=st.integers(1, 16))
     def evict_host(self, tokens):
         ps = self.page_size
-        k = self.cache.evict_host(tokens) // ps
+        k = self.cache.tiers.evict_host(tokens) // ps
         self.ref.evict_host(k)
 
     @rule(key=keys, ok=st.booleans())
     def load_back(self, key, ok):
         m = self.cache.match_prefix(key)
         dev_len, host_len, dev_path = self.ref.match(key)
-        op = self.cache.start_load_back(m)
+        op = self.cache.tiers.start_load_back(m)
         if op is None:
             return
         ps = self.page_size
@@ -274,7 +274,7 @@ class CacheMachine(RuleBasedStateMachine):
             pg = self.ref.pages[p]
             pg.device = True
             pg.tick = next(self.ref.clock)
-        self.cache.finish_load_back(op, ok)
+        self.cache.tiers.finish_load_back(op, ok)
         if not ok:
             for p in loaded:
                 self.ref.pages[p].device = False
