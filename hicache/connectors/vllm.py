@@ -182,10 +182,9 @@ class ConnectorRefused(RuntimeError):
 
 
 @dataclass
-class LoadPlan:
-    """Copy L2 ``pages[i]`` into vLLM block ``blocks[g][i]`` of each KV cache group ``g``
-    (``NO_BLOCK``: the group holds none there, outside its window), then release ``lease``
-    (of ``session`` in daemon run ``run``)."""
+class BlockCopyPlan:
+    """L2 ``pages[i]`` and vLLM block ``blocks[g][i]`` of each KV cache group ``g``, copied
+    under ``lease`` (of ``session`` in daemon run ``run``) for request ``rid``."""
 
     rid: str
     session: int
@@ -196,16 +195,14 @@ class LoadPlan:
 
 
 @dataclass
-class SavePlan:
-    """Copy vLLM block ``blocks[g][i]`` of each KV cache group ``g`` into L2 ``pages[i]``,
-    then commit ``lease`` (of ``session`` in daemon run ``run``)."""
+class LoadPlan(BlockCopyPlan):
+    """Copy L2 ``pages[i]`` into vLLM block ``blocks[g][i]`` (``NO_BLOCK``: the group holds
+    none there, outside its window), then release the lease."""
 
-    rid: str
-    session: int
-    run: int
-    lease: int
-    pages: list[int]
-    blocks: list[list[int]]
+
+@dataclass
+class SavePlan(BlockCopyPlan):
+    """Copy vLLM block ``blocks[g][i]`` into L2 ``pages[i]``, then commit the lease."""
 
 
 @dataclass
