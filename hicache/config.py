@@ -717,78 +717,98 @@ def kv_bytes_per_token(cfg: HicacheConfig) -> int | None:
     return attn_layers * 2 * ref.num_kv_heads * ref.head_dim * DTYPE_BYTES[cfg.model.dtype]
 
 
+@dataclass
+class _Checks:
+    """The problems one ``validate`` call finds, and the checks every section uses."""
+
+    out: list[ConfigProblem] = field(default_factory=list)
+
+    def bad(self, path: str, reason: str) -> None:
+        self.out.append(ConfigProblem(path, reason))
+
+    def positive(self, path: str, value: int | float) -> None:
+        if value <= 0:
+            self.bad(path, f"must be > 0, got {value}")
+
+    def non_negative(self, path: str, value: int | float | None) -> None:
+        if value is not None and value < 0:
+            self.bad(path, f"must be >= 0, got {value}")
+
+
 def validate(cfg: HicacheConfig) -> list[ConfigProblem]:
     """Checks that need more than one key's type: ranges, relations, the machine's RAM."""
-    out: list[ConfigProblem] = []
+    ck = _Checks()
+    for check in (_check_model, _check_events, _check_cache, _check_l3, _check_scheduler, _check_server,
+                  _check_engine):
+        check(cfg, ck)
+    return ck.out
 
-    def bad(path: str, reason: str) -> None:
-        out.append(ConfigProblem(path, reason))
 
-    def positive(path: str, value: int | float) -> None:
-        if value <= 0:
-            bad(path, f"must be > 0, got {value}")
-
-    def non_negative(path: str, value: int | float | None) -> None:
-        if value is not None and value < 0:
-            bad(path, f"must be >= 0, got {value}")
-
+def _check_model(cfg: HicacheConfig, ck: _Checks) -> None:
+    """The checks of the model and the device."""
     m = cfg.model
     if m.kind == "hf" and not m.path:
-        bad("model.path", "is required when model.kind is hf")
+        ck.bad("model.path", "is required when model.kind is hf")
     ref = m.reference
     for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
                  "vocab_size", "sliding_window", "mamba_state_size", "max_context"):
-        positive(f"model.reference.{name}", getattr(ref, name))
+        ck.positive(f"model.reference.{name}", getattr(ref, name))
     if ref.layers is not None and not ref.layers:
-        bad("model.reference.layers", "must name at least one layer")
+        ck.bad("model.reference.layers", "must name at least one layer")
     if ref.num_heads and ref.num_kv_heads and ref.num_heads % ref.num_kv_heads:
-        bad("model.reference.num_kv_heads",
-            f"must divide num_heads ({ref.num_heads}), got {ref.num_kv_heads}")
+        ck.bad("model.reference.num_kv_heads",
+               f"must divide num_heads ({ref.num_heads}), got {ref.num_kv_heads}")
     if ref.vocab_size is not None and m.kind == "reference" and not cfg.tokenizer.path and ref.vocab_size < 260:
-        bad("model.reference.vocab_size", "must be >= 260 for the built-in byte-level tokenizer")
-    non_negative("model.reference.seed", ref.seed)
+        ck.bad("model.reference.vocab_size", "must be >= 260 for the built-in byte-level tokenizer")
+    ck.non_negative("model.reference.seed", ref.seed)
 
     dev = cfg.device
     if dev not in DEVICES:
-        bad("device", f"must be auto or cpu; got {dev!r} (cuda / cuda:N are not supported by this build: "
-            "L1 lives in host memory)")
+        ck.bad("device", f"must be auto or cpu; got {dev!r} (cuda / cuda:N are not supported by this build: "
+               "L1 lives in host memory)")
 
+
+def _check_events(cfg: HicacheConfig, ck: _Checks) -> None:
+    """The checks of ``events``."""
     ev = cfg.events
     if ev.enabled:
-        positive("events.replay_batches", ev.replay_batches)
+        ck.positive("events.replay_batches", ev.replay_batches)
         for key, endpoint in (("events.endpoint", ev.endpoint), ("events.replay_endpoint", ev.replay_endpoint)):
             if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-                bad(key, f"must be a ZeroMQ endpoint (tcp://HOST:PORT, tcp://*:PORT or ipc://PATH), got {endpoint!r}")
+                ck.bad(key, f"must be a ZeroMQ endpoint (tcp://HOST:PORT, tcp://*:PORT or ipc://PATH), got {endpoint!r}")
         if ev.replay_endpoint is not None and ev.replay_endpoint == ev.endpoint:
-            bad("events.replay_endpoint", "must differ from events.endpoint")
+            ck.bad("events.replay_endpoint", "must differ from events.endpoint")
         if ev.journal is not None and cfg.cache.l3.backend == "none":
-            bad("events.journal", "keeps what L3 holds across restarts: it needs an L3 (cache.l3.backend)")
+            ck.bad("events.journal", "keeps what L3 holds across restarts: it needs an L3 (cache.l3.backend)")
         if ev.journal is not None and not ev.journal.strip():
-            bad("events.journal", "must be a file path (or null)")
+            ck.bad("events.journal", "must be a file path (or null)")
 
+
+def _check_cache(cfg: HicacheConfig, ck: _Checks) -> None:
+    """The checks of ``cache`` (L1, L2, the write and prefetch policies)."""
     c = cfg.cache
     if not _power_of_two(c.page_size):
-        bad("cache.page_size", f"must be a power of two, got {c.page_size}")
-    positive("cache.l1.tokens", c.l1.tokens)
-    positive("cache.l2.tokens", c.l2.tokens)
+        ck.bad("cache.page_size", f"must be a power of two, got {c.page_size}")
+    ck.positive("cache.l1.tokens", c.l1.tokens)
+    ck.positive("cache.l2.tokens", c.l2.tokens)
     if _power_of_two(c.page_size):
         if c.l1.tokens % c.page_size:
-            bad("cache.l1.tokens", f"must be a multiple of cache.page_size ({c.page_size}), got {c.l1.tokens}")
+            ck.bad("cache.l1.tokens", f"must be a multiple of cache.page_size ({c.page_size}), got {c.l1.tokens}")
         if c.l2.tokens % c.page_size:
-            bad("cache.l2.tokens", f"must be a multiple of cache.page_size ({c.page_size}), got {c.l2.tokens}")
-    _validate_swa_pools(cfg, bad)
+            ck.bad("cache.l2.tokens", f"must be a multiple of cache.page_size ({c.page_size}), got {c.l2.tokens}")
+    _validate_swa_pools(cfg, ck.bad)
     if c.l1.state_slots < MIN_L1_STATE_SLOTS:
-        bad("cache.l1.state_slots", f"must be >= {MIN_L1_STATE_SLOTS} (a running request of a Mamba model "
-            f"holds up to {STATE_SLOTS_PER_REQUEST} besides the cached state it matched), got {c.l1.state_slots}")
-    non_negative("cache.l2.state_slots", c.l2.state_slots)
-    non_negative("cache.mamba_branch_interval", c.mamba_branch_interval)
+        ck.bad("cache.l1.state_slots", f"must be >= {MIN_L1_STATE_SLOTS} (a running request of a Mamba model "
+               f"holds up to {STATE_SLOTS_PER_REQUEST} besides the cached state it matched), got {c.l1.state_slots}")
+    ck.non_negative("cache.l2.state_slots", c.l2.state_slots)
+    ck.non_negative("cache.mamba_branch_interval", c.mamba_branch_interval)
     if _power_of_two(c.page_size) and c.mamba_branch_interval % c.page_size:
-        bad("cache.mamba_branch_interval",
-            f"must be a multiple of cache.page_size ({c.page_size}), got {c.mamba_branch_interval}")
+        ck.bad("cache.mamba_branch_interval",
+               f"must be a multiple of cache.page_size ({c.page_size}), got {c.mamba_branch_interval}")
     if c.l2.enabled and 0 < c.l2.tokens < c.l1.tokens and cfg.engine.kind == "builtin":
-        bad("cache.l2.tokens", f"must be >= cache.l1.tokens ({c.l1.tokens}) when L2 is enabled")
+        ck.bad("cache.l2.tokens", f"must be >= cache.l1.tokens ({c.l1.tokens}) when L2 is enabled")
     if c.l3.backend != "none" and not c.l2.enabled:
-        bad("cache.l3.backend", "an L3 backend needs cache.l2.enabled: true (L3 is read into and written from L2)")
+        ck.bad("cache.l3.backend", "an L3 backend needs cache.l2.enabled: true (L3 is read into and written from L2)")
     per_token = kv_bytes_per_token(cfg)
     if c.l2.enabled and per_token is not None and c.l2.tokens > 0:
         import psutil
@@ -796,97 +816,113 @@ def validate(cfg: HicacheConfig) -> list[ConfigProblem]:
         need = c.l2.tokens * per_token
         avail = psutil.virtual_memory().available
         if need > avail:
-            bad("cache.l2.tokens",
-                f"needs {need / 2**30:.1f} GiB of host memory, but only {avail / 2**30:.1f} GiB is available")
+            ck.bad("cache.l2.tokens",
+                   f"needs {need / 2**30:.1f} GiB of host memory, but only {avail / 2**30:.1f} GiB is available")
     if c.write_through_threshold < 1:
-        bad("cache.write_through_threshold", f"must be >= 1, got {c.write_through_threshold}")
-    non_negative("cache.load_back_threshold", c.load_back_threshold)
+        ck.bad("cache.write_through_threshold", f"must be >= 1, got {c.write_through_threshold}")
+    ck.non_negative("cache.load_back_threshold", c.load_back_threshold)
     p = c.prefetch
-    non_negative("cache.prefetch.threshold_tokens", p.threshold_tokens)
-    non_negative("cache.prefetch.timeout_base_s", p.timeout_base_s)
-    non_negative("cache.prefetch.timeout_per_ki_token_s", p.timeout_per_ki_token_s)
+    ck.non_negative("cache.prefetch.threshold_tokens", p.threshold_tokens)
+    ck.non_negative("cache.prefetch.timeout_base_s", p.timeout_base_s)
+    ck.non_negative("cache.prefetch.timeout_per_ki_token_s", p.timeout_per_ki_token_s)
     if not 0.0 < p.max_reserved_fraction <= 1.0:
-        bad("cache.prefetch.max_reserved_fraction", f"must be in (0, 1], got {p.max_reserved_fraction}")
+        ck.bad("cache.prefetch.max_reserved_fraction", f"must be in (0, 1], got {p.max_reserved_fraction}")
+
+
+def _check_l3(cfg: HicacheConfig, ck: _Checks) -> None:
+    """The checks of ``cache.l3``."""
+    c = cfg.cache
     from hicache.storage_settings import l3_problems
 
     for key, reason in l3_problems(c.l3):
-        bad(f"cache.l3.{key}", reason)
+        ck.bad(f"cache.l3.{key}", reason)
     if c.l3.backend == "file":
-        positive("cache.l3.file.max_size_gb", c.l3.file.max_size_gb)
+        ck.positive("cache.l3.file.max_size_gb", c.l3.file.max_size_gb)
         if not c.l3.file.dir:
-            bad("cache.l3.file.dir", "must not be empty")
+            ck.bad("cache.l3.file.dir", "must not be empty")
     r = c.l3.redis
     if c.l3.backend == "redis":
         problem = redis_url_problem(r.url)
         if problem:
-            bad("cache.l3.redis.url", problem)
-    positive("cache.l3.redis.timeout_s", r.timeout_s)
+            ck.bad("cache.l3.redis.url", problem)
+    ck.positive("cache.l3.redis.timeout_s", r.timeout_s)
     if r.ttl_s is not None:
-        positive("cache.l3.redis.ttl_s", r.ttl_s)
+        ck.positive("cache.l3.redis.ttl_s", r.ttl_s)
     if not r.key_prefix or any(ch.isspace() for ch in r.key_prefix):
-        bad("cache.l3.redis.key_prefix", f"must be a non-empty string without spaces, got {r.key_prefix!r}")
+        ck.bad("cache.l3.redis.key_prefix", f"must be a non-empty string without spaces, got {r.key_prefix!r}")
     for key, reason in redis_secret_problems(r, check_files=c.l3.backend == "redis"):
-        bad(f"cache.l3.redis.{key}", reason)
+        ck.bad(f"cache.l3.redis.{key}", reason)
 
+
+def _check_scheduler(cfg: HicacheConfig, ck: _Checks) -> None:
+    """The checks of ``scheduler``."""
+    c = cfg.cache
     s = cfg.scheduler
     for name in ("max_running_requests", "max_prefill_tokens", "chunked_prefill_tokens",
                  "default_max_new_tokens", "max_new_tokens_limit"):
-        positive(f"scheduler.{name}", getattr(s, name))
+        ck.positive(f"scheduler.{name}", getattr(s, name))
     if s.default_max_new_tokens > s.max_new_tokens_limit:
-        bad("scheduler.default_max_new_tokens",
-            f"must be <= scheduler.max_new_tokens_limit ({s.max_new_tokens_limit})")
+        ck.bad("scheduler.default_max_new_tokens",
+               f"must be <= scheduler.max_new_tokens_limit ({s.max_new_tokens_limit})")
     if _power_of_two(c.page_size) and s.chunked_prefill_tokens % c.page_size:
-        bad("scheduler.chunked_prefill_tokens",
-            f"must be a multiple of cache.page_size ({c.page_size}), got {s.chunked_prefill_tokens}")
+        ck.bad("scheduler.chunked_prefill_tokens",
+               f"must be a multiple of cache.page_size ({c.page_size}), got {s.chunked_prefill_tokens}")
 
+
+def _check_server(cfg: HicacheConfig, ck: _Checks) -> None:
+    """The checks of ``server`` and ``ipc``."""
     if not 0 <= cfg.server.port <= 65535:
-        bad("server.port", f"must be in 0..65535, got {cfg.server.port}")
+        ck.bad("server.port", f"must be in 0..65535, got {cfg.server.port}")
     if not cfg.server.host:
-        bad("server.host", "must not be empty")
+        ck.bad("server.host", "must not be empty")
     if cfg.server.health_stale_s < 1.0:
-        bad("server.health_stale_s",
-            f"must be >= 1.0 (heartbeats are written every 0.25 s), got {cfg.server.health_stale_s}")
+        ck.bad("server.health_stale_s",
+               f"must be >= 1.0 (heartbeats are written every 0.25 s), got {cfg.server.health_stale_s}")
     freeze = cfg.server.controller_freeze_restart_s
     if freeze != 0 and freeze < cfg.server.health_stale_s:
-        bad("server.controller_freeze_restart_s",
-            f"must be 0 (never) or >= server.health_stale_s ({cfg.server.health_stale_s}), got {freeze}")
-    positive("server.header_timeout_s", cfg.server.header_timeout_s)
-    positive("server.body_timeout_s", cfg.server.body_timeout_s)
+        ck.bad("server.controller_freeze_restart_s",
+               f"must be 0 (never) or >= server.health_stale_s ({cfg.server.health_stale_s}), got {freeze}")
+    ck.positive("server.header_timeout_s", cfg.server.header_timeout_s)
+    ck.positive("server.body_timeout_s", cfg.server.body_timeout_s)
     if not 1 <= cfg.server.max_samples <= 128:
-        bad("server.max_samples", f"must be in [1, 128], got {cfg.server.max_samples}")
+        ck.bad("server.max_samples", f"must be in [1, 128], got {cfg.server.max_samples}")
     names = cfg.server.served_model_names
     if names is not None:
         if not names:
-            bad("server.served_model_names", "must name at least one model (or be null)")
+            ck.bad("server.served_model_names", "must name at least one model (or be null)")
         elif any(not n.strip() for n in names):
-            bad("server.served_model_names", "must not hold an empty name")
+            ck.bad("server.served_model_names", "must not hold an empty name")
         elif len(set(names)) != len(names):
-            bad("server.served_model_names", "must not repeat a name")
+            ck.bad("server.served_model_names", "must not repeat a name")
     for key, reason in api_key_problems(cfg.server):
-        bad(f"server.{key}", reason)
+        ck.bad(f"server.{key}", reason)
     if cfg.ipc.transport == "tcp" and not 0 <= cfg.ipc.tcp_base_port <= 65535 - 8:
-        bad("ipc.tcp_base_port", f"must be in 0..65527, got {cfg.ipc.tcp_base_port}")
+        ck.bad("ipc.tcp_base_port", f"must be in 0..65527, got {cfg.ipc.tcp_base_port}")
     if cfg.ipc.curve_keys_dir is not None and not cfg.ipc.curve_keys_dir.strip():
-        bad("ipc.curve_keys_dir", "must not be empty (null = no CURVE)")
+        ck.bad("ipc.curve_keys_dir", "must not be empty (null = no CURVE)")
     elif cfg.ipc.curve_keys_dir and cfg.ipc.allow_insecure_tcp:
-        bad("ipc.allow_insecure_tcp", "must not be true when ipc.curve_keys_dir is set (CURVE is on): drop one")
+        ck.bad("ipc.allow_insecure_tcp", "must not be true when ipc.curve_keys_dir is set (CURVE is on): drop one")
     elif cfg.ipc.transport == "tcp" and not cfg.ipc.curve_keys_dir and not cfg.ipc.allow_insecure_tcp:
-        bad("ipc.transport", "tcp needs CURVE keys, or anyone who can reach ipc.tcp_host can send messages to the "
-            "daemon: write a key directory with `hicache keygen --dir DIR` and set ipc.curve_keys_dir: DIR, or set "
-            "ipc.allow_insecure_tcp: true to accept plain TCP on a trusted network")
+        ck.bad("ipc.transport", "tcp needs CURVE keys, or anyone who can reach ipc.tcp_host can send messages to the "
+               "daemon: write a key directory with `hicache keygen --dir DIR` and set ipc.curve_keys_dir: DIR, or set "
+               "ipc.allow_insecure_tcp: true to accept plain TCP on a trusted network")
+
+
+def _check_engine(cfg: HicacheConfig, ck: _Checks) -> None:
+    """The checks of ``engine`` (engine mode)."""
+    c = cfg.cache
     e = cfg.engine
-    positive("engine.lease_ttl_s", e.lease_ttl_s)
-    positive("engine.lookup_timeout_ms", e.lookup_timeout_ms)
+    ck.positive("engine.lease_ttl_s", e.lease_ttl_s)
+    ck.positive("engine.lookup_timeout_ms", e.lookup_timeout_ms)
     if e.kind == "vllm":
         if not e.model:
-            bad("engine.model", "is required when engine.kind is vllm (the checkpoint directory the engines serve)")
+            ck.bad("engine.model", "is required when engine.kind is vllm (the checkpoint directory the engines serve)")
         elif not (Path(e.model) / "config.json").is_file():
-            bad("engine.model", f"must be a local checkpoint directory with a config.json, got {e.model!r}")
+            ck.bad("engine.model", f"must be a local checkpoint directory with a config.json, got {e.model!r}")
         if not c.l2.enabled:
-            bad("cache.l2.enabled", "engine mode keeps the engines' KV in L2: it must be true")
+            ck.bad("cache.l2.enabled", "engine mode keeps the engines' KV in L2: it must be true")
         if cfg.ipc.transport == "ipc" and not cfg.ipc.dir:
-            bad("ipc.dir", "engine mode needs a fixed runtime directory: engines find the daemon's socket there")
-    return out
+            ck.bad("ipc.dir", "engine mode needs a fixed runtime directory: engines find the daemon's socket there")
 
 
 def key_text_problem(key: str) -> str | None:

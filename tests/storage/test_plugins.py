@@ -25,6 +25,7 @@ from hicache.storage_settings import l3_backends, redacted_options, storage_sett
 from storage_backends import (
     BackendPlugin,
     FileSettings,
+    StorageBackend,
     StorageConfigError,
     available_backends,
     create_backend,
@@ -60,7 +61,7 @@ def test_the_plugin_checks_its_own_options(sqlite_plugin: Path, tmp_path: Path) 
     with pytest.raises(StorageConfigError, match="timeout_s must be a number > 0"):
         plugin.settings({"path": str(tmp_path / "a"), "timeout_s": 0})
     with pytest.raises(StorageConfigError, match="must be a mapping"):
-        plugin.settings(["path"])  # type: ignore[arg-type]
+        plugin.settings(["path"])
 
 
 @dataclass(frozen=True)
@@ -72,20 +73,20 @@ class _TokenSettings:
 
 
 def test_plugin_definitions_are_checked_and_secrets_redacted() -> None:
-    def factory(settings: object, layout: object) -> object:
+    def factory(settings: object, layout: object) -> StorageBackend:
         raise AssertionError("not built here")
 
-    plugin = BackendPlugin("tokenstore", _TokenSettings, factory)  # type: ignore[arg-type]
+    plugin = BackendPlugin("tokenstore", _TokenSettings, factory)
     assert plugin.redacted({"endpoint": "e", "token": "s3cret"}) == {"endpoint": "e", "token": "***"}
     assert plugin.redacted({"endpoint": "e", "token": None}) == {"endpoint": "e", "token": None}
     with pytest.raises(StorageConfigError, match="built in"):
-        BackendPlugin("file", _TokenSettings, factory)  # type: ignore[arg-type]
+        BackendPlugin("file", _TokenSettings, factory)
     with pytest.raises(StorageConfigError, match="must match"):
-        BackendPlugin("Token Store", _TokenSettings, factory)  # type: ignore[arg-type]
+        BackendPlugin("Token Store", _TokenSettings, factory)
     with pytest.raises(StorageConfigError, match="settings_class.kind must be 'other'"):
-        BackendPlugin("other", _TokenSettings, factory)  # type: ignore[arg-type]
+        BackendPlugin("other", _TokenSettings, factory)
     with pytest.raises(StorageConfigError, match="not a dataclass"):
-        BackendPlugin("tokenstore", dict, factory)  # type: ignore[arg-type]
+        BackendPlugin("tokenstore", dict, factory)
     # a plug-in that cannot be found: every option is hidden (only it knows its secrets)
     assert redacted_options(SimpleNamespace(backend="nosuch", options={"a": "1", "b": None})) == {"a": "***", "b": None}
 
