@@ -165,6 +165,20 @@ class Daemon:
             self.proc.wait(10)
 
 
+def check_served_from_l3_after_restart(tmp: Path, config: dict[str, Any], prompt: list[int], expected: list[int],
+                                       min_storage_tokens: int, env: dict[str, str] | None = None) -> None:
+    """Start a fresh daemon on ``config`` (its L2 empty): ``prompt`` gives ``expected``
+    with at least ``min_storage_tokens`` of it from L3; the daemon stops cleanly."""
+    d = Daemon(tmp, config, "restarted", env=env)
+    d.start()
+    try:
+        out = d.generate(prompt, 4)
+        assert out["output_ids"] == expected
+        assert out["meta_info"]["cached_tokens_details"]["storage"] >= min_storage_tokens, out["meta_info"]
+    finally:
+        assert d.stop() == 0, d.log()
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

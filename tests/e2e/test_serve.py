@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from daemon import Daemon, alive, shm_segments
+from daemon import Daemon, alive, check_served_from_l3_after_restart, shm_segments
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -105,14 +105,7 @@ def test_l3_round_trip_after_flush_and_after_restart(tmp_path: Path) -> None:
         assert again["meta_info"]["cached_tokens_details"]["storage"] >= 700, again["meta_info"]
     finally:
         assert d.stop() == 0
-    d2 = Daemon(tmp_path, _config(tmp_path), "restarted")
-    d2.start()
-    try:
-        third = d2.generate(prompt, 4)
-        assert third["output_ids"] == first["output_ids"]
-        assert third["meta_info"]["cached_tokens_details"]["storage"] >= 700, third["meta_info"]
-    finally:
-        assert d2.stop() == 0
+    check_served_from_l3_after_restart(tmp_path, _config(tmp_path), prompt, first["output_ids"], 700)
 
 
 def test_controller_killed_during_traffic_is_restarted(daemon: Daemon) -> None:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from daemon import REPO, Daemon
+from daemon import REPO, Daemon, check_served_from_l3_after_restart
 
 from tests.storage.plugin_install import install_sqlite_plugin
 
@@ -74,14 +74,7 @@ def test_plugin_store_serves_l3_hits_after_a_flush_and_a_restart(tmp_path: Path,
         assert _pages(other) >= 200 // 4
     finally:
         assert d.stop() == 0, d.log()
-    d2 = Daemon(tmp_path, _config(db), "restarted", env=plugin_env)
-    d2.start()
-    try:
-        third = d2.generate(prompt, 4)
-        assert third["output_ids"] == first["output_ids"]
-        assert third["meta_info"]["cached_tokens_details"]["storage"] >= 700, third["meta_info"]
-    finally:
-        assert d2.stop() == 0, d2.log()
+    check_served_from_l3_after_restart(tmp_path, _config(db), prompt, first["output_ids"], 700, env=plugin_env)
 
 
 def test_plugin_options_are_checked_by_the_plugin_before_start(tmp_path: Path, plugin_env: dict[str, str]) -> None:
