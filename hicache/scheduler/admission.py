@@ -22,8 +22,9 @@ from hicache.scheduler.queue_policy import order_waiting
 from hicache.scheduler.request import LOADING, PREFETCH, RUNNING, WAITING, Request
 from hicache.scheduler.state import SchedulerState
 from hicache.tier_manager import LoadTicket
-from hicache.tree.cache import LockToken, MatchResult, RequestState
-from hicache.tree.node import ComponentType
+from hicache.tree.cache import MatchResult
+from hicache.tree.node import ComponentType, LockToken
+from hicache.tree.request_state import RequestState
 
 FULL = ComponentType.FULL
 
@@ -167,15 +168,12 @@ class Admission:
     def unadmit(self, req: Request) -> None:
         """Undo a half-done ``admit``: give back the lock, reservations and slots."""
         self.s.budget.release(req.rid)
-        if req.mamba is not None:
-            req.mamba.free_all()
-            req.mamba = None
+        self.aux.unadmit(req)
         st = req.tree
         if st is None:
             return
         if st.lock is not None:
             self.s.cache.dec_lock_ref(st.lock)
-        st.mamba_slot = None  # freed with ``req.mamba``
         req.tree = None
         req.computed = 0
 

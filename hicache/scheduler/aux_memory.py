@@ -17,8 +17,9 @@ call                  when, and what it does
 ``hand_over_state``   before ``cache_finished_req``: the Mamba state the tree keeps
 ====================  ===================================================================
 
-SWA: the request's SWA page table covers pages from ``swa_start_page`` on (the runner gets
--1 before it). Its first ``swa_prefix_len`` tokens' entries are the tree's pages (-1 for
+SWA: the request's SWA page table (``RequestState.aux["swa"]``, a ``SwaRequestPages``) covers
+pages from its ``start_page`` on (the runner gets -1 before it). Its first ``prefix_len`` tokens'
+entries are the tree's pages (-1 for
 tombstones, never read); the rest are the request's own. As its computed position
 advances, its own pages wholly before the window before its last page boundary are freed at
 once (``settle_swa``), and once nothing the tree holds before its window is read again, the
@@ -28,7 +29,7 @@ before it go to the tree (``insert_prompt_state``). A request reserves only the 
 it holds at once (``hicache.config.swa_request_pages``), re-sized after every pass.
 
 Mamba: a running request's slots are its ``req.mamba`` (``MambaSlots``); the tree's
-``RequestState.mamba_slot`` is set from it at admission (the own slot) and at the hand-over
+``RequestState.aux["mamba"]`` is set from it at admission (the own slot) and at the hand-over
 before ``cache_finished_req``. A snapshot that finds no slot is skipped (its state is just
 not cached), never an error.
 """
@@ -39,9 +40,10 @@ from hicache.config import STATE_SLOTS_PER_REQUEST, swa_min_pages, swa_request_p
 from hicache.model.runner import ForwardItem
 from hicache.scheduler.request import MambaSlots, Request
 from hicache.scheduler.state import SchedulerState
-from hicache.tree.cache import MatchResult, RequestState
-from hicache.tree.components import PagedInsert
+from hicache.tree.cache import MatchResult
+from hicache.tree.components import PagedInsert, SWAComponent, SwaRequestPages
 from hicache.tree.node import ComponentType, TreeNode
+from hicache.tree.request_state import RequestState
 
 SWA, MAMBA = ComponentType.SWA, ComponentType.MAMBA
 
@@ -86,8 +88,7 @@ class AuxMemory:
         assert st is not None
         ps = self.s.page_size
         if self.swa is not None:
-            st.swa_pages = self.tree_swa_pages(m.last_device_node, prefix // ps)
-            st.swa_start_page, st.swa_prefix_len = 0, prefix
+            st.aux[self.swa.name] = SwaRequestPages(self.tree_swa_pages(m.last_device_node, prefix // ps), 0, prefix)
         if self.mamba is not None:
             slots = req.mamba = MambaSlots.for_admission(
                 self.mamba.allocator, lambda: self.take_slot(req), ps, req.prompt_len, prefix,
@@ -95,13 +96,22 @@ class AuxMemory:
             slot = slots.take_own()
             if slot is None:
                 return False
-            st.mamba_slot = slot  # the tree's view of it (undoing the admission frees it should the copy fail)
+            st.aux[self.mamba.name] = slot  # the tree's view of it (undoing the admission frees it should the copy fail)
             if prefix > 0:
                 src = self.s.cache.data(m.last_device_node, MAMBA).value
                 if src is None:
                     raise RuntimeError("the matched node has no Mamba state")
                 self.mamba.copy_state(src, slot)  # type: ignore[misc]
         return True
+
+    def unadmit(self, req: Request) -> None:
+        """Undo ``admit``: free ``req``'s Mamba slots (the tree's view of its own slot goes
+        too); its SWA table holds only the tree's pages then, which its lock covered."""
+        if req.mamba is not None:
+            req.mamba.free_all()
+            req.mamba = None
+        if req.tree is not None and self.mamba is not None:
+            req.tree.aux.pop(self.mamba.name, None)
 
     def tree_swa_pages(self, node: TreeNode, npages: int) -> list[int]:
         """The tree's SWA pages of the path ending at ``node`` (``npages`` pages), -1 for a
@@ -128,27 +138,33 @@ class AuxMemory:
         return got[0] if got is not None else None
 
     # ------------------------------------------------------------------ forward pass
+    @staticmethod
+    def table(st: RequestState | None) -> SwaRequestPages | None:
+        """The request's SWA page table (``aux["swa"]``), None for none."""
+        table: SwaRequestPages | None = st.aux.get(SWAComponent.name) if st is not None else None
+        return table
+
     def ensure_swa_pages(self, req: Request, upto: int) -> bool:
-        """SWA pages up to ``upto`` tokens (the table covers pages from ``swa_start_page``)."""
-        st = req.tree
-        if self.swa is None or st is None or st.swa_pages is None:
+        """SWA pages up to ``upto`` tokens (the table covers pages from its ``start_page``)."""
+        t = self.table(req.tree)
+        if self.swa is None or t is None:
             return True
-        need = -(-upto // self.s.page_size) - st.swa_start_page - len(st.swa_pages)
+        need = -(-upto // self.s.page_size) - t.start_page - len(t.pages)
         if need <= 0:
             return True
         pages = self.s.budget.take(req.rid, SWA, need)
         if pages is None:
             return False
-        st.swa_pages.extend(pages)
+        t.pages.extend(pages)
         return True
 
-    @staticmethod
-    def swa_table(st: RequestState) -> list[int] | tuple[()]:
-        """The runner's SWA page table: -1 for the pages released before ``swa_start_page``
+    def swa_table(self, st: RequestState) -> list[int] | tuple[()]:
+        """The runner's SWA page table: -1 for the pages released before its ``start_page``
         (wholly before the window: never read)."""
-        if st.swa_pages is None:
+        t = self.table(st)
+        if t is None:
             return ()
-        return [-1] * st.swa_start_page + st.swa_pages if st.swa_start_page else st.swa_pages
+        return [-1] * t.start_page + t.pages if t.start_page else t.pages
 
     def advance(self, req: Request, item: ForwardItem, prefill: bool) -> None:
         """After ``req`` computed ``item`` (``req.computed`` is its end): insert the prompt's
@@ -160,7 +176,7 @@ class AuxMemory:
             req.mamba.computed(list(item.snapshots))
             for pos, slot in req.mamba.pop_branches(req.computed):  # ascending
                 self.insert_prompt_state(req, pos, slot)
-        elif st.swa_pages is not None and prefill:
+        elif self.table(st) is not None and prefill:
             pos = MambaSlots.prompt_boundary(req.prompt_len, self.s.page_size)
             if item.start < pos <= req.computed:
                 self.insert_prompt_state(req, pos, None)
@@ -177,17 +193,17 @@ class AuxMemory:
     def drop_swa_before(self, req: Request, page: int) -> None:
         """Release ``req``'s SWA table entries before ``page``: its own pages are freed at
         once, the tree's (its match, its prompt boundary's window) are just no longer its
-        to read; ``swa_start_page`` advances to ``page``."""
-        st = req.tree
-        assert self.swa is not None and st is not None and st.swa_pages is not None
-        drop = page - st.swa_start_page
+        to read; the table's ``start_page`` advances to ``page``."""
+        t = self.table(req.tree)
+        assert self.swa is not None and t is not None
+        drop = page - t.start_page
         if drop <= 0:
             return
-        tree_end = st.swa_prefix_len // self.s.page_size  # entries before it are the tree's
-        first_own = max(0, tree_end - st.swa_start_page)
-        own = st.swa_pages[first_own:drop]
-        del st.swa_pages[:drop]
-        st.swa_start_page = page
+        tree_end = t.prefix_len // self.s.page_size  # entries before it are the tree's
+        first_own = max(0, tree_end - t.start_page)
+        own = t.pages[first_own:drop]
+        del t.pages[:drop]
+        t.start_page = page
         if own:
             self.swa.allocator.free(own)
 
@@ -199,15 +215,16 @@ class AuxMemory:
         phase, less the pages it holds and has handed to the tree, at most the pages it has
         still to allocate). Nothing for a request without an SWA table."""
         st = req.tree
-        if self.swa is None or st is None or st.swa_pages is None:
+        t = self.table(st)
+        if self.swa is None or st is None or t is None:
             return
         ps = self.s.page_size
         keep = self.swa_keep_from(req.computed)
         self.drop_swa_before(req, keep)
-        if st.lock is not None and keep >= st.swa_prefix_len // ps:
+        if st.lock is not None and keep >= t.prefix_len // ps:
             st.lock = self.s.cache.release_part(st.lock, self.swa.name)
-        end = st.swa_start_page + len(st.swa_pages)
-        own = end - max(st.swa_start_page, st.swa_prefix_len // ps)
+        end = t.start_page + len(t.pages)
+        own = end - max(t.start_page, t.prefix_len // ps)
         future = -(-(req.prompt_len + req.params.max_new_tokens) // ps) - end
         step = self.s.chunk_tokens if req.prefilling else 1
         bound = swa_request_pages(self.swa.sliding_window, step, ps) - max(0, own) - req.swa_handed
@@ -219,7 +236,7 @@ class AuxMemory:
         (``cache_unfinished_req``).
 
         With SWA layers too, the insert carries the request's SWA pages from
-        ``swa_start_page`` up to ``pos`` (own pages before the window before ``pos`` are
+        the table's ``start_page`` up to ``pos`` (own pages before the window before ``pos`` are
         freed first; they are handed to the tree, and stay charged to the request's SWA
         reservation, ``swa_handed``):
         without them the node would be no valid boundary until the request finishes, and an
@@ -234,28 +251,28 @@ class AuxMemory:
         assert st is not None
         ps = self.s.page_size
         aux: dict[str, object] = {} if slot is None else {"mamba": slot}
-        with_swa = st.swa_pages is not None and pos > st.prefix_len
+        t = self.table(st)
+        with_swa = t is not None and pos > st.prefix_len
         npages, start, handed = pos // ps, 0, 0
-        if with_swa:
+        if t is not None and with_swa:
             self.drop_swa_before(req, self.swa_keep_from(pos))  # the window before pos stays
-            assert st.swa_pages is not None
-            start = st.swa_start_page
-            handed = npages - max(start, st.swa_prefix_len // ps)
-            aux["swa"] = PagedInsert(st.swa_pages[: npages - start], start, st.swa_prefix_len)
+            start = t.start_page
+            handed = npages - max(start, t.prefix_len // ps)
+            aux[SWAComponent.name] = PagedInsert(t.pages[: npages - start], start, t.prefix_len)
         if not aux:
             return
         self.s.cache.cache_unfinished_req(st, committed_len=pos, aux=aux)
-        if with_swa:
+        if t is not None and with_swa:
             if st.prefix_len != pos:
                 raise RuntimeError(f"the prompt state's insert ended at {st.prefix_len}, not {pos}")
-            assert st.swa_pages is not None and st.last_node is not None
-            st.swa_pages[: npages - start] = self.tree_swa_pages(st.last_node, npages)[start:]
-            st.swa_prefix_len = pos
+            assert st.last_node is not None
+            t.pages[: npages - start] = self.tree_swa_pages(st.last_node, npages)[start:]
+            t.prefix_len = pos
             req.swa_handed += max(0, handed)
 
     # ------------------------------------------------------------------ finishing
     def hand_over_state(self, req: Request) -> None:
-        """Before ``cache_finished_req``: the tree's ``mamba_slot`` becomes the boundary
+        """Before ``cache_finished_req``: the tree's ``aux["mamba"]`` becomes the boundary
         snapshot when that holds the state after the last full page of the computed tokens
         (the key the tree inserts), else None; ``req.mamba`` frees the request's own slot
         and every other snapshot. Nothing for a model without Mamba layers."""
@@ -263,4 +280,8 @@ class AuxMemory:
         if self.mamba is None or st is None:
             return
         slots, req.mamba = req.mamba, None
-        st.mamba_slot = slots.hand_over(req.computed) if slots is not None else None
+        slot = slots.hand_over(req.computed) if slots is not None else None
+        if slot is None:
+            st.aux.pop(self.mamba.name, None)
+        else:
+            st.aux[self.mamba.name] = slot

@@ -26,7 +26,7 @@ scheduler's ``L1Budget`` (``hicache.scheduler.budget``), keyed by the request id
 
 Mamba models: a running request's state slots are its ``mamba`` (``MambaSlots``), the one
 object that assigns and frees them: its own slot (``own``, which admission also sets as
-``tree.mamba_slot``, the tree's view), the branch snapshots (``taken``: the states after
+``tree.aux["mamba"]``, the tree's view), the branch snapshots (``taken``: the states after
 the ``branch_positions`` its prefill passes: the prompt boundary, the fork from a cached
 path, every ``cache.mamba_branch_interval`` tokens; each handed to the tree as soon as the
 prefill passes it) and the boundary snapshot (``boundary``: the state after ``boundary_pos`` tokens, the latest page
@@ -60,7 +60,8 @@ from hicache.memory.allocator import PageAllocator
 from hicache.model.sampling import PenaltyState
 from hicache.model.sampling_params import SamplingParams
 from hicache.tier_manager import LoadTicket, PrefetchTicket
-from hicache.tree.cache import LockToken, RequestState
+from hicache.tree.node import LockToken
+from hicache.tree.request_state import RequestState
 
 
 class RequestStatus(enum.Enum):

@@ -12,8 +12,8 @@ follows, L2 eviction, ``TierOp``), which holds the cache in turn through a writt
 
 from __future__ import annotations
 
-from hicache.tree.base import EvictResult, InsertResult, LockToken, MatchResult
-from hicache.tree.cache import InsertParams, RequestState, UnifiedRadixCache
+from hicache.tree.base import EvictResult, InsertResult, MatchResult
+from hicache.tree.cache import InsertParams, UnifiedRadixCache
 from hicache.tree.components import (
     FullComponent,
     MambaComponent,
@@ -21,19 +21,21 @@ from hicache.tree.components import (
     PagedAuxComponent,
     PagedInsert,
     SWAComponent,
+    SwaRequestPages,
     TreeComponent,
 )
 from hicache.tree.content import ContentObserver, Tier
 from hicache.tree.core import TreeCore
 from hicache.tree.integrity import IntegrityError, check_integrity
-from hicache.tree.node import ComponentData, ComponentType, TreeNode
+from hicache.tree.node import ComponentData, ComponentType, LockToken, TreeNode
 from hicache.tree.policy import POLICIES, EvictionPolicy, LRUPolicy, SLRUPolicy, make_policy
+from hicache.tree.request_state import RequestState
 from hicache.tree.tiering import TierOp
 
 __all__ = [
     "POLICIES", "ComponentData", "ContentObserver", "ComponentType", "EvictResult", "EvictionPolicy", "FullComponent",
     "InsertParams", "InsertResult", "IntegrityError", "LRUPolicy", "LockToken", "MambaComponent", "MatchResult",
     "NoRoom", "PagedAuxComponent", "PagedInsert",
-    "RequestState", "SLRUPolicy", "SWAComponent", "Tier", "TierOp", "TreeComponent", "TreeCore", "TreeNode",
+    "RequestState", "SLRUPolicy", "SWAComponent", "SwaRequestPages", "Tier", "TierOp", "TreeComponent", "TreeCore", "TreeNode",
     "UnifiedRadixCache", "check_integrity", "make_policy",
 ]

@@ -4,7 +4,7 @@
 
 * ``CacheBase`` (this module): the constructor (the components checked and numbered, the
   ``TreeCore``, the write policy, the counters), the result types both halves
-  return (``MatchResult``, ``InsertResult``, ``EvictResult``, ``LockToken``), and the helpers
+  return (``MatchResult``, ``InsertResult``, ``EvictResult``), and the helpers
   both use: ``_aligned`` (keys), ``_npages`` / ``_op_nodes`` (an op's span of nodes),
   ``_free`` (giving units back to an allocator), ``salt_of`` and ``_delete`` (removing a
   node, where L1 and L2 eviction both end);
@@ -90,14 +90,6 @@ class EvictResult:
     @property
     def mamba_states(self) -> int:
         return self.freed.get("mamba", 0)
-
-
-@dataclass
-class LockToken:
-    """Returned by ``inc_lock_ref``; pass it back to ``dec_lock_ref``."""
-
-    node: TreeNode
-    parts: tuple[Any, ...]
 
 
 class CacheBase:

@@ -40,7 +40,7 @@ from functools import partial
 from typing import Any
 
 from hicache.hashing import HashNamespace, PageHasher
-from hicache.tree.base import WRITE_POLICIES, CacheBase, EvictResult, InsertResult, LockToken, MatchResult
+from hicache.tree.base import WRITE_POLICIES, CacheBase, EvictResult, InsertResult, MatchResult
 from hicache.tree.components import (
     RELEASED,
     MambaComponent,
@@ -49,7 +49,8 @@ from hicache.tree.components import (
     TreeComponent,
     Validator,
 )
-from hicache.tree.node import ComponentData, ComponentType, TreeNode
+from hicache.tree.node import ComponentData, ComponentType, LockToken, TreeNode
+from hicache.tree.request_state import RequestState
 from hicache.tree.tiering import TierCalls, TierOp
 
 __all__ = [
@@ -75,29 +76,6 @@ class InsertParams:
     cache_salt: str = ""
     prev_prefix_len: int = 0
     aux: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class RequestState:
-    """The fields of a request that ``cache_finished_req`` / ``cache_unfinished_req`` use.
-
-    ``kv_pages``: the request's FULL L1 pages, one per (possibly partial) page of its
-    computed tokens; the first ``prefix_len // page_size`` are the tree's (from the match).
-    ``swa_pages`` covers pages from ``swa_start_page`` on (earlier ones were released); the
-    first ``swa_prefix_len`` tokens' SWA pages are the tree's (from the match; chunked
-    prefill inserts FULL pages only, so it leaves this unchanged).
-    """
-
-    token_ids: Sequence[int]
-    kv_pages: list[int]
-    cache_salt: str = ""
-    prefix_len: int = 0
-    last_node: TreeNode | None = None
-    lock: LockToken | None = None
-    swa_pages: list[int] | None = None
-    swa_start_page: int = 0
-    swa_prefix_len: int = 0
-    mamba_slot: int | None = None
 
 
 class UnifiedRadixCache(CacheBase):
@@ -624,7 +602,7 @@ class UnifiedRadixCache(CacheBase):
         The request keeps every page of its own auxiliary components meanwhile (an SWA
         node inserted here is a tombstone until ``cache_finished_req`` recovers it from the
         request's pages). ``aux`` (e.g. ``{"mamba": slot}``: a snapshot slot, not
-        ``req.mamba_slot``, holding the state after exactly the committed tokens, which
+        ``req.aux["mamba"]``, holding the state after exactly the committed tokens, which
         must then be page-aligned) is taken over: kept on the end node, or freed here when
         that node already has it or nothing new is inserted.
         """

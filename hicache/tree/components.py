@@ -39,9 +39,9 @@ from typing import TYPE_CHECKING, Any
 
 from hicache.memory.allocator import PageAllocator
 from hicache.tree.node import ComponentData, ComponentType, TreeNode
+from hicache.tree.request_state import RequestState
 
 if TYPE_CHECKING:
-    from hicache.tree.cache import RequestState
     from hicache.tree.core import TreeCore
 
 _uuids = itertools.count(1)
@@ -304,8 +304,7 @@ class SWAComponent(PagedAuxComponent):
     at the same place even if the tree changed meanwhile. A split moves the uuid to the
     upper part (both parts hold the lock).
 
-    ``RequestState`` fields: ``swa_pages`` (from ``swa_start_page`` on) and
-    ``swa_prefix_len`` (the tokens whose SWA pages are the tree's own).
+    Its part of a ``RequestState``: ``aux["swa"]``, a ``SwaRequestPages``.
     """
 
     ctype = ComponentType.SWA
@@ -380,15 +379,28 @@ class SWAComponent(PagedAuxComponent):
             core.unlock(n, i)
 
     def request_payload(self, req: RequestState, npages: int) -> PagedInsert | None:
-        if req.swa_pages is None:
+        table: SwaRequestPages | None = req.aux.get(self.name)
+        if table is None:
             return None
-        return PagedInsert(req.swa_pages[:max(0, npages - req.swa_start_page)], req.swa_start_page,
-                           req.swa_prefix_len)
+        return PagedInsert(table.pages[:max(0, npages - table.start_page)], table.start_page, table.prefix_len)
 
     def release_request(self, req: RequestState, npages: int, inserted: bool, spare: list[int]) -> None:
-        if req.swa_pages is not None:  # the pages past the inserted key are the request's own
-            spare.extend(req.swa_pages[max(0, npages - req.swa_start_page):])
-        req.swa_pages = None
+        table: SwaRequestPages | None = req.aux.pop(self.name, None)
+        if table is not None:  # the pages past the inserted key are the request's own
+            spare.extend(table.pages[max(0, npages - table.start_page):])
+
+
+@dataclass
+class SwaRequestPages:
+    """A running request's SWA page table, its ``RequestState.aux["swa"]``: ``pages`` cover
+    the key's pages from ``start_page`` on (earlier ones were released); the first
+    ``prefix_len`` tokens' SWA pages are the tree's (from the match, or a prompt-boundary
+    insert; chunked prefill inserts FULL pages only, so it leaves this unchanged), the rest
+    the request's own."""
+
+    pages: list[int]
+    start_page: int = 0
+    prefix_len: int = 0
 
 
 class MambaComponent(TreeComponent):
@@ -396,7 +408,8 @@ class MambaComponent(TreeComponent):
 
     ``copy_state(src, dst)`` (optional) copies a state slot; it runs on match
     (copy-on-write: the request gets its own slot because decoding mutates it).
-    ``RequestState`` field: ``mamba_slot`` (the state after the request's last full page).
+    Its part of a ``RequestState``: ``aux["mamba"]``, a state slot (the state after the
+    request's last full page).
     """
 
     ctype = ComponentType.MAMBA
@@ -473,9 +486,10 @@ class MambaComponent(TreeComponent):
             spare.append(payload)
 
     def request_payload(self, req: RequestState, npages: int) -> int | None:
-        return req.mamba_slot
+        slot: int | None = req.aux.get(self.name)
+        return slot
 
     def release_request(self, req: RequestState, npages: int, inserted: bool, spare: list[int]) -> None:
-        if req.mamba_slot is not None and not inserted:
-            spare.append(req.mamba_slot)
-        req.mamba_slot = None
+        slot: int | None = req.aux.pop(self.name, None)
+        if slot is not None and not inserted:
+            spare.append(slot)

@@ -8,6 +8,7 @@ field (``value``, ``host_value``, ``hash_value``) holds exactly one entry per pa
 from __future__ import annotations
 
 from array import array
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
@@ -136,3 +137,11 @@ class TreeNode:
         d = self.data[0]
         return (f"TreeNode(id={self.id}, tokens={len(self.key)}, device={d.value is not None}, "
                 f"host={d.host_value is not None}, lock={d.lock_ref}, host_lock={d.host_lock_ref})")
+
+
+@dataclass
+class LockToken:
+    """Returned by ``inc_lock_ref``; pass it back to ``dec_lock_ref``."""
+
+    node: TreeNode
+    parts: tuple[Any, ...]

@@ -59,10 +59,10 @@ from typing import Protocol
 
 from hicache.hashing import HashNamespace, PageHasher, component_keys
 from hicache.memory.allocator import PageIndices
-from hicache.tree.base import CacheBase, EvictResult, InsertResult, LockToken, MatchResult
+from hicache.tree.base import CacheBase, EvictResult, InsertResult, MatchResult
 from hicache.tree.components import TreeComponent
 from hicache.tree.content import Tier
-from hicache.tree.node import TreeNode
+from hicache.tree.node import LockToken, TreeNode
 
 
 class TreeLocks(Protocol):

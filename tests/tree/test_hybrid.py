@@ -209,16 +209,17 @@ def test_mamba_state_stays_on_lower_node_when_split():
 
 
 def test_swa_chunked_prefill_then_finish():
-    from hicache.tree import RequestState
+    from hicache.tree import RequestState, SwaRequestPages
 
     cache, dev, swa = swa_cache(window=4)
     tokens = toks("abcdefghij")
-    req = RequestState(tokens, dev.alloc(6), swa_pages=swa.alloc(6))
+    table = SwaRequestPages(swa.alloc(6))
+    req = RequestState(tokens, dev.alloc(6), aux={"swa": table})
     cache.cache_unfinished_req(req, committed_len=6)
     assert req.prefix_len == 6 and cache.protected_size() == 6
     cache.check_integrity()  # the request still holds its pages
     req.kv_pages += dev.alloc(4)
-    req.swa_pages += swa.alloc(4)
+    table.pages += swa.alloc(4)
     cache.cache_finished_req(req)
     cache.check_integrity(exact=True)
     m = cache.match_prefix(tokens)
