@@ -79,17 +79,13 @@ class EvictResult:
 
     freed: dict[str, int] = field(default_factory=dict)
 
+    def units(self, component: str) -> int:
+        """What was freed of ``component`` (0 for none)."""
+        return self.freed.get(component, 0)
+
     @property
     def full_tokens(self) -> int:
-        return self.freed.get("full", 0)
-
-    @property
-    def swa_tokens(self) -> int:
-        return self.freed.get("swa", 0)
-
-    @property
-    def mamba_states(self) -> int:
-        return self.freed.get("mamba", 0)
+        return self.units("full")
 
 
 class CacheBase:

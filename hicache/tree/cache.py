@@ -419,10 +419,9 @@ class UnifiedRadixCache(CacheBase):
         return self.core.host_prot[0] * self.page_size
 
     # ================================================================== eviction (L1; L2: ``evict_host``)
-    def evict(self, full_tokens: int = 0, *, swa_tokens: int = 0, mamba_states: int = 0) -> EvictResult:
-        """``evict_units`` with the amounts of the three known components by keyword (an
-        amount for a component this cache lacks is ignored)."""
-        return self.evict_units({"full": full_tokens, "swa": swa_tokens, "mamba": mamba_states})
+    def evict(self, full_tokens: int) -> EvictResult:
+        """``evict_units`` of FULL alone (the primary component every cache has)."""
+        return self.evict_units({self.full.name: full_tokens})
 
     def evict_units(self, amounts: Mapping[str, int]) -> EvictResult:
         """Free at least the requested L1 amounts (per component name: tokens for a paged

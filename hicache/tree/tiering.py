@@ -73,7 +73,7 @@ class TreeLocks(Protocol):
 
     def dec_lock_ref(self, node: TreeNode | LockToken, token: LockToken | None = None) -> None: ...
 
-    def evict(self, full_tokens: int = 0, *, swa_tokens: int = 0, mamba_states: int = 0) -> EvictResult: ...
+    def evict(self, full_tokens: int) -> EvictResult: ...
 
 
 @dataclass
@@ -277,7 +277,7 @@ class TierCalls:
         try:
             dev = self.tree.full.allocator.alloc(need)
             if dev is None:
-                self.locks.evict(full_tokens=(need - self.tree.full.allocator.free_count) * self.tree.page_size)
+                self.locks.evict((need - self.tree.full.allocator.free_count) * self.tree.page_size)
                 dev = self.tree.full.allocator.alloc(need)
         finally:
             if lock is not None:

@@ -52,8 +52,8 @@ def chain(cache, dev, swa):
 def test_swa_match_valid_only_where_window_is_covered():
     cache, dev, swa = swa_cache(window=7)
     a, b, c = chain(cache, dev, swa)
-    res = cache.evict(swa_tokens=1)  # the oldest SWA data: the internal "aaaa" -> tombstone
-    assert res.swa_tokens == 4 and cache.data(a, SWA).value is None and a.value is not None
+    res = cache.evict_units({"swa": 1})  # the oldest SWA data: the internal "aaaa" -> tombstone
+    assert res.units("swa") == 4 and cache.data(a, SWA).value is None and a.value is not None
     cache.check_integrity(exact=True)
     assert cache.match_prefix(toks("aaaabbbbcccc")).device_len == 12  # 8 tokens of window
     assert cache.match_prefix(toks("aaaabbbb")).device_len == 0  # only 4 < 7 covered
@@ -82,7 +82,7 @@ def test_swa_lock_and_unlock_stop_at_the_same_uuid_boundary():
 def test_swa_tombstone_recovered_on_insert():
     cache, dev, swa = swa_cache(window=4)
     a, b, c = chain(cache, dev, swa)
-    cache.evict(swa_tokens=1)
+    cache.evict_units({"swa": 1})
     assert cache.data(a, SWA).value is None
     used = swa.used
     key = toks("aaaabbbbcccc")
@@ -98,7 +98,7 @@ def test_swa_tombstone_recovered_on_insert():
 def test_swa_partial_recovery_splits_at_window_start():
     cache, dev, swa = swa_cache(window=4)
     a, b, c = chain(cache, dev, swa)
-    cache.evict(swa_tokens=1)
+    cache.evict_units({"swa": 1})
     full = dev.alloc(12)
     own = swa.alloc(10)  # the request released its first 2 SWA pages (outside its window)
     r = cache.insert_with(InsertParams(toks("aaaabbbbcccc"), full, aux={"swa": PagedInsert(own, 2)}))
@@ -113,10 +113,10 @@ def test_cascade_eviction_by_priority():
     a, b, c = chain(cache, dev, swa)
     cache.match_prefix(toks("aaaabbbbcccc"))
     # internal SWA eviction leaves a tombstone and keeps FULL
-    cache.evict(swa_tokens=8)
+    cache.evict_units({"swa": 8})
     assert cache.data(a, SWA).value is None and cache.data(b, SWA).value is None and a.value is not None
     # SWA eviction of a leaf deletes the leaf (all components, priority 0)
-    cache.evict(swa_tokens=4)
+    cache.evict_units({"swa": 4})
     assert c.parent is None and cache.total_size() == 8
     # FULL eviction (priority 2) takes every component of the node with it
     swa_insert(cache, dev, swa, "aaaabbbbdddd")
@@ -184,10 +184,10 @@ def test_mamba_single_node_lock_and_eviction():
     lock = cache.inc_lock_ref(leaf)
     assert cache.data(leaf, MAMBA).lock_ref == 1 and cache.data(leaf.parent, MAMBA).lock_ref == 0
     assert cache.protected_size(MAMBA) == 1
-    res = cache.evict(mamba_states=2)  # only the parent's state can go: a tombstone
-    assert res.mamba_states == 1 and cache.data(leaf.parent, MAMBA).value is None and leaf.parent.value
+    res = cache.evict_units({"mamba": 2})  # only the parent's state can go: a tombstone
+    assert res.units("mamba") == 1 and cache.data(leaf.parent, MAMBA).value is None and leaf.parent.value
     cache.dec_lock_ref(lock)
-    cache.evict(mamba_states=1)  # a leaf: the whole node goes
+    cache.evict_units({"mamba": 1})  # a leaf: the whole node goes
     assert leaf.parent is None and cache.total_size() == 4
     assert states.used == 0
     cache.check_integrity(exact=True)
@@ -247,7 +247,7 @@ def test_a_load_back_protects_the_auxiliary_data_it_places():
     assert load is not None and set(load.transfers) == {"full", "mamba"}
     assert cache.total_size(MAMBA) == 1 and cache.evictable_size(MAMBA) == 0
     assert cache.evictable_size() == 0
-    assert cache.evict(100, mamba_states=5).mamba_states == 0  # nothing evictable was hidden
+    assert cache.evict_units({"full": 100, "mamba": 5}).units("mamba") == 0  # nothing evictable was hidden
     cache.tiers.finish_load_back(load, True)
     assert cache.evictable_size(MAMBA) == 1 and cache.evictable_size() == 8
     assert cache.match_prefix(key, copy_on_match=False).device_len == 8
@@ -304,7 +304,7 @@ def test_a_window_recovered_on_a_written_node_gets_its_own_l2_copy():
     cache.tiers.finish_write(op, True)
     assert cache.data(a, SWA).host_value is not None and cache.tiers.nodes_to_write_to_host() == []
     cache.check_integrity(exact=True)
-    cache.evict(100, swa_tokens=100)
+    cache.evict_units({"full": 100, "swa": 100})
     assert cache.total_size() == 0
     m = cache.match_prefix(toks("aaaa"))
     assert m.device_len == 0 and m.host_hit_length == 4  # matched from L2 with its window
@@ -330,7 +330,7 @@ def test_a_mamba_state_added_to_a_written_node_is_written_alone():
     assert cache.tiers.start_write(r.node) is None  # in flight
     cache.tiers.finish_write(op, True)
     cache.check_integrity(exact=True)
-    cache.evict(100, mamba_states=8)
+    cache.evict_units({"full": 100, "mamba": 8})
     m = cache.match_prefix(key, copy_on_match=False)
     assert m.device_len == 0 and m.host_hit_length == 8
     cache.check_integrity(exact=True)
@@ -340,12 +340,12 @@ def test_write_back_writes_an_unwritten_window_before_evicting_it():
     cache, dev, swa = _l2_swa_cache(window=4, write_policy="write_back")
     key = toks("aaaabbbb")
     r = cache.insert_with(InsertParams(key, dev.alloc(8), aux={"swa": PagedInsert(swa.alloc(8))}))
-    assert cache.evict(swa_tokens=8).swa_tokens == 0  # queued for its write, nothing lost
+    assert cache.evict_units({"swa": 8}).units("swa") == 0  # queued for its write, nothing lost
     assert cache.tiers.nodes_to_write_to_host() == [r.node]
     op = cache.tiers.start_write(r.node)
     assert op is not None and set(op.transfers) == {"full", "swa"}
     cache.tiers.finish_write(op, True)
-    assert cache.evict(swa_tokens=8).swa_tokens == 8
+    assert cache.evict_units({"swa": 8}).units("swa") == 8
     m = cache.match_prefix(key)
     assert m.host_hit_length == 8  # the window went to L2 first
     cache.check_integrity(exact=True)
