@@ -2,8 +2,9 @@
 
 ``storage_backends`` does not read the daemon's config; this module is the one place that
 converts it. Used by the controller (to build the L3 store and for the admin API's
-attach), by ``hicache storage`` and by the config's validation and printing. It imports
-``storage_backends`` lazily, so importing it costs nothing until a store is configured.
+attach), by ``hicache storage`` and by the config's validation and printing. Of
+``storage_backends`` it imports the plug-in registry (standard library only) at once and the
+rest lazily, so importing it loads no client library.
 
 The built-in kinds have sections of their own (``cache.l3.file``, ``cache.l3.redis``); a
 kind an installed package provides (``storage_backends.plugins``) takes its settings from
@@ -14,8 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
-BUILTIN_L3_BACKENDS = ("none", "file", "redis")
-"""The values of ``cache.l3.backend`` that need no plug-in."""
+from storage_backends.plugins import RESERVED_KINDS
+
+BUILTIN_L3_BACKENDS = RESERVED_KINDS
+"""The values of ``cache.l3.backend`` that need no plug-in (``none``, ``file``, ``redis``)."""
 
 
 REDIS_CONFIG_KEYS = ("url", "cluster", "password", "password_file", "password_env", "tls_ca_file", "tls_cert_file",

@@ -47,7 +47,8 @@ ENTRY_POINT_GROUP = "hicache.storage_backends"
 BUILTIN_KINDS = ("file", "redis")
 """The kinds this package builds itself; no plug-in may take one, nor ``none`` (no L3)."""
 
-RESERVED_KINDS = (*BUILTIN_KINDS, "none")
+RESERVED_KINDS = ("none", *BUILTIN_KINDS)
+"""The values of ``cache.l3.backend`` that need no plug-in (``none``: no L3)."""
 
 KIND_PATTERN = re.compile(r"[a-z][a-z0-9_-]{0,63}")
 """What a plug-in's kind looks like (it is a config value and a metric label)."""

@@ -17,6 +17,9 @@ import hashlib
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from hicache.model import hf_config
+from hicache.model.hf_config import CheckpointError
+
 if TYPE_CHECKING:
     from hicache.config import DType
 
@@ -85,11 +88,8 @@ class EngineKVGeometry:
 
 def read_hf_config(model_dir: str) -> dict[str, Any]:
     """The checkpoint's ``config.json`` (``hicache.model.hf_config``), EngineModelError naming the file."""
-    from hicache.model.hf_config import CheckpointError
-    from hicache.model.hf_config import read_hf_config as read
-
     try:
-        return read(model_dir)
+        return hf_config.read_hf_config(model_dir)
     except CheckpointError as exc:
         raise EngineModelError(str(exc)) from None
 
@@ -122,12 +122,10 @@ def attention_shape(raw: dict[str, Any], where: str = "config.json") -> tuple[in
     Models with recurrent-state layers (Mamba, GDN, linear attention) are refused, naming
     what says so: engine mode keeps attention KV only in this build."""
 
-    from hicache.model.hf_config import CheckpointError, attention_sizes, positive_int
-
     try:
-        sizes = attention_sizes(raw, where)
-        latent = (positive_int(raw, "kv_lora_rank", where) + positive_int(raw, "qk_rope_head_dim", where)
-                  if raw.get("kv_lora_rank") else 0)
+        sizes = hf_config.attention_sizes(raw, where)
+        latent = (hf_config.positive_int(raw, "kv_lora_rank", where)
+                  + hf_config.positive_int(raw, "qk_rope_head_dim", where) if raw.get("kv_lora_rank") else 0)
     except CheckpointError as exc:
         raise EngineModelError(str(exc)) from None
     types = raw.get("layer_types")
