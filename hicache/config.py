@@ -74,6 +74,21 @@ def swa_min_pages(sliding_window: int, tokens: int, page_size: int) -> int:
     return swa_request_pages(sliding_window, tokens, page_size) + -(-sliding_window // page_size) + 1
 
 
+ENGINE_WINDOW_SHARE = 4
+"""Engine mode, a model with window layers, ``cache.l2.swa_tokens`` unset: the window pool
+gets 1 / this of the full pool's pages (a cached prefix keeps its window part for the pages
+of its last window only)."""
+
+
+def engine_window_pages(cfg: HicacheConfig) -> int:
+    """Pages of the engine-mode window pool: ``cache.l2.swa_tokens``, or
+    ``ENGINE_WINDOW_SHARE``'s share of ``cache.l2.tokens`` (at least one page)."""
+    ps = cfg.cache.page_size
+    if cfg.cache.l2.swa_tokens is not None:
+        return cfg.cache.l2.swa_tokens // ps
+    return max(1, cfg.cache.l2.tokens // ps // ENGINE_WINDOW_SHARE)
+
+
 def swa_pool_tokens(cfg: HicacheConfig, sliding_window: int) -> tuple[int, int]:
     """``(L1, L2)`` SWA pool sizes in tokens for a model with swa layers (L2 0 when off).
 

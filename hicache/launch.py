@@ -474,8 +474,10 @@ def _log_transport(ipc: IpcConfig) -> None:
 
 def engine_layout(cfg: HicacheConfig) -> PoolLayout:
     """Engine mode: L2 pages of the engines' KV geometry (``engine.*``), no L1 (it is the
-    engines' own). Raises ValueError when the engine model cannot be served or L2 does not
-    fit in the host's available memory."""
+    engines' own). A model with window layers gets two pools: ``full`` for the pages' full
+    parts and ``swa`` for their window parts (``engine_window_pages``). Raises ValueError
+    when the engine model cannot be served or L2 does not fit in the host's available memory."""
+    from hicache.config import engine_window_pages
     from hicache.engine_server.geometry import KV_KINDS
     from hicache.memory.pools import PoolLayout, default_directory, new_instance_id, paged_layout
     from hicache.startup_checks import engine_geometry
@@ -483,18 +485,24 @@ def engine_layout(cfg: HicacheConfig) -> PoolLayout:
     g, problems = engine_geometry(cfg)
     if problems:
         raise ValueError("; ".join(str(p) for p in problems))
-    l2_pages = cfg.cache.l2.tokens // cfg.cache.page_size
+    ps = cfg.cache.page_size
+    l2_pages = cfg.cache.l2.tokens // ps
     inst = new_instance_id()
     # the pool's [layers, 2, tokens, heads, dim] shape only sizes it (engines view a page as bytes):
     # an MLA latent of head_dim per token is sized as a K/V pair of head_dim / 2
     vectors = KV_KINDS[g.kv_kind]
     if (g.head_dim * vectors) % 2:
         raise ValueError(f"a KV row of {g.head_dim * vectors} values per head cannot be sized as a K/V pair")
-    full = paged_layout(inst, "full", cfg.cache.page_size, 0, l2_pages, g.num_layers, g.num_kv_heads,
-                        g.head_dim * vectors // 2, g.kv_dtype)
-    if full.l2_page_bytes != g.page_bytes:
-        raise ValueError(f"the L2 pool's pages hold {full.l2_page_bytes} bytes, the engines' {g.page_bytes}")
-    return PoolLayout(inst, default_directory(), (full,))
+    dim = g.head_dim * vectors // 2
+    full = paged_layout(inst, "full", ps, 0, l2_pages, g.num_layers - g.window_layers, g.num_kv_heads, dim,
+                        g.kv_dtype)
+    if full.l2_page_bytes != g.full_page_bytes:
+        raise ValueError(f"the L2 pool's pages hold {full.l2_page_bytes} bytes, the engines' {g.full_page_bytes}")
+    if not g.window_layers:
+        return PoolLayout(inst, default_directory(), (full,))
+    swa = paged_layout(inst, "swa", ps, 0, engine_window_pages(cfg), g.window_layers, g.num_kv_heads, dim,
+                       g.kv_dtype)
+    return PoolLayout(inst, default_directory(), (full, swa))
 
 
 def _port_problem(host: str, port: int) -> str | None:

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hicache.config import ConfigProblem, HicacheConfig, ServerConfig, key_text_problem
+from hicache.config import ConfigProblem, HicacheConfig, ServerConfig, engine_window_pages, key_text_problem
 from storage_backends.settings import load_secret_env, load_secret_file
 
 if TYPE_CHECKING:
@@ -86,7 +86,9 @@ def engine_geometry(cfg: HicacheConfig) -> tuple[Any, list[ConfigProblem]]:
         g = geometry_from_config(cfg)
     except EngineModelError as exc:
         return None, [ConfigProblem("engine.model", str(exc))]
-    need = cfg.cache.l2.tokens // cfg.cache.page_size * g.page_bytes
+    need = cfg.cache.l2.tokens // cfg.cache.page_size * g.full_page_bytes
+    if g.window_layers:
+        need += engine_window_pages(cfg) * g.window_page_bytes
     avail = psutil.virtual_memory().available
     if need > avail:
         return g, [ConfigProblem("cache.l2.tokens", f"L2 needs {need / 2**30:.1f} GiB for this model, "

@@ -115,7 +115,13 @@ class EngineRegister(CacheServerMessage):
     every lease (the page geometry is the whole model's: every rank holds
     ``num_kv_heads / tensor_parallel`` of its heads, or the whole latent with ``kv_kind``
     ``mla``). ``kv_kind``: what a token row of a head holds, ``kv`` (a key and a value) or
-    ``mla`` (one latent vector)."""
+    ``mla`` (one latent vector).
+
+    ``window_layers``: how many of the layers have a sliding window (0: none); a page is then
+    kept in two parts, its full part (``page_bytes`` less the window layers' blocks) and its
+    window part, only where a hit reads it (``EngineRegistered.window_segment``).
+    ``window_tokens``: the engine's window (vLLM's ``SlidingWindowSpec.sliding_window``);
+    refused when it reads more tokens before a hit than the daemon keeps."""
 
     req: int
     engine: str
@@ -133,6 +139,8 @@ class EngineRegister(CacheServerMessage):
     start_time: int = 0
     tensor_parallel: int = 1
     kv_kind: str = "kv"
+    window_layers: int = 0
+    window_tokens: int = 0
 
 
 @message("engine_worker")
@@ -186,13 +194,18 @@ class SaveRange:
 
     The server skips the pages it already holds, and starts earlier than ``start_page``
     where L2 lost pages before it (evicted since the engine saved them): the engine still
-    holds every block of a running request, so it saves them again."""
+    holds every full layer's block of a running request, so it saves them again.
+
+    ``window_from``: with window layers, the first page whose window layers' blocks the
+    engine still holds (vLLM frees those before its window); the server asks for no window
+    part before it."""
 
     rid: str
     token_ids: bytes
     start_page: int
     cache_salt: str = ""
     base: int = 0
+    window_from: int = 0
 
 
 @message("engine_reserve")

@@ -21,7 +21,12 @@ class EngineRegistered(EngineMessage):
     ``l2_directory`` holding ``l2_pages`` pages of ``page_bytes`` bytes each (page ``i`` at
     byte ``i * page_bytes``); ``instance`` names this daemon run's shared memory and ``run``
     (random per start) is what every later message of the session carries. The session
-    expires ``lease_ttl_s`` after the last message it sent."""
+    expires ``lease_ttl_s`` after the last message it sent.
+
+    With window layers (``EngineRegister.window_layers``) a page is two parts: ``l2_segment``
+    holds the full parts (``page_bytes`` each: the other layers' blocks; 0 bytes and no
+    segment when every layer has the window) and ``window_segment`` holds ``window_pages``
+    window parts of ``window_page_bytes`` each, in pages of their own."""
 
     req: int
     session: int
@@ -32,6 +37,9 @@ class EngineRegistered(EngineMessage):
     l2_pages: int
     page_bytes: int
     lease_ttl_s: float
+    window_segment: str = ""
+    window_pages: int = 0
+    window_page_bytes: int = 0
 
 
 @message("engine_lookup_result")
@@ -39,13 +47,17 @@ class EngineRegistered(EngineMessage):
 class LookupResult(EngineMessage):
     """``host_pages[i]`` is the L2 page holding page ``i`` of the looked-up tokens, locked
     under ``lease`` (0: nothing locked). ``storage_pages`` of them arrived from L3 for this
-    lookup. ``pending``: a prefetch from L3 is in flight; ask again later (nothing is locked)."""
+    lookup. ``pending``: a prefetch from L3 is in flight; ask again later (nothing is locked).
+    With window layers, ``host_pages`` hold the full parts and ``window_pages`` the window
+    parts of the *last* ``len(window_pages)`` pages (the window before the hit's end), locked
+    too; the pages before them have none here."""
 
     req: int
     lease: int = 0
     host_pages: list[int] = field(default_factory=list)
     storage_pages: int = 0
     pending: bool = False
+    window_pages: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -54,13 +66,19 @@ class Reservation:
     order), then ``Commit(lease)``. ``start_page`` may be later than asked (the server held
     those pages already); no ``host_pages`` (lease 0): nothing to save. ``code`` names why
     the range was refused (``unknown_request``: send its tokens again with ``base`` 0;
-    ``bad_request``), "" when it was not."""
+    ``bad_request``), "" when it was not. With window layers, ``host_pages`` take the full
+    parts and ``window_pages[i]`` the window part of page ``window_at[i]`` of the prefix: the
+    window before the range's end, and before the first page the server lacked where no hit
+    can end yet (a prefix other requests go on from), from ``SaveRange.window_from`` on;
+    there may be window parts and no ``host_pages``."""
 
     lease: int = 0
     start_page: int = 0
     host_pages: list[int] = field(default_factory=list)
     code: str = ""
     reason: str = ""
+    window_pages: list[int] = field(default_factory=list)
+    window_at: list[int] = field(default_factory=list)
 
 
 @message("engine_reserve_result")

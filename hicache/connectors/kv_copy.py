@@ -14,9 +14,16 @@ at any rank count.
 
 With several KV cache groups (vLLM's hybrid allocator: full and sliding-window attention
 layers in groups of their own), each layer belongs to one group and a page's block of that
-layer is the group's block: a copy names one block list per group. A sliding-window group
-holds no block before its window (``NO_BLOCK``): a load leaves those layers of the page
-unloaded, which the engine never reads; a save needs every block.
+layer is the group's block: a copy names one block list per group.
+
+With window layers (``window`` flags), a page is kept in two parts, each a pool of its own
+(docs/architecture.md §13): the *full part* (the other layers, in model order) in the L2
+pool, and the *window part* (the window layers, in model order) in the window pool, only for
+the pages of a window before a hit's end. A copy then names, per page, its window part or
+``NO_PAGE``. A sliding-window group holds no block before its window (``NO_BLOCK``): a load
+leaves those layers of the page unloaded, which the engine never reads; every block the
+group does hold in a load must have its window part (else the load fails: vLLM recomputes),
+and a save copies the window layers of the pages with a window part only.
 
 Only CPU KV tensors are copied. A CUDA KV cache needs pinned L2 and a side stream with
 events (``hicache.connectors.kv_copy_cuda``, the same contract for one KV cache group); that path has not run on a GPU
@@ -41,6 +48,9 @@ CUDA_REFUSAL = ("a CUDA KV cache is not supported yet: its copy path (hicache.co
 
 NO_BLOCK = -1
 """In a group's block list of a load: the group holds no block for that page."""
+
+NO_PAGE = -1
+"""In a copy's window parts: that page has none."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,10 @@ class L2Pages:
         per_page = self.num_layers * self.block_elems * torch.empty((), dtype=self.dtype).element_size()
         if pool.page_bytes != per_page:
             raise ValueError(f"the daemon's L2 pages hold {pool.page_bytes} bytes, this engine's {per_page}")
+        if not per_page:  # pages of no layer (every layer has the window): no segment to map
+            self.detach()
+            self.tensor, self.pool = torch.empty((pool.pages, 0, self.block_elems), dtype=self.dtype), pool
+            return True
         seg = SharedSegment.attach(pool.segment, pool.directory)
         if seg.size < pool.pages * pool.page_bytes:
             seg.close()
@@ -128,79 +142,117 @@ class L2Pages:
 
 
 class BlockCopier:
-    """Block <-> page copies for one engine's KV tensors (``layers``, in page order);
+    """Block <-> page copies for one engine's KV tensors (``layers``, in model order);
     ``layer_groups[i]``: the KV cache group of layer ``i`` (default: all in group 0);
-    ``rank`` of ``ranks``: the tensor-parallel shard these tensors hold (a page's block of a
-    layer is ``ranks`` of their blocks, rank after rank).
+    ``window[i]``: layer ``i`` has a sliding window, its blocks go to the pages' window parts
+    (default: none); ``rank`` of ``ranks``: the tensor-parallel shard these tensors hold (a
+    page's block of a layer is ``ranks`` of their blocks, rank after rank).
 
-    ``attach`` maps the L2 pool of a daemon run (again when the run changes); ``load`` and
+    ``attach`` maps the L2 pools of a daemon run (again when the run changes); ``load`` and
     ``save`` raise on bad indices or an unmapped pool, and the caller turns that into load
     errors (vLLM recomputes) or a failed commit (the reservation is freed).
     """
 
     def __init__(self, layers: list[torch.Tensor], layer_groups: Sequence[int] | None = None, *,
-                 rank: int = 0, ranks: int = 1) -> None:
+                 window: Sequence[bool] | None = None, rank: int = 0, ranks: int = 1) -> None:
         if not 0 <= rank < ranks:
             raise ValueError(f"rank {rank} is not one of {ranks} ranks")
         self.layers = [t.view(t.shape[0], -1) for t in layers]
         self.num_blocks = layers[0].shape[0]
         shard = self.layers[0].shape[1]
         self.shard = slice(rank * shard, (rank + 1) * shard)  # this rank's part of a page's layer block
-        self.l2 = L2Pages(len(layers), shard * ranks, layers[0].dtype)
         groups = list(layer_groups) if layer_groups is not None else [0] * len(layers)
         if len(groups) != len(layers) or min(groups) < 0:
             raise ValueError("layer_groups must name a group (>= 0) for every layer")
+        flags = list(window) if window is not None else [False] * len(layers)
+        if len(flags) != len(layers):
+            raise ValueError("window must flag every layer")
+        self.windowed = any(flags)
+        # a layer's place in its part of a page: full layers and window layers, each in model order
+        self.place = [sum(1 for f in flags[:i] if f == flags[i]) for i in range(len(layers))]
+        self.parts = (L2Pages(flags.count(False), shard * ranks, layers[0].dtype),
+                      L2Pages(flags.count(True), shard * ranks, layers[0].dtype))
+        self.l2 = self.parts[0]
         self.group_layers: list[list[int]] = [[] for _ in range(max(groups) + 1)]
         for i, g in enumerate(groups):
             self.group_layers[g].append(i)
+        self.group_window: list[bool] = []
+        for g, members in enumerate(self.group_layers):
+            kinds = {flags[i] for i in members}
+            if len(kinds) > 1:
+                raise ValueError(f"KV cache group {g} mixes window and full layers")
+            self.group_window.append(kinds == {True})
         self.block_bytes = self.layers[0].shape[1] * self.layers[0].element_size()
 
     @property
     def pool(self) -> PoolRef | None:
         return self.l2.pool
 
-    def attach(self, pool: PoolRef) -> None:
+    def attach(self, pool: PoolRef, window: PoolRef | None = None) -> None:
+        """Map the L2 pool of full parts and, with window layers, ``window``'s pool of window parts."""
+        if self.windowed and window is None:
+            raise RuntimeError("this model has window layers, the daemon named no window pool")
         self.l2.attach(pool)
+        if self.windowed and window is not None:
+            self.parts[1].attach(window)
 
     def detach(self) -> None:
-        self.l2.detach()
+        for part in self.parts:
+            part.detach()
 
-    def _pairs(self, pages: list[int], blocks: Sequence[Sequence[int]], *, skip_absent: bool
-               ) -> tuple[torch.Tensor, list[tuple[list[int], list[int]]]]:
-        """The mapped pages and, per group, the (pages, blocks) it copies, after checking
-        every index list; raises on a bad one."""
+    def _pairs(self, pages: list[int], blocks: Sequence[Sequence[int]], window_pages: Sequence[int] | None, *,
+               load: bool) -> list[tuple[torch.Tensor, list[int], list[int]]]:
+        """Per group, the mapped part it copies with and the (pages of that part, blocks),
+        after checking every index list; raises on a bad one."""
         if len(blocks) != len(self.group_layers):
             raise ValueError(f"{len(blocks)} block lists for {len(self.group_layers)} KV cache groups")
-        l2 = None
-        per_group = []
-        for ids in blocks:
+        parts = list(window_pages) if window_pages is not None else [NO_PAGE] * len(pages)
+        if len(parts) != len(pages):
+            raise ValueError(f"{len(parts)} window parts for {len(pages)} pages")
+        out = []
+        for ids, in_window in zip(blocks, self.group_window, strict=True):
             if len(ids) != len(pages):
                 raise ValueError(f"{len(ids)} blocks but {len(pages)} pages")
-            kept = [(p, b) for p, b in zip(pages, ids, strict=True) if not skip_absent or b != NO_BLOCK]
+            if in_window:
+                if load and any(b != NO_BLOCK and w == NO_PAGE for b, w in zip(ids, parts, strict=True)):
+                    raise ValueError("a window block to load has no window part (the daemon kept none for it)")
+                kept = [(w, b) for w, b in zip(parts, ids, strict=True) if w != NO_PAGE and b != NO_BLOCK]
+                if not load and len(kept) != sum(1 for w in parts if w != NO_PAGE):
+                    raise ValueError("a window part to save has no block of its window group")
+                part = self.parts[1]
+            else:
+                kept = [(p, b) for p, b in zip(pages, ids, strict=True) if (not load or b != NO_BLOCK) and p != NO_PAGE]
+                part = self.l2
             group_pages, group_blocks = [p for p, _ in kept], [b for _, b in kept]
-            l2 = self.l2.check(group_blocks, group_pages, self.num_blocks)
-            per_group.append((group_pages, group_blocks))
-        assert l2 is not None  # there is at least one group
-        return l2, per_group
+            out.append((part.check(group_blocks, group_pages, self.num_blocks), group_pages, group_blocks))
+        return out
 
-    def load(self, pages: list[int], blocks: Sequence[Sequence[int]]) -> int:
+    def load(self, pages: list[int], blocks: Sequence[Sequence[int]], window_pages: Sequence[int] | None = None
+             ) -> int:
         """Copy L2 ``pages[i]`` into block ``blocks[g][i]`` of every layer of group ``g``
-        (none where that is ``NO_BLOCK``); returns bytes copied."""
-        l2, per_group = self._pairs(pages, blocks, skip_absent=True)
+        (none where that is ``NO_BLOCK``; a window group's from ``window_pages[i]``);
+        returns bytes copied."""
         copied = 0
-        for layers, (group_pages, group_blocks) in zip(self.group_layers, per_group, strict=True):
+        for layers, (l2, group_pages, group_blocks) in zip(self.group_layers,
+                                                           self._pairs(pages, blocks, window_pages, load=True),
+                                                           strict=True):
             for p, b, n in page_runs(group_pages, group_blocks):
                 for i in layers:
-                    self.layers[i][b : b + n].copy_(l2[p : p + n, i, self.shard])
+                    self.layers[i][b : b + n].copy_(l2[p : p + n, self.place[i], self.shard])
             copied += len(group_pages) * len(layers) * self.block_bytes
         return copied
 
-    def save(self, blocks: Sequence[Sequence[int]], pages: list[int]) -> int:
+    def save(self, blocks: Sequence[Sequence[int]], pages: list[int], window_pages: Sequence[int] | None = None
+             ) -> int:
         """Copy block ``blocks[g][i]`` of every layer of group ``g`` into L2 ``pages[i]``
-        (every group must hold its block); returns bytes copied."""
-        l2, per_group = self._pairs(pages, blocks, skip_absent=False)
-        for layers, (group_pages, group_blocks) in zip(self.group_layers, per_group, strict=True):
+        (none where that is ``NO_PAGE``; a window group's into ``window_pages[i]``, only
+        where there is one; every copied block must be held); returns bytes copied."""
+        copied = 0
+        for layers, (l2, group_pages, group_blocks) in zip(self.group_layers,
+                                                           self._pairs(pages, blocks, window_pages, load=False),
+                                                           strict=True):
             for b, p, n in page_runs(group_blocks, group_pages):
                 for i in layers:
-                    l2[p : p + n, i, self.shard].copy_(self.layers[i][b : b + n])
-        return len(pages) * len(self.layers) * self.block_bytes
+                    l2[p : p + n, self.place[i], self.shard].copy_(self.layers[i][b : b + n])
+            copied += len(group_pages) * len(layers) * self.block_bytes
+        return copied

@@ -47,8 +47,13 @@ Both halves, one class (vLLM makes one instance per role):
 
 Hybrid models (``SupportsHMA``: vLLM's hybrid allocator stays on): each KV cache group (full
 attention, sliding window) has its own block table; a page is one block of every layer, each
-taken from its layer's group, and a window group's blocks before its window are not loaded
-(vLLM holds none there). With several groups, vLLM cannot map a failed block back to its
+taken from its layer's group. The daemon keeps a page in two parts: the full part (the
+layers without a window) for every page, the window part (the window layers) only for the
+pages of the last window before the end of each saved range, which is all a hit there reads
+(``kv_copy``). A lookup answers the window parts of its hit's last window; a save writes the
+full parts of its range and the window parts of its last window, which the window group
+still holds in the step that computed it. A window group's blocks before its window are not
+loaded (vLLM holds none there). With several groups, vLLM cannot map a failed block back to its
 request, so a hit loads asynchronously: the request waits for the step whose
 ``start_load_kv`` copies it (``get_finished``), and a failed load is reported for the request
 (``failed_recving``), which vLLM recomputes whole.
@@ -120,7 +125,7 @@ from hicache.connectors.engine_client import (
     engine_name,
 )
 from hicache.connectors.faults import FAIL_LOADS_ENV, ConnectorFaults, FaultConfigError
-from hicache.connectors.kv_copy import CUDA_REFUSAL, NO_BLOCK, BlockCopier, PoolRef, kv_problem
+from hicache.connectors.kv_copy import CUDA_REFUSAL, NO_BLOCK, NO_PAGE, BlockCopier, PoolRef, kv_problem
 from hicache.connectors.runtime_identity import (
     UnclassifiedOption,
     mla_backend,
@@ -192,6 +197,9 @@ class BlockCopyPlan:
     lease: int
     pages: list[int]
     blocks: list[list[int]]
+    window_pages: list[int] = field(default_factory=list)
+    """With window layers: the window part of ``pages[i]`` (``NO_PAGE``: none), else empty.
+    A save's ``pages[i]`` may be ``NO_PAGE`` too: a page whose window part alone is saved."""
 
 
 @dataclass
@@ -213,6 +221,7 @@ class HiCacheConnectorMetadata(KVConnectorMetadata):
 
     run: int = 0
     pool: PoolRef | None = None
+    window_pool: PoolRef | None = None
     loads: list[LoadPlan] = field(default_factory=list)
     saves: list[SavePlan] = field(default_factory=list)
 
@@ -227,6 +236,7 @@ class _Hit:
     pages: list[int]
     storage_pages: int  # the last ``storage_pages`` of ``pages`` came from L3 for this lookup
     first_page: int  # vLLM's own hit, in pages: the load starts there
+    window_pages: list[int] = field(default_factory=list)  # the window parts of the last pages
 
 
 @dataclass
@@ -247,7 +257,7 @@ class _Tracked:
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group, as vLLM gave them
     saved_pages: int = 0  # pages [0, saved_pages) are in the daemon or planned for saving
     known_tokens: int = 0  # tokens the daemon holds for this request (a message's base counts from them)
-    saves_closed: bool = False  # began before a cache reset (its KV may be of the old weights), or a gap it cannot fill
+    saves_closed: bool = False  # began before a cache reset (its KV may be of the old weights)
     retry_at: float = 0.0  # pending on an L3 prefetch: not asked again before this (monotonic)
     pending_wait: float = 0.0  # the current wait between two asks while pending
     pending_since: float = 0.0  # when its lookup was first answered pending (0: it was not)
@@ -336,8 +346,13 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.layer_names = [n for _, n, _ in by_layer]
         self.layer_groups = [g for _, _, g in by_layer]
         self.num_groups = len(groups)
-        self.windowed = any(isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in groups)
+        self._group_window = [isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in groups]
+        self.layer_window = [isinstance(groups[g].kv_cache_spec, SlidingWindowSpec) for g in self.layer_groups]
+        """Which layers have a sliding window: their blocks go to the pages' window parts."""
+        self.windowed = any(self.layer_window)
         """A group holds blocks of the window only: a block before it may be gone (see ``_plan_saves``)."""
+        self.window_tokens = max((g.kv_cache_spec.sliding_window for g in groups
+                                  if isinstance(g.kv_cache_spec, SlidingWindowSpec)), default=0)
         self.load_async = self.num_groups > 1
         """vLLM maps a failed block of a load back to its request with one KV cache group only;
         with several, a hit loads asynchronously (the request waits for the step that loads
@@ -360,7 +375,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         heads = 1 if self.mla else spec.num_kv_heads * self.tp
         self.geometry = EngineKVGeometry(engine_identity(model, dtype, layout), dtype, spec.block_size,
                                          len(self.layer_names), heads, spec.head_size, layout,
-                                         "mla" if self.mla else "kv")
+                                         "mla" if self.mla else "kv", sum(self.layer_window))
         try:
             self.faults = ConnectorFaults.from_env()
         except FaultConfigError as exc:
@@ -479,7 +494,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return protos.EngineRegister(
             req=0, engine=engine_name(), pid=os.getpid(), **g.register_fields(),
             runtime_identity=runtime_identity(self.runtime, self.reset_generation),
-            pid_namespace=own_pid_namespace(), start_time=process_start_time(os.getpid()) or 0, tensor_parallel=self.tp)
+            pid_namespace=own_pid_namespace(), start_time=process_start_time(os.getpid()) or 0, tensor_parallel=self.tp,
+            window_tokens=self.window_tokens)
 
     @property
     def _registered(self) -> protos.EngineRegistered | None:
@@ -585,7 +601,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if reg is None:  # the session changed under the call: nothing to release to
             return 0, False
         hit = _Hit(reg.session, reg.run, answer.lease, list(answer.host_pages), answer.storage_pages,
-                   num_computed_tokens // bs)
+                   num_computed_tokens // bs, list(answer.window_pages))
         tracked.saved_pages = max(tracked.saved_pages, len(hit.pages))
         external = len(hit.pages) * bs - num_computed_tokens
         if external <= 0:
@@ -632,7 +648,13 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         # a sliding-window group holds blocks of the window only: its layers of the pages before it stay unloaded
         plan_blocks = [[NO_BLOCK if b == VLLM_NULL_BLOCK else b for b in ids[first : first + len(pages)]]
                        for ids in tracked.block_ids]
-        self._loads.append(LoadPlan(request.request_id, hit.session, hit.run, hit.lease, pages, plan_blocks))
+        # the window parts are the hit's last ones: page j has window_pages[j - (len(hit.pages) - len(window_pages))]
+        window: list[int] = []
+        if self.windowed:
+            lead = len(hit.pages) - len(hit.window_pages)
+            window = [hit.window_pages[j - lead] if j >= lead else NO_PAGE for j in range(first, first + len(pages))]
+        self._loads.append(LoadPlan(request.request_id, hit.session, hit.run, hit.lease, pages, plan_blocks,
+                                    window))
         tracked.loaded_tokens = len(pages) * self.block_size
         # the pages from L3 are the hit's tail: [len - storage_pages, len); count the loaded ones
         storage_start = len(hit.pages) - hit.storage_pages
@@ -692,11 +714,17 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if reg is not None:
             meta.run = reg.run
             meta.pool = PoolRef(reg.instance, reg.l2_segment, reg.l2_directory, reg.l2_pages, reg.page_bytes)
+            if reg.window_segment:
+                meta.window_pool = PoolRef(reg.instance, reg.window_segment, reg.l2_directory, reg.window_pages,
+                                           reg.window_page_bytes)
         return meta
 
-    def _save_range(self, tracked: _Tracked, computed_after_step: int) -> tuple[protos.SaveRange, int] | None:
+    def _save_range(self, tracked: _Tracked, computed_before_step: int, computed_after_step: int
+                    ) -> tuple[protos.SaveRange, int] | None:
         """The save range of the blocks that are full once this step ran, beyond
-        ``saved_pages``, with the tokens it ends at; None when there are none."""
+        ``saved_pages``, with the tokens it ends at; None when there are none. With window
+        layers, the range names the first page whose window blocks the request holds in this
+        step: vLLM freed those wholly more than the window behind ``computed_before_step``."""
         if tracked.saves_closed or not tracked.block_ids:
             return None
         bs = self.block_size
@@ -708,23 +736,24 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         tracked.saved_pages = full
         end = full * bs
         base = min(tracked.known_tokens, end)  # the daemon holds these: send only the tokens after them
+        window_from = max(0, computed_before_step - self.window_tokens + 1) // bs if self.windowed else 0
         item = protos.SaveRange(tracked.request.request_id, protos.pack_tokens(tokens[base:end]), start,
-                                tracked.request.cache_salt or "", base)
+                                tracked.request.cache_salt or "", base, window_from)
         return item, end
 
     def _plan_saves(self, ranges: list[_StepRange], meta: HiCacheConnectorMetadata) -> None:
         """Reserve L2 pages for the step's new full blocks, one ``Reserve`` for every request
         (a second one only for requests whose tokens the daemon forgot), and plan the saves.
         The daemon reserves from the first page it lacks, which covers a gap a short or
-        failed reservation left earlier (with full attention only, the request still holds
-        those blocks; so a later block retries it). A sliding-window group gives up its
-        blocks before the window as the request goes on (and the ids this half saw may be
-        another request's by now): with one, only pages from the step's first block on are
-        saved; a reservation starting before it is given back unsaved, and the request saves
-        nothing more (the tree takes no page after a gap)."""
+        failed reservation left earlier (the request still holds the full layers' blocks of
+        every page; so a later block retries it). A sliding-window group gives up its blocks
+        before the window as the request goes on; the daemon asks for window parts only from
+        the range's ``window_from`` on, whose blocks the group holds in this step; a
+        reservation whose window blocks are not all held is given back unsaved (the next
+        step's range, ending later, tries again)."""
         asks: list[tuple[_StepRange, protos.SaveRange, int]] = []  # (request, its range, the tokens it ends at)
         for step in ranges:
-            planned = self._save_range(step.tracked, step.computed_after)
+            planned = self._save_range(step.tracked, step.computed_before, step.computed_after)
             if planned is not None:
                 asks.append((step, *planned))
         if not asks:
@@ -750,19 +779,41 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 log.warning("hicache refused a save range of %s: %s", item.rid, got.reason)
                 continue
             tracked.known_tokens = end
-            if not got.host_pages or reg is None:
+            if not got.lease or reg is None:
                 continue
-            first, n = got.start_page, len(got.host_pages)
-            blocks = [ids[first : first + n] for ids in tracked.block_ids]
-            held = first >= step.computed_before // self.block_size  # only a window group gives blocks up
-            if self.windowed and (not held or any(b == VLLM_NULL_BLOCK for ids in blocks for b in ids)):
+            plan = self._save_plan(item.rid, reg, got, tracked.block_ids)
+            if plan is None:  # a window block it needs is not held: given back, the next step tries again
                 if self.session is not None:
                     self.session.send(protos.Commit(reg.session, reg.run, got.lease, False, protos.ALL_RANKS))
-                self.stats.add("save_skipped_blocks", n)
-                tracked.saves_closed = True  # the gap stays: every later reservation would start in it
+                self.stats.add("save_skipped_blocks", len(got.host_pages))
                 continue
-            meta.saves.append(SavePlan(item.rid, reg.session, reg.run, got.lease, list(got.host_pages), blocks))
-            self.stats.add("reserved_blocks", n)
+            meta.saves.append(plan)
+            self.stats.add("reserved_blocks", len(got.host_pages))
+
+    def _save_plan(self, rid: str, reg: protos.EngineRegistered, got: protos.Reservation,
+                   block_ids: list[list[int]]) -> SavePlan | None:
+        """The copies of a reservation: full parts of pages ``start_page ..`` and window
+        parts of pages ``window_at`` (which may lie before them), over the one page span
+        that covers both; None when a window block it names is not held (vLLM's null block)
+        or the reservation does not fit the request's blocks."""
+        first, n = got.start_page, len(got.host_pages)
+        lo = min([first] + list(got.window_at)) if got.window_at else first
+        hi = max([first + n] + [j + 1 for j in got.window_at])
+        if lo < 0 or len(got.window_at) != len(got.window_pages) or any(len(ids) < hi for ids in block_ids):
+            return None
+        pages = [NO_PAGE] * (first - lo) + list(got.host_pages) + [NO_PAGE] * (hi - first - n)
+        blocks = [[NO_BLOCK if b == VLLM_NULL_BLOCK else b for b in ids[lo:hi]] for ids in block_ids]
+        window: list[int] = []
+        if self.windowed:
+            window = [NO_PAGE] * (hi - lo)
+            for j, w in zip(got.window_at, got.window_pages, strict=True):
+                window[j - lo] = w
+            if any(ids[j - lo] == NO_BLOCK for ids, g in zip(blocks, self._group_window, strict=True) if g
+                   for j in got.window_at):
+                return None
+        elif got.window_at:
+            return None
+        return SavePlan(rid, reg.session, reg.run, got.lease, pages, blocks, window)
 
     def _reserve(self, items: list[protos.SaveRange]) -> list[protos.Reservation | None]:
         """The daemon's reservation for each item (None for all without an answer)."""
@@ -804,7 +855,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         problem = kv_problem(layers, self.num_blocks, self.geometry.layer_block_bytes // shards, self.kv_dtype)
         if problem:
             raise ConnectorRefused(f"hicache cannot copy this KV cache: {problem}")
-        self.copier = BlockCopier(layers, self.layer_groups, rank=0 if self.mla else self.rank, ranks=shards)
+        self.copier = BlockCopier(layers, self.layer_groups, window=self.layer_window,
+                                  rank=0 if self.mla else self.rank, ranks=shards)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -818,7 +870,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                     raise RuntimeError("planned under another daemon run (the daemon restarted)")
                 if self.faults.take_load_failure():
                     raise RuntimeError(f"fault point {FAIL_LOADS_ENV}")
-                copied = self._attach(meta).load(plan.pages, plan.blocks)
+                copied = self._attach(meta).load(plan.pages, plan.blocks, plan.window_pages or None)
                 loaded = len(plan.pages)
                 self.stats.add("loaded_blocks", loaded)
                 self.stats.add("loaded_bytes", copied)
@@ -849,7 +901,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                                                         own_pid_namespace(), self.rank, os.getpid(),
                                                         process_start_time(os.getpid()) or 0))
             self._announced_run = meta.run
-        self.copier.attach(meta.pool)
+        self.copier.attach(meta.pool, meta.window_pool)
         return self.copier
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -864,6 +916,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if meta.saves:
             self.faults.stall_saves(self.rank)
         for plan in meta.saves:
+            blocks = sum(1 for p in plan.pages if p != NO_PAGE)  # the span may start at a window part only
             ok = False
             began = time.perf_counter()
             try:
@@ -872,13 +925,14 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 if plan.run != meta.run:
                     raise RuntimeError("planned under another daemon run (the daemon restarted)")
                 copier = self._attach(meta)
-                copied = copier.save(plan.blocks, plan.pages) if self.rank == 0 or not self.mla else 0
+                copied = (copier.save(plan.blocks, plan.pages, plan.window_pages or None)
+                          if self.rank == 0 or not self.mla else 0)
                 ok = True
-                self.stats.add("saved_blocks", len(plan.pages))
+                self.stats.add("saved_blocks", blocks)
                 self.stats.add("saved_bytes", copied)
             except Exception as exc:
-                log.warning("hicache: saving %d blocks of %s skipped: %s", len(plan.pages), plan.rid, exc)
-                self.stats.add("save_skipped_blocks", len(plan.pages))
+                log.warning("hicache: saving %d blocks of %s skipped: %s", blocks, plan.rid, exc)
+                self.stats.add("save_skipped_blocks", blocks)
             self.stats.add("save_seconds", time.perf_counter() - began)
             self.worker_client.send(protos.Commit(plan.session, plan.run, plan.lease, ok, self.rank))
 

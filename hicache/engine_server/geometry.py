@@ -44,6 +44,12 @@ class EngineModelError(ValueError):
 class EngineKVGeometry:
     """One KV page: ``block_size`` tokens of every one of ``num_layers`` attention layers.
 
+    ``window_layers`` of the layers have a sliding window (0: none). Such a page is kept in
+    two parts (docs/architecture.md §13): the *full part*, the blocks of the other layers,
+    in model order, kept for every page of a cached prefix; and the *window part*, the
+    blocks of the window layers, in model order, kept only for the pages a hit at some
+    boundary reads (the tree's SWA component: the last window before a boundary).
+
     ``kv_layout`` names the byte order of one layer's block (vLLM's CPU backend: ``LBHNC``,
     a block is ``[num_kv_heads, block_size, 2 * head_dim]``: K then V per token row).
     ``kv_kind`` says what a token row holds (``KV_KINDS``): ``kv``, a key and a value per
@@ -59,6 +65,7 @@ class EngineKVGeometry:
     head_dim: int
     kv_layout: str
     kv_kind: str = "kv"
+    window_layers: int = 0
 
     @property
     def layer_block_bytes(self) -> int:
@@ -68,7 +75,18 @@ class EngineKVGeometry:
 
     @property
     def page_bytes(self) -> int:
+        """Bytes of a whole page: both parts."""
         return self.num_layers * self.layer_block_bytes
+
+    @property
+    def full_page_bytes(self) -> int:
+        """Bytes of a page's full part (0 for a model whose every layer has the window)."""
+        return (self.num_layers - self.window_layers) * self.layer_block_bytes
+
+    @property
+    def window_page_bytes(self) -> int:
+        """Bytes of a page's window part (0 without window layers)."""
+        return self.window_layers * self.layer_block_bytes
 
     @classmethod
     def of_register(cls, msg: Any) -> EngineKVGeometry:
@@ -111,6 +129,28 @@ STATE_LAYER_KEYS = ("layers_block_type", "hybrid_override_pattern", "attn_layer_
                     "ssm_state_size", "linear_num_value_heads")
 """config.json keys of models with recurrent-state layers (Mamba, GDN / linear attention):
 their state is not attention KV, and engine mode does not hold it yet."""
+
+
+def window_shape(raw: dict[str, Any], where: str = "config.json") -> tuple[int, int]:
+    """``(window_layers, sliding_window)``: how many layers have a sliding window, and its
+    tokens (``(0, 0)`` for none). ``layer_types`` names them where the config has it;
+    without it, a ``sliding_window`` (not turned off by ``use_sliding_window: false``) is
+    every layer's (Mistral)."""
+    try:
+        layers = hf_config.attention_sizes(raw, where).num_layers
+    except CheckpointError as exc:
+        raise EngineModelError(str(exc)) from None
+    types = raw.get("layer_types")
+    window = raw.get("sliding_window")
+    if isinstance(types, list):
+        count = sum(1 for t in types if t == "sliding_attention")
+    else:
+        count = layers if window is not None and raw.get("use_sliding_window") is not False else 0
+    if not count:
+        return 0, 0
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        raise EngineModelError(f"{where}: {count} sliding-window layers, but sliding_window is {window!r}")
+    return count, window
 
 
 def attention_shape(raw: dict[str, Any], where: str = "config.json") -> tuple[int, int, int, str]:
@@ -179,6 +219,15 @@ def geometry_from_config(cfg: Any) -> EngineKVGeometry:
         raise EngineModelError("engine.model is not set")
     raw = read_hf_config(e.model)
     dtype = checkpoint_dtype(raw) if e.kv_dtype == "auto" else e.kv_dtype
-    layers, kv_heads, head_dim, kind = attention_shape(raw, f"{e.model}/config.json")
+    where = f"{e.model}/config.json"
+    layers, kv_heads, head_dim, kind = attention_shape(raw, where)
+    window_layers, _ = window_shape(raw, where)
     return EngineKVGeometry(engine_identity(e.model, dtype, e.kv_layout), dtype, cfg.cache.page_size, layers,
-                            kv_heads, head_dim, e.kv_layout, kind)
+                            kv_heads, head_dim, e.kv_layout, kind, window_layers)
+
+
+def sliding_window_from_config(cfg: Any) -> int:
+    """The sliding window (tokens) of ``engine.model``'s window layers, 0 without any: the
+    window of the daemon's SWA component (a hit is valid where that many tokens before it
+    have their window part)."""
+    return window_shape(read_hf_config(cfg.engine.model), f"{cfg.engine.model}/config.json")[1]

@@ -100,6 +100,9 @@ class Lease:
     reported: set[int] = field(default_factory=set)  # the ranks whose report came
     failed: bool = False  # RESERVE: a rank's Commit said not ok
     loaded_pages: int | None = None  # LOOKUP: the fewest pages a rank said it loaded
+    window_npages: int = 0  # LOOKUP: pages whose window parts are locked from ``node`` upwards
+    window_pages: list[int] = field(default_factory=list)  # RESERVE: L2 window parts ...
+    window_at: list[int] = field(default_factory=list)  # RESERVE: ... of these pages of ``key``
 
 
 class Report(enum.Enum):

@@ -31,6 +31,7 @@ daemon).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from itertools import count
@@ -85,27 +86,34 @@ ENGINE_ACCEPTS = protos.accepted_by("scheduler", socket=protos.ENGINE_SOCKET)
 
 def build_cache_server(args: SchedulerArgs, controller_send: Callable[[protos.ControllerMessage], None]
                        ) -> CacheServer:
-    """The tree (L2 only), the tier manager and the ``CacheServer`` over the pools of ``args.layout``
-    (mapped by the caller)."""
-    from hicache.engine_server.geometry import geometry_from_config
-    from hicache.engine_server.server import CacheServer, L2PoolInfo
+    """The tree (L2 only: a Full component, and an SWA one for a model with window layers),
+    the tier manager and the ``CacheServer`` over the pools of ``args.layout`` (mapped by
+    the caller)."""
+    from hicache.engine_server.geometry import geometry_from_config, sliding_window_from_config
+    from hicache.engine_server.server import WINDOW, CacheServer, L2PoolInfo
     from hicache.hashing import HashNamespace
     from hicache.memory.allocator import PageAllocator
     from hicache.tier_manager import TierManager
     from hicache.tree.cache import UnifiedRadixCache
-    from hicache.tree.components import FullComponent
+    from hicache.tree.components import FullComponent, SWAComponent, TreeComponent
 
     cfg = args.config
     geometry = geometry_from_config(cfg)
     full = args.layout.component("full")
     ps = cfg.cache.page_size
-    comp = FullComponent(PageAllocator(0, "l1-full"), PageAllocator(full.l2_pages, "l2-full"))
-    cache = UnifiedRadixCache([comp], ps, hasher=HashNamespace(geometry.model_identity, geometry.kv_dtype, ps, "full"),
+    comps: list[TreeComponent] = [FullComponent(PageAllocator(0, "l1-full"), PageAllocator(full.l2_pages, "l2-full"))]
+    pool = L2PoolInfo(args.layout.instance, full.l2[0].segment, args.layout.directory, full.l2_pages,
+                      full.l2_page_bytes)
+    if geometry.window_layers:
+        window = args.layout.component(WINDOW)
+        comps.append(SWAComponent(PageAllocator(0, "l1-swa"), sliding_window_from_config(cfg),
+                                  PageAllocator(window.l2_pages, "l2-swa")))
+        pool = dataclasses.replace(pool, window_segment=window.l2[0].segment, window_pages=window.l2_pages,
+                                   window_page_bytes=window.l2_page_bytes)
+    cache = UnifiedRadixCache(comps, ps, hasher=HashNamespace(geometry.model_identity, geometry.kv_dtype, ps, "full"),
                               eviction_policy=cfg.cache.eviction, write_policy="write_through")
     tier = TierManager(cache, controller_send, prefetch=cfg.cache.prefetch,
                        l3_enabled=cfg.cache.l3.backend != "none")
-    pool = L2PoolInfo(args.layout.instance, full.l2[0].segment, args.layout.directory, full.l2_pages,
-                      full.l2_page_bytes)
     return CacheServer(cache, tier, geometry, pool, cfg.engine.lease_ttl_s)
 
 

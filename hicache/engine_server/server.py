@@ -12,6 +12,14 @@ L2-only, so the tree's L2 eviction (``evict_host``: unlocked leaves, LRU first) 
 policy, and ``check_integrity(exact=True)`` holds whenever no lease, reservation or transfer
 is open (``check_idle``). Leases: ``hicache.engine_server.leases``.
 
+A model with sliding-window layers keeps a page in two parts: the Full component holds the
+full parts (the other layers' blocks) of every page, the SWA component the window parts,
+only for the pages of the last window before the end of each saved range (a tombstone
+elsewhere). A hit is then valid only where the window before it is whole (the tree's SWA
+rule, with the window of the model's ``config.json``): a lookup locks and answers the full
+parts of the hit and the window parts of its last window; a reservation takes the full parts
+of the range and the window parts of its last window.
+
 Each daemon start has a random ``run``; every message an engine sends carries the run of its
 session, and one of another run is refused (``stale_run``) before it touches anything. Each
 session has a *namespace* from the engine's runtime identity (version, attention kernel,
@@ -43,7 +51,7 @@ from hicache.engine_server.request_tokens import RequestTokens
 from hicache.tier_manager import PrefetchTicket, TierManager
 from hicache.tree.cache import MatchResult, UnifiedRadixCache
 from hicache.tree.integrity import IntegrityError
-from hicache.tree.node import KEY_TYPECODE
+from hicache.tree.node import KEY_TYPECODE, TreeNode
 
 log = logging.getLogger("hicache.engine_server")
 
@@ -96,6 +104,15 @@ class L2PoolInfo:
     directory: str
     pages: int
     page_bytes: int
+    """Bytes of a page's full part (the whole page without window layers)."""
+    window_segment: str = ""
+    window_pages: int = 0
+    window_page_bytes: int = 0
+    """The pool of window parts (none without window layers)."""
+
+
+WINDOW = "swa"
+"""The tree component that holds the pages' window parts."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +135,10 @@ class EngineCounters:
     reserved_pages: int = 0
     reserve_short_pages: int = 0
     committed_pages: int = 0
+    committed_window_pages: int = 0
+    """Window parts of the committed pages (models with window layers)."""
+    lookup_window_pages: int = 0
+    """Window parts answered with lookup hits."""
     commit_duplicate_pages: int = 0
     commit_failed_pages: int = 0
     refused: int = 0
@@ -172,6 +193,11 @@ class CacheServer:
         self.requests = RequestTokens(REQUEST_MEMORY_TOKENS)
         self.exact_checks = 0
         self.integrity_error: str | None = None
+        swa = next((c for c in cache.aux if c.name == WINDOW), None)
+        self.window: int = getattr(swa, "sliding_window", 0)
+        """Tokens of the window before a hit whose window parts it needs (0: no window layers)."""
+        if bool(self.window) != bool(geometry.window_layers) or (swa is not None and swa.host_allocator is None):
+            raise ValueError("a model with window layers needs a tree with an L2 SWA component, and only it")
         self._handlers: dict[type, Callable[[Any], protos.Message | None]] = {
             protos.EngineRegister: self.register,
             protos.Lookup: self.lookup,
@@ -248,8 +274,11 @@ class CacheServer:
             return protos.EngineError(msg.req, "bad_request", f"tensor_parallel {msg.tensor_parallel}: must be in "
                                       f"[1, {MAX_TENSOR_PARALLEL}] and divide num_kv_heads ({msg.num_kv_heads})")
         problem = self.geometry.mismatch(theirs)
-        if problem is None and msg.page_bytes != self.pool.page_bytes:
-            problem = f"page_bytes: daemon {self.pool.page_bytes}, engine {msg.page_bytes}"
+        if problem is None and msg.page_bytes != self.geometry.page_bytes:
+            problem = f"page_bytes: daemon {self.geometry.page_bytes}, engine {msg.page_bytes}"
+        if problem is None and self.window and not 0 < msg.window_tokens <= self.window + 1:
+            problem = (f"window_tokens: the engine reads {msg.window_tokens - 1} tokens before a hit, this daemon "
+                       f"keeps the window parts of {self.window} (the sliding_window of its config.json)")
         if problem is not None:
             self.counters.refused += 1
             log.warning("refused engine %s (pid %d): %s", msg.engine, msg.pid, problem)
@@ -261,7 +290,8 @@ class CacheServer:
                  msg.tensor_parallel, "s" if msg.tensor_parallel > 1 else "", s.session_id, namespace)
         p = self.pool
         return protos.EngineRegistered(msg.req, s.session_id, self.run, p.instance, p.segment, p.directory, p.pages,
-                                       p.page_bytes, self.leases.ttl_s)
+                                       p.page_bytes, self.leases.ttl_s, p.window_segment, p.window_pages,
+                                       p.window_page_bytes)
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, msg: protos.Lookup) -> protos.Message:
@@ -334,12 +364,16 @@ class CacheServer:
         node = match.last_host_node
         pages = self.cache.tiers.host_prefix_pages(node)
         npages = self.cache.tiers.protect_host(node)
+        window, window_npages = (self.cache.tiers.protect_host_window(node, WINDOW, self.window) if self.window
+                                 else ([], 0))
         storage_pages = min(storage_pages, len(pages))
         lease = self.leases.add(Lease(0, LeaseKind.LOOKUP, session, self.clock(), node=node, npages=npages,
-                                      storage_pages=storage_pages, ranks=self._ranks(session)))
+                                      storage_pages=storage_pages, ranks=self._ranks(session),
+                                      window_npages=window_npages))
         self.counters.lookup_hit_pages += len(pages)
         self.counters.lookup_storage_pages += storage_pages
-        return protos.LookupResult(req, lease.lease_id, pages, storage_pages)
+        self.counters.lookup_window_pages += len(window)
+        return protos.LookupResult(req, lease.lease_id, pages, storage_pages, window_pages=window)
 
     def _slot(self, slot: tuple[int, str]) -> SlotMemory:
         """The memory of ``slot``, made (and the oldest beyond ``SLOT_MEMORY`` forgotten) if new."""
@@ -364,11 +398,13 @@ class CacheServer:
         """L2 pages for the pages of the range's prefix that L2 lacks: from the first one it
         lacks, which may be before ``item.start_page`` (pages saved earlier and evicted since:
         the tree can only take pages that continue what it holds, so a gap would make every
-        later save of the request wasted)."""
+        later save of the request wasted). With window layers, also window parts
+        (``_window_wanted``), when the full pages could all be had."""
         self.counters.save_ranges += 1
-        if item.start_page < 0:
+        if item.start_page < 0 or item.window_from < 0:
             self.counters.bad_requests += 1
-            return protos.Reservation(code="bad_request", reason=f"start_page must be >= 0, got {item.start_page}")
+            return protos.Reservation(code="bad_request", reason=f"start_page and window_from must be >= 0, got "
+                                      f"{item.start_page} and {item.window_from}")
         key = self._request_tokens((session, item.rid), item.base, item.token_ids)
         if isinstance(key, Refusal):
             return protos.Reservation(code=key.code, reason=key.reason)
@@ -376,24 +412,70 @@ class CacheServer:
         salt = namespaced_salt(namespace, item.cache_salt)
         ps = self.cache.page_size
         end = len(key) // ps
-        start = self.cache.match_prefix(key, salt).host_hit_length // ps
-        want = end - start
-        if want <= 0:
-            return protos.Reservation(0, start)
+        match = self.cache.match_prefix(key, salt)
+        # the first page L2 lacks (with window layers a hit may end before it: where a window is whole)
+        start = (match.walked_len if self.window else match.host_hit_length) // ps
+        want = max(0, end - start)
         host = self.host
         if host.free_count < want:
             self.cache.tiers.evict_host((want - host.free_count) * ps)
         n = min(want, host.free_count)
         if n < want:
             self.counters.reserve_short_pages += want - n
-        if n == 0:
+        top = start + n if n else min(start, end)  # the reservation's prefix ends at page ``top``
+        window_at = [j for j in self._window_wanted(item.window_from, match.host_hit_length // ps, start, end)
+                     if j < top] if n == want else []
+        window = self._alloc_window(len(window_at))
+        if len(window) < len(window_at):
+            window_at = []
+        if n == 0 and not window_at:
             return protos.Reservation(0, start)
-        pages = list(host.alloc(n))
-        lease = self.leases.add(Lease(0, LeaseKind.RESERVE, session, self.clock(),
-                                      key=key[: (start + n) * ps], cache_salt=salt,
-                                      start_page=start, pages=pages, ranks=self._ranks(session)))
+        pages = list(host.alloc(n)) if n else []
+        lease = self.leases.add(Lease(0, LeaseKind.RESERVE, session, self.clock(), key=key[: top * ps],
+                                      cache_salt=salt, start_page=min(start, top), pages=pages,
+                                      ranks=self._ranks(session), window_pages=window, window_at=window_at))
         self.counters.reserved_pages += n
-        return protos.Reservation(lease.lease_id, start, pages)
+        return protos.Reservation(lease.lease_id, start, pages, window_pages=window, window_at=window_at)
+
+    def _window_wanted(self, window_from: int, valid: int, start: int, end: int) -> list[int]:
+        """The pages whose window parts a save range should bring (none without window
+        layers): those of the window before ``end``, and before ``start`` (the first page L2
+        lacks: a prefix the tree holds and other requests go on from), where no hit ends yet
+        (``valid``: the page the longest valid hit of the range ends at), each only when the
+        engine holds the whole window (from ``window_from`` on)."""
+        if not self.window:
+            return []
+        wp = -(-self.window // self.cache.page_size)
+        wanted: set[int] = set()
+        for boundary in (start, end):
+            first = max(0, boundary - wp)
+            if valid < boundary <= end and window_from <= first:  # a part of a window is no use
+                wanted.update(range(first, boundary))
+        return sorted(wanted)
+
+    def _alloc_window(self, want: int) -> list[int]:
+        """``want`` L2 window parts, evicting unlocked ones if needed; none when there is no
+        room for all of them (those pages are then kept without, and no hit ends there
+        until a later save brings the window)."""
+        if not want:
+            return []
+        alloc = self.cache.component(WINDOW).host_allocator
+        assert alloc is not None  # the constructor checked it
+        if alloc.free_count < want:
+            self.cache.tiers.evict_host_units(WINDOW, want - alloc.free_count)
+        got = alloc.alloc(want) if alloc.free_count >= want else None
+        if got is None:
+            self.counters.reserve_short_pages += want
+            return []
+        return list(got)
+
+    def _window_free(self) -> int:
+        """Free window parts in L2 (0 without window layers)."""
+        if not self.window:
+            return 0
+        alloc = self.cache.component(WINDOW).host_allocator
+        assert alloc is not None
+        return alloc.free_count
 
     def _ranks(self, session: int) -> int:
         s = self.leases.sessions.get(session)
@@ -415,14 +497,30 @@ class CacheServer:
             return
         if lease.failed:
             self.counters.commit_failed_pages += len(lease.pages)
-            self.host.free(lease.pages)
+            self._end(lease)
             return
         assert lease.key is not None
-        res = self.cache.tiers.insert_host(lease.key, lease.pages, lease.cache_salt, start_page=lease.start_page)
+        aux = {WINDOW: dict(zip(lease.window_at, lease.window_pages, strict=True))} if lease.window_pages else None
+        window_free = self._window_free()
+        res = self.cache.tiers.insert_host(lease.key, lease.pages, lease.cache_salt, start_page=lease.start_page,
+                                           aux=aux)
+        self.counters.committed_window_pages += window_free - self._window_free() + len(lease.window_pages)
         self.counters.committed_pages += res.host_pages_taken
         self.counters.commit_duplicate_pages += len(lease.pages) - res.host_pages_taken
-        if res.host_pages_taken and self.tier is not None:
-            self.tier.back_up(res.node)
+        if self.tier is not None:  # new nodes, and held ones that took window parts (L3 lacks those)
+            for node in res.aux_nodes + self._new_nodes(res.node, res.host_pages_taken):
+                self.tier.back_up(node)
+
+    def _new_nodes(self, last: TreeNode, npages: int) -> list[TreeNode]:
+        """The nodes an insert made, root side first: from ``last`` up over ``npages`` pages
+        (a window part's pages are a node of their own)."""
+        nodes: list[TreeNode] = []
+        node: TreeNode | None = last
+        while npages > 0 and node is not None and node.parent is not None:
+            nodes.append(node)
+            npages -= len(node.key) // self.cache.page_size
+            node = node.parent
+        return nodes[::-1]
 
     def release(self, msg: protos.Release) -> None:
         """A rank is done with a lookup's pages; with the last rank's release they are
@@ -492,8 +590,14 @@ class CacheServer:
         if lease.kind is LeaseKind.LOOKUP:
             assert lease.node is not None
             self.cache.tiers.release_host(lease.node, lease.npages)
+            if lease.window_npages:
+                self.cache.tiers.release_host_window(lease.node, WINDOW, lease.window_npages)
         else:
             self.host.free(lease.pages)
+            if lease.window_pages:
+                alloc = self.cache.component(WINDOW).host_allocator
+                assert alloc is not None
+                alloc.free(lease.window_pages)
 
     def expire(self) -> int:
         """Expire silent sessions (their leases become orphans) and end the orphans whose
@@ -538,6 +642,18 @@ class CacheServer:
         self.cache.flush()
         return before - (self.cache.host_evictable_size() + self.cache.host_protected_size())
 
+    def _window_stats(self) -> dict[str, Any]:
+        """``stats()["l2"]["swa"]``: the window parts' pool (models with window layers)."""
+        if not self.window:
+            return {}
+        ps = self.cache.page_size
+        alloc = self.cache.component(WINDOW).host_allocator
+        assert alloc is not None
+        reserved = sum(len(x.window_pages) for x in self.leases.leases.values() if x.kind is LeaseKind.RESERVE)
+        return {WINDOW: {"used_tokens": alloc.used * ps, "capacity_tokens": alloc.capacity * ps,
+                         "reserved_tokens": reserved * ps, "window_tokens": self.window,
+                         "page_bytes": self.pool.window_page_bytes}}
+
     def stats(self) -> dict[str, Any]:
         ps = self.cache.page_size
         host = self.host
@@ -545,7 +661,8 @@ class CacheServer:
         out: dict[str, Any] = {
             "mode": "engine",
             "l2": {"full": {"used_tokens": host.used * ps, "capacity_tokens": host.capacity * ps,
-                            "reserved_tokens": reserved * ps}},
+                            "reserved_tokens": reserved * ps, "page_bytes": self.pool.page_bytes},
+                   **self._window_stats()},
             "engines": [{"session": s.session_id, "engine": s.engine, "pid": s.process.pid,
                          "namespace": s.namespace, "leases": len(s.leases), "ranks": s.ranks,
                          "workers": len(self.leases.workers.get(s.process, {}))}

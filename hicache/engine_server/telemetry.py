@@ -28,15 +28,20 @@ class EngineTelemetry:
         ps = s.cache.page_size
         host = s.host
         m.set_pool("host", "full", host.used * ps, host.capacity * ps)
+        if s.window:
+            window = s.cache.component("swa").host_allocator
+            assert window is not None  # the server checked it
+            m.set_pool("host", "swa", window.used * ps, window.capacity * ps)
         m.set_queue("engine_leases", len(s.leases.leases))
         m.set_queue("engine_sessions", len(s.leases.sessions))
         m.set_queue("engine_prefetching", s.prefetching)
         c = s.counters
         m.engine_loaded("host", self._delta("loaded_host", c.loaded_host_pages) * ps)
         m.engine_loaded("storage", self._delta("loaded_storage", c.loaded_storage_pages) * ps)
-        page = s.pool.page_bytes
+        page, window_page = s.pool.page_bytes, s.pool.window_page_bytes
         m.transfer_engine("h2d", self._delta("loaded_bytes", c.loaded_host_pages + c.loaded_storage_pages) * page)
-        m.transfer_engine("d2h", self._delta("saved_bytes", c.committed_pages + c.commit_duplicate_pages) * page)
+        m.transfer_engine("d2h", self._delta("saved_bytes", c.committed_pages + c.commit_duplicate_pages) * page
+                          + self._delta("saved_window_bytes", c.committed_window_pages) * window_page)
         m.evicted("host", self._delta("evicted_host", s.cache.evicted_host_tokens))
         if s.tier is not None:
             t = s.tier.counters

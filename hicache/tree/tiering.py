@@ -33,7 +33,11 @@ one slot; the tree's own calls are in ``hicache.tree.cache``'s table):
 | ``insert`` through a loading node      | the op's pages, at its finish | the request's own pages       | (the op's locks stay)           |
 | ``start_backup`` -> backup ``TierOp``  | -                             | -                             | node host-locked, in flight     |
 | ``finish_backup(op, ok)``              | -                             | - (L3 residency is not stored)| released                        |
-| ``insert_host`` (prefetched pages)     | duplicate L2 pages            | the rest, as L2-only nodes    | -                               |
+| ``insert_host`` (prefetched pages)     | duplicate L2 pages and units  | the rest, as L2-only nodes;   | -                               |
+|                                        |                               | aux units on held nodes (split|                                 |
+|                                        |                               | at the run's edges)           |                                 |
+| ``protect_host_window`` (engine lease) | -                             | -                             | the window's nodes host-locked  |
+| ``evict_host_units`` (aux L2)          | aux L2 units of L2-only nodes | the nodes' FULL copies        | host-locked data skipped        |
 
 ``TierOp.transfers[component] = (src_pages, dst_pages)`` in key order: device -> host for a
 write, host -> device for a load; a backup carries the host pages and ``hashes``.
@@ -413,6 +417,41 @@ class TierCalls:
         for n in nodes:
             self.tree.core.host_unlock(n, 0)
 
+    def protect_host_window(self, node: TreeNode, name: str, tokens: int) -> tuple[list[int], int]:
+        """Host-lock the L2 data of paged auxiliary component ``name`` (SWA) on the nodes
+        that cover the last ``tokens`` tokens before ``node``'s end (or the whole path, when
+        shorter); returns its L2 pages of the last ``ceil(tokens / page_size)`` pages of the
+        key, in key order, and the page count to pass back to ``release_host_window``.
+        Raises ValueError where a node on the way has no such data (``match_prefix`` never
+        ends a host hit there)."""
+        c = self.tree._by_name.get(name)
+        if c is None or not c.paged or c is self.tree.full:
+            raise ValueError(f"protect_host_window: no paged auxiliary component {name!r}")
+        span: list[TreeNode] = []
+        covered = 0
+        n = node
+        while n.parent is not None and covered < tokens:
+            if n.data[c.slot].host_value is None:
+                raise ValueError(f"protect_host_window: {n!r} has no {name} L2 data")
+            span.append(n)
+            covered += len(n.key)
+            n = n.parent
+        for x in span:
+            self.tree.core.host_lock(x, c.slot)
+        units = [p for x in reversed(span) for p in c.as_pages(x.data[c.slot].host_value)]
+        keep = -(-tokens // self.tree.page_size)
+        return units[-keep:] if keep else [], sum(self.tree._npages(x) for x in span)
+
+    def release_host_window(self, node: TreeNode, name: str, npages: int) -> None:
+        """Undo ``protect_host_window(node, name, ...)`` that returned ``npages``."""
+        c = self.tree._by_name[name]
+        nodes = self.tree._op_nodes(node, npages) if npages else []
+        for n in nodes:
+            if n.data[c.slot].host_lock_ref <= 0:
+                raise ValueError(f"release_host_window: host_lock_ref of {n!r} would go below zero")
+        for n in nodes:
+            self.tree.core.host_unlock(n, c.slot)
+
     def host_prefix_pages(self, node: TreeNode) -> list[int]:
         """The FULL L2 pages of the key from its root down to ``node``, in key order; every
         node on the way must have an L2 copy (as ``match_prefix``'s ``last_host_node`` path has)."""
@@ -432,13 +471,15 @@ class TierCalls:
         as are all of them when the tree no longer holds the key's first ``start_page``
         pages. ``host_pages_taken`` says how many the tree kept.
 
-        ``aux[name]`` maps a page ``j`` of the key (counted from 0, ``j >= start_page``) to an
-        auxiliary component's L2 unit: for a paged one (SWA) its page ``j``, for a state
-        (Mamba) the state after page ``j``. The new nodes are cut so that a paged
-        component's run of pages and a state's boundary fall on node edges; an existing
-        node with a FULL L2 copy, no transfer and no such data gets it where it covers the
-        node whole (a state: where it ends the node). Every unit the tree does not keep is
-        freed here."""
+        ``aux[name]`` maps a page ``j`` of the key (counted from 0) to an auxiliary
+        component's L2 unit: for a paged one (SWA) its page ``j``, for a state (Mamba) the
+        state after page ``j``. The new nodes are cut so that a paged component's run of
+        pages and a state's boundary fall on node edges. An existing node with a FULL L2
+        copy, no transfer and no such data gets a paged component's pages where they cover
+        it whole, after it is split at the edges of their run (which may lie before
+        ``start_page``: an engine adding the window of a prefix the tree holds), and a state
+        where it ends the node; those nodes are ``aux_nodes`` of the result. Every unit the
+        tree does not keep is freed here."""
         if not self.tree.hicache:
             raise RuntimeError("insert_host needs an L2 allocator")
         core = self.tree.core
@@ -453,8 +494,8 @@ class TierCalls:
             c = self.tree._by_name.get(name)
             if c is None or c is self.tree.full or c.host_allocator is None:
                 raise ValueError(f"insert_host: no auxiliary L2 component {name!r}")
-            if any(not start_page <= j < npages for j in m):
-                raise ValueError(f"insert_host: {name} pages outside the inserted part of the key")
+            if any(not 0 <= j < npages for j in m):
+                raise ValueError(f"insert_host: {name} pages outside the key")
             units[name] = dict(m)
         root = core.ensure_root(cache_salt)
         path = core.walk(root, key, n)
@@ -468,13 +509,14 @@ class TierCalls:
         dup = hp[:have // ps - start_page]
         if dup:
             self.tree.full.host_allocator.free(dup)  # type: ignore[union-attr]
-        if units:  # existing nodes past start_page: take what they lack and is given whole
+        if units:  # existing nodes: take what they lack, split so that it covers them whole
+            path = self._split_for_aux(path, units)
             first = 0
             for x in path:
                 k = self.tree._npages(x)
-                if first + k > start_page and x.data[0].host_value is not None and not x.in_flight \
-                        and not x.loading:
-                    self._take_aux(x, first, units)
+                if x.data[0].host_value is not None and not x.in_flight and not x.loading \
+                        and self._take_aux(x, first, units):
+                    res.aux_nodes.append(x)
                 first += k
         if have < n:
             cuts = {have // ps, npages}
@@ -514,10 +556,32 @@ class TierCalls:
         keep.append(edges[-1])
         return keep
 
-    def _take_aux(self, node: TreeNode, first: int, units: dict[str, dict[int, int]]) -> None:
+    def _split_for_aux(self, path: list[TreeNode], units: dict[str, dict[int, int]]) -> list[TreeNode]:
+        """``path`` with its nodes that can take auxiliary data (a FULL L2 copy, no transfer)
+        split where a paged component's run of ``units`` starts or ends inside them."""
+        out: list[TreeNode] = []
+        first = 0
+        for x in path:
+            k = self.tree._npages(x)
+            cuts: set[int] = set()
+            if x.data[0].host_value is not None and not x.in_flight and not x.loading:
+                for name, m in units.items():
+                    c = self.tree._by_name[name]
+                    if c.paged and x.data[c.slot].host_value is None:
+                        cuts.update(j for j in range(first + 1, first + k) if (j - 1 in m) != (j in m))
+            at = first
+            for cut in sorted(cuts):
+                out.append(self.tree.core.split(x, (cut - at) * self.tree.page_size))
+                at = cut
+            out.append(x)
+            first += k
+        return out
+
+    def _take_aux(self, node: TreeNode, first: int, units: dict[str, dict[int, int]]) -> bool:
         """Give ``node`` (its key starts at page ``first``) the auxiliary L2 units of
-        ``units`` that cover it whole, removing them from ``units``."""
+        ``units`` that cover it whole, removing them from ``units``; whether it took any."""
         k = self.tree._npages(node)
+        took = False
         for name, m in units.items():
             c = self.tree._by_name[name]
             if node.data[c.slot].host_value is not None:
@@ -525,8 +589,11 @@ class TierCalls:
             if c.paged:
                 if all(j in m for j in range(first, first + k)):
                     self.tree.core.set_host(node, c.slot, [m.pop(j) for j in range(first, first + k)])
+                    took = True
             elif first + k - 1 in m:
                 self.tree.core.set_host(node, c.slot, c.from_pages([m.pop(first + k - 1)]))
+                took = True
+        return took
 
     def _free_aux_units(self, units: dict[str, dict[int, int]]) -> None:
         for name, m in units.items():
@@ -554,6 +621,14 @@ class TierCalls:
                 node = parent
         self.tree.evicted_host_tokens += freed * self.tree.page_size
         return freed * self.tree.page_size
+
+    def evict_host_units(self, name: str, need: int) -> int:
+        """L2 eviction of ``need`` units of auxiliary component ``name`` (the nodes keep their
+        FULL copy and become L2 tombstones of it; see ``_evict_host_aux``); returns units freed."""
+        c = self.tree._by_name.get(name)
+        if c is None or c is self.tree.full:
+            raise ValueError(f"evict_host_units: no auxiliary component {name!r}")
+        return self._evict_host_aux(c, need)
 
     def _evict_host_aux(self, c: TreeComponent, need: int) -> int:
         """L2 eviction of one auxiliary component's data (``need`` units): the node keeps

@@ -652,3 +652,149 @@ def test_a_request_asked_about_many_times_counts_one_hit() -> None:
     assert hits() == 1
     ask("another")
     assert hits() == 2
+
+
+WINDOW_TOKENS = 2 * PS
+WINDOWED = EngineKVGeometry("c" * 64, "bfloat16", PS, 2, 2, 32, "LBHNC", window_layers=1)
+
+
+def make_window_server(l2_pages: int = 32, window_pages: int = 8) -> CacheServer:
+    """A server for a model with one full and one window layer, a window of two pages."""
+    from hicache.tree.components import SWAComponent
+
+    comps = [FullComponent(PageAllocator(0, "l1-full"), PageAllocator(l2_pages, "l2-full")),
+             SWAComponent(PageAllocator(0, "l1-swa"), WINDOW_TOKENS, PageAllocator(window_pages, "l2-swa"))]
+    cache = UnifiedRadixCache(comps, PS, hasher=HashNamespace(WINDOWED.model_identity, "bfloat16", PS, "full"))
+    pool = L2PoolInfo("inst", "inst-full-l2-0", "/dev/shm", l2_pages, WINDOWED.full_page_bytes,
+                      "inst-swa-l2-0", window_pages, WINDOWED.window_page_bytes)
+    clock = Clock()
+    return CacheServer(cache, None, WINDOWED, pool, TTL, clock=clock, run=RUN, leases=LeaseTable(TTL, gone=clock.gone))
+
+
+def window_session(server: CacheServer, window_tokens: int = WINDOW_TOKENS) -> protos.Message:
+    g = WINDOWED
+    return server.handle(protos.EngineRegister(1, "engine-w", 321, g.model_identity, g.kv_dtype, g.block_size,
+                                               g.num_layers, g.num_kv_heads, g.head_dim, g.kv_layout, g.page_bytes,
+                                               RUNTIME, window_layers=1, window_tokens=window_tokens))
+
+
+def test_a_window_model_keeps_the_window_parts_of_each_saved_ranges_last_window_only() -> None:
+    """A page is a full part and a window part: a save of six pages takes six full parts and
+    the window parts of its last two pages; a hit is valid only where the window before it
+    is whole, and answers the window parts of that window."""
+    server = make_window_server()
+    assert isinstance(window_session(server, WINDOW_TOKENS + 2), protos.EngineError)  # reads 9 tokens back: refused
+    assert isinstance(register(server), protos.EngineError)  # no window layers: other pages
+    reg = window_session(server, WINDOW_TOKENS + 1)  # reads 8 tokens before a hit: what the daemon keeps
+    assert isinstance(reg, protos.EngineRegistered) and reg.window_segment == "inst-swa-l2-0"
+    assert reg.page_bytes == WINDOWED.full_page_bytes and reg.window_pages == 8
+    s = reg.session
+    tokens = list(range(1, 6 * PS + 1))
+    res = reserve(server, 2, s, RUN, "r", tokens, 0)
+    assert len(res.host_pages) == 6 and len(res.window_pages) == 2
+    server.handle(protos.Commit(s, RUN, res.lease, True))
+    assert server.stats()["l2"]["swa"]["used_tokens"] == 2 * PS  # the window only, not 6 pages of it
+    hit = server.handle(protos.Lookup(3, s, RUN, "a", protos.pack_tokens(tokens)))
+    assert isinstance(hit, protos.LookupResult)
+    assert hit.host_pages == res.host_pages and hit.window_pages == res.window_pages
+    shorter = server.handle(protos.Lookup(4, s, RUN, "b", protos.pack_tokens(tokens[: 5 * PS])))
+    assert isinstance(shorter, protos.LookupResult) and not shorter.lease  # page 3 has no window part: no hit
+    # the request goes on: pages 6 and 7 with their window; a hit at 6 pages stays valid
+    more = list(range(1, 8 * PS + 1))
+    res2 = reserve(server, 5, s, RUN, "r", more, 6)
+    assert res2.start_page == 6 and len(res2.host_pages) == 2 and len(res2.window_pages) == 2
+    server.handle(protos.Commit(s, RUN, res2.lease, True))
+    long_hit = server.handle(protos.Lookup(6, s, RUN, "c", protos.pack_tokens(more)))
+    assert isinstance(long_hit, protos.LookupResult) and long_hit.window_pages == res2.window_pages
+    assert len(long_hit.host_pages) == 8
+    for ans in (hit, long_hit):
+        server.handle(protos.Release(s, RUN, ans.lease, len(ans.host_pages)))
+    server.check_idle()
+    assert server.integrity_error is None and server.exact_checks == 1
+
+
+def test_a_leased_window_is_never_evicted_and_a_failed_save_frees_its_window_parts() -> None:
+    """Three window parts in L2: while a lookup holds A's window, a save of B finds no room
+    for its window (B is kept without one: no hit); once released, C's save evicts A's
+    window parts, and A no longer hits (its window is gone), but never half."""
+    server = make_window_server(window_pages=3)
+    reg = window_session(server)
+    assert isinstance(reg, protos.EngineRegistered)
+    s = reg.session
+    a, b, c = ([k] * (3 * PS) for k in (1, 2, 3))
+
+    def save(tokens: list[int], rid: str, ok: bool = True) -> protos.Reservation:
+        res = reserve(server, 9, s, RUN, rid, tokens, 0)
+        server.handle(protos.Commit(s, RUN, res.lease, ok))
+        return res
+
+    def lookup(tokens: list[int], rid: str) -> protos.LookupResult:
+        ans = server.handle(protos.Lookup(10, s, RUN, rid, protos.pack_tokens(tokens)))
+        assert isinstance(ans, protos.LookupResult)
+        return ans
+
+    assert len(save(a, "a").window_pages) == 2
+    held = lookup(a, "a2")
+    assert len(held.host_pages) == 3 and len(held.window_pages) == 2
+    assert save(b, "b").window_pages == [] and not lookup(b, "b2").lease  # no room beside A's locked window
+    assert save(c, "c", ok=False).window_pages == []  # still no room; its full parts are freed
+    assert server.stats()["l2"]["swa"]["used_tokens"] == 2 * PS
+    server.handle(protos.Release(s, RUN, held.lease, 3))
+    assert len(save(c, "c2").window_pages) == 2  # A's window parts give way
+    assert not lookup(a, "a3").lease and lookup(c, "c3").window_pages
+    failed_d = reserve(server, 11, s, RUN, "d", [4] * (3 * PS), 0)
+    used = server.stats()["l2"]["swa"]["used_tokens"]
+    server.handle(protos.Commit(s, RUN, failed_d.lease, False))
+    assert server.stats()["l2"]["swa"]["used_tokens"] == used - len(failed_d.window_pages) * PS
+    server.expire()
+    for lease in list(server.leases.leases.values()):
+        server.handle(protos.Release(s, RUN, lease.lease_id, 0))
+    server.check_idle()
+    assert server.integrity_error is None
+
+
+def test_a_prefix_other_requests_go_on_from_gets_its_window_from_the_next_one_that_holds_it() -> None:
+    """A shared prefix S (4 pages): A = S + X saved whole keeps the window of its end only, so
+    S + anything else has no hit. B = S + Y, computed in one step (it holds every window
+    block: ``window_from`` 0), saves Y's pages and the windows before both S's end and its own;
+    then C = S + Z hits S. An engine that no longer holds S's window blocks
+    (``window_from`` past them) is asked for none."""
+    server = make_window_server()
+    reg = window_session(server)
+    assert isinstance(reg, protos.EngineRegistered)
+    s = reg.session
+    shared = list(range(1, 4 * PS + 1))
+
+    def save(tokens: list[int], rid: str, window_from: int = 0) -> protos.Reservation:
+        msg = protos.Reserve(7, s, RUN, [protos.SaveRange(rid, protos.pack_tokens(tokens), 0, "", 0, window_from)])
+        ans = server.handle(msg)
+        assert isinstance(ans, protos.ReserveResult)
+        res = ans.items[0]
+        if res.lease:
+            server.handle(protos.Commit(s, RUN, res.lease, True))
+        return res
+
+    def hit(tokens: list[int], rid: str) -> int:
+        ans = server.handle(protos.Lookup(8, s, RUN, rid, protos.pack_tokens(tokens)))
+        assert isinstance(ans, protos.LookupResult)
+        if ans.lease:
+            server.handle(protos.Release(s, RUN, ans.lease, len(ans.host_pages)))
+        return len(ans.host_pages)
+
+    a = save(shared + [500] * (2 * PS), "a")
+    assert a.window_at == [4, 5]
+    assert hit(shared + [700] * PS, "c0") == 0
+    late = save(shared + [600] * (2 * PS), "b0", window_from=3)  # S's window blocks are gone there
+    assert late.start_page == 4 and late.window_at == [4, 5]
+    b = save(shared + [650] * (2 * PS), "b", window_from=0)
+    assert b.start_page == 4 and b.window_at == [2, 3, 4, 5] and len(b.host_pages) == 2
+    assert hit(shared + [700] * PS, "c") == 4
+    again = save(shared, "d")  # S's window is held now: nothing to save
+    assert again.lease == 0 and not again.window_at
+    other = [9] * (4 * PS)
+    save(other + [10] * PS, "e")
+    alone = save(other, "f")  # a request that is the held prefix alone: its window parts only
+    assert alone.lease and not alone.host_pages and alone.window_at == [2, 3]
+    assert hit(other, "g") == 4
+    server.check_idle()
+    assert server.integrity_error is None

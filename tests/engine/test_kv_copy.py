@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from hicache.connectors.kv_copy import CUDA_REFUSAL, NO_BLOCK, BlockCopier, PoolRef, kv_problem
+from hicache.connectors.kv_copy import CUDA_REFUSAL, NO_BLOCK, NO_PAGE, BlockCopier, PoolRef, kv_problem
 from hicache.connectors.kv_copy_cuda import CudaBlockCopier, block_first
 from hicache.memory.shm import SharedSegment, TensorSpec
 
@@ -147,3 +147,72 @@ def test_the_cuda_path_is_refused_where_it_has_not_run() -> None:
     r = subprocess.run([sys.executable, "-m", "hicache.connectors.gpu_check"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "no CUDA device" in r.stdout
+
+
+def _pool_of(name: str, pages: int, layers: int, seed: int) -> tuple[PoolRef, torch.Tensor, SharedSegment | None]:
+    """A pool of ``pages`` pages of ``layers`` layer blocks, random contents (no segment for 0 layers)."""
+    elems = HEADS * BS * 2 * DIM
+    if not layers:
+        return PoolRef("inst", name, "/dev/shm", pages, 0), torch.empty(pages, 0, elems), None
+    seg = SharedSegment.create(name, pages * layers * elems * 4)
+    t = seg.tensor(TensorSpec(name, (pages, layers, elems), "float32"))
+    t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(seed)))
+    return PoolRef("inst", name, seg.directory, pages, layers * elems * 4), t, seg
+
+
+def test_window_layers_copy_the_window_parts_of_the_pages_that_have_one() -> None:
+    """Layers 0 and 2 full (group 0), layer 1 with a window (group 1): a page's full part is
+    layers 0 and 2 in the L2 pool, its window part layer 1 in the window pool, and only the
+    pages named with a window part copy it; a held window block without one fails the load
+    before anything is copied, and a window part without a held block fails the save."""
+    full_ref, full, full_seg = _pool_of(f"hicache-test-full-{os.getpid()}", PAGES, 2, 1)
+    win_ref, win, win_seg = _pool_of(f"hicache-test-win-{os.getpid()}", 4, 1, 2)
+    assert full_seg is not None and win_seg is not None
+    try:
+        layers = [torch.zeros(BLOCKS, HEADS, BS, 2 * DIM) for _ in range(LAYERS)]
+        copier = BlockCopier(layers, [0, 1, 0], window=[False, True, False])
+        with pytest.raises(RuntimeError, match="window pool"):
+            copier.attach(full_ref)
+        copier.attach(full_ref, win_ref)
+        block_bytes = HEADS * BS * 2 * DIM * 4
+        with pytest.raises(ValueError, match="no window part"):
+            copier.load([2, 3, 4], [[1, 2, 3], [5, 6, 7]], [NO_PAGE, 0, 1])  # block 5 is held: it needs one
+        assert not any(layer.any() for layer in layers)
+        assert copier.load([2, 3, 4], [[1, 2, 3], [NO_BLOCK, 6, 7]], [NO_PAGE, 0, 1]) == (3 * 2 + 2) * block_bytes
+        for p, b in zip([2, 3, 4], [1, 2, 3], strict=True):
+            assert torch.equal(layers[0][b].reshape(-1), full[p, 0]) and torch.equal(layers[2][b].reshape(-1), full[p, 1])
+        assert torch.equal(layers[1][6].reshape(-1), win[0, 0]) and torch.equal(layers[1][7].reshape(-1), win[1, 0])
+        assert not layers[1][[b for b in range(BLOCKS) if b not in (6, 7)]].any()
+        before_full, before_win = full.clone(), win.clone()
+        assert copier.save([[1, 2], [NO_BLOCK, 7]], [8, 9], [NO_PAGE, 3]) == (2 * 2 + 1) * block_bytes
+        assert torch.equal(full[8, 0], before_full[2, 0]) and torch.equal(full[9, 1], before_full[3, 1])
+        assert torch.equal(win[3, 0], before_win[1, 0])  # block 7 held window page 1's layer
+        assert torch.equal(win[:3], before_win[:3])
+        with pytest.raises(ValueError, match="no block of its window group"):
+            copier.save([[1], [NO_BLOCK]], [5], [2])
+        with pytest.raises(ValueError, match="window parts"):
+            copier.load([1, 2], [[1, 2], [NO_BLOCK, NO_BLOCK]], [NO_PAGE])
+        copier.detach()
+    finally:
+        for seg in (full_seg, win_seg):
+            seg.unlink()
+            seg.close()
+
+
+def test_a_model_whose_every_layer_has_the_window_keeps_no_full_part() -> None:
+    """Every layer windowed: the full parts are zero bytes (no segment to map), and the
+    window parts hold every layer."""
+    full_ref, _, _ = _pool_of("hicache-test-nofull", PAGES, 0, 0)
+    win_ref, win, win_seg = _pool_of(f"hicache-test-allwin-{os.getpid()}", 4, 2, 3)
+    assert win_seg is not None
+    try:
+        layers = [torch.zeros(BLOCKS, HEADS, BS, 2 * DIM) for _ in range(2)]
+        copier = BlockCopier(layers, [0, 0], window=[True, True])
+        copier.attach(full_ref, win_ref)
+        block_bytes = HEADS * BS * 2 * DIM * 4
+        assert copier.load([0, 1, 2], [[NO_BLOCK, 4, 5]], [NO_PAGE, 2, 3]) == 2 * 2 * block_bytes
+        assert torch.equal(layers[1][5].reshape(-1), win[3, 1])
+        copier.detach()
+    finally:
+        win_seg.unlink()
+        win_seg.close()

@@ -9,6 +9,9 @@ for token, from L2 in the same and another engine and from the file L3 after a d
 restart, and from Redis. With two groups a hit loads asynchronously (the request waits for
 the step that loads it), so a failed load is reported for the request and vLLM recomputes it.
 
+The daemon keeps a page's full layers for every page and its window layers for the last
+window of each saved prompt only (measured in its L2 pools).
+
 The Gemma 3 tests share one daemon and three engines (vLLM alone, ``a`` with vLLM's stats
 on, ``b`` with vLLM's own prefix cache and a load fault), in file order. The last test runs
 a model whose every layer has the window (Mistral with ``sliding_window``: one KV cache
@@ -48,7 +51,9 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 P = _prompts(11, [150, 300, 620])  # L2 hits, then from the file L3
 F = _prompts(12, [330])  # its load fails once
 S = _prompts(13, [1500, 1520])  # traffic while an engine is killed
-ALL = P + F + S
+SHARED = _prompts(15, [5 * BLOCK])[0]  # a prefix requests go on from (a system prompt, say)
+BRANCHES = [SHARED + tail for tail in _prompts(16, [50, 50, 50])]
+ALL = P + F + S + BRANCHES
 
 
 def window_blocks_loaded(hit_tokens: int) -> int:
@@ -100,7 +105,12 @@ def test_window_model_hits_from_l2_equal_vllm_alone_and_load_only_the_window(sta
     first = a.generate(P, MAX_TOKENS)
     stack.check(first, P)
     assert first["cached"] == [0] * len(P)
-    stack.wait("P's saves", lambda st: st["leases"]["open"] == 0)
+    st = stack.wait("P's saves", lambda st: st["leases"]["open"] == 0)
+    # stored: the full layers of every page, the window layers of each prompt's last window only
+    window_pages = -(-WINDOW // BLOCK)
+    assert st["l2"]["full"]["used_tokens"] == sum(len(p) // BLOCK for p in P) * BLOCK
+    assert st["l2"]["full"]["page_bytes"] == 2 * BLOCK_BYTES and st["l2"]["swa"]["page_bytes"] == 2 * BLOCK_BYTES
+    assert st["l2"]["swa"]["used_tokens"] == len(P) * window_pages * BLOCK
     before = _hicache_metrics(a)
     again = a.generate(P, MAX_TOKENS)  # vLLM's own prefix cache is off: the hits are hicache's L2
     stack.check(again, P)
@@ -117,6 +127,19 @@ def test_window_model_hits_from_l2_equal_vllm_alone_and_load_only_the_window(sta
     assert delta("vllm:hicache_loaded_blocks") == pages, after
     assert delta("vllm:hicache_loaded_bytes") == copied < pages * LAYERS * BLOCK_BYTES, after
     assert delta("vllm:hicache_load_errors") == 0, after
+    stack.idle_and_intact()
+
+
+def test_a_shared_prefix_hits_once_a_request_branching_off_it_saved_its_window(stack: Stack) -> None:
+    """The daemon keeps the window of a saved prompt's end only, so after A = S + X, S + Y
+    has no hit (S's end has no window); B = S + Y computes S again, and its save brings the
+    window before S's end too; C = S + Z then loads S from hicache."""
+    a = stack.engine("a")
+    for i, want in enumerate((0, 0, len(SHARED))):
+        out = a.generate(BRANCHES[i : i + 1], MAX_TOKENS)
+        stack.check(out, BRANCHES[i : i + 1])
+        assert out["cached"] == [want], (i, out["cached"])
+        stack.wait("the saves", lambda st: st["leases"]["open"] == 0)
     stack.idle_and_intact()
 
 

@@ -372,3 +372,30 @@ def test_l2_eviction_of_auxiliary_data_keeps_copies_of_l1_data():
     cache.tiers.finish_write(op, True)
     assert cache.data(r1.node, SWA).host_value is None and cache.data(r2.node, SWA).host_value is not None
     cache.check_integrity(exact=True)
+
+
+def test_insert_host_gives_a_window_to_pages_the_tree_holds_by_splitting_their_node():
+    """An L2-only tree (engine mode): ``insert_host`` with SWA units for pages before
+    ``start_page`` (the window before a prefix the tree holds) splits the node holding them
+    at the run's edges and gives it the run; the boundary becomes a valid hit. Units for a
+    node that has SWA data already, or pages the tree does not hold, are freed."""
+    host, swa_host = PageAllocator(64, "full-l2"), PageAllocator(16, "swa-l2")
+    cache = UnifiedRadixCache([FullComponent(PageAllocator(0, "full"), host),
+                               SWAComponent(PageAllocator(0, "swa"), 2, swa_host)], 1)
+    a = toks("abcdefgh")
+    r = cache.tiers.insert_host(a, host.alloc(8), aux={"swa": dict(zip([6, 7], swa_host.alloc(2), strict=True))})
+    assert r.host_pages_taken == 8 and r.aux_nodes == []
+    assert cache.match_prefix(a).host_hit_length == 8
+    b = toks("abcdxy")
+    assert cache.match_prefix(b).host_hit_length == 0  # "abcd" has no window
+    units = swa_host.alloc(4)
+    r = cache.tiers.insert_host(b, host.alloc(2), start_page=4,
+                                aux={"swa": {2: units[0], 3: units[1], 4: units[2], 5: units[3]}})
+    assert r.host_pages_taken == 2 and len(r.aux_nodes) == 1 and r.aux_nodes[0].key == toks("cd")
+    assert cache.match_prefix(toks("abcdz")).host_hit_length == 4  # a hit where the two now branch
+    assert cache.match_prefix(b).host_hit_length == 6 and cache.match_prefix(a).host_hit_length == 8
+    free = swa_host.free_count
+    again = swa_host.alloc(2)
+    r = cache.tiers.insert_host(b, [], start_page=6, aux={"swa": {2: again[0], 3: again[1]}})  # held already
+    assert r.aux_nodes == [] and swa_host.free_count == free
+    cache.check_integrity(exact=True)

@@ -175,7 +175,11 @@ def run_ttft(b: Bench, *, prompt_tokens: int, repeats: int) -> tuple[list[Figure
         Figure(f"TTFT hicache L3 hit ({n} tok)", "ms", l3, "vLLM own prefix hit", hit_l3, higher_is_better=False),
         Figure(f"TTFT hicache miss + save ({n} tok)", "ms", miss, "vLLM cold", cold, higher_is_better=False),
     ]
-    extra = {"prompt_tokens": n, "repeats": repeats, "times_s": times, "cached_tokens": cached,
+    stored = l2_bytes_per_cached_token(stats_before, b.block_size)
+    if stored is not None:
+        figures.append(Figure("L2 bytes per cached token", "B", stored, "every layer's KV (a full-attention model)",
+                              b.kv_bytes_per_token, higher_is_better=False))
+    extra = {"prompt_tokens": n, "l2": stats_before.get("l2"), "repeats": repeats, "times_s": times, "cached_tokens": cached,
              "same_output_tokens": same, "daemon_restarted": restarted,
              "daemon_stats_before_restart": stats_before.get("engine"),
              "daemon_stats_after_restart": {"engine": stats_after.get("engine"), "tiers": stats_after.get("tiers")}}
@@ -457,6 +461,18 @@ def run_peers(b: Bench, *, prompt_tokens: int, repeats: int) -> dict[str, Any]:
     return out
 
 
+def l2_bytes_per_cached_token(stats: dict[str, Any], block_size: int) -> float | None:
+    """L2 bytes the daemon holds per cached token (the full parts of its pages, and the
+    window parts where the model has window layers), from its ``/cache/stats``; None when
+    it holds nothing."""
+    l2 = stats.get("l2") or {}
+    tokens = int((l2.get("full") or {}).get("used_tokens") or 0)
+    if not tokens:
+        return None
+    held = sum(int(part.get("used_tokens") or 0) * int(part.get("page_bytes") or 0) for part in l2.values())
+    return held / block_size / tokens
+
+
 def kv_bytes_per_token(model_dir: str, dtype_bytes: int) -> int:
     """K and V bytes of one token over all layers, from the checkpoint's ``config.json``."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -629,7 +645,7 @@ def run_lookup(b: Bench, *, lengths: list[int], repeats: int) -> tuple[list[Figu
     from hicache.config import load_config
     from hicache.connectors.engine_client import CacheSession
     from hicache.connectors.vllm import engine_address
-    from hicache.engine_server.geometry import geometry_from_config
+    from hicache.engine_server.geometry import geometry_from_config, sliding_window_from_config
 
     longest = max(lengths)
     daemon = b.daemon("lookup-hicache", _round_up(sum(lengths) + 4096, b.block_size))
@@ -639,7 +655,8 @@ def run_lookup(b: Bench, *, lengths: list[int], repeats: int) -> tuple[list[Figu
         g = geometry_from_config(cfg)
         register = protos.EngineRegister(0, "bench-lookup", os.getpid(), g.model_identity, g.kv_dtype, g.block_size,
                                          g.num_layers, g.num_kv_heads, g.head_dim, g.kv_layout, g.page_bytes,
-                                         "b" * 64)
+                                         "b" * 64, window_layers=g.window_layers,
+                                         window_tokens=sliding_window_from_config(cfg))
         session = CacheSession(engine_address(cfg), 5000, register)
         try:
             for n in sorted(lengths):
