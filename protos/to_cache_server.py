@@ -198,7 +198,9 @@ class SaveRange:
 
     ``window_from``: with window layers, the first page whose window layers' blocks the
     engine still holds (vLLM frees those before its window); the server asks for no window
-    part before it."""
+    part before it. ``prompt_end``: the range ends at the prompt's last full page, whose
+    window the server keeps when the request goes on (it drops the window of a request's
+    earlier save ends otherwise: a chunk or a decoded page is rarely where a hit ends)."""
 
     rid: str
     token_ids: bytes
@@ -206,6 +208,7 @@ class SaveRange:
     cache_salt: str = ""
     base: int = 0
     window_from: int = 0
+    prompt_end: bool = False
 
 
 @message("engine_reserve")

@@ -103,6 +103,8 @@ class Lease:
     window_npages: int = 0  # LOOKUP: pages whose window parts are locked from ``node`` upwards
     window_pages: list[int] = field(default_factory=list)  # RESERVE: L2 window parts ...
     window_at: list[int] = field(default_factory=list)  # RESERVE: ... of these pages of ``key``
+    rid: str = ""  # RESERVE: the request it saves for
+    prompt_end: bool = False  # RESERVE: it ends at the request's prompt's last full page
 
 
 class Report(enum.Enum):

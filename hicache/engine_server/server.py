@@ -41,7 +41,7 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import protos
@@ -71,6 +71,17 @@ REQUEST_MEMORY_TOKENS = 1 << 26
 _IDENTITY = re.compile(r"[0-9a-f]{64}")
 
 
+def _runs(pages: list[int]) -> list[tuple[int, int]]:
+    """``[lo, hi)`` runs of consecutive pages of sorted ``pages``."""
+    out: list[tuple[int, int]] = []
+    for j in pages:
+        if out and out[-1][1] == j:
+            out[-1] = (out[-1][0], j + 1)
+        else:
+            out.append((j, j + 1))
+    return out
+
+
 def namespaced_salt(namespace: str, cache_salt: str) -> str:
     """The salt the tree and the page hashes see for a session's ``cache_salt``."""
     return f"{namespace}:{cache_salt}"
@@ -93,6 +104,12 @@ class SlotMemory:
     reached the engine (a call that gave up before it arrived)."""
     hit_counted: bool = False
     """The tree counted its hit (``record_hit``): once per request, however often asked."""
+    window_end: int = 0
+    """With window layers: the page its last save ended at, whose window it brought ..."""
+    window_kept: bool = True
+    """... whether that window stays when the request saves further (a prompt's end) ..."""
+    window_brought: list[int] = field(default_factory=list)
+    """... and the pages of it whose window parts the request brought itself."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +156,8 @@ class EngineCounters:
     """Window parts of the committed pages (models with window layers)."""
     lookup_window_pages: int = 0
     """Window parts answered with lookup hits."""
+    dropped_window_pages: int = 0
+    """Window parts of a request's earlier save ends dropped as it went on (``_slide_window``)."""
     commit_duplicate_pages: int = 0
     commit_failed_pages: int = 0
     refused: int = 0
@@ -423,8 +442,14 @@ class CacheServer:
         if n < want:
             self.counters.reserve_short_pages += want - n
         top = start + n if n else min(start, end)  # the reservation's prefix ends at page ``top``
-        window_at = [j for j in self._window_wanted(item.window_from, match.host_hit_length // ps, start, end)
-                     if j < top] if n == want else []
+        window_at: list[int] = []
+        if self.window and n == want:
+            memory = self._slot((session, item.rid))
+            own = memory.window_end if not memory.window_kept else -1  # its own earlier end: no branch point
+            held = self.cache.tiers.host_page_flags(match.walked_node, WINDOW) if match.walked_node else []
+            window_at = [j for j in self._window_wanted(item.window_from, match.host_hit_length // ps,
+                                                        start if start != own else end, end)
+                         if j < top and not (j < len(held) and held[j])]
         window = self._alloc_window(len(window_at))
         if len(window) < len(window_at):
             window_at = []
@@ -433,7 +458,8 @@ class CacheServer:
         pages = list(host.alloc(n)) if n else []
         lease = self.leases.add(Lease(0, LeaseKind.RESERVE, session, self.clock(), key=key[: top * ps],
                                       cache_salt=salt, start_page=min(start, top), pages=pages,
-                                      ranks=self._ranks(session), window_pages=window, window_at=window_at))
+                                      ranks=self._ranks(session), window_pages=window, window_at=window_at,
+                                      rid=item.rid, prompt_end=item.prompt_end))
         self.counters.reserved_pages += n
         return protos.Reservation(lease.lease_id, start, pages, window_pages=window, window_at=window_at)
 
@@ -507,9 +533,33 @@ class CacheServer:
         self.counters.committed_window_pages += window_free - self._window_free() + len(lease.window_pages)
         self.counters.committed_pages += res.host_pages_taken
         self.counters.commit_duplicate_pages += len(lease.pages) - res.host_pages_taken
+        if lease.window_pages:
+            self._slide_window(lease, res.node)
         if self.tier is not None:  # new nodes, and held ones that took window parts (L3 lacks those)
             for node in res.aux_nodes + self._new_nodes(res.node, res.host_pages_taken):
-                self.tier.back_up(node)
+                if node.parent is not None:
+                    self.tier.back_up(node)
+
+    def _slide_window(self, lease: Lease, node: TreeNode) -> None:
+        """After a save of ``lease``'s request that ends at ``node``: the window parts the
+        request brought for its earlier save ends, where they fall outside the new end's
+        window, are dropped (SWA tombstones), unless that end was its prompt's (kept); the
+        ones it brought for the new end are remembered. Only parts the request brought
+        itself are dropped."""
+        assert lease.key is not None
+        end = len(lease.key) // self.cache.page_size
+        memory = self._slots.get((lease.session, lease.rid))
+        if memory is None or end <= memory.window_end:
+            return
+        wp = -(-self.window // self.cache.page_size)
+        inside = end - wp  # pages before it are outside the new end's window
+        brought = [j for j in lease.window_at if j >= inside]
+        if not memory.window_kept:
+            old = [j for j in memory.window_brought if j < inside]
+            for lo, hi in _runs(old):
+                self.counters.dropped_window_pages += self.cache.tiers.drop_host_units(node, WINDOW, lo, hi)
+            brought = sorted(set(brought) | {j for j in memory.window_brought if j >= inside})
+        memory.window_end, memory.window_kept, memory.window_brought = end, lease.prompt_end, brought
 
     def _new_nodes(self, last: TreeNode, npages: int) -> list[TreeNode]:
         """The nodes an insert made, root side first: from ``last`` up over ``npages`` pages

@@ -452,6 +452,48 @@ class TierCalls:
         for n in nodes:
             self.tree.core.host_unlock(n, c.slot)
 
+    def host_page_flags(self, node: TreeNode, name: str) -> list[bool]:
+        """Per page of the key from its root down to ``node``: whether component ``name``
+        has L2 data there."""
+        slot = self.tree._by_name[name].slot
+        runs: list[list[bool]] = []
+        while node.parent is not None:
+            runs.append([node.data[slot].host_value is not None] * self.tree._npages(node))
+            node = node.parent
+        return [f for run in reversed(runs) for f in run]
+
+    def drop_host_units(self, node: TreeNode, name: str, first: int, last: int) -> int:
+        """Clear paged auxiliary component ``name``'s L2 data of pages ``[first, last)`` of
+        the key from its root down to ``node`` (the nodes keep their FULL copies: SWA
+        tombstones), splitting a node that the range starts or ends inside; data that is
+        host-locked or in a transfer stays. Returns the units freed."""
+        c = self.tree._by_name.get(name)
+        if c is None or not c.paged or c is self.tree.full:
+            raise ValueError(f"drop_host_units: no paged auxiliary component {name!r}")
+        path: list[TreeNode] = []
+        n: TreeNode | None = node
+        while n is not None and n.parent is not None:
+            path.append(n)
+            n = n.parent
+        core, ps = self.tree.core, self.tree.page_size
+        freed = 0
+        at = 0
+        for x in reversed(path):
+            k = self.tree._npages(x)
+            lo, hi = max(first, at), min(last, at + k)
+            cd = x.data[c.slot]
+            if lo < hi and cd.host_value is not None and not cd.host_lock_ref and not x.in_flight:
+                part = x
+                if hi < at + k:  # the part after the range keeps its data (x stays the lower part)
+                    part = core.split(x, (hi - at) * ps)
+                if lo > at:  # and so does the part before it
+                    core.split(part, (lo - at) * ps)
+                hv = core.clear_host(part, c.slot)
+                freed += core.units[c.slot](hv)
+                self.tree._free(c, c.as_pages(hv), host=True)
+            at += k
+        return freed
+
     def host_prefix_pages(self, node: TreeNode) -> list[int]:
         """The FULL L2 pages of the key from its root down to ``node``, in key order; every
         node on the way must have an L2 copy (as ``match_prefix``'s ``last_host_node`` path has)."""

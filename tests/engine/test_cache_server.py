@@ -794,7 +794,45 @@ def test_a_prefix_other_requests_go_on_from_gets_its_window_from_the_next_one_th
     other = [9] * (4 * PS)
     save(other + [10] * PS, "e")
     alone = save(other, "f")  # a request that is the held prefix alone: its window parts only
-    assert alone.lease and not alone.host_pages and alone.window_at == [2, 3]
+    assert alone.lease and not alone.host_pages and alone.window_at == [2]  # page 3 has one from "e"
     assert hit(other, "g") == 4
+    server.check_idle()
+    assert server.integrity_error is None
+
+
+def test_a_decoding_request_keeps_the_window_of_its_prompt_end_and_of_its_current_end_only() -> None:
+    """Saves of one request: its prompt (6 pages, ``prompt_end``), then one decoded page at a
+    time up to 10 pages. The window parts it brought for each decoded end are dropped once
+    they fall out of the next end's window, so L2 keeps the prompt end's window and the
+    current end's: hits end at 6 or 10 pages, not at 8."""
+    server = make_window_server()
+    reg = window_session(server)
+    assert isinstance(reg, protos.EngineRegistered)
+    s = reg.session
+    tokens = list(range(1, 10 * PS + 1))
+
+    def save(pages: int, prompt_end: bool = False) -> protos.Reservation:
+        first = 0 if pages == 6 else pages - 1
+        item = protos.SaveRange("r", protos.pack_tokens(tokens[: pages * PS]), first, "", 0,
+                                max(0, pages - 3), prompt_end)
+        ans = server.handle(protos.Reserve(9, s, RUN, [item]))
+        assert isinstance(ans, protos.ReserveResult)
+        res = ans.items[0]
+        server.handle(protos.Commit(s, RUN, res.lease, True))
+        return res
+
+    def hit(pages: int, rid: str) -> int:
+        ans = server.handle(protos.Lookup(8, s, RUN, rid, protos.pack_tokens(tokens[: pages * PS])))
+        assert isinstance(ans, protos.LookupResult)
+        if ans.lease:
+            server.handle(protos.Release(s, RUN, ans.lease, len(ans.host_pages)))
+        return len(ans.host_pages)
+
+    assert save(6, prompt_end=True).window_at == [4, 5]
+    for pages in (7, 8, 9, 10):
+        assert save(pages).window_at == [pages - 1]  # the rest of its window is held
+    assert server.stats()["l2"]["swa"]["used_tokens"] == 4 * PS  # the prompt's window and the end's
+    assert server.counters.dropped_window_pages == 2
+    assert [hit(p, f"h{p}") for p in (6, 8, 10)] == [6, 6, 10]
     server.check_idle()
     assert server.integrity_error is None

@@ -399,3 +399,27 @@ def test_insert_host_gives_a_window_to_pages_the_tree_holds_by_splitting_their_n
     r = cache.tiers.insert_host(b, [], start_page=6, aux={"swa": {2: again[0], 3: again[1]}})  # held already
     assert r.aux_nodes == [] and swa_host.free_count == free
     cache.check_integrity(exact=True)
+
+
+def test_drop_host_units_clears_a_page_range_of_a_window_and_keeps_locked_data():
+    """``drop_host_units`` makes SWA tombstones of exactly the pages asked (splitting the
+    nodes it starts or ends inside), leaves host-locked data, and the hits follow the SWA
+    rule: the dropped boundary is no hit, the kept ones are."""
+    host, swa_host = PageAllocator(64, "full-l2"), PageAllocator(16, "swa-l2")
+    cache = UnifiedRadixCache([FullComponent(PageAllocator(0, "full"), host),
+                               SWAComponent(PageAllocator(0, "swa"), 2, swa_host)], 1)
+    a = toks("abcdefgh")
+    r = cache.tiers.insert_host(a, host.alloc(8), aux={"swa": dict(zip(range(2, 8), swa_host.alloc(6), strict=True))})
+    assert cache.tiers.host_page_flags(r.node, "swa") == [False] * 2 + [True] * 6
+    assert cache.match_prefix(toks("abcdx")).host_hit_length == 4
+    assert cache.tiers.drop_host_units(r.node, "swa", 3, 5) == 2
+    assert cache.tiers.host_page_flags(r.node, "swa") == [False, False, True, False, False, True, True, True]
+    assert cache.match_prefix(toks("abcdx")).host_hit_length == 0  # its window was dropped
+    assert cache.match_prefix(a).host_hit_length == 8
+    tail = cache.match_prefix(a).last_host_node
+    _, npages = cache.tiers.protect_host_window(tail, "swa", 2)  # locks its node "fgh" whole
+    assert cache.tiers.drop_host_units(tail, "swa", 5, 6) == 0
+    cache.tiers.release_host_window(tail, "swa", npages)
+    assert cache.tiers.drop_host_units(tail, "swa", 5, 6) == 1
+    assert cache.match_prefix(a).host_hit_length == 8 and swa_host.free_count == 16 - 3
+    cache.check_integrity(exact=True)
