@@ -54,6 +54,9 @@ S = _prompts(13, [1500, 1520])  # traffic while an engine is killed
 SHARED = _prompts(15, [5 * BLOCK])[0]  # a prefix requests go on from (a system prompt, say)
 BRANCHES = [SHARED + tail for tail in _prompts(16, [50, 50, 50])]
 ALL = P + F + S + BRANCHES
+LONG = _prompts(17, [150])  # decodes DECODE_TOKENS tokens, then a continuation of it asks again
+DECODE_TOKENS = 100
+TAIL = _prompts(18, [40])[0]
 
 
 def window_blocks_loaded(hit_tokens: int) -> int:
@@ -67,9 +70,10 @@ class Stack(ModelStack):
     """The Gemma 3 daemon and engines; ``run_dir``: the daemon's ipc.dir, where engines find it."""
 
     def __init__(self, model: Path, daemon: Daemon, engines: Engines, reference: dict[tuple[int, ...], list[int]],
-                 run_dir: Path) -> None:
+                 run_dir: Path, continuation: list[int]) -> None:
         super().__init__(model, daemon, engines, reference, dtype="float32")
         self.run_dir = run_dir
+        self.continuation = continuation  # LONG, its DECODE_TOKENS answer and TAIL
 
 
 @pytest.fixture(scope="module")
@@ -79,14 +83,18 @@ def stack(engines: Engines, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                               dtype="float32", seed=5, sliding_window=WINDOW)
     alone = engines.start(model, "alone", dtype="float32")  # vLLM's "auto" picks bfloat16 for Gemma 3
     out = alone.generate(ALL, MAX_TOKENS)
-    alone.stop()
     reference = {tuple(p): o for p, o in zip(ALL, out["outputs"], strict=True)}
+    answer = alone.generate(LONG, DECODE_TOKENS)["outputs"][0]
+    reference[tuple(LONG[0])] = answer
+    continuation = LONG[0] + answer + TAIL
+    reference[tuple(continuation)] = alone.generate([continuation], MAX_TOKENS)["outputs"][0]
+    alone.stop()
     run_dir = Path(f"/tmp/hch-{os.getpid()}")
     cfg = engine_config(model, run_dir, l3={"backend": "file", "file": {"dir": str(tmp / "l3")}})
     daemon = Daemon(tmp, cfg, "daemon")
     daemon.start()
     try:
-        yield Stack(model, daemon, engines, reference, run_dir)
+        yield Stack(model, daemon, engines, reference, run_dir, continuation)
     finally:
         daemon.stop()
 
@@ -140,6 +148,26 @@ def test_a_shared_prefix_hits_once_a_request_branching_off_it_saved_its_window(s
         stack.check(out, BRANCHES[i : i + 1])
         assert out["cached"] == [want], (i, out["cached"])
         stack.wait("the saves", lambda st: st["leases"]["open"] == 0)
+    stack.idle_and_intact()
+
+
+def test_a_long_decode_keeps_two_windows_and_its_continuation_hits_its_end(stack: Stack) -> None:
+    """A 150-token prompt decodes 100 tokens: its pages are saved as they fill, and the daemon
+    keeps the window of the prompt's end and of the last saved page's end only (the windows of
+    the decoded pages in between are dropped as the request goes on). A continuation (the
+    prompt, the answer and a new question) then loads the whole conversation so far."""
+    a = stack.engine("a")
+    before = stack.stats()["l2"]["swa"]["used_tokens"]
+    out = a.generate(LONG, DECODE_TOKENS)
+    assert out["outputs"] == [stack.reference[tuple(LONG[0])]] and out["cached"] == [0]
+    st = stack.wait("the saves", lambda st: st["leases"]["open"] == 0)
+    assert st["l2"]["swa"]["used_tokens"] - before == 2 * -(-WINDOW // BLOCK) * BLOCK
+    assert st["engine"]["dropped_window_pages"] > 0
+    cont = stack.continuation
+    again = a.generate([cont], MAX_TOKENS)
+    stack.check(again, [cont])
+    computed = len(LONG[0]) + DECODE_TOKENS - 1  # the last answer token's KV is never computed
+    assert again["cached"] == [computed // BLOCK * BLOCK]
     stack.idle_and_intact()
 
 
