@@ -198,9 +198,12 @@ class SaveRange:
 
     ``window_from``: with window layers, the first page whose window layers' blocks the
     engine still holds (vLLM frees those before its window); the server asks for no window
-    part before it. ``prompt_end``: the range ends at the prompt's last full page, whose
-    window the server keeps when the request goes on (it drops the window of a request's
-    earlier save ends otherwise: a chunk or a decoded page is rarely where a hit ends)."""
+    part before it. ``repeat_end``: set on the range that ends at the prompt's last full page,
+    the page where the same prompt asked again would hit (``(prompt tokens - 1) //
+    block_size``: the engine computes the last prompt token, so a prompt of whole blocks hits
+    one block short); the server brings and keeps the windows before it and before the
+    range's end when the request goes on (it drops the windows of a request's other save
+    ends: a chunk or a decoded page is rarely where a hit ends); 0 on other ranges."""
 
     rid: str
     token_ids: bytes
@@ -208,7 +211,7 @@ class SaveRange:
     cache_salt: str = ""
     base: int = 0
     window_from: int = 0
-    prompt_end: bool = False
+    repeat_end: int = 0
 
 
 @message("engine_reserve")

@@ -737,9 +737,10 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         end = full * bs
         base = min(tracked.known_tokens, end)  # the daemon holds these: send only the tokens after them
         window_from = max(0, computed_before_step - self.window_tokens + 1) // bs if self.windowed else 0
-        prompt_end = full == len(tracked.request.prompt_token_ids or ()) // bs
+        prompt = len(tracked.request.prompt_token_ids or ())
+        repeat_end = (prompt - 1) // bs if self.windowed and full == prompt // bs else 0
         item = protos.SaveRange(tracked.request.request_id, protos.pack_tokens(tokens[base:end]), start,
-                                tracked.request.cache_salt or "", base, window_from, prompt_end)
+                                tracked.request.cache_salt or "", base, window_from, repeat_end)
         return item, end
 
     def _plan_saves(self, ranges: list[_StepRange], meta: HiCacheConnectorMetadata) -> None:

@@ -104,7 +104,7 @@ class Lease:
     window_pages: list[int] = field(default_factory=list)  # RESERVE: L2 window parts ...
     window_at: list[int] = field(default_factory=list)  # RESERVE: ... of these pages of ``key``
     rid: str = ""  # RESERVE: the request it saves for
-    prompt_end: bool = False  # RESERVE: it ends at the request's prompt's last full page
+    repeat_end: int = 0  # RESERVE: ``SaveRange.repeat_end`` (it ends at the prompt's last full page)
 
 
 class Report(enum.Enum):

@@ -14,11 +14,14 @@ is open (``check_idle``). Leases: ``hicache.engine_server.leases``.
 
 A model with sliding-window layers keeps a page in two parts: the Full component holds the
 full parts (the other layers' blocks) of every page, the SWA component the window parts,
-only for the pages of the last window before the end of each saved range (a tombstone
-elsewhere). A hit is then valid only where the window before it is whole (the tree's SWA
-rule, with the window of the model's ``config.json``): a lookup locks and answers the full
-parts of the hit and the window parts of its last window; a reservation takes the full parts
-of the range and the window parts of its last window.
+only for the pages of the window before a request's prompt end, before its latest saved end,
+and before the end of a held prefix that a request computed again and went on from (a
+tombstone elsewhere). A hit is then valid only where the window before it is whole (the
+tree's SWA rule, with the window of the model's ``config.json``): a lookup locks and answers
+the full parts of the hit and the window parts of its last window; a reservation takes the
+full parts of the range and the window parts that L2 lacks of those windows
+(``_window_wanted``), and a request's commit drops the window parts it brought for its
+earlier ends (``_slide_window``). docs/architecture.md §13 has the whole rule.
 
 Each daemon start has a random ``run``; every message an engine sends carries the run of its
 session, and one of another run is refused (``stale_run``) before it touches anything. Each
@@ -158,6 +161,8 @@ class EngineCounters:
     """Window parts answered with lookup hits."""
     dropped_window_pages: int = 0
     """Window parts of a request's earlier save ends dropped as it went on (``_slide_window``)."""
+    reserve_short_window_pages: int = 0
+    """Window parts a save range went without (no room in L2 for them)."""
     commit_duplicate_pages: int = 0
     commit_failed_pages: int = 0
     refused: int = 0
@@ -447,8 +452,9 @@ class CacheServer:
             memory = self._slot((session, item.rid))
             own = memory.window_end if not memory.window_kept else -1  # its own earlier end: no branch point
             held = self.cache.tiers.host_page_flags(match.walked_node, WINDOW) if match.walked_node else []
-            window_at = [j for j in self._window_wanted(item.window_from, match.host_hit_length // ps,
-                                                        start if start != own else end, end)
+            boundaries = [start if start != own else end, end, item.repeat_end]
+            window_at = [j for j in self._window_wanted(item.window_from, match.host_hit_length // ps, boundaries,
+                                                        end)
                          if j < top and not (j < len(held) and held[j])]
         window = self._alloc_window(len(window_at))
         if len(window) < len(window_at):
@@ -459,21 +465,22 @@ class CacheServer:
         lease = self.leases.add(Lease(0, LeaseKind.RESERVE, session, self.clock(), key=key[: top * ps],
                                       cache_salt=salt, start_page=min(start, top), pages=pages,
                                       ranks=self._ranks(session), window_pages=window, window_at=window_at,
-                                      rid=item.rid, prompt_end=item.prompt_end))
+                                      rid=item.rid, repeat_end=item.repeat_end))
         self.counters.reserved_pages += n
         return protos.Reservation(lease.lease_id, start, pages, window_pages=window, window_at=window_at)
 
-    def _window_wanted(self, window_from: int, valid: int, start: int, end: int) -> list[int]:
-        """The pages whose window parts a save range should bring (none without window
-        layers): those of the window before ``end``, and before ``start`` (the first page L2
-        lacks: a prefix the tree holds and other requests go on from), where no hit ends yet
-        (``valid``: the page the longest valid hit of the range ends at), each only when the
-        engine holds the whole window (from ``window_from`` on)."""
+    def _window_wanted(self, window_from: int, valid: int, boundaries: list[int], end: int) -> list[int]:
+        """The pages whose window parts a save range ending at page ``end`` should bring
+        (none without window layers): those of the window before each of ``boundaries`` (its
+        end; the first page L2 lacks, a prefix the tree holds and other requests go on from;
+        where a repeat of its prompt hits), where no hit ends yet (``valid``: the page the
+        longest valid hit of the range ends at), each only when the engine holds the whole
+        window (from ``window_from`` on)."""
         if not self.window:
             return []
         wp = -(-self.window // self.cache.page_size)
         wanted: set[int] = set()
-        for boundary in (start, end):
+        for boundary in boundaries:
             first = max(0, boundary - wp)
             if valid < boundary <= end and window_from <= first:  # a part of a window is no use
                 wanted.update(range(first, boundary))
@@ -491,7 +498,7 @@ class CacheServer:
             self.cache.tiers.evict_host_units(WINDOW, want - alloc.free_count)
         got = alloc.alloc(want) if alloc.free_count >= want else None
         if got is None:
-            self.counters.reserve_short_pages += want
+            self.counters.reserve_short_window_pages += want
             return []
         return list(got)
 
@@ -559,7 +566,7 @@ class CacheServer:
             for lo, hi in _runs(old):
                 self.counters.dropped_window_pages += self.cache.tiers.drop_host_units(node, WINDOW, lo, hi)
             brought = sorted(set(brought) | {j for j in memory.window_brought if j >= inside})
-        memory.window_end, memory.window_kept, memory.window_brought = end, lease.prompt_end, brought
+        memory.window_end, memory.window_kept, memory.window_brought = end, bool(lease.repeat_end), brought
 
     def _new_nodes(self, last: TreeNode, npages: int) -> list[TreeNode]:
         """The nodes an insert made, root side first: from ``last`` up over ``npages`` pages

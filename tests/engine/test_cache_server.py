@@ -801,7 +801,7 @@ def test_a_prefix_other_requests_go_on_from_gets_its_window_from_the_next_one_th
 
 
 def test_a_decoding_request_keeps_the_window_of_its_prompt_end_and_of_its_current_end_only() -> None:
-    """Saves of one request: its prompt (6 pages, ``prompt_end``), then one decoded page at a
+    """Saves of one request: its prompt (6 pages and a token: ``repeat_end`` 6), then one decoded page at a
     time up to 10 pages. The window parts it brought for each decoded end are dropped once
     they fall out of the next end's window, so L2 keeps the prompt end's window and the
     current end's: hits end at 6 or 10 pages, not at 8."""
@@ -811,10 +811,10 @@ def test_a_decoding_request_keeps_the_window_of_its_prompt_end_and_of_its_curren
     s = reg.session
     tokens = list(range(1, 10 * PS + 1))
 
-    def save(pages: int, prompt_end: bool = False) -> protos.Reservation:
+    def save(pages: int, repeat_end: int = 0) -> protos.Reservation:
         first = 0 if pages == 6 else pages - 1
         item = protos.SaveRange("r", protos.pack_tokens(tokens[: pages * PS]), first, "", 0,
-                                max(0, pages - 3), prompt_end)
+                                max(0, pages - 3), repeat_end)
         ans = server.handle(protos.Reserve(9, s, RUN, [item]))
         assert isinstance(ans, protos.ReserveResult)
         res = ans.items[0]
@@ -828,11 +828,29 @@ def test_a_decoding_request_keeps_the_window_of_its_prompt_end_and_of_its_curren
             server.handle(protos.Release(s, RUN, ans.lease, len(ans.host_pages)))
         return len(ans.host_pages)
 
-    assert save(6, prompt_end=True).window_at == [4, 5]
+    assert save(6, repeat_end=6).window_at == [4, 5]
     for pages in (7, 8, 9, 10):
         assert save(pages).window_at == [pages - 1]  # the rest of its window is held
     assert server.stats()["l2"]["swa"]["used_tokens"] == 4 * PS  # the prompt's window and the end's
     assert server.counters.dropped_window_pages == 2
     assert [hit(p, f"h{p}") for p in (6, 8, 10)] == [6, 6, 10]
+    server.check_idle()
+    assert server.integrity_error is None
+
+
+def test_a_prompt_of_whole_pages_keeps_the_window_where_it_hits_when_asked_again() -> None:
+    """A prompt of exactly 6 pages is saved whole, but asked again it can hit 5 pages only
+    (the engine computes its last token): its save brings the windows before both."""
+    server = make_window_server()
+    reg = window_session(server)
+    assert isinstance(reg, protos.EngineRegistered)
+    s = reg.session
+    tokens = list(range(1, 6 * PS + 1))
+    ans = server.handle(protos.Reserve(1, s, RUN, [protos.SaveRange("r", protos.pack_tokens(tokens), 0, "", 0, 0, 5)]))
+    assert isinstance(ans, protos.ReserveResult) and ans.items[0].window_at == [3, 4, 5]
+    server.handle(protos.Commit(s, RUN, ans.items[0].lease, True))
+    hit = server.handle(protos.Lookup(2, s, RUN, "again", protos.pack_tokens(tokens[: 5 * PS])))
+    assert isinstance(hit, protos.LookupResult) and len(hit.host_pages) == 5 and len(hit.window_pages) == 2
+    server.handle(protos.Release(s, RUN, hit.lease, 5))
     server.check_idle()
     assert server.integrity_error is None

@@ -53,10 +53,11 @@ F = _prompts(12, [330])  # its load fails once
 S = _prompts(13, [1500, 1520])  # traffic while an engine is killed
 SHARED = _prompts(15, [5 * BLOCK])[0]  # a prefix requests go on from (a system prompt, say)
 BRANCHES = [SHARED + tail for tail in _prompts(16, [50, 50, 50])]
-ALL = P + F + S + BRANCHES
 LONG = _prompts(17, [150])  # decodes DECODE_TOKENS tokens, then a continuation of it asks again
 DECODE_TOKENS = 100
 TAIL = _prompts(18, [40])[0]
+WHOLE = _prompts(19, [10 * BLOCK])  # whole blocks: asked again, it hits a block short of what was saved
+ALL = P + F + S + BRANCHES + WHOLE
 
 
 def window_blocks_loaded(hit_tokens: int) -> int:
@@ -148,6 +149,19 @@ def test_a_shared_prefix_hits_once_a_request_branching_off_it_saved_its_window(s
         stack.check(out, BRANCHES[i : i + 1])
         assert out["cached"] == [want], (i, out["cached"])
         stack.wait("the saves", lambda st: st["leases"]["open"] == 0)
+    stack.idle_and_intact()
+
+
+def test_a_prompt_of_whole_blocks_hits_when_asked_again(stack: Stack) -> None:
+    """A 320-token prompt: its 10 blocks are saved, and the same prompt asked again hits 9
+    (vLLM computes the last token), whose window the save kept too."""
+    a = stack.engine("a")
+    first = a.generate(WHOLE, MAX_TOKENS)
+    stack.check(first, WHOLE)
+    stack.wait("the saves", lambda st: st["leases"]["open"] == 0)
+    again = a.generate(WHOLE, MAX_TOKENS)
+    stack.check(again, WHOLE)
+    assert again["cached"] == [expected_hit(len(WHOLE[0]), BLOCK)] == [9 * BLOCK]
     stack.idle_and_intact()
 
 

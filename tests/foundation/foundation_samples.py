@@ -34,7 +34,7 @@ SAMPLES: dict[str, p.Message] = {
     "engine_register": p.EngineRegister(1, "vllm-a", 4242, "d" * 64, "bfloat16", 32, 2, 2, 32, "LBHNC", 16384,
                                         "e" * 64, "pid:[4026531836]", 123456, 2, "kv", 1, 64),
     "engine_lookup": p.Lookup(2, 7, 99, "req-1", p.pack_tokens([3, 4]), "tenant-a", True, 2),
-    "engine_reserve": p.Reserve(3, 7, 99, [p.SaveRange("req-1", p.pack_tokens([1, 2, 3, 4]), 1, "tenant-a", 32, 1, True),
+    "engine_reserve": p.Reserve(3, 7, 99, [p.SaveRange("req-1", p.pack_tokens([1, 2, 3, 4]), 1, "tenant-a", 32, 1, 2),
                                                 p.SaveRange("req-2", p.pack_tokens([5, 6]), 0)]),
     "engine_finished": p.Finished(7, 99, "req-1"),
     "engine_commit": p.Commit(7, 99, 12, False, 1),
