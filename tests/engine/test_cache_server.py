@@ -854,3 +854,92 @@ def test_a_prompt_of_whole_pages_keeps_the_window_where_it_hits_when_asked_again
     server.handle(protos.Release(s, RUN, hit.lease, 5))
     server.check_idle()
     assert server.integrity_error is None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_window_engines_never_get_another_prefixes_parts(seed: int) -> None:
+    """Requests of a window model saving as they grow (prompts, chunks, decoded pages, some
+    failing), lookups holding leases, engines dying, over pools small enough to evict: every
+    hit holds exactly its own prefix's full parts and the window parts of its last window
+    (the window before it is whole), and idle checks find no leak."""
+    rnd = random.Random(seed)
+    server = make_window_server(l2_pages=24, window_pages=7)
+    clock = server.clock
+    assert isinstance(clock, Clock)
+    full: dict[int, bytes] = {}
+    window: dict[int, bytes] = {}
+
+    def part(tokens: list[int], page: int, what: str) -> bytes:
+        return hashlib.sha256(repr((what, tokens[: (page + 1) * PS])).encode()).digest()
+
+    sessions = []
+    for _ in range(3):
+        reg = window_session(server)
+        assert isinstance(reg, protos.EngineRegistered)
+        sessions.append(reg.session)
+    stems = [[rnd.randrange(1, 30) for _ in range(3 * PS)] for _ in range(3)]
+    open_leases: list[tuple[int, int]] = []
+    live: list[tuple[int, str, list[int], int]] = []  # (session, rid, tokens, pages saved)
+    rids = iter(range(10**6))
+    for _ in range(400):
+        op = rnd.random()
+        if op < 0.35 or not live:  # a request starts: its prompt, saved in one step or in chunks
+            tokens = rnd.choice(stems)[: rnd.randrange(1, 4) * PS] + [rnd.randrange(1, 4) for _ in range(
+                rnd.randrange(0, 5) * PS + rnd.randrange(0, PS))]
+            live.append((rnd.choice(sessions), f"r{next(rids)}", tokens, 0))
+        if op < 0.7 and live:  # a running request saves its next pages (a chunk or a decoded page)
+            i = rnd.randrange(len(live))
+            s, rid, tokens, saved = live[i]
+            if rnd.random() < 0.3:
+                tokens = tokens + [rnd.randrange(1, 4) for _ in range(PS)]  # it decoded a page
+            end = len(tokens) // PS
+            if end > saved:
+                step = rnd.choice([end, min(end, saved + 1)])
+                computed_before = saved * PS
+                window_from = max(0, computed_before - WINDOW_TOKENS) // PS
+                repeat = (len(tokens) - 1) // PS if step == len(tokens) // PS else 0
+                item = protos.SaveRange(rid, protos.pack_tokens(tokens[: step * PS]), saved, "", 0, window_from,
+                                        repeat)
+                ans = server.handle(protos.Reserve(1, s, RUN, [item]))
+                assert isinstance(ans, protos.ReserveResult)
+                res = ans.items[0]
+                assert all(j >= window_from for j in res.window_at)
+                for k, page in enumerate(res.host_pages):
+                    full[page] = part(tokens, res.start_page + k, "full")
+                for j, page in zip(res.window_at, res.window_pages, strict=True):
+                    window[page] = part(tokens, j, "window")
+                if res.lease:
+                    server.handle(protos.Commit(s, RUN, res.lease, rnd.random() > 0.1))
+                live[i] = (s, rid, tokens, step)
+        elif op < 0.9:  # a lookup: a prefix of a running request, or of a stem and something new
+            if live and rnd.random() < 0.5:
+                asked = rnd.choice(live)[2]
+                tokens = asked[: rnd.randrange(1, len(asked) + 1)]
+            else:
+                tokens = rnd.choice(stems)[: rnd.randrange(1, 4) * PS] + [rnd.randrange(1, 4) for _ in range(
+                    rnd.randrange(0, 5) * PS)]
+            tokens = tokens[: len(tokens) // PS * PS]
+            s = rnd.choice(sessions)
+            ans = server.handle(protos.Lookup(2, s, RUN, f"q{next(rids)}", protos.pack_tokens(tokens)))
+            assert isinstance(ans, protos.LookupResult)
+            n = len(ans.host_pages)
+            for k, page in enumerate(ans.host_pages):
+                assert full[page] == part(tokens, k, "full"), f"full part {k} of the hit holds other KV"
+            assert len(ans.window_pages) * PS >= min(WINDOW_TOKENS, n * PS)  # the window before the hit is whole
+            for k, page in enumerate(ans.window_pages):
+                assert window[page] == part(tokens, n - len(ans.window_pages) + k, "window"), "window part of other KV"
+            if ans.lease:
+                if rnd.random() < 0.3:
+                    open_leases.append((s, ans.lease))
+                else:
+                    server.handle(protos.Release(s, RUN, ans.lease, n))
+        elif open_leases:
+            s, lease = open_leases.pop(rnd.randrange(len(open_leases)))
+            server.handle(protos.Release(s, RUN, lease, 0))
+        if rnd.random() < 0.05:
+            live = [x for x in live if rnd.random() < 0.5]  # requests finish
+        server.cache.check_integrity()
+    for s, lease in open_leases:
+        server.handle(protos.Release(s, RUN, lease, 0))
+    server.check_idle()
+    assert server.integrity_error is None and server.exact_checks == 1
