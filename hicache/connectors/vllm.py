@@ -49,11 +49,12 @@ Hybrid models (``SupportsHMA``: vLLM's hybrid allocator stays on): each KV cache
 attention, sliding window) has its own block table; a page is one block of every layer, each
 taken from its layer's group. The daemon keeps a page in two parts: the full part (the
 layers without a window) for every page, the window part (the window layers) only for the
-pages of the last window before the end of each saved range, which is all a hit there reads
-(``kv_copy``). A lookup answers the window parts of its hit's last window; a save writes the
-full parts of its range and the window parts of its last window, which the window group
-still holds in the step that computed it. A window group's blocks before its window are not
-loaded (vLLM holds none there). With several groups, vLLM cannot map a failed block back to its
+pages of the windows before the boundaries where hits end (a prompt's end, a request's
+latest saved end, a shared prefix's end: docs/architecture.md §13), which is all a hit there
+reads (``kv_copy``). A lookup answers the window parts of its hit's last window; a save
+writes the full parts of its range and the window parts the daemon names, only from the
+first page whose window blocks the request still holds in this step (``window_from``). A
+window group's blocks before its window are not loaded (vLLM holds none there). With several groups, vLLM cannot map a failed block back to its
 request, so a hit loads asynchronously: the request waits for the step whose
 ``start_load_kv`` copies it (``get_finished``), and a failed load is reported for the request
 (``failed_recving``), which vLLM recomputes whole.
