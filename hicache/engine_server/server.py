@@ -220,6 +220,8 @@ class CacheServer:
         swa = next((c for c in cache.aux if c.name == WINDOW), None)
         self.window: int = getattr(swa, "sliding_window", 0)
         """Tokens of the window before a hit whose window parts it needs (0: no window layers)."""
+        self.window_pages_per_hit = -(-self.window // cache.page_size)
+        """Pages whose window parts a hit reads (the window, page-aligned)."""
         if bool(self.window) != bool(geometry.window_layers) or (swa is not None and swa.host_allocator is None):
             raise ValueError("a model with window layers needs a tree with an L2 SWA component, and only it")
         self._handlers: dict[type, Callable[[Any], protos.Message | None]] = {
@@ -478,7 +480,7 @@ class CacheServer:
         window (from ``window_from`` on)."""
         if not self.window:
             return []
-        wp = -(-self.window // self.cache.page_size)
+        wp = self.window_pages_per_hit
         wanted: set[int] = set()
         for boundary in boundaries:
             first = max(0, boundary - wp)
@@ -492,8 +494,7 @@ class CacheServer:
         until a later save brings the window)."""
         if not want:
             return []
-        alloc = self.cache.component(WINDOW).host_allocator
-        assert alloc is not None  # the constructor checked it
+        alloc = self._window_alloc
         if alloc.free_count < want:
             self.cache.tiers.evict_host_units(WINDOW, want - alloc.free_count)
         got = alloc.alloc(want) if alloc.free_count >= want else None
@@ -502,13 +503,15 @@ class CacheServer:
             return []
         return list(got)
 
+    @property
+    def _window_alloc(self) -> Any:
+        """The L2 allocator of window parts (only with window layers: the constructor checked it)."""
+        return self.cache.component(WINDOW).host_allocator
+
+    @property
     def _window_free(self) -> int:
         """Free window parts in L2 (0 without window layers)."""
-        if not self.window:
-            return 0
-        alloc = self.cache.component(WINDOW).host_allocator
-        assert alloc is not None
-        return alloc.free_count
+        return self._window_alloc.free_count if self.window else 0
 
     def _ranks(self, session: int) -> int:
         s = self.leases.sessions.get(session)
@@ -534,18 +537,17 @@ class CacheServer:
             return
         assert lease.key is not None
         aux = {WINDOW: dict(zip(lease.window_at, lease.window_pages, strict=True))} if lease.window_pages else None
-        window_free = self._window_free()
+        window_free = self._window_free
         res = self.cache.tiers.insert_host(lease.key, lease.pages, lease.cache_salt, start_page=lease.start_page,
                                            aux=aux)
-        self.counters.committed_window_pages += window_free - self._window_free() + len(lease.window_pages)
+        self.counters.committed_window_pages += window_free - self._window_free + len(lease.window_pages)
         self.counters.committed_pages += res.host_pages_taken
         self.counters.commit_duplicate_pages += len(lease.pages) - res.host_pages_taken
         if lease.window_pages:
             self._slide_window(lease, res.node)
         if self.tier is not None:  # new nodes, and held ones that took window parts (L3 lacks those)
-            for node in res.aux_nodes + self._new_nodes(res.node, res.host_pages_taken):
-                if node.parent is not None:
-                    self.tier.back_up(node)
+            for node in res.aux_nodes + res.new_nodes:
+                self.tier.back_up(node)
 
     def _slide_window(self, lease: Lease, node: TreeNode) -> None:
         """After a save of ``lease``'s request that ends at ``node``: the window parts the
@@ -558,7 +560,7 @@ class CacheServer:
         memory = self._slots.get((lease.session, lease.rid))
         if memory is None or end <= memory.window_end:
             return
-        wp = -(-self.window // self.cache.page_size)
+        wp = self.window_pages_per_hit
         inside = end - wp  # pages before it are outside the new end's window
         brought = [j for j in lease.window_at if j >= inside]
         if not memory.window_kept:
@@ -567,17 +569,6 @@ class CacheServer:
                 self.counters.dropped_window_pages += self.cache.tiers.drop_host_units(node, WINDOW, lo, hi)
             brought = sorted(set(brought) | {j for j in memory.window_brought if j >= inside})
         memory.window_end, memory.window_kept, memory.window_brought = end, bool(lease.repeat_end), brought
-
-    def _new_nodes(self, last: TreeNode, npages: int) -> list[TreeNode]:
-        """The nodes an insert made, root side first: from ``last`` up over ``npages`` pages
-        (a window part's pages are a node of their own)."""
-        nodes: list[TreeNode] = []
-        node: TreeNode | None = last
-        while npages > 0 and node is not None and node.parent is not None:
-            nodes.append(node)
-            npages -= len(node.key) // self.cache.page_size
-            node = node.parent
-        return nodes[::-1]
 
     def release(self, msg: protos.Release) -> None:
         """A rank is done with a lookup's pages; with the last rank's release they are
@@ -652,9 +643,7 @@ class CacheServer:
         else:
             self.host.free(lease.pages)
             if lease.window_pages:
-                alloc = self.cache.component(WINDOW).host_allocator
-                assert alloc is not None
-                alloc.free(lease.window_pages)
+                self._window_alloc.free(lease.window_pages)
 
     def expire(self) -> int:
         """Expire silent sessions (their leases become orphans) and end the orphans whose
@@ -704,8 +693,7 @@ class CacheServer:
         if not self.window:
             return {}
         ps = self.cache.page_size
-        alloc = self.cache.component(WINDOW).host_allocator
-        assert alloc is not None
+        alloc = self._window_alloc
         reserved = sum(len(x.window_pages) for x in self.leases.leases.values() if x.kind is LeaseKind.RESERVE)
         return {WINDOW: {"used_tokens": alloc.used * ps, "capacity_tokens": alloc.capacity * ps,
                          "reserved_tokens": reserved * ps, "window_tokens": self.window,

@@ -66,13 +66,15 @@ class InsertResult:
     """``prefix_len``: tokens already on L1 before the insert (the caller frees its pages
     ``[prev_prefix_len, prefix_len)``); ``node``: the node ending the key; ``already_held``:
     the components whose end-node data the tree had already (the payload's was freed).
-    ``insert_host`` only: ``host_pages_taken``, the FULL L2 pages it kept; ``aux_nodes``,
-    the nodes the tree held before that took auxiliary L2 data from it."""
+    ``insert_host`` only: ``host_pages_taken``, the FULL L2 pages it kept; ``new_nodes``, the
+    nodes it made (root side first); ``aux_nodes``, the nodes the tree held before that took
+    auxiliary L2 data from it."""
 
     prefix_len: int
     node: TreeNode
     already_held: frozenset[str] = frozenset()
     host_pages_taken: int = 0
+    new_nodes: list[TreeNode] = field(default_factory=list)
     aux_nodes: list[TreeNode] = field(default_factory=list)
 
 

@@ -573,7 +573,7 @@ class TierCalls:
             edges = sorted(cuts)
             if any(not self.tree._by_name[name].paged for name in units) or len(edges) > 2:
                 edges = self._merge_edges(edges, units)
-            parent, made = node, []
+            parent, made = node, res.new_nodes
             for a, b in zip(edges, edges[1:], strict=False):
                 leaf = core.new_child(parent, key[a * ps:b * ps])
                 core.set_host(leaf, 0, hp[a - start_page:b - start_page])
