@@ -475,11 +475,18 @@ def _log_transport(ipc: IpcConfig) -> None:
 def engine_layout(cfg: HicacheConfig) -> PoolLayout:
     """Engine mode: L2 pages of the engines' KV geometry (``engine.*``), no L1 (it is the
     engines' own). A model with window layers gets two pools: ``full`` for the pages' full
-    parts and ``swa`` for their window parts (``engine_window_pages``). Raises ValueError
+    parts and ``swa`` for their window parts (``engine_window_pages``); a model with state
+    layers (GDN) a ``mamba`` pool of ``cache.l2.state_slots`` states as bytes. Raises ValueError
     when the engine model cannot be served or L2 does not fit in the host's available memory."""
     from hicache.config import engine_window_pages
     from hicache.engine_server.geometry import KV_KINDS
-    from hicache.memory.pools import PoolLayout, default_directory, new_instance_id, paged_layout
+    from hicache.memory.pools import (
+        PoolLayout,
+        default_directory,
+        new_instance_id,
+        paged_layout,
+        state_layout,
+    )
     from hicache.startup_checks import engine_geometry
 
     g, problems = engine_geometry(cfg)
@@ -498,11 +505,14 @@ def engine_layout(cfg: HicacheConfig) -> PoolLayout:
                         g.kv_dtype)
     if full.l2_page_bytes != g.full_page_bytes:
         raise ValueError(f"the L2 pool's pages hold {full.l2_page_bytes} bytes, the engines' {g.full_page_bytes}")
-    if not g.window_layers:
-        return PoolLayout(inst, default_directory(), (full,))
-    swa = paged_layout(inst, "swa", ps, 0, engine_window_pages(cfg), g.window_layers, g.num_kv_heads, dim,
-                       g.kv_dtype)
-    return PoolLayout(inst, default_directory(), (full, swa))
+    comps = [full]
+    if g.window_layers:
+        comps.append(paged_layout(inst, "swa", ps, 0, engine_window_pages(cfg), g.window_layers, g.num_kv_heads,
+                                  dim, g.kv_dtype))
+    if g.state_layers:
+        comps.append(state_layout(inst, "mamba", 0, cfg.cache.l2.state_slots, g.state_layers, ((g.state_bytes,),),
+                                  "uint8"))
+    return PoolLayout(inst, default_directory(), tuple(comps))
 
 
 def _port_problem(host: str, port: int) -> str | None:

@@ -89,6 +89,7 @@ def engine_geometry(cfg: HicacheConfig) -> tuple[Any, list[ConfigProblem]]:
     need = cfg.cache.l2.tokens // cfg.cache.page_size * g.full_page_bytes
     if g.window_layers:
         need += engine_window_pages(cfg) * g.window_page_bytes
+    need += cfg.cache.l2.state_slots * g.state_part_bytes
     avail = psutil.virtual_memory().available
     if need > avail:
         return g, [ConfigProblem("cache.l2.tokens", f"L2 needs {need / 2**30:.1f} GiB for this model, "

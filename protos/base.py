@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import ClassVar, TypeVar
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Bumped on any incompatible change of a message's fields or meaning."""
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024

@@ -51,7 +51,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from protos.base import Message, message
 
@@ -121,7 +121,10 @@ class EngineRegister(CacheServerMessage):
     kept in two parts, its full part (``page_bytes`` less the window layers' blocks) and its
     window part, only where a hit reads it (``EngineRegistered.window_segment``).
     ``window_tokens``: the engine's window (vLLM's ``SlidingWindowSpec.sliding_window``);
-    refused when it reads more tokens before a hit than the daemon keeps."""
+    refused when it reads more tokens before a hit than the daemon keeps.
+    ``state_layers``: how many layers keep a recurrent state instead of KV (a GDN's
+    ``linear_attention``; 0: none), ``state_bytes`` the bytes of one such layer's state as the
+    engine keeps it; ``num_layers`` and ``page_bytes`` count the attention layers only."""
 
     req: int
     engine: str
@@ -141,6 +144,8 @@ class EngineRegister(CacheServerMessage):
     kv_kind: str = "kv"
     window_layers: int = 0
     window_tokens: int = 0
+    state_layers: int = 0
+    state_bytes: int = 0
 
 
 @message("engine_worker")
@@ -203,7 +208,10 @@ class SaveRange:
     block_size``: the engine computes the last prompt token, so a prompt of whole blocks hits
     one block short); the server brings and keeps the windows before it and before the
     range's end when the request goes on (it drops the windows of a request's other save
-    ends: a chunk or a decoded page is rarely where a hit ends); 0 on other ranges."""
+    ends: a chunk or a decoded page is rarely where a hit ends); 0 on other ranges.
+    ``state_pages``: with state layers, the pages ``j`` after which the engine holds the
+    recurrent state in this step (vLLM offers the state at some block ends only); the server
+    asks for those it lacks (``Reservation.state_at``)."""
 
     rid: str
     token_ids: bytes
@@ -212,6 +220,7 @@ class SaveRange:
     base: int = 0
     window_from: int = 0
     repeat_end: int = 0
+    state_pages: list[int] = field(default_factory=list)
 
 
 @message("engine_reserve")

@@ -26,7 +26,11 @@ class EngineRegistered(EngineMessage):
     With window layers (``EngineRegister.window_layers``) a page is two parts: ``l2_segment``
     holds the full parts (``page_bytes`` each: the other layers' blocks; 0 bytes and no
     segment when every layer has the window) and ``window_segment`` holds ``window_pages``
-    window parts of ``window_page_bytes`` each, in pages of their own."""
+    window parts of ``window_page_bytes`` each, in pages of their own.
+
+    With state layers (``EngineRegister.state_layers``), ``state_segment`` holds
+    ``state_slots`` states of ``state_bytes`` each (every state layer's, in model order):
+    the recurrent state after a page, kept only after the pages where the engine saved one."""
 
     req: int
     session: int
@@ -40,6 +44,9 @@ class EngineRegistered(EngineMessage):
     window_segment: str = ""
     window_pages: int = 0
     window_page_bytes: int = 0
+    state_segment: str = ""
+    state_slots: int = 0
+    state_bytes: int = 0
 
 
 @message("engine_lookup_result")
@@ -50,7 +57,9 @@ class LookupResult(EngineMessage):
     lookup. ``pending``: a prefetch from L3 is in flight; ask again later (nothing is locked).
     With window layers, ``host_pages`` hold the full parts and ``window_pages`` the window
     parts of the *last* ``len(window_pages)`` pages (the window before the hit's end), locked
-    too; the pages before them have none here."""
+    too; the pages before them have none here. With state layers, ``state_slot`` holds the
+    state after the hit's last page, locked too (a hit ends only where a state is kept;
+    -1 with no hit)."""
 
     req: int
     lease: int = 0
@@ -58,6 +67,7 @@ class LookupResult(EngineMessage):
     storage_pages: int = 0
     pending: bool = False
     window_pages: list[int] = field(default_factory=list)
+    state_slot: int = -1
 
 
 @dataclass(slots=True)
@@ -70,7 +80,9 @@ class Reservation:
     parts and ``window_pages[i]`` the window part of page ``window_at[i]`` of the prefix: the
     window before the range's end, and before the first page the server lacked where no hit
     can end yet (a prefix other requests go on from), from ``SaveRange.window_from`` on;
-    there may be window parts and no ``host_pages``."""
+    there may be window parts and no ``host_pages``. With state layers, ``state_slots[i]``
+    takes the state after page ``state_at[i]`` (one of ``SaveRange.state_pages`` the server
+    lacks); there may be states and no ``host_pages``."""
 
     lease: int = 0
     start_page: int = 0
@@ -79,6 +91,8 @@ class Reservation:
     reason: str = ""
     window_pages: list[int] = field(default_factory=list)
     window_at: list[int] = field(default_factory=list)
+    state_slots: list[int] = field(default_factory=list)
+    state_at: list[int] = field(default_factory=list)
 
 
 @message("engine_reserve_result")

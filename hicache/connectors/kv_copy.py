@@ -25,6 +25,11 @@ leaves those layers of the page unloaded, which the engine never reads; every bl
 group does hold in a load must have its window part (else the load fails: vLLM recomputes),
 and a save copies the window layers of the pages with a window part only.
 
+A model with state layers (a GDN's ``linear_attention``: Qwen3-Next) keeps, besides pages,
+the recurrent state after some pages (``StateCopier``): one state is every state layer's
+bytes of one block of its KV cache group, layer after layer (each layer's tensors one after
+another), in a pool of state slots of its own.
+
 Only CPU KV tensors are copied. A CUDA KV cache needs pinned L2 and a side stream with
 events (``hicache.connectors.kv_copy_cuda``, the same contract for one KV cache group); that path has not run on a GPU
 yet, so it is refused with that reason (``kv_problem``, and the connector at start) rather
@@ -145,7 +150,9 @@ class BlockCopier:
     """Block <-> page copies for one engine's KV tensors (``layers``, in model order);
     ``layer_groups[i]``: the KV cache group of layer ``i`` (default: all in group 0);
     ``window[i]``: layer ``i`` has a sliding window, its blocks go to the pages' window parts
-    (default: none); ``rank`` of ``ranks``: the tensor-parallel shard these tensors hold (a
+    (default: none); ``num_groups``: the KV cache groups a copy names block lists for (at
+    least those of the layers; a group of no layer here, a state group, is not copied);
+    ``rank`` of ``ranks``: the tensor-parallel shard these tensors hold (a
     page's block of a layer is ``ranks`` of their blocks, rank after rank).
 
     ``attach`` maps the L2 pools of a daemon run (again when the run changes); ``load`` and
@@ -154,7 +161,7 @@ class BlockCopier:
     """
 
     def __init__(self, layers: list[torch.Tensor], layer_groups: Sequence[int] | None = None, *,
-                 window: Sequence[bool] | None = None, rank: int = 0, ranks: int = 1) -> None:
+                 window: Sequence[bool] | None = None, rank: int = 0, ranks: int = 1, num_groups: int = 0) -> None:
         if not 0 <= rank < ranks:
             raise ValueError(f"rank {rank} is not one of {ranks} ranks")
         self.layers = [t.view(t.shape[0], -1) for t in layers]
@@ -173,7 +180,7 @@ class BlockCopier:
         self.parts = (L2Pages(flags.count(False), shard * ranks, layers[0].dtype),
                       L2Pages(flags.count(True), shard * ranks, layers[0].dtype))
         self.l2 = self.parts[0]
-        self.group_layers: list[list[int]] = [[] for _ in range(max(groups) + 1)]
+        self.group_layers: list[list[int]] = [[] for _ in range(max(max(groups) + 1, num_groups))]
         for i, g in enumerate(groups):
             self.group_layers[g].append(i)
         self.group_window: list[bool] = []
@@ -209,10 +216,13 @@ class BlockCopier:
         parts = list(window_pages) if window_pages is not None else [NO_PAGE] * len(pages)
         if len(parts) != len(pages):
             raise ValueError(f"{len(parts)} window parts for {len(pages)} pages")
-        out = []
-        for ids, in_window in zip(blocks, self.group_window, strict=True):
+        out: list[tuple[torch.Tensor, list[int], list[int]]] = []
+        for ids, in_window, members in zip(blocks, self.group_window, self.group_layers, strict=True):
             if len(ids) != len(pages):
                 raise ValueError(f"{len(ids)} blocks but {len(pages)} pages")
+            if not members:  # a group of no layer copied here (a state group)
+                out.append((self.l2.check([], [], self.num_blocks), [], []))
+                continue
             if in_window:
                 if load and any(b != NO_BLOCK and w == NO_PAGE for b, w in zip(ids, parts, strict=True)):
                     raise ValueError("a window block to load has no window part (the daemon kept none for it)")
@@ -256,3 +266,77 @@ class BlockCopier:
                     l2[p : p + n, self.place[i], self.shard].copy_(self.layers[i][b : b + n])
             copied += len(group_pages) * len(layers) * self.block_bytes
         return copied
+
+
+def state_problem(layers: list[list[torch.Tensor]], num_blocks: int, state_bytes: int) -> str | None:
+    """None if these state layers (each a list of tensors with the block index first) can be
+    copied block by block as ``state_bytes`` bytes per layer, else why not."""
+    for i, tensors in enumerate(layers):
+        total = 0
+        for t in tensors:
+            if t.device.type != "cpu":
+                return CUDA_REFUSAL if t.device.type == "cuda" else f"state tensors on {t.device} are not supported"
+            if t.dim() < 2 or t.shape[0] != num_blocks:
+                return f"state layer {i}: shape {tuple(t.shape)} does not have the {num_blocks} blocks first"
+            if not t[0].is_contiguous():
+                return f"state layer {i}: a block's state is not contiguous (strides {t.stride()})"
+            total += t[0].numel() * t.element_size()
+        if total != state_bytes:
+            return f"state layer {i}: a block holds {total} bytes of state, the geometry says {state_bytes}"
+    return None
+
+
+class StateCopier:
+    """Copies of the recurrent state of one block of every state layer (``layers[i]``: the
+    tensors of state layer ``i``, in model order, block index first; ``layer_groups[i]``: its
+    KV cache group, an index into the block lists a copy names) to and from the state slots
+    of a daemon run's pool, mapped as ``[slots, num_layers, state_bytes]`` bytes. Not
+    thread-safe; raises on a bad index or an unmapped pool."""
+
+    def __init__(self, layers: list[list[torch.Tensor]], layer_groups: Sequence[int]) -> None:
+        if len(layers) != len(layer_groups) or not layers:
+            raise ValueError("a state copier needs state layers, each with its KV cache group")
+        self.layers = [list(tensors) for tensors in layers]
+        self.layer_groups = list(layer_groups)
+        self.num_blocks = layers[0][0].shape[0]
+        self.state_bytes = sum(t[0].numel() * t.element_size() for t in layers[0])
+        self.slots = L2Pages(len(layers), self.state_bytes, torch.uint8)
+
+    def attach(self, pool: PoolRef) -> None:
+        self.slots.attach(pool)
+
+    def detach(self) -> None:
+        self.slots.detach()
+
+    def _check(self, slot: int, blocks: Sequence[int]) -> torch.Tensor:
+        """The mapped slots, after checking ``slot`` and the block of every state layer's group."""
+        needed = [blocks[g] if 0 <= g < len(blocks) else NO_BLOCK for g in self.layer_groups]
+        return self.slots.check(needed, [slot] * len(needed), self.num_blocks)
+
+    @staticmethod
+    def _bytes(t: torch.Tensor, block: int) -> torch.Tensor:
+        return t[block].reshape(-1).view(torch.uint8)
+
+    def load(self, slot: int, blocks: Sequence[int]) -> int:
+        """Copy state ``slot`` into block ``blocks[g]`` of every state layer of group ``g``;
+        returns bytes copied."""
+        pool = self._check(slot, blocks)
+        for i, tensors in enumerate(self.layers):
+            b, at = blocks[self.layer_groups[i]], 0
+            for t in tensors:
+                dst = self._bytes(t, b)
+                dst.copy_(pool[slot, i, at : at + dst.numel()])
+                at += dst.numel()
+        return len(self.layers) * self.state_bytes
+
+    def save(self, blocks: Sequence[int], slot: int) -> int:
+        """Copy block ``blocks[g]`` of every state layer of group ``g`` into state ``slot``;
+        returns bytes copied."""
+        pool = self._check(slot, blocks)
+        for i, tensors in enumerate(self.layers):
+            b, at = blocks[self.layer_groups[i]], 0
+            for t in tensors:
+                src = self._bytes(t, b)
+                pool[slot, i, at : at + src.numel()].copy_(src)
+                at += src.numel()
+        return len(self.layers) * self.state_bytes

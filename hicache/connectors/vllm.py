@@ -112,7 +112,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.model_executor.models.utils import extract_layer_index
-from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import protos
@@ -126,7 +132,16 @@ from hicache.connectors.engine_client import (
     engine_name,
 )
 from hicache.connectors.faults import FAIL_LOADS_ENV, ConnectorFaults, FaultConfigError
-from hicache.connectors.kv_copy import CUDA_REFUSAL, NO_BLOCK, NO_PAGE, BlockCopier, PoolRef, kv_problem
+from hicache.connectors.kv_copy import (
+    CUDA_REFUSAL,
+    NO_BLOCK,
+    NO_PAGE,
+    BlockCopier,
+    PoolRef,
+    StateCopier,
+    kv_problem,
+    state_problem,
+)
 from hicache.connectors.runtime_identity import (
     UnclassifiedOption,
     mla_backend,
@@ -172,8 +187,9 @@ SUPPORTED_VLLM = ("0.32.",)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 HELD_SPECS = (FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec)
-"""The KV cache group kinds hicache holds (exactly these classes, not other subclasses):
-attention KV, full or sliding-window, or MLA's latent, of one shape across groups."""
+"""The attention KV cache group kinds hicache holds (exactly these classes, not other
+subclasses): attention KV, full or sliding-window, or MLA's latent, of one shape across groups.
+Beside them, ``MambaSpec`` groups in vLLM's ``align`` mode (a GDN's state, kept at block ends)."""
 
 VLLM_NULL_BLOCK = 0
 """The block id vLLM's hybrid allocator puts where a sliding-window group holds no block
@@ -188,6 +204,15 @@ class ConnectorRefused(RuntimeError):
 
 
 @dataclass
+class StateCopy:
+    """State slot ``slot`` and, per KV cache group ``g``, block ``blocks[g]`` (``NO_BLOCK`` for
+    a group without state layers): the state of every state layer at one block end."""
+
+    slot: int
+    blocks: list[int]
+
+
+@dataclass
 class BlockCopyPlan:
     """L2 ``pages[i]`` and vLLM block ``blocks[g][i]`` of each KV cache group ``g``, copied
     under ``lease`` (of ``session`` in daemon run ``run``) for request ``rid``."""
@@ -199,14 +224,20 @@ class BlockCopyPlan:
     pages: list[int]
     blocks: list[list[int]]
     window_pages: list[int] = field(default_factory=list)
+    states: list[StateCopy] = field(default_factory=list)
     """With window layers: the window part of ``pages[i]`` (``NO_PAGE``: none), else empty.
-    A save's ``pages[i]`` may be ``NO_PAGE`` too: a page whose window part alone is saved."""
+    A save's ``pages[i]`` may be ``NO_PAGE`` too: a page whose window part alone is saved.
+    ``states``: with state layers, the states copied with the pages (a load's: the one after
+    its last page)."""
 
 
 @dataclass
 class LoadPlan(BlockCopyPlan):
     """Copy L2 ``pages[i]`` into vLLM block ``blocks[g][i]`` (``NO_BLOCK``: the group holds
-    none there, outside its window), then release the lease."""
+    none there, outside its window), then release the lease. ``unloadable``: why the load
+    must fail instead (vLLM recomputes), "" when it need not."""
+
+    unloadable: str = ""
 
 
 @dataclass
@@ -223,6 +254,7 @@ class HiCacheConnectorMetadata(KVConnectorMetadata):
     run: int = 0
     pool: PoolRef | None = None
     window_pool: PoolRef | None = None
+    state_pool: PoolRef | None = None
     loads: list[LoadPlan] = field(default_factory=list)
     saves: list[SavePlan] = field(default_factory=list)
 
@@ -238,6 +270,7 @@ class _Hit:
     storage_pages: int  # the last ``storage_pages`` of ``pages`` came from L3 for this lookup
     first_page: int  # vLLM's own hit, in pages: the load starts there
     window_pages: list[int] = field(default_factory=list)  # the window parts of the last pages
+    state_slot: int = NO_PAGE  # with state layers: the state after the last page
 
 
 @dataclass
@@ -264,6 +297,9 @@ class _Tracked:
     pending_since: float = 0.0  # when its lookup was first answered pending (0: it was not)
     lookups_closed: bool = False  # an asynchronous load of it failed: it computes its prompt itself
     hit: _Hit | None = None
+    state_offers: dict[int, list[int]] = field(default_factory=dict)  # page j -> per group, the block
+    # holding the state after it, offered by vLLM in this step (state layers only) ...
+    state_blocks: dict[int, list[int]] = field(default_factory=dict)  # ... and those its save range names
     loaded_tokens: int = 0
     loaded_storage_tokens: int = 0
 
@@ -271,21 +307,39 @@ class _Tracked:
 # ---------------------------------------------------------------------- the connector
 
 
+def is_state_group(spec: Any) -> bool:
+    """Whether a KV cache group's spec is recurrent state (``MambaSpec``: Mamba, GDN), not KV."""
+    return isinstance(spec, MambaSpec)
+
+
 def kv_groups_problem(kv_cache_config: KVCacheConfig) -> str | None:
     """None if hicache can hold every KV cache group of this engine, else which group it
-    cannot and why: each must be full or sliding-window attention (``HELD_SPECS``) with the
-    block size, heads, head size and dtype of the first (an L2 page is one block of every layer)."""
+    cannot and why: each attention group must be full or sliding-window attention
+    (``HELD_SPECS``) with the block size, heads, head size and dtype of the first (an L2 page
+    is one block of every attention layer); a state group (``MambaSpec``) must keep states at
+    block ends (vLLM's ``align`` mode, on with prefix caching) of that block size."""
     groups = kv_cache_config.kv_cache_groups
-    if not groups:
-        return "the engine has no KV cache groups"
-    first = groups[0].kv_cache_spec
+    attention = [g for g in groups if not is_state_group(g.kv_cache_spec)]
+    if not attention:
+        return "the engine has no attention KV cache group (a model of state layers only)"
+    first = attention[0].kv_cache_spec
     for i, group in enumerate(groups):
         spec = group.kv_cache_spec
         name = (f"KV cache group {i} ({type(spec).__name__}, layers {', '.join(group.layer_names[:3])}"
                 f"{', ...' if len(group.layer_names) > 3 else ''})")
+        if isinstance(spec, MambaSpec):
+            if spec.mamba_cache_mode != "align":
+                return (f"{name}: mamba_cache_mode {spec.mamba_cache_mode!r}; hicache keeps the states vLLM keeps "
+                        "at block ends ('align', on with --enable-prefix-caching)")
+            if not group.enable_kv_transfer:
+                return f"{name}: vLLM marks it as not transferable"
+            if spec.block_size != first.block_size:
+                return f"{name}: block_size {spec.block_size} differs from the attention groups' {first.block_size}"
+            continue
         if type(spec) not in HELD_SPECS:
-            return (f"{name}: hicache holds full and sliding-window attention KV and MLA's latent only "
-                    f"({', '.join(c.__name__ for c in HELD_SPECS)}), not Mamba / linear-attention state")
+            return (f"{name}: hicache holds full and sliding-window attention KV, MLA's latent and the state "
+                    f"of Mamba-kind layers kept at block ends ({', '.join(c.__name__ for c in HELD_SPECS)}, "
+                    "MambaSpec) only")
         if isinstance(spec, MLAAttentionSpec) != isinstance(first, MLAAttentionSpec):
             return f"{name}: MLA and other attention in one engine (an L2 page holds one kind)"
         if not group.enable_kv_transfer:
@@ -296,6 +350,11 @@ def kv_groups_problem(kv_cache_config: KVCacheConfig) -> str | None:
                 return (f"{name}: {attr} {getattr(spec, attr)} differs from group 0's {getattr(first, attr)} "
                         "(an L2 page holds one block of every layer, of one shape)")
     return None
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """A layer's KV cache entry as a list of tensors (a state layer's is a list or tuple)."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _load_hicache_config(extra: dict[str, Any]) -> Any:
@@ -340,12 +399,25 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConnectorRefused(f"{extra['hicache_config']}: engine.kind is {self.hicache.engine.kind!r}; "
                                    "the daemon must run in engine mode (engine.kind: vllm)")
         groups = kv_cache_config.kv_cache_groups
-        spec = groups[0].kv_cache_spec
+        spec = next(g.kv_cache_spec for g in groups if not is_state_group(g.kv_cache_spec))
         assert isinstance(spec, AttentionSpec)  # _check_setup refused every other kind
-        # An L2 page holds one block of every layer, in model order; a layer's block ids are its group's.
-        by_layer = sorted((extract_layer_index(n), n, g) for g, group in enumerate(groups) for n in group.layer_names)
+        # An L2 page holds one block of every attention layer, in model order; a layer's block ids are its group's.
+        by_layer = sorted((extract_layer_index(n), n, g) for g, group in enumerate(groups) for n in group.layer_names
+                          if not is_state_group(group.kv_cache_spec))
         self.layer_names = [n for _, n, _ in by_layer]
         self.layer_groups = [g for _, _, g in by_layer]
+        by_state = sorted((extract_layer_index(n), n, g) for g, group in enumerate(groups) for n in group.layer_names
+                          if is_state_group(group.kv_cache_spec))
+        self.state_layer_names = [n for _, n, _ in by_state]
+        self.state_layer_groups = [g for _, _, g in by_state]
+        """The state layers (a GDN's), in model order, and their KV cache groups: the daemon keeps
+        their state at the block ends where vLLM offers it (``boundary_state_offloads``)."""
+        self.state_groups = sorted(set(self.state_layer_groups))
+        self._kv_groups = [g for g in range(len(groups)) if g not in self.state_groups]
+        """The attention groups: a page is one block of each of their layers."""
+        state_specs = [g.kv_cache_spec for g in groups if is_state_group(g.kv_cache_spec)]
+        self.state_bytes = state_specs[0].state_content_size_bytes if state_specs else 0
+        """Bytes of one state layer's state in one block (vLLM pads its blocks; those bytes are not kept)."""
         self.num_groups = len(groups)
         self._group_window = [isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in groups]
         self.layer_window = [isinstance(groups[g].kv_cache_spec, SlidingWindowSpec) for g in self.layer_groups]
@@ -376,7 +448,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         heads = 1 if self.mla else spec.num_kv_heads * self.tp
         self.geometry = EngineKVGeometry(engine_identity(model, dtype, layout), dtype, spec.block_size,
                                          len(self.layer_names), heads, spec.head_size, layout,
-                                         "mla" if self.mla else "kv", sum(self.layer_window))
+                                         "mla" if self.mla else "kv", sum(self.layer_window),
+                                         len(self.state_layer_names), self.state_bytes)
         try:
             self.faults = ConnectorFaults.from_env()
         except FaultConfigError as exc:
@@ -417,6 +490,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self.events = None
             self.worker_client = EngineClient(self.address, timeout, curve=curve)
             self.copier: BlockCopier | None = None
+            self.state_copier: StateCopier | None = None
             self.rank = get_tensor_model_parallel_rank()
             self._announced_run = 0  # the daemon run this worker announced its process to (EngineWorker)
             self._load_errors: set[int] = set()
@@ -447,6 +521,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         problem = kv_groups_problem(kv_cache_config)
         if problem:
             raise ConnectorRefused(problem)
+        if par.tensor_parallel_size != 1 and any(is_state_group(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups):
+            raise ConnectorRefused(f"tensor_parallel_size {par.tensor_parallel_size} with state layers: hicache keeps "
+                                   "the state of engines of one rank only")
         if kv_cache_config.kv_cache_layout != "LBHNC" and not (mla and kv_cache_config.kv_cache_layout == "LBNHC"):
             raise ConnectorRefused(f"KV cache layout {kv_cache_config.kv_cache_layout!r} is not supported "
                                    "(supported: LBHNC, vLLM's CPU layout)")
@@ -602,7 +679,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if reg is None:  # the session changed under the call: nothing to release to
             return 0, False
         hit = _Hit(reg.session, reg.run, answer.lease, list(answer.host_pages), answer.storage_pages,
-                   num_computed_tokens // bs, list(answer.window_pages))
+                   num_computed_tokens // bs, list(answer.window_pages), answer.state_slot)
         tracked.saved_pages = max(tracked.saved_pages, len(hit.pages))
         external = len(hit.pages) * bs - num_computed_tokens
         if external <= 0:
@@ -647,15 +724,26 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         first = hit.first_page
         pages = hit.pages[first : first + n]
         # a sliding-window group holds blocks of the window only: its layers of the pages before it stay unloaded
-        plan_blocks = [[NO_BLOCK if b == VLLM_NULL_BLOCK else b for b in ids[first : first + len(pages)]]
-                       for ids in tracked.block_ids]
+        plan_blocks = self._page_blocks(tracked.block_ids, first, first + len(pages))
         # the window parts are the hit's last ones: page j has window_pages[j - (len(hit.pages) - len(window_pages))]
         window: list[int] = []
         if self.windowed:
             lead = len(hit.pages) - len(hit.window_pages)
             window = [hit.window_pages[j - lead] if j >= lead else NO_PAGE for j in range(first, first + len(pages))]
+        states: list[StateCopy] = []
+        unloadable = ""
+        if self.state_layer_names:  # the state after the last loaded page, into that page's state blocks
+            last = first + len(pages) - 1
+            blocks_at = [ids[last] if g in self.state_groups and last < len(ids) else NO_BLOCK
+                         for g, ids in enumerate(tracked.block_ids)]
+            if first + len(pages) != len(hit.pages) or hit.state_slot == NO_PAGE:
+                unloadable = "the load does not end where the daemon kept the state"
+            elif any(blocks_at[g] in (NO_BLOCK, VLLM_NULL_BLOCK) for g in self.state_groups):
+                unloadable = "vLLM gave no state block at the hit's end"
+            else:
+                states = [StateCopy(hit.state_slot, blocks_at)]
         self._loads.append(LoadPlan(request.request_id, hit.session, hit.run, hit.lease, pages, plan_blocks,
-                                    window))
+                                    window, states, unloadable))
         tracked.loaded_tokens = len(pages) * self.block_size
         # the pages from L3 are the hit's tail: [len - storage_pages, len); count the loaded ones
         storage_start = len(hit.pages) - hit.storage_pages
@@ -710,6 +798,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                     held.extend(more)
             computed = cached.num_computed_tokens[i]
             ranges.append(_StepRange(tracked, computed, computed + scheduled.get(rid, 0)))
+        if self.state_layer_names:
+            self._take_state_offers(scheduler_output)
         self._plan_saves(ranges, meta)
         reg = self.session.registered  # after the reserves, which may have registered again
         if reg is not None:
@@ -718,7 +808,31 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             if reg.window_segment:
                 meta.window_pool = PoolRef(reg.instance, reg.window_segment, reg.l2_directory, reg.window_pages,
                                            reg.window_page_bytes)
+            if reg.state_segment:
+                meta.state_pool = PoolRef(reg.instance, reg.state_segment, reg.l2_directory, reg.state_slots,
+                                          reg.state_bytes)
         return meta
+
+    def _take_state_offers(self, scheduler_output: SchedulerOutput) -> None:
+        """Note the states vLLM offers in this step (``boundary_state_offloads``: in align
+        mode, the block holding each state it keeps, at the end of the step that computes
+        it, whose bytes stay until the step ends): per request, the pages after which every
+        state group offered its block. States inside a block (vLLM's partial tails) are not
+        kept: a page is a whole block."""
+        block_state = scheduler_output.kv_connector_block_state
+        offers = block_state.boundary_state_offloads if block_state is not None else {}
+        bs = self.block_size
+        for rid, entries in offers.items():
+            tracked = self._requests.get(rid)
+            if tracked is None:
+                continue
+            by_page: dict[int, list[int]] = {}
+            for group, block, tokens in entries:
+                if tokens <= 0 or tokens % bs or group not in self.state_groups:
+                    continue
+                by_page.setdefault(tokens // bs - 1, [NO_BLOCK] * self.num_groups)[group] = block
+            tracked.state_offers = {j: blocks for j, blocks in by_page.items()
+                                    if all(blocks[g] not in (NO_BLOCK, VLLM_NULL_BLOCK) for g in self.state_groups)}
 
     def _save_range(self, tracked: _Tracked, computed_before_step: int, computed_after_step: int
                     ) -> tuple[protos.SaveRange, int] | None:
@@ -726,22 +840,25 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         ``saved_pages``, with the tokens it ends at; None when there are none. With window
         layers, the range names the first page whose window blocks the request holds in this
         step: vLLM freed those wholly more than the window behind ``computed_before_step``."""
+        offers, tracked.state_offers = tracked.state_offers, {}
         if tracked.saves_closed or not tracked.block_ids:
             return None
         bs = self.block_size
         tokens = tracked.request.all_token_ids
-        full = min(computed_after_step, len(tokens), min(len(ids) for ids in tracked.block_ids) * bs) // bs
+        full = min(computed_after_step, len(tokens), min(len(tracked.block_ids[g]) for g in self._kv_groups) * bs) // bs
         start = tracked.saved_pages
-        if full <= start:
+        state_pages = sorted(j for j in offers if j < full)
+        if full <= start and not state_pages:
             return None
-        tracked.saved_pages = full
+        tracked.saved_pages = max(start, full)
         end = full * bs
         base = min(tracked.known_tokens, end)  # the daemon holds these: send only the tokens after them
         window_from = max(0, computed_before_step - self.window_tokens + 1) // bs if self.windowed else 0
         prompt = len(tracked.request.prompt_token_ids or ())
         repeat_end = (prompt - 1) // bs if self.windowed and full == prompt // bs else 0
         item = protos.SaveRange(tracked.request.request_id, protos.pack_tokens(tokens[base:end]), start,
-                                tracked.request.cache_salt or "", base, window_from, repeat_end)
+                                tracked.request.cache_salt or "", base, window_from, repeat_end, state_pages)
+        tracked.state_blocks = {j: offers[j] for j in state_pages}
         return item, end
 
     def _plan_saves(self, ranges: list[_StepRange], meta: HiCacheConnectorMetadata) -> None:
@@ -784,7 +901,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             tracked.known_tokens = end
             if not got.lease or reg is None:
                 continue
-            plan = self._save_plan(item.rid, reg, got, tracked.block_ids)
+            plan = self._save_plan(item.rid, reg, got, tracked.block_ids, tracked.state_blocks)
             if plan is None:  # a window block it needs is not held: given back, the next step tries again
                 if self.session is not None:
                     self.session.send(protos.Commit(reg.session, reg.run, got.lease, False, protos.ALL_RANKS))
@@ -794,18 +911,24 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self.stats.add("reserved_blocks", len(got.host_pages))
 
     def _save_plan(self, rid: str, reg: protos.EngineRegistered, got: protos.Reservation,
-                   block_ids: list[list[int]]) -> SavePlan | None:
+                   block_ids: list[list[int]], state_blocks: dict[int, list[int]]) -> SavePlan | None:
         """The copies of a reservation: full parts of pages ``start_page ..`` and window
         parts of pages ``window_at`` (which may lie before them), over the one page span
-        that covers both; None when a window block it names is not held (vLLM's null block)
-        or the reservation does not fit the request's blocks."""
+        that covers both, and the states after pages ``state_at`` (from the blocks vLLM
+        offered, ``state_blocks``); None when a window block it names is not held (vLLM's
+        null block), a state it names was not offered, or the reservation does not fit the
+        request's blocks."""
+        if len(got.state_at) != len(got.state_slots) or any(j not in state_blocks for j in got.state_at):
+            return None
+        states = [StateCopy(slot, state_blocks[j]) for j, slot in zip(got.state_at, got.state_slots, strict=True)]
         first, n = got.start_page, len(got.host_pages)
         lo = min([first] + list(got.window_at)) if got.window_at else first
         hi = max([first + n] + [j + 1 for j in got.window_at])
-        if lo < 0 or len(got.window_at) != len(got.window_pages) or any(len(ids) < hi for ids in block_ids):
+        if lo < 0 or len(got.window_at) != len(got.window_pages) or any(len(block_ids[g]) < hi
+                                                                         for g in self._kv_groups):
             return None
         pages = [NO_PAGE] * (first - lo) + list(got.host_pages) + [NO_PAGE] * (hi - first - n)
-        blocks = [[NO_BLOCK if b == VLLM_NULL_BLOCK else b for b in ids[lo:hi]] for ids in block_ids]
+        blocks = self._page_blocks(block_ids, lo, hi)
         window: list[int] = []
         if self.windowed:
             window = [NO_PAGE] * (hi - lo)
@@ -816,7 +939,15 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 return None
         elif got.window_at:
             return None
-        return SavePlan(rid, reg.session, reg.run, got.lease, pages, blocks, window)
+        return SavePlan(rid, reg.session, reg.run, got.lease, pages, blocks, window, states)
+
+    def _page_blocks(self, block_ids: list[list[int]], lo: int, hi: int) -> list[list[int]]:
+        """Per KV cache group, its blocks of pages ``[lo, hi)`` (``NO_BLOCK`` where it holds
+        none: before a window; every page of a state group, whose blocks hold states, copied
+        by ``StateCopy`` only)."""
+        return [[NO_BLOCK] * (hi - lo) if g in self.state_groups
+                else [NO_BLOCK if b == VLLM_NULL_BLOCK else b for b in ids[lo:hi]]
+                for g, ids in enumerate(block_ids)]
 
     def _reserve(self, items: list[protos.SaveRange]) -> list[protos.Reservation | None]:
         """The daemon's reservation for each item (None for all without an answer)."""
@@ -849,7 +980,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return False, None
 
     # ================================================================== worker half
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         missing = [n for n in self.layer_names if n not in kv_caches]
         if missing:
             raise ConnectorRefused(f"vLLM registered no KV tensor for layers {missing}")
@@ -859,7 +990,17 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if problem:
             raise ConnectorRefused(f"hicache cannot copy this KV cache: {problem}")
         self.copier = BlockCopier(layers, self.layer_groups, window=self.layer_window,
-                                  rank=0 if self.mla else self.rank, ranks=shards)
+                                  rank=0 if self.mla else self.rank, ranks=shards, num_groups=self.num_groups)
+        self.state_copier = None
+        if self.state_layer_names:
+            missing = [n for n in self.state_layer_names if n not in kv_caches]
+            if missing:
+                raise ConnectorRefused(f"vLLM registered no state tensor for layers {missing}")
+            states = [_tensors(kv_caches[n]) for n in self.state_layer_names]
+            problem = state_problem(states, self.num_blocks, self.state_bytes)
+            if problem:
+                raise ConnectorRefused(f"hicache cannot copy this engine's state: {problem}")
+            self.state_copier = StateCopier(states, self.state_layer_groups)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -873,7 +1014,10 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                     raise RuntimeError("planned under another daemon run (the daemon restarted)")
                 if self.faults.take_load_failure():
                     raise RuntimeError(f"fault point {FAIL_LOADS_ENV}")
+                if plan.unloadable:
+                    raise RuntimeError(plan.unloadable)
                 copied = self._attach(meta).load(plan.pages, plan.blocks, plan.window_pages or None)
+                copied += self._copy_states(meta, plan.states, load=True)
                 loaded = len(plan.pages)
                 self.stats.add("loaded_blocks", loaded)
                 self.stats.add("loaded_bytes", copied)
@@ -907,6 +1051,19 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.copier.attach(meta.pool, meta.window_pool)
         return self.copier
 
+    def _copy_states(self, meta: HiCacheConnectorMetadata, states: list[StateCopy], *, load: bool) -> int:
+        """Copy a plan's states (state slot <-> the blocks of the state groups); bytes copied."""
+        if not states:
+            return 0
+        if self.state_copier is None or meta.state_pool is None:
+            raise RuntimeError("states to copy, but no state layers or no state pool is known")
+        self.state_copier.attach(meta.state_pool)
+        copied = 0
+        for st in states:
+            copied += (self.state_copier.load(st.slot, st.blocks) if load
+                       else self.state_copier.save(st.blocks, st.slot))
+        return copied
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # every load completed in start_load_kv, before the forward pass
 
@@ -930,6 +1087,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 copier = self._attach(meta)
                 copied = (copier.save(plan.blocks, plan.pages, plan.window_pages or None)
                           if self.rank == 0 or not self.mla else 0)
+                copied += self._copy_states(meta, plan.states, load=False)
                 ok = True
                 self.stats.add("saved_blocks", blocks)
                 self.stats.add("saved_bytes", copied)

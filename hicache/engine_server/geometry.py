@@ -44,6 +44,12 @@ class EngineModelError(ValueError):
 class EngineKVGeometry:
     """One KV page: ``block_size`` tokens of every one of ``num_layers`` attention layers.
 
+    ``state_layers`` more layers keep a recurrent state instead of KV (Qwen3-Next's gated
+    delta net, ``linear_attention``; 0: none): vLLM keeps that state at some block ends, and
+    the daemon keeps one, of ``state_bytes`` per layer, in model order, after the pages where
+    the engine offered it (the tree's Mamba component: a hit ends only at a page whose state
+    it holds). ``num_layers`` counts the attention layers only.
+
     ``window_layers`` of the layers have a sliding window (0: none). Such a page is kept in
     two parts (docs/architecture.md §13): the *full part*, the blocks of the other layers,
     in model order, kept for every page of a cached prefix; and the *window part*, the
@@ -66,6 +72,13 @@ class EngineKVGeometry:
     kv_layout: str
     kv_kind: str = "kv"
     window_layers: int = 0
+    state_layers: int = 0
+    state_bytes: int = 0
+
+    @property
+    def state_part_bytes(self) -> int:
+        """Bytes of one kept state: every state layer's (0 without state layers)."""
+        return self.state_layers * self.state_bytes
 
     @property
     def layer_block_bytes(self) -> int:
@@ -127,8 +140,46 @@ copies each with its group's blocks)."""
 
 STATE_LAYER_KEYS = ("layers_block_type", "hybrid_override_pattern", "attn_layer_indices", "mamba_d_state",
                     "ssm_state_size", "linear_num_value_heads")
-"""config.json keys of models with recurrent-state layers (Mamba, GDN / linear attention):
-their state is not attention KV, and engine mode does not hold it yet."""
+"""config.json keys of models with recurrent-state layers (Mamba, GDN / linear attention).
+Engine mode holds the state of ``GDN_MODEL_TYPES`` only; the others are refused naming the key."""
+
+GDN_MODEL_TYPES = ("qwen3_next",)
+"""``model_type`` values whose ``linear_attention`` layers are a gated delta net, whose state
+engine mode holds (``state_shape``)."""
+
+STATE_LAYER_TYPE = "linear_attention"
+"""The ``layer_types`` value of a GDN layer."""
+
+GDN_SSM_DTYPE_BYTES = 4
+"""vLLM 0.32's CPU build keeps a GDN layer's recurrent (SSM) state in float32 whatever the
+model's dtype (it resets ``mamba_ssm_cache_dtype`` to float32); its conv state is in the
+model's dtype. The engine states its own bytes when it registers, so another choice is
+refused by name, never misread."""
+
+
+def state_shape(raw: dict[str, Any], kv_dtype: str, where: str = "config.json") -> tuple[int, int]:
+    """``(state_layers, state_bytes)`` of a GDN model (``GDN_MODEL_TYPES``): its
+    ``linear_attention`` layers and the bytes of one such layer's state as vLLM keeps it per
+    block (the conv state, ``linear_conv_kernel_dim - 1`` rows of the query, key and value
+    channels, in ``kv_dtype``, then the SSM state, ``value heads x key dim x value dim`` in
+    float32); ``(0, 0)`` for another model."""
+    if raw.get("model_type") not in GDN_MODEL_TYPES:
+        return 0, 0
+    types = raw.get("layer_types")
+    if not isinstance(types, list):
+        raise EngineModelError(f"{where}: a {raw.get('model_type')} config without layer_types")
+    layers = sum(1 for t in types if t == STATE_LAYER_TYPE)
+    if not layers:
+        return 0, 0
+    try:
+        kheads, kdim, vheads, vdim, kernel = (hf_config.positive_int(raw, k, where) for k in (
+            "linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim",
+            "linear_conv_kernel_dim"))
+    except CheckpointError as exc:
+        raise EngineModelError(str(exc)) from None
+    conv = (kernel - 1) * (2 * kheads * kdim + vheads * vdim) * KV_DTYPE_BYTES[kv_dtype]
+    ssm = vheads * kdim * vdim * GDN_SSM_DTYPE_BYTES
+    return layers, conv + ssm
 
 
 def window_shape(raw: dict[str, Any], where: str = "config.json") -> tuple[int, int]:
@@ -154,13 +205,14 @@ def window_shape(raw: dict[str, Any], where: str = "config.json") -> tuple[int, 
 
 
 def attention_shape(raw: dict[str, Any], where: str = "config.json") -> tuple[int, int, int, str]:
-    """``(num_layers, num_kv_heads, head_dim, kv_kind)`` of a decoder whose every layer is
-    attention, full or sliding-window (every layer's KV block has that shape); a model with
+    """``(num_layers, num_kv_heads, head_dim, kv_kind)`` of a decoder's attention layers,
+    full or sliding-window (every layer's KV block has that shape); a model with
     ``kv_lora_rank`` caches a latent (``mla``: one head of ``kv_lora_rank +
     qk_rope_head_dim``).
 
-    Models with recurrent-state layers (Mamba, GDN, linear attention) are refused, naming
-    what says so: engine mode keeps attention KV only in this build."""
+    A GDN model's ``linear_attention`` layers are not counted (``state_shape`` sizes their
+    state); other models with recurrent-state layers (Mamba, linear attention) are refused,
+    naming what says so."""
 
     try:
         sizes = hf_config.attention_sizes(raw, where)
@@ -169,18 +221,24 @@ def attention_shape(raw: dict[str, Any], where: str = "config.json") -> tuple[in
     except CheckpointError as exc:
         raise EngineModelError(str(exc)) from None
     types = raw.get("layer_types")
+    gdn = raw.get("model_type") in GDN_MODEL_TYPES
+    held = (*ATTENTION_LAYER_TYPES, STATE_LAYER_TYPE) if gdn else ATTENTION_LAYER_TYPES
+    layers = sizes.num_layers
     if isinstance(types, list):
-        other = sorted({str(t) for t in types} - set(ATTENTION_LAYER_TYPES))
+        other = sorted({str(t) for t in types} - set(held))
         if other:
-            raise EngineModelError(f"{where}: layer_types {other}: engine mode holds attention KV only "
-                                   f"({', '.join(ATTENTION_LAYER_TYPES)}), not recurrent state")
-    state = [k for k in STATE_LAYER_KEYS if raw.get(k) not in (None, [], "")]
+            raise EngineModelError(f"{where}: layer_types {other}: engine mode holds attention KV "
+                                   f"({', '.join(ATTENTION_LAYER_TYPES)}) and the gated delta net state of "
+                                   f"{', '.join(GDN_MODEL_TYPES)} only")
+        layers = sum(1 for t in types if t != STATE_LAYER_TYPE)
+    state = [k for k in STATE_LAYER_KEYS if raw.get(k) not in (None, [], "") and not gdn]
     if state:
         raise EngineModelError(f"{where}: {', '.join(state)} set: a model with recurrent-state (Mamba / linear "
-                               "attention) layers; engine mode holds attention KV only")
+                               f"attention) layers; engine mode holds the gated delta net state of "
+                               f"{', '.join(GDN_MODEL_TYPES)} only")
     if latent:
-        return sizes.num_layers, 1, latent, "mla"
-    return sizes.num_layers, sizes.num_kv_heads, sizes.head_dim, "kv"
+        return layers, 1, latent, "mla"
+    return layers, sizes.num_kv_heads, sizes.head_dim, "kv"
 
 
 NAMESPACE_CHARS = 32
@@ -222,8 +280,9 @@ def geometry_from_config(cfg: Any) -> EngineKVGeometry:
     where = f"{e.model}/config.json"
     layers, kv_heads, head_dim, kind = attention_shape(raw, where)
     window_layers, _ = window_shape(raw, where)
+    state_layers, state_bytes = state_shape(raw, dtype, where)
     return EngineKVGeometry(engine_identity(e.model, dtype, e.kv_layout), dtype, cfg.cache.page_size, layers,
-                            kv_heads, head_dim, e.kv_layout, kind, window_layers)
+                            kv_heads, head_dim, e.kv_layout, kind, window_layers, state_layers, state_bytes)
 
 
 def sliding_window_from_config(cfg: Any) -> int:

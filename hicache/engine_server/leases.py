@@ -103,6 +103,9 @@ class Lease:
     window_npages: int = 0  # LOOKUP: pages whose window parts are locked from ``node`` upwards
     window_pages: list[int] = field(default_factory=list)  # RESERVE: L2 window parts ...
     window_at: list[int] = field(default_factory=list)  # RESERVE: ... of these pages of ``key``
+    state_locked: bool = False  # LOOKUP: the state at ``node``'s end is locked (models with state layers)
+    state_slots: list[int] = field(default_factory=list)  # RESERVE: L2 states ...
+    state_at: list[int] = field(default_factory=list)  # RESERVE: ... after these pages of ``key``
     rid: str = ""  # RESERVE: the request it saves for
     repeat_end: int = 0  # RESERVE: ``SaveRange.repeat_end`` (it ends at the prompt's last full page)
 

@@ -86,16 +86,17 @@ ENGINE_ACCEPTS = protos.accepted_by("scheduler", socket=protos.ENGINE_SOCKET)
 
 def build_cache_server(args: SchedulerArgs, controller_send: Callable[[protos.ControllerMessage], None]
                        ) -> CacheServer:
-    """The tree (L2 only: a Full component, and an SWA one for a model with window layers),
+    """The tree (L2 only: a Full component, an SWA one for a model with window layers and a
+    Mamba one for a model with state layers),
     the tier manager and the ``CacheServer`` over the pools of ``args.layout`` (mapped by
     the caller)."""
     from hicache.engine_server.geometry import geometry_from_config, sliding_window_from_config
-    from hicache.engine_server.server import WINDOW, CacheServer, L2PoolInfo
+    from hicache.engine_server.server import STATE, WINDOW, CacheServer, L2PoolInfo
     from hicache.hashing import HashNamespace
     from hicache.memory.allocator import PageAllocator
     from hicache.tier_manager import TierManager
     from hicache.tree.cache import UnifiedRadixCache
-    from hicache.tree.components import FullComponent, SWAComponent, TreeComponent
+    from hicache.tree.components import FullComponent, MambaComponent, SWAComponent, TreeComponent
 
     cfg = args.config
     geometry = geometry_from_config(cfg)
@@ -110,6 +111,11 @@ def build_cache_server(args: SchedulerArgs, controller_send: Callable[[protos.Co
                                   PageAllocator(window.l2_pages, "l2-swa")))
         pool = dataclasses.replace(pool, window_segment=window.l2[0].segment, window_pages=window.l2_pages,
                                    window_page_bytes=window.l2_page_bytes)
+    if geometry.state_layers:
+        state = args.layout.component(STATE)
+        comps.append(MambaComponent(PageAllocator(0, "l1-mamba"), PageAllocator(state.l2_pages, "l2-mamba")))
+        pool = dataclasses.replace(pool, state_segment=state.l2[0].segment, state_slots=state.l2_pages,
+                                   state_bytes=state.l2_page_bytes)
     cache = UnifiedRadixCache(comps, ps, hasher=HashNamespace(geometry.model_identity, geometry.kv_dtype, ps, "full"),
                               eviction_policy=cfg.cache.eviction, write_policy="write_through")
     tier = TierManager(cache, controller_send, prefetch=cfg.cache.prefetch,

@@ -129,10 +129,17 @@ class L2PoolInfo:
     window_pages: int = 0
     window_page_bytes: int = 0
     """The pool of window parts (none without window layers)."""
+    state_segment: str = ""
+    state_slots: int = 0
+    state_bytes: int = 0
+    """The pool of states (none without state layers)."""
 
 
 WINDOW = "swa"
 """The tree component that holds the pages' window parts."""
+
+STATE = "mamba"
+"""The tree component that holds the states after pages (models with state layers)."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +169,12 @@ class EngineCounters:
     dropped_window_pages: int = 0
     """Window parts of a request's earlier save ends dropped as it went on (``_slide_window``)."""
     reserve_short_window_pages: int = 0
+    committed_states: int = 0
+    """States after committed pages (models with state layers)."""
+    lookup_states: int = 0
+    """States answered with hits."""
+    reserve_short_states: int = 0
+    """States a save asked for that found no room in L2 (their pages are kept without)."""
     """Window parts a save range went without (no room in L2 for them)."""
     commit_duplicate_pages: int = 0
     commit_failed_pages: int = 0
@@ -224,6 +237,11 @@ class CacheServer:
         """Pages whose window parts a hit reads (the window, page-aligned)."""
         if bool(self.window) != bool(geometry.window_layers) or (swa is not None and swa.host_allocator is None):
             raise ValueError("a model with window layers needs a tree with an L2 SWA component, and only it")
+        mamba = next((c for c in cache.aux if c.name == STATE), None)
+        self.state = mamba is not None
+        """The model has state layers: a hit ends only where the tree holds the state after it."""
+        if self.state != bool(geometry.state_layers) or (mamba is not None and mamba.host_allocator is None):
+            raise ValueError("a model with state layers needs a tree with an L2 Mamba component, and only it")
         self._handlers: dict[type, Callable[[Any], protos.Message | None]] = {
             protos.EngineRegister: self.register,
             protos.Lookup: self.lookup,
@@ -302,6 +320,8 @@ class CacheServer:
         problem = self.geometry.mismatch(theirs)
         if problem is None and msg.page_bytes != self.geometry.page_bytes:
             problem = f"page_bytes: daemon {self.geometry.page_bytes}, engine {msg.page_bytes}"
+        if problem is None and self.state and msg.tensor_parallel != 1:
+            problem = f"tensor_parallel {msg.tensor_parallel}: states are kept for engines of one rank only"
         if problem is None and self.window and not 0 < msg.window_tokens <= self.window + 1:
             problem = (f"window_tokens: the engine reads {msg.window_tokens - 1} tokens before a hit, this daemon "
                        f"keeps the window parts of {self.window} (the sliding_window of its config.json)")
@@ -317,7 +337,7 @@ class CacheServer:
         p = self.pool
         return protos.EngineRegistered(msg.req, s.session_id, self.run, p.instance, p.segment, p.directory, p.pages,
                                        p.page_bytes, self.leases.ttl_s, p.window_segment, p.window_pages,
-                                       p.window_page_bytes)
+                                       p.window_page_bytes, p.state_segment, p.state_slots, p.state_bytes)
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, msg: protos.Lookup) -> protos.Message:
@@ -392,14 +412,16 @@ class CacheServer:
         npages = self.cache.tiers.protect_host(node)
         window, window_npages = (self.cache.tiers.protect_host_window(node, WINDOW, self.window) if self.window
                                  else ([], 0))
+        state = self.cache.tiers.protect_host_state(node, STATE) if self.state else -1
         storage_pages = min(storage_pages, len(pages))
         lease = self.leases.add(Lease(0, LeaseKind.LOOKUP, session, self.clock(), node=node, npages=npages,
                                       storage_pages=storage_pages, ranks=self._ranks(session),
-                                      window_npages=window_npages))
+                                      window_npages=window_npages, state_locked=self.state))
         self.counters.lookup_hit_pages += len(pages)
         self.counters.lookup_storage_pages += storage_pages
         self.counters.lookup_window_pages += len(window)
-        return protos.LookupResult(req, lease.lease_id, pages, storage_pages, window_pages=window)
+        self.counters.lookup_states += self.state
+        return protos.LookupResult(req, lease.lease_id, pages, storage_pages, window_pages=window, state_slot=state)
 
     def _slot(self, slot: tuple[int, str]) -> SlotMemory:
         """The memory of ``slot``, made (and the oldest beyond ``SLOT_MEMORY`` forgotten) if new."""
@@ -425,7 +447,8 @@ class CacheServer:
         lacks, which may be before ``item.start_page`` (pages saved earlier and evicted since:
         the tree can only take pages that continue what it holds, so a gap would make every
         later save of the request wasted). With window layers, also window parts
-        (``_window_wanted``), when the full pages could all be had."""
+        (``_window_wanted``), and with state layers the states of ``item.state_pages`` that L2
+        lacks, when the full pages could all be had."""
         self.counters.save_ranges += 1
         if item.start_page < 0 or item.window_from < 0:
             self.counters.bad_requests += 1
@@ -439,8 +462,8 @@ class CacheServer:
         ps = self.cache.page_size
         end = len(key) // ps
         match = self.cache.match_prefix(key, salt)
-        # the first page L2 lacks (with window layers a hit may end before it: where a window is whole)
-        start = (match.walked_len if self.window else match.host_hit_length) // ps
+        # the first page L2 lacks (with window or state layers a hit may end before it)
+        start = (match.walked_len if self.window or self.state else match.host_hit_length) // ps
         want = max(0, end - start)
         host = self.host
         if host.free_count < want:
@@ -458,18 +481,29 @@ class CacheServer:
             window_at = [j for j in self._window_wanted(item.window_from, match.host_hit_length // ps, boundaries,
                                                         end)
                          if j < top and not (j < len(held) and held[j])]
-        window = self._alloc_window(len(window_at))
+        window = self._alloc_aux(WINDOW, len(window_at))
         if len(window) < len(window_at):
+            self.counters.reserve_short_window_pages += len(window_at)
             window_at = []
-        if n == 0 and not window_at:
+        state_at: list[int] = []
+        if self.state and n == want:
+            held_states = self.cache.tiers.host_state_pages(match.walked_node, STATE) if match.walked_node else set()
+            state_at = sorted({j for j in item.state_pages if 0 <= j < top and j not in held_states})
+        states = self._alloc_aux(STATE, len(state_at))
+        if len(states) < len(state_at):
+            self.counters.reserve_short_states += len(state_at)
+            state_at = []
+        if n == 0 and not window_at and not state_at:
             return protos.Reservation(0, start)
         pages = list(host.alloc(n)) if n else []
         lease = self.leases.add(Lease(0, LeaseKind.RESERVE, session, self.clock(), key=key[: top * ps],
                                       cache_salt=salt, start_page=min(start, top), pages=pages,
                                       ranks=self._ranks(session), window_pages=window, window_at=window_at,
-                                      rid=item.rid, repeat_end=item.repeat_end))
+                                      state_slots=states, state_at=state_at, rid=item.rid,
+                                      repeat_end=item.repeat_end))
         self.counters.reserved_pages += n
-        return protos.Reservation(lease.lease_id, start, pages, window_pages=window, window_at=window_at)
+        return protos.Reservation(lease.lease_id, start, pages, window_pages=window, window_at=window_at,
+                                  state_slots=states, state_at=state_at)
 
     def _window_wanted(self, window_from: int, valid: int, boundaries: list[int], end: int) -> list[int]:
         """The pages whose window parts a save range ending at page ``end`` should bring
@@ -488,25 +522,29 @@ class CacheServer:
                 wanted.update(range(first, boundary))
         return sorted(wanted)
 
-    def _alloc_window(self, want: int) -> list[int]:
-        """``want`` L2 window parts, evicting unlocked ones if needed; none when there is no
-        room for all of them (those pages are then kept without, and no hit ends there
-        until a later save brings the window)."""
+    def _alloc_aux(self, name: str, want: int) -> list[int]:
+        """``want`` L2 units of auxiliary component ``name`` (window parts, states), evicting
+        unlocked ones if needed; none when there is no room for all of them (those pages are
+        then kept without, and no hit ends where they were wanted until a later save brings
+        them)."""
         if not want:
             return []
-        alloc = self._window_alloc
+        alloc = self.cache.component(name).host_allocator
+        assert alloc is not None  # the constructor checked that the component has L2
         if alloc.free_count < want:
-            self.cache.tiers.evict_host_units(WINDOW, want - alloc.free_count)
+            self.cache.tiers.evict_host_units(name, want - alloc.free_count)
         got = alloc.alloc(want) if alloc.free_count >= want else None
-        if got is None:
-            self.counters.reserve_short_window_pages += want
-            return []
-        return list(got)
+        return list(got) if got is not None else []
 
     @property
     def _window_alloc(self) -> Any:
         """The L2 allocator of window parts (only with window layers: the constructor checked it)."""
         return self.cache.component(WINDOW).host_allocator
+
+    @property
+    def _state_alloc(self) -> Any:
+        """The L2 allocator of states (only with state layers: the constructor checked it)."""
+        return self.cache.component(STATE).host_allocator
 
     @property
     def _window_free(self) -> int:
@@ -536,16 +574,23 @@ class CacheServer:
             self._end(lease)
             return
         assert lease.key is not None
-        aux = {WINDOW: dict(zip(lease.window_at, lease.window_pages, strict=True))} if lease.window_pages else None
+        aux: dict[str, dict[int, int]] = {}
+        if lease.window_pages:
+            aux[WINDOW] = dict(zip(lease.window_at, lease.window_pages, strict=True))
+        if lease.state_slots:
+            aux[STATE] = dict(zip(lease.state_at, lease.state_slots, strict=True))
         window_free = self._window_free
+        state_free = self._state_alloc.free_count if self.state else 0
         res = self.cache.tiers.insert_host(lease.key, lease.pages, lease.cache_salt, start_page=lease.start_page,
-                                           aux=aux)
+                                           aux=aux or None)
         self.counters.committed_window_pages += window_free - self._window_free + len(lease.window_pages)
+        if self.state:
+            self.counters.committed_states += state_free - self._state_alloc.free_count + len(lease.state_slots)
         self.counters.committed_pages += res.host_pages_taken
         self.counters.commit_duplicate_pages += len(lease.pages) - res.host_pages_taken
         if lease.window_pages:
             self._slide_window(lease, res.node)
-        if self.tier is not None:  # new nodes, and held ones that took window parts (L3 lacks those)
+        if self.tier is not None:  # new nodes, and held ones that took window parts or states (L3 lacks those)
             for node in res.aux_nodes + res.new_nodes:
                 self.tier.back_up(node)
 
@@ -640,10 +685,14 @@ class CacheServer:
             self.cache.tiers.release_host(lease.node, lease.npages)
             if lease.window_npages:
                 self.cache.tiers.release_host_window(lease.node, WINDOW, lease.window_npages)
+            if lease.state_locked:
+                self.cache.tiers.release_host_state(lease.node, STATE)
         else:
             self.host.free(lease.pages)
             if lease.window_pages:
                 self._window_alloc.free(lease.window_pages)
+            if lease.state_slots:
+                self._state_alloc.free(lease.state_slots)
 
     def expire(self) -> int:
         """Expire silent sessions (their leases become orphans) and end the orphans whose
@@ -699,6 +748,15 @@ class CacheServer:
                          "reserved_tokens": reserved * ps, "window_tokens": self.window,
                          "page_bytes": self.pool.window_page_bytes}}
 
+    def _state_stats(self) -> dict[str, Any]:
+        """``stats()["l2"]["mamba"]``: the states' pool (models with state layers)."""
+        if not self.state:
+            return {}
+        alloc = self._state_alloc
+        reserved = sum(len(x.state_slots) for x in self.leases.leases.values() if x.kind is LeaseKind.RESERVE)
+        return {STATE: {"used_slots": alloc.used, "capacity_slots": alloc.capacity, "reserved_slots": reserved,
+                        "slot_bytes": self.pool.state_bytes}}
+
     def stats(self) -> dict[str, Any]:
         ps = self.cache.page_size
         host = self.host
@@ -707,7 +765,7 @@ class CacheServer:
             "mode": "engine",
             "l2": {"full": {"used_tokens": host.used * ps, "capacity_tokens": host.capacity * ps,
                             "reserved_tokens": reserved * ps, "page_bytes": self.pool.page_bytes},
-                   **self._window_stats()},
+                   **self._window_stats(), **self._state_stats()},
             "engines": [{"session": s.session_id, "engine": s.engine, "pid": s.process.pid,
                          "namespace": s.namespace, "leases": len(s.leases), "ranks": s.ranks,
                          "workers": len(self.leases.workers.get(s.process, {}))}

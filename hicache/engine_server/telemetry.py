@@ -41,7 +41,8 @@ class EngineTelemetry:
         page, window_page = s.pool.page_bytes, s.pool.window_page_bytes
         m.transfer_engine("h2d", self._delta("loaded_bytes", c.loaded_host_pages + c.loaded_storage_pages) * page)
         m.transfer_engine("d2h", self._delta("saved_bytes", c.committed_pages + c.commit_duplicate_pages) * page
-                          + self._delta("saved_window_bytes", c.committed_window_pages) * window_page)
+                          + self._delta("saved_window_bytes", c.committed_window_pages) * window_page
+                          + self._delta("saved_state_bytes", c.committed_states) * s.pool.state_bytes)
         m.evicted("host", self._delta("evicted_host", s.cache.evicted_host_tokens))
         if s.tier is not None:
             t = s.tier.counters

@@ -452,6 +452,42 @@ class TierCalls:
         for n in nodes:
             self.tree.core.host_unlock(n, c.slot)
 
+    def protect_host_state(self, node: TreeNode, name: str) -> int:
+        """Host-lock the L2 state of state component ``name`` (Mamba) at ``node``'s end and
+        return its unit; ValueError where ``node`` has none (``match_prefix`` never ends a
+        host hit there). ``release_host_state`` undoes it."""
+        c = self.tree._by_name.get(name)
+        if c is None or c.paged:
+            raise ValueError(f"protect_host_state: no state component {name!r}")
+        hv = node.data[c.slot].host_value
+        if hv is None:
+            raise ValueError(f"protect_host_state: {node!r} has no {name} L2 state")
+        self.tree.core.host_lock(node, c.slot)
+        return int(c.as_pages(hv)[0])
+
+    def release_host_state(self, node: TreeNode, name: str) -> None:
+        """Undo ``protect_host_state(node, name)``."""
+        c = self.tree._by_name[name]
+        if node.data[c.slot].host_lock_ref <= 0:
+            raise ValueError(f"release_host_state: host_lock_ref of {node!r} would go below zero")
+        self.tree.core.host_unlock(node, c.slot)
+
+    def host_state_pages(self, node: TreeNode, name: str) -> set[int]:
+        """The pages ``j`` of the key from its root down to ``node`` after which state
+        component ``name`` has an L2 state (a state sits at a node's end)."""
+        slot = self.tree._by_name[name].slot
+        ends: list[tuple[TreeNode, bool]] = []
+        while node.parent is not None:
+            ends.append((node, node.data[slot].host_value is not None))
+            node = node.parent
+        out: set[int] = set()
+        at = 0
+        for x, held in reversed(ends):
+            at += self.tree._npages(x)
+            if held:
+                out.add(at - 1)
+        return out
+
     def host_page_flags(self, node: TreeNode, name: str) -> list[bool]:
         """Per page of the key from its root down to ``node``: whether component ``name``
         has L2 data there."""
@@ -600,7 +636,8 @@ class TierCalls:
 
     def _split_for_aux(self, path: list[TreeNode], units: dict[str, dict[int, int]]) -> list[TreeNode]:
         """``path`` with its nodes that can take auxiliary data (a FULL L2 copy, no transfer)
-        split where a paged component's run of ``units`` starts or ends inside them."""
+        split where a paged component's run of ``units`` starts or ends inside them, and after
+        a page inside them that a state of ``units`` follows."""
         out: list[TreeNode] = []
         first = 0
         for x in path:
@@ -611,6 +648,8 @@ class TierCalls:
                     c = self.tree._by_name[name]
                     if c.paged and x.data[c.slot].host_value is None:
                         cuts.update(j for j in range(first + 1, first + k) if (j - 1 in m) != (j in m))
+                    elif not c.paged:  # a state after a page inside the node: cut there (it ends the upper part)
+                        cuts.update(j + 1 for j in m if first <= j < first + k - 1)
             at = first
             for cut in sorted(cuts):
                 out.append(self.tree.core.split(x, (cut - at) * self.tree.page_size))

@@ -943,3 +943,122 @@ def test_random_window_engines_never_get_another_prefixes_parts(seed: int) -> No
         server.handle(protos.Release(s, RUN, lease, 0))
     server.check_idle()
     assert server.integrity_error is None and server.exact_checks == 1
+
+
+STATEFUL = EngineKVGeometry("c" * 64, "bfloat16", PS, 2, 2, 32, "LBHNC", state_layers=2, state_bytes=1000)
+"""A model with two attention layers and two state layers (a GDN's), whose states are kept at some page ends."""
+
+
+def make_state_server(l2_pages: int = 32, state_slots: int = 4) -> CacheServer:
+    from hicache.tree.components import MambaComponent
+
+    comps = [FullComponent(PageAllocator(0, "l1-full"), PageAllocator(l2_pages, "l2-full")),
+             MambaComponent(PageAllocator(0, "l1-mamba"), PageAllocator(state_slots, "l2-mamba"))]
+    cache = UnifiedRadixCache(comps, PS, hasher=HashNamespace(STATEFUL.model_identity, "bfloat16", PS, "full"))
+    pool = L2PoolInfo("inst", "inst-full-l2-0", "/dev/shm", l2_pages, STATEFUL.page_bytes,
+                      state_segment="inst-mamba-l2-0", state_slots=state_slots,
+                      state_bytes=STATEFUL.state_part_bytes)
+    clock = Clock()
+    return CacheServer(cache, None, STATEFUL, pool, TTL, clock=clock, run=RUN, leases=LeaseTable(TTL, gone=clock.gone))
+
+
+def state_session(server: CacheServer, state_bytes: int = STATEFUL.state_bytes, tp: int = 1) -> protos.Message:
+    g = STATEFUL
+    return server.handle(protos.EngineRegister(1, "engine-s", 322, g.model_identity, g.kv_dtype, g.block_size,
+                                               g.num_layers, g.num_kv_heads, g.head_dim, g.kv_layout, g.page_bytes,
+                                               RUNTIME, tensor_parallel=tp, state_layers=2, state_bytes=state_bytes))
+
+
+class StateEngine:
+    """Saves pages and the states after some of them, writing each as a function of its own
+    prefix, and checks that every page and state a lookup hands it is its own prefix's."""
+
+    def __init__(self, server: CacheServer) -> None:
+        self.server = server
+        reg = state_session(server)
+        assert isinstance(reg, protos.EngineRegistered), reg
+        self.session = reg.session
+        self.pages: dict[int, bytes] = {}
+        self.states: dict[int, bytes] = {}
+        self.req = 0
+
+    def save(self, rid: str, tokens: list[int], state_pages: list[int], ok: bool = True) -> protos.Reservation:
+        self.req += 1
+        item = protos.SaveRange(rid, protos.pack_tokens(tokens), 0, state_pages=state_pages)
+        ans = self.server.handle(protos.Reserve(self.req, self.session, RUN, [item]))
+        assert isinstance(ans, protos.ReserveResult), ans
+        got = ans.items[0]
+        for i, page in enumerate(got.host_pages):
+            self.pages[page] = content(tokens, got.start_page + i)
+        for j, slot in zip(got.state_at, got.state_slots, strict=True):
+            self.states[slot] = content(tokens, j, "state")
+        if got.lease:
+            self.server.handle(protos.Commit(self.session, RUN, got.lease, ok))
+        return got
+
+    def lookup(self, tokens: list[int], release: bool = True) -> protos.LookupResult:
+        self.req += 1
+        ans = self.server.handle(protos.Lookup(self.req, self.session, RUN, f"q{self.req}", protos.pack_tokens(tokens)))
+        assert isinstance(ans, protos.LookupResult), ans
+        for i, page in enumerate(ans.host_pages):
+            assert self.pages[page] == content(tokens, i), f"page {i} is another prefix's"
+        if ans.host_pages:
+            assert self.states[ans.state_slot] == content(tokens, len(ans.host_pages) - 1, "state")
+        else:
+            assert ans.state_slot == -1
+        if ans.lease and release:
+            self.server.handle(protos.Release(self.session, RUN, ans.lease, len(ans.host_pages)))
+        return ans
+
+
+def test_a_state_model_hits_only_after_a_page_whose_state_is_kept() -> None:
+    """The pages of every saved prefix are kept, a state only after the pages the engine
+    offered one for; a hit ends at the last page with a state, and a later save that offers
+    the state at a branch point inside a held prefix makes that point a hit."""
+    server = make_state_server()
+    assert isinstance(state_session(server, tp=2), protos.EngineError)  # one rank only
+    assert isinstance(state_session(server, state_bytes=999), protos.EngineError)  # another state layout
+    assert isinstance(register(server), protos.EngineError)  # no state layers: other pages
+    e = StateEngine(server)
+    rnd = random.Random(3)
+    a = [rnd.randrange(1, 100) for _ in range(6 * PS)]
+    got = e.save("a", a, state_pages=[5, 9])  # 9: beyond the range, not kept
+    assert len(got.host_pages) == 6 and got.state_at == [5]
+    assert len(e.lookup(a + [1]).host_pages) == 6
+    branch = a[: 3 * PS] + [rnd.randrange(100, 200) for _ in range(3 * PS)]
+    assert e.lookup(branch + [1]).host_pages == []  # a's pages 0-2 are held, but no state after page 2
+    got = e.save("b", branch, state_pages=[2, 5])  # the branch point's state and its own end's
+    assert got.start_page == 3 and len(got.host_pages) == 3 and got.state_at == [2, 5]
+    assert len(e.lookup(branch + [1]).host_pages) == 6
+    other = a[: 3 * PS] + [7] * (2 * PS)
+    assert len(e.lookup(other).host_pages) == 3  # the branch point is a hit now
+    assert len(e.lookup(a + [1]).host_pages) == 6  # and a's end still is
+    assert server.counters.committed_states == 3
+    assert server.stats()["l2"]["mamba"] == {"used_slots": 3, "capacity_slots": 4, "reserved_slots": 0,
+                                             "slot_bytes": 2000}
+    assert e.save("a2", a, state_pages=[5]).lease == 0  # all of it held: nothing to save
+    server.check_idle()
+    assert server.integrity_error is None and server.exact_checks == 1
+
+
+def test_a_leased_state_is_never_evicted_and_a_failed_save_frees_its_states() -> None:
+    server = make_state_server(state_slots=2)
+    e = StateEngine(server)
+    rnd = random.Random(4)
+    prompts = [[rnd.randrange(1, 100) for _ in range(3 * PS)] for _ in range(4)]
+    e.save("p0", prompts[0], state_pages=[2])
+    held = e.lookup(prompts[0] + [1], release=False)  # p0's state locked under the lease
+    assert len(held.host_pages) == 3
+    e.save("p1", prompts[1], state_pages=[2])
+    e.save("p2", prompts[2], state_pages=[2])  # the pool is full: p1's state goes, p0's is leased
+    assert len(e.lookup(prompts[0] + [1]).host_pages) == 3
+    assert e.lookup(prompts[1] + [1]).host_pages == []  # its pages stay, without a state: no hit
+    assert len(e.lookup(prompts[2] + [1]).host_pages) == 3
+    server.handle(protos.Release(e.session, RUN, held.lease, 3))
+    used = server.stats()["l2"]["mamba"]["used_slots"]
+    failed = e.save("p3", prompts[3], state_pages=[2], ok=False)
+    assert failed.state_at == [2]
+    assert server.stats()["l2"]["mamba"]["used_slots"] == used - 1  # one evicted to make room, then freed
+    assert e.lookup(prompts[3] + [1]).host_pages == []
+    server.check_idle()
+    assert server.integrity_error is None

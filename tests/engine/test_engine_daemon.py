@@ -41,10 +41,15 @@ def test_check_config_validates_engine_mode(tmp_path: Path, checkpoints: dict[st
     for key in ("engine.model", "ipc.dir", "cache.l2.enabled"):
         assert key in bad.stderr
     raw = json.loads((checkpoints["llama-bf16"] / "config.json").read_text())
-    variants = {  # sliding-window attention is held; recurrent state is refused, naming what says so
+    gdn = {"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"],
+           "linear_num_key_heads": 1, "linear_num_value_heads": 1, "linear_key_head_dim": 128,
+           "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
+    variants = {  # sliding-window attention and Qwen3-Next's GDN state are held; other recurrent state is refused,
+        # naming what says so
         "sliding": ({"sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]}, None),
         "mla": ({"kv_lora_rank": 512, "qk_rope_head_dim": 64}, None),
-        "gdn": ({"layer_types": ["linear_attention", "full_attention"]}, "linear_attention"),
+        "qwen3-next": (gdn, None),
+        "gdn-elsewhere": ({"layer_types": ["linear_attention", "full_attention"]}, "linear_attention"),
         "mamba": ({"mamba_d_state": 16}, "mamba_d_state"),
     }
     for name, (change, refusal) in variants.items():
@@ -56,7 +61,8 @@ def test_check_config_validates_engine_mode(tmp_path: Path, checkpoints: dict[st
         if refusal is None:
             assert got.returncode == 0, got.stderr
         else:
-            assert got.returncode == 2 and refusal in got.stderr and "attention KV only" in got.stderr, got.stderr
+            assert got.returncode == 2 and refusal in got.stderr and "gated delta net state of qwen3_next only" \
+                in got.stderr, got.stderr
     huge = _check_config(tmp_path, {**engine_config(checkpoints["llama-bf16"], tmp_path / "run"),
                                     "cache": {"page_size": 32, "l2": {"tokens": 2**40}}})
     assert huge.returncode == 2 and "cache.l2.tokens" in huge.stderr

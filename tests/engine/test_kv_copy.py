@@ -9,7 +9,16 @@ import sys
 import pytest
 import torch
 
-from hicache.connectors.kv_copy import CUDA_REFUSAL, NO_BLOCK, NO_PAGE, BlockCopier, PoolRef, kv_problem
+from hicache.connectors.kv_copy import (
+    CUDA_REFUSAL,
+    NO_BLOCK,
+    NO_PAGE,
+    BlockCopier,
+    PoolRef,
+    StateCopier,
+    kv_problem,
+    state_problem,
+)
 from hicache.connectors.kv_copy_cuda import CudaBlockCopier, block_first
 from hicache.memory.shm import SharedSegment, TensorSpec
 
@@ -216,3 +225,45 @@ def test_a_model_whose_every_layer_has_the_window_keeps_no_full_part() -> None:
     finally:
         win_seg.unlink()
         win_seg.close()
+
+
+def test_states_copy_every_state_layers_bytes_of_one_block_and_skip_vllms_padding() -> None:
+    """State layers as vLLM's CPU GDN keeps them: per layer one byte tensor whose blocks are
+    padded to the attention page (a block is a strided slice); a state is each layer's block
+    bytes, the padding not kept. A state group beside attention groups is not a BlockCopier's."""
+    blocks, padded, state = 6, 40, 24
+    raw = [torch.zeros(blocks, padded, dtype=torch.int8) for _ in range(2)]
+    layers = [[r[:, :state].view(blocks, 1, 1, state)] for r in raw]  # strided: padding after each block
+    for i, r in enumerate(raw):
+        r.copy_(torch.randint(-100, 100, r.shape, generator=torch.Generator().manual_seed(i), dtype=torch.int8))
+    assert state_problem(layers, blocks, state) is None
+    assert "bytes of state" in (state_problem(layers, blocks, state + 1) or "")
+    slots = 3
+    name = f"hicache-test-state-{os.getpid()}"
+    seg = SharedSegment.create(name, slots * 2 * state)
+    try:
+        pool = seg.tensor(TensorSpec(name, (slots, 2, state), "uint8"))
+        copier = StateCopier(layers, [1, 1])  # both layers in KV cache group 1
+        copier.attach(PoolRef("inst", name, seg.directory, slots, 2 * state))
+        assert copier.save([NO_BLOCK, 4], 2) == 2 * state
+        for i, r in enumerate(raw):
+            assert torch.equal(pool[2, i], r[4, :state].view(torch.uint8))
+        before = [r.clone() for r in raw]
+        assert copier.load(2, [NO_BLOCK, 1]) == 2 * state
+        for i, r in enumerate(raw):
+            assert torch.equal(r[1, :state], before[i][4, :state])  # the state, into block 1
+            assert torch.equal(r[1, state:], before[i][1, state:])  # the padding untouched
+            others = [b for b in range(blocks) if b != 1]
+            assert torch.equal(r[others], before[i][others])
+        with pytest.raises(ValueError, match="out of range"):
+            copier.load(2, [NO_BLOCK, NO_BLOCK])  # no block for the state group
+        with pytest.raises(ValueError, match="out of range"):
+            copier.save([NO_BLOCK, 1], slots)
+        del pool
+        copier.detach()
+    finally:
+        seg.unlink()
+        seg.close()
+    attention = [torch.zeros(blocks, HEADS, BS, 2 * DIM)]
+    kv = BlockCopier(attention, [0], num_groups=2)  # group 1 holds state layers: no block of it is copied
+    assert len(kv.group_layers) == 2 and kv.group_layers[1] == []
