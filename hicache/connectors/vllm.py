@@ -59,6 +59,14 @@ request, so a hit loads asynchronously: the request waits for the step whose
 ``start_load_kv`` copies it (``get_finished``), and a failed load is reported for the request
 (``failed_recving``), which vLLM recomputes whole.
 
+GDN hybrids (Qwen3-Next): a ``MambaSpec`` group holds the gated delta net layers' state, one
+per block, which vLLM (``align`` mode, on with prefix caching) keeps at some block ends only
+and offers in the step that computes it (``boundary_state_offloads``). A save names the
+block-aligned offers of its request (``SaveRange.state_pages``) and copies the ones the
+daemon reserves a slot for (``StateCopier``: each state layer's block bytes); a hit ends
+after a page whose state the daemon keeps, and its load copies that state into the state
+group's block of the hit's last page, where vLLM reads a request's initial state.
+
 Every plan names the daemon run it was made under (``EngineRegistered.run``); the worker
 refuses a plan of another run than the step's registration, whose page numbers would index
 a new daemon's pool. The session registers with the engine's runtime identity
@@ -83,8 +91,10 @@ rank holds the whole latent, so rank 0 alone saves it (stored once) and every ra
 
 Refused at start, with the reason: pipeline parallelism, fewer KV heads than tensor-parallel
 ranks (vLLM replicates them), vLLM's AMX MLA backend (not run with hicache), a vLLM version other than
-the supported ones, a KV cache group that is not full or sliding-window attention or MLA of one
-shape (``kv_groups_problem``: Mamba / GDN state, MLA beside other attention), a CUDA KV cache (its copy path has not run on a GPU), and an engine whose model or KV geometry differs
+the supported ones, a KV cache group that is not full or sliding-window attention, MLA of one
+shape or a state group in ``align`` mode (``kv_groups_problem``: e.g. MLA beside other
+attention), state layers at more than one rank, a CUDA KV cache (its copy path has not run
+on a GPU), and an engine whose model or KV geometry differs
 from what the daemon serves. A daemon that is absent or slow costs hits, never correctness:
 lookups time out (``engine.lookup_timeout_ms``) as misses and the connector backs off.
 """

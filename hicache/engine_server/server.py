@@ -23,6 +23,11 @@ full parts of the range and the window parts that L2 lacks of those windows
 (``_window_wanted``), and a request's commit drops the window parts it brought for its
 earlier ends (``_slide_window``). docs/architecture.md §13 has the whole rule.
 
+A model with state layers (a GDN's) keeps, besides its pages, the states the engine offered
+after some of them (the tree's Mamba component, ``STATE``): a hit ends only after a page
+whose state is kept, a lookup locks and answers that state, and a reservation takes a slot
+for each offered state the tree lacks (``SaveRange.state_pages``).
+
 Each daemon start has a random ``run``; every message an engine sends carries the run of its
 session, and one of another run is refused (``stale_run``) before it touches anything. Each
 session has a *namespace* from the engine's runtime identity (version, attention kernel,

@@ -423,3 +423,33 @@ def test_drop_host_units_clears_a_page_range_of_a_window_and_keeps_locked_data()
     assert cache.tiers.drop_host_units(tail, "swa", 5, 6) == 1
     assert cache.match_prefix(a).host_hit_length == 8 and swa_host.free_count == 16 - 3
     cache.check_integrity(exact=True)
+
+
+def test_insert_host_gives_a_state_after_a_page_inside_a_held_node_by_splitting_it():
+    """An L2-only tree of a state model (engine mode with a GDN): ``insert_host`` with a
+    Mamba state after a page inside a node the tree holds splits the node there and gives the
+    upper part the state; the split point becomes a hit, the protected state is the one after
+    it, and ``host_state_pages`` lists where states are kept. A state for a page that already
+    ends a node with one is freed."""
+    host, states = PageAllocator(64, "full-l2"), PageAllocator(8, "mamba-l2")
+    cache = UnifiedRadixCache([FullComponent(PageAllocator(0, "full"), host),
+                               MambaComponent(PageAllocator(0, "mamba"), states)], 1)
+    a = toks("abcdefgh")
+    end = states.alloc(1)[0]
+    r = cache.tiers.insert_host(a, host.alloc(8), aux={"mamba": {7: end}})
+    assert cache.tiers.host_state_pages(r.node, "mamba") == {7}
+    assert cache.match_prefix(toks("abcdx")).host_hit_length == 0  # no state after "abcd"
+    mid, dup = states.alloc(2)
+    r = cache.tiers.insert_host(toks("abcdxy"), host.alloc(2), start_page=4, aux={"mamba": {3: mid, 5: dup}})
+    assert len(r.aux_nodes) == 1 and r.aux_nodes[0].key == toks("abcd")
+    m = cache.match_prefix(toks("abcdz"))
+    assert m.host_hit_length == 4
+    assert cache.tiers.protect_host_state(m.last_host_node, "mamba") == mid
+    cache.tiers.release_host_state(m.last_host_node, "mamba")
+    assert cache.match_prefix(a).host_hit_length == 8 and cache.match_prefix(toks("abcdxy")).host_hit_length == 6
+    assert cache.tiers.host_state_pages(cache.match_prefix(a).last_host_node, "mamba") == {3, 7}
+    free = states.free_count
+    again = states.alloc(1)[0]
+    r = cache.tiers.insert_host(a, [], start_page=8, aux={"mamba": {7: again}})  # a's end has its state
+    assert r.aux_nodes == [] and states.free_count == free
+    cache.check_integrity(exact=True)
