@@ -705,7 +705,7 @@ def _validate_swa_pools(cfg: HicacheConfig, bad: Callable[[str, str], None]) -> 
             continue
         if value <= 0:
             bad(path, f"must be > 0, got {value}")
-        elif _power_of_two(ps) and value % ps:
+        elif ps > 0 and value % ps:
             bad(path, f"must be a multiple of cache.page_size ({ps}), got {value}")
         elif value > full > 0:
             bad(path, f"must be <= cache.{tier}.tokens ({full}): the SWA pool never needs more pages "
@@ -802,12 +802,14 @@ def _check_events(cfg: HicacheConfig, ck: _Checks) -> None:
 def _check_cache(cfg: HicacheConfig, ck: _Checks) -> None:
     """The checks of ``cache`` (L1, L2, the write and prefetch policies)."""
     c = cfg.cache
-    if not _power_of_two(c.page_size):
-        ck.bad("cache.page_size", f"must be a power of two, got {c.page_size}")
+    engine = cfg.engine.kind != "builtin"  # the page is the engines' block (a hybrid's need not be a power of two)
+    page_ok = c.page_size > 0 and (engine or _power_of_two(c.page_size))
+    if not page_ok:
+        ck.bad("cache.page_size", f"must be {'positive' if engine else 'a power of two'}, got {c.page_size}")
     ck.positive("cache.l1.tokens", c.l1.tokens)
     ck.positive("cache.l2.tokens", c.l2.tokens)
-    if _power_of_two(c.page_size):
-        if c.l1.tokens % c.page_size:
+    if page_ok:
+        if c.l1.tokens % c.page_size and not engine:
             ck.bad("cache.l1.tokens", f"must be a multiple of cache.page_size ({c.page_size}), got {c.l1.tokens}")
         if c.l2.tokens % c.page_size:
             ck.bad("cache.l2.tokens", f"must be a multiple of cache.page_size ({c.page_size}), got {c.l2.tokens}")
@@ -817,7 +819,7 @@ def _check_cache(cfg: HicacheConfig, ck: _Checks) -> None:
                f"holds up to {STATE_SLOTS_PER_REQUEST} besides the cached state it matched), got {c.l1.state_slots}")
     ck.non_negative("cache.l2.state_slots", c.l2.state_slots)
     ck.non_negative("cache.mamba_branch_interval", c.mamba_branch_interval)
-    if _power_of_two(c.page_size) and c.mamba_branch_interval % c.page_size:
+    if page_ok and not engine and c.mamba_branch_interval % c.page_size:
         ck.bad("cache.mamba_branch_interval",
                f"must be a multiple of cache.page_size ({c.page_size}), got {c.mamba_branch_interval}")
     if c.l2.enabled and 0 < c.l2.tokens < c.l1.tokens and cfg.engine.kind == "builtin":

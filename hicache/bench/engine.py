@@ -36,9 +36,13 @@ Every figure comes with its reference measured in the same run, as medians and r
   not importable; if its engine starts, a repeated prompt's TTFT against its first request).
 
 The model has random weights (``save_random_model``), kept under ``--workdir``: a Llama
-(``--model-kind llama``, full attention) or a Gemma 3 (``--model-kind gemma3``: layers
+(``--model-kind llama``, full attention), a Gemma 3 (``--model-kind gemma3``: layers
 alternate a ``--sliding-window`` window and full attention, which vLLM's hybrid allocator
-keeps in two KV cache groups; the connector loads those asynchronously). With
+keeps in two KV cache groups; the connector loads those asynchronously) or a Qwen3-Next
+(``--model-kind qwen3_next``: gated delta net layers, whose state vLLM keeps per block,
+alternate with full attention; always bfloat16, the only dtype vLLM's CPU GDN kernel runs,
+and the block is the one vLLM picks so that a page holds a GDN layer's state:
+``hybrid_block_size``). With
 ``--tensor-parallel N`` every engine of the run (vLLM alone and vLLM + hicache alike) runs at
 that rank count, its ranks bound to the same cores. Its dtype
 is bfloat16 where the CPU computes bfloat16 natively (AVX512-BF16 or AMX) and float32
@@ -60,8 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "removed at the end)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     g = parser.add_argument_group("model (random weights)")
-    g.add_argument("--model-kind", default="llama", choices=("llama", "gemma3"),
-                   help="llama: full attention; gemma3: sliding-window and full layers alternating")
+    g.add_argument("--model-kind", default="llama", choices=("llama", "gemma3", "qwen3_next"),
+                   help="llama: full attention; gemma3: sliding-window and full layers alternating; "
+                   "qwen3_next: gated delta net (state) and full layers alternating")
     g.add_argument("--sliding-window", type=int, default=1024, help="gemma3: the window of its sliding layers")
     g.add_argument("--layers", type=int, default=8)
     g.add_argument("--hidden", type=int, default=1024)
@@ -113,6 +118,22 @@ def _native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def hybrid_block_size(model_dir: str, block_size: int) -> int:
+    """The block vLLM 0.32 runs a GDN hybrid with (its ``_align_hybrid_block_size``): the
+    smallest multiple of ``block_size`` whose attention page (one layer's K and V) holds one
+    GDN layer's state; ``block_size`` for a model without state layers."""
+    import json
+    from pathlib import Path
+
+    from hicache.engine_server.geometry import KV_DTYPE_BYTES, checkpoint_dtype, state_shape
+
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    dtype = checkpoint_dtype(raw)
+    _, state = state_shape(raw, dtype)
+    per_token = int(raw["num_key_value_heads"]) * int(raw["head_dim"]) * 2 * KV_DTYPE_BYTES[dtype]
+    return max(block_size, block_size * -(-state // (block_size * per_token)))
+
+
 def _apply_quick(args: argparse.Namespace) -> None:
     args.layers, args.hidden, args.heads, args.kv_heads, args.head_dim = 2, 256, 4, 2, 64
     args.intermediate, args.vocab = 512, 1024
@@ -151,6 +172,12 @@ def run(args: argparse.Namespace) -> int:
               "(vLLM would replicate KV heads, which the connector refuses)")
         return 2
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if _native_bf16() else "float32")
+    if args.model_kind == "qwen3_next":
+        if args.dtype == "float32" or args.tensor_parallel != 1:
+            print("hicache: --model-kind qwen3_next runs in bfloat16 (vLLM's CPU GDN kernel) at one rank (hicache "
+                  "keeps GDN state for engines of one rank)")
+            return 2
+        dtype = "bfloat16"
     began = time.perf_counter()
 
     def progress(msg: str) -> None:
@@ -200,7 +227,10 @@ def run(args: argparse.Namespace) -> int:
                               intermediate=args.intermediate, dtype=dtype, max_positions=positions,
                               sliding_window=args.sliding_window)
             per_token = kv_bytes_per_token(str(model_dir), 2 if dtype == "bfloat16" else 4)
-            bench = Bench(workdir, str(model_dir), args.block_size, per_token, args.vocab, dtype, progress,
+            block = hybrid_block_size(str(model_dir), args.block_size)
+            if block != args.block_size:
+                progress(f"model: vLLM runs it with blocks of {block} tokens (a page holds a GDN layer's state)")
+            bench = Bench(workdir, str(model_dir), block, per_token, args.vocab, dtype, progress,
                           tensor_parallel=args.tensor_parallel)
             extra["model"] = {"dir": str(model_dir), "key": key, "kv_bytes_per_token": per_token}
             if "ttft" in parts:

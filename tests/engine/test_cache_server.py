@@ -1062,3 +1062,97 @@ def test_a_leased_state_is_never_evicted_and_a_failed_save_frees_its_states() ->
     assert e.lookup(prompts[3] + [1]).host_pages == []
     server.check_idle()
     assert server.integrity_error is None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_state_engines_never_get_another_prefixes_pages_or_states(seed: int) -> None:
+    """Requests of a GDN model saving as they grow (chunks and decoded pages; the engine
+    offers the state at a save's end, at its prompt's last page before its last token and at
+    an earlier page where it branches off another request; some saves fail), lookups holding
+    leases, over pools small enough to evict pages and states: every hit holds exactly its
+    own prefix's pages and the state after its last page, and idle checks find no leak."""
+    rnd = random.Random(seed)
+    server = make_state_server(l2_pages=24, state_slots=5)
+    pages: dict[int, bytes] = {}
+    states: dict[int, bytes] = {}
+
+    def unit(tokens: list[int], page: int, what: str) -> bytes:
+        return hashlib.sha256(repr((what, tokens[: (page + 1) * PS])).encode()).digest()
+
+    sessions = []
+    for _ in range(3):
+        reg = state_session(server)
+        assert isinstance(reg, protos.EngineRegistered)
+        sessions.append(reg.session)
+    stems = [[rnd.randrange(1, 30) for _ in range(3 * PS)] for _ in range(3)]
+    open_leases: list[tuple[int, int]] = []
+    live: list[tuple[int, str, list[int], int]] = []  # (session, rid, tokens, pages saved)
+    rids = iter(range(10**6))
+    hits = states_seen = 0
+    for _ in range(400):
+        op = rnd.random()
+        if op < 0.35 or not live:
+            tokens = rnd.choice(stems)[: rnd.randrange(1, 4) * PS] + [rnd.randrange(1, 4) for _ in range(
+                rnd.randrange(0, 5) * PS + rnd.randrange(0, PS))]
+            live.append((rnd.choice(sessions), f"r{next(rids)}", tokens, 0))
+        if op < 0.7 and live:
+            i = rnd.randrange(len(live))
+            s, rid, tokens, saved = live[i]
+            if rnd.random() < 0.3:
+                tokens = tokens + [rnd.randrange(1, 4) for _ in range(PS)]
+            end = len(tokens) // PS
+            if end > saved:
+                step = rnd.choice([end, min(end, saved + 1)])
+                offered = {step - 1, (len(tokens) - 1) // PS - 1}
+                if rnd.random() < 0.3:
+                    offered.add(rnd.randrange(0, step))  # a branch point
+                offered = {j for j in offered if 0 <= j < step}
+                item = protos.SaveRange(rid, protos.pack_tokens(tokens[: step * PS]), saved,
+                                        state_pages=sorted(offered))
+                ans = server.handle(protos.Reserve(1, s, RUN, [item]))
+                assert isinstance(ans, protos.ReserveResult)
+                res = ans.items[0]
+                assert set(res.state_at) <= offered
+                for k, page in enumerate(res.host_pages):
+                    pages[page] = unit(tokens, res.start_page + k, "page")
+                for j, slot in zip(res.state_at, res.state_slots, strict=True):
+                    states[slot] = unit(tokens, j, "state")
+                if res.lease:
+                    server.handle(protos.Commit(s, RUN, res.lease, rnd.random() > 0.1))
+                live[i] = (s, rid, tokens, step)
+        elif op < 0.9:
+            if live and rnd.random() < 0.5:
+                asked = rnd.choice(live)[2]
+                tokens = asked[: rnd.randrange(1, len(asked) + 1)]
+            else:
+                tokens = rnd.choice(stems)[: rnd.randrange(1, 4) * PS] + [rnd.randrange(1, 4) for _ in range(
+                    rnd.randrange(0, 5) * PS)]
+            tokens = tokens[: len(tokens) // PS * PS]
+            s = rnd.choice(sessions)
+            ans = server.handle(protos.Lookup(2, s, RUN, f"q{next(rids)}", protos.pack_tokens(tokens)))
+            assert isinstance(ans, protos.LookupResult)
+            n = len(ans.host_pages)
+            for k, page in enumerate(ans.host_pages):
+                assert pages[page] == unit(tokens, k, "page"), f"page {k} of the hit holds other KV"
+            if n:
+                assert states[ans.state_slot] == unit(tokens, n - 1, "state"), "the hit's state is another prefix's"
+                hits += 1
+            else:
+                assert ans.state_slot == -1
+            if ans.lease:
+                if rnd.random() < 0.3:
+                    open_leases.append((s, ans.lease))
+                else:
+                    server.handle(protos.Release(s, RUN, ans.lease, n))
+        elif open_leases:
+            s, lease = open_leases.pop(rnd.randrange(len(open_leases)))
+            server.handle(protos.Release(s, RUN, lease, 0))
+        if rnd.random() < 0.05:
+            live = [x for x in live if rnd.random() < 0.5]
+        states_seen = max(states_seen, server.counters.committed_states)
+        server.cache.check_integrity()
+    for s, lease in open_leases:
+        server.handle(protos.Release(s, RUN, lease, 0))
+    server.check_idle()
+    assert server.integrity_error is None and server.exact_checks == 1
+    assert hits > 10 and states_seen > 5  # the run exercised hits and evicted states (5 slots)

@@ -77,6 +77,17 @@ def test_all_problems_are_reported_with_their_paths() -> None:
     assert "one of" in probs["scheduler.policy"]
 
 
+def test_an_engine_mode_page_is_the_engines_block_and_need_not_be_a_power_of_two() -> None:
+    """vLLM sizes a GDN hybrid's block so one page holds a layer's state (96 tokens, say); the
+    builtin model keeps power-of-two pages."""
+    engine = {"engine": {"kind": "vllm", "model": "/m"}, "cache": {"page_size": 96, "l2": {"tokens": 96 * 64}}}
+    assert "cache.page_size" not in _problems(engine)
+    assert "cache.l2.tokens" not in _problems(engine)
+    assert "positive" in _problems({**engine, "cache": {"page_size": 0, "l2": {"tokens": 96}}})["cache.page_size"]
+    assert "cache.l2.tokens" in _problems({**engine, "cache": {"page_size": 96, "l2": {"tokens": 100}}})
+    assert "power of two" in _problems({"cache": {"page_size": 96}})["cache.page_size"]
+
+
 @pytest.mark.parametrize(("raw", "path", "needle"), [
     ({"cache": {"l2": {"tokens": 100}}}, "cache.l2.tokens", "multiple of cache.page_size"),
     ({"cache": {"l2": {"tokens": 2 ** 50}}}, "cache.l2.tokens", "host memory"),

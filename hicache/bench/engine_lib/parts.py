@@ -462,15 +462,16 @@ def run_peers(b: Bench, *, prompt_tokens: int, repeats: int) -> dict[str, Any]:
 
 
 def l2_bytes_per_cached_token(stats: dict[str, Any], block_size: int) -> float | None:
-    """L2 bytes the daemon holds per cached token (the full parts of its pages, and the
-    window parts where the model has window layers), from its ``/cache/stats``; None when
-    it holds nothing."""
+    """L2 bytes the daemon holds per cached token (the full parts of its pages, the window
+    parts where the model has window layers, the states where it has state layers), from its
+    ``/cache/stats``; None when it holds nothing."""
     l2 = stats.get("l2") or {}
     tokens = int((l2.get("full") or {}).get("used_tokens") or 0)
     if not tokens:
         return None
-    held = sum(int(part.get("used_tokens") or 0) * int(part.get("page_bytes") or 0) for part in l2.values())
-    return held / block_size / tokens
+    held = sum(int(part.get("used_tokens") or 0) * int(part.get("page_bytes") or 0) / block_size
+               + int(part.get("used_slots") or 0) * int(part.get("slot_bytes") or 0) for part in l2.values())
+    return held / tokens
 
 
 def kv_bytes_per_token(model_dir: str, dtype_bytes: int) -> int:
