@@ -253,12 +253,12 @@ def test_an_engine_killed_mid_save_leaves_nothing_wrong_and_nothing_leaked(stack
     stack.idle_and_intact()
 
 
-def test_a_model_whose_every_layer_has_the_window(engines: Engines, tmp_path_factory: pytest.TempPathFactory
-                                                  ) -> None:
+def test_a_model_whose_every_layer_has_the_window(engines: Engines, tmp_path_factory: pytest.TempPathFactory,
+                                                  redis_server: RedisProcess) -> None:
     """Mistral with ``sliding_window``: one KV cache group, of the window kind (loads are
     synchronous, a failed block maps back to its request). An engine loads from L2 what it
-    computed, then from the file L3 after a daemon restart, only the window's blocks, and
-    its outputs equal vLLM alone's."""
+    computed, then from the file L3 after a daemon restart, then from Redis after a Redis
+    daemon's restart, only the window's blocks, and its outputs equal vLLM alone's."""
     tmp = tmp_path_factory.mktemp("engine-all-window")
     model = save_random_model(tmp / "mistral", arch="mistral", layers=2, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                               dtype="float32", seed=6, sliding_window=WINDOW)
@@ -266,8 +266,9 @@ def test_a_model_whose_every_layer_has_the_window(engines: Engines, tmp_path_fac
     alone = engines.start(model, "mistral-alone", dtype="float32")
     reference = alone.generate(prompts, MAX_TOKENS)["outputs"]
     alone.stop()
-    daemon = Daemon(tmp, engine_config(model, Path(f"/tmp/hcw-{os.getpid()}"),
-                                       l3={"backend": "file", "file": {"dir": str(tmp / "l3")}}), "daemon")
+    run_dir = Path(f"/tmp/hcw-{os.getpid()}")
+    daemon = Daemon(tmp, engine_config(model, run_dir, l3={"backend": "file", "file": {"dir": str(tmp / "l3")}}),
+                    "daemon")
     daemon.start()
     try:
         m = engines.start(model, "mistral", hicache=daemon, dtype="float32", log_stats=True)
@@ -294,5 +295,18 @@ def test_a_model_whose_every_layer_has_the_window(engines: Engines, tmp_path_fac
                                        30)["integrity"]["exact_checks"]
         st = daemon.wait_for_stats("an exact check", lambda st: st["integrity"]["exact_checks"] > checks, 30)
         assert st["integrity"]["error"] is None
+        assert daemon.stop() == 0  # Redis as L3 in its place (same socket: m moves to it)
+        daemon = Daemon(tmp, engine_config(model, run_dir, l3={"backend": "redis", "redis": {
+            "url": redis_server.url, "key_prefix": "hc-all-window"}}), "redis-daemon")
+        daemon.start()
+        assert m.generate(prompts, MAX_TOKENS)["outputs"] == reference  # computed again, saved, backed up
+        daemon.wait_for_stats("the backups to Redis", lambda st: st["leases"]["open"] == 0
+                              and st["tiers"]["in_flight"] == 0 and st["tiers"]["backup_tokens"] >= sum(hit), 30)
+        assert daemon.stop() == 0
+        daemon.start()
+        from_redis = m.generate(prompts, MAX_TOKENS)
+        assert from_redis["outputs"] == reference and from_redis["cached"] == hit
+        daemon.wait_for_stats("the loads from Redis", lambda st: st["engine"]["loaded_storage_pages"]
+                              == sum(h // BLOCK for h in hit), 10)
     finally:
         daemon.stop()
