@@ -40,7 +40,8 @@ The model has random weights (``save_random_model``), kept under ``--workdir``: 
 alternate a ``--sliding-window`` window and full attention, which vLLM's hybrid allocator
 keeps in two KV cache groups; the connector loads those asynchronously) or a Qwen3-Next
 (``--model-kind qwen3_next``: gated delta net layers, whose state vLLM keeps per block,
-alternate with full attention; always bfloat16, the only dtype vLLM's CPU GDN kernel runs,
+alternate with full attention, one GDN head per rank; always bfloat16, the only dtype vLLM's
+CPU GDN kernel runs,
 and the block is the one vLLM picks so that a page holds a GDN layer's state:
 ``hybrid_block_size``). With
 ``--tensor-parallel N`` every engine of the run (vLLM alone and vLLM + hicache alike) runs at
@@ -173,9 +174,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if _native_bf16() else "float32")
     if args.model_kind == "qwen3_next":
-        if args.dtype == "float32" or args.tensor_parallel != 1:
-            print("hicache: --model-kind qwen3_next runs in bfloat16 (vLLM's CPU GDN kernel) at one rank (hicache "
-                  "keeps GDN state for engines of one rank)")
+        if args.dtype == "float32":
+            print("hicache: --model-kind qwen3_next runs in bfloat16 (the only dtype of vLLM's CPU GDN kernel)")
             return 2
         dtype = "bfloat16"
     began = time.perf_counter()
@@ -218,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
             contexts = [int(c) for c in args.decode_contexts.split(",") if c.strip()]
             positions = max([8192] + [c + args.decode_tokens + 2 * args.block_size for c in contexts])
             kind = args.model_kind + (f"-w{args.sliding_window}" if args.model_kind == "gemma3" else "")
+            kind += f"-g{args.tensor_parallel}" if args.model_kind == "qwen3_next" else ""  # GDN heads: one per rank
             key = (f"{kind}-l{args.layers}-h{args.hidden}-a{args.heads}-kv{args.kv_heads}-d{args.head_dim}"
                    f"-i{args.intermediate}-v{args.vocab}-p{positions}-{dtype}")
             model_dir = workdir / "models" / key
@@ -225,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
             save_random_model(model_dir, arch=args.model_kind, layers=args.layers, hidden=args.hidden,
                               heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, vocab=args.vocab,
                               intermediate=args.intermediate, dtype=dtype, max_positions=positions,
-                              sliding_window=args.sliding_window)
+                              sliding_window=args.sliding_window, linear_heads=args.tensor_parallel)
             per_token = kv_bytes_per_token(str(model_dir), 2 if dtype == "bfloat16" else 4)
             block = hybrid_block_size(str(model_dir), args.block_size)
             if block != args.block_size:

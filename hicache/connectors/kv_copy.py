@@ -290,17 +290,24 @@ class StateCopier:
     """Copies of the recurrent state of one block of every state layer (``layers[i]``: the
     tensors of state layer ``i``, in model order, block index first; ``layer_groups[i]``: its
     KV cache group, an index into the block lists a copy names) to and from the state slots
-    of a daemon run's pool, mapped as ``[slots, num_layers, state_bytes]`` bytes. Not
-    thread-safe; raises on a bad index or an unmapped pool."""
+    of a daemon run's pool, mapped as ``[slots, num_layers, ranks * state_bytes]`` bytes:
+    with tensor parallelism each rank's tensors hold its share of every layer's state
+    (``state_bytes``), and rank ``rank`` copies it at ``[rank, rank + 1)`` of the layer's
+    part of a slot, so a slot holds every rank's share side by side. Not thread-safe; raises
+    on a bad index or an unmapped pool."""
 
-    def __init__(self, layers: list[list[torch.Tensor]], layer_groups: Sequence[int]) -> None:
+    def __init__(self, layers: list[list[torch.Tensor]], layer_groups: Sequence[int], *, rank: int = 0,
+                 ranks: int = 1) -> None:
         if len(layers) != len(layer_groups) or not layers:
             raise ValueError("a state copier needs state layers, each with its KV cache group")
+        if not 0 <= rank < ranks:
+            raise ValueError(f"rank {rank} is not one of {ranks} ranks")
         self.layers = [list(tensors) for tensors in layers]
         self.layer_groups = list(layer_groups)
         self.num_blocks = layers[0][0].shape[0]
         self.state_bytes = sum(t[0].numel() * t.element_size() for t in layers[0])
-        self.slots = L2Pages(len(layers), self.state_bytes, torch.uint8)
+        self.offset = rank * self.state_bytes  # this rank's share within a layer's part of a slot
+        self.slots = L2Pages(len(layers), self.state_bytes * ranks, torch.uint8)
 
     def attach(self, pool: PoolRef) -> None:
         self.slots.attach(pool)
@@ -322,7 +329,7 @@ class StateCopier:
         returns bytes copied."""
         pool = self._check(slot, blocks)
         for i, tensors in enumerate(self.layers):
-            b, at = blocks[self.layer_groups[i]], 0
+            b, at = blocks[self.layer_groups[i]], self.offset
             for t in tensors:
                 dst = self._bytes(t, b)
                 dst.copy_(pool[slot, i, at : at + dst.numel()])
@@ -334,7 +341,7 @@ class StateCopier:
         returns bytes copied."""
         pool = self._check(slot, blocks)
         for i, tensors in enumerate(self.layers):
-            b, at = blocks[self.layer_groups[i]], 0
+            b, at = blocks[self.layer_groups[i]], self.offset
             for t in tensors:
                 src = self._bytes(t, b)
                 pool[slot, i, at : at + src.numel()].copy_(src)

@@ -65,7 +65,8 @@ and offers in the step that computes it (``boundary_state_offloads``). A save na
 block-aligned offers of its request (``SaveRange.state_pages``) and copies the ones the
 daemon reserves a slot for (``StateCopier``: each state layer's block bytes); a hit ends
 after a page whose state the daemon keeps, and its load copies that state into the state
-group's block of the hit's last page, where vLLM reads a request's initial state.
+group's block of the hit's last page, where vLLM reads a request's initial state. With
+tensor parallelism each rank copies its heads' share of the state, side by side in a slot.
 
 Every plan names the daemon run it was made under (``EngineRegistered.run``); the worker
 refuses a plan of another run than the step's registration, whose page numbers would index
@@ -93,7 +94,7 @@ Refused at start, with the reason: pipeline parallelism, fewer KV heads than ten
 ranks (vLLM replicates them), vLLM's AMX MLA backend (not run with hicache), a vLLM version other than
 the supported ones, a KV cache group that is not full or sliding-window attention, MLA of one
 shape or a state group in ``align`` mode (``kv_groups_problem``: e.g. MLA beside other
-attention), state layers at more than one rank, a CUDA KV cache (its copy path has not run
+attention), a CUDA KV cache (its copy path has not run
 on a GPU), and an engine whose model or KV geometry differs
 from what the daemon serves. A daemon that is absent or slow costs hits, never correctness:
 lookups time out (``engine.lookup_timeout_ms``) as misses and the connector backs off.
@@ -427,7 +428,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         """The attention groups: a page is one block of each of their layers."""
         state_specs = [g.kv_cache_spec for g in groups if is_state_group(g.kv_cache_spec)]
         self.state_bytes = state_specs[0].state_content_size_bytes if state_specs else 0
-        """Bytes of one state layer's state in one block (vLLM pads its blocks; those bytes are not kept)."""
+        """Bytes of this rank's share of one state layer's state in one block (vLLM pads its
+        blocks; those bytes are not kept); a slot holds every rank's share side by side."""
         self.num_groups = len(groups)
         self._group_window = [isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in groups]
         self.layer_window = [isinstance(groups[g].kv_cache_spec, SlidingWindowSpec) for g in self.layer_groups]
@@ -459,7 +461,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.geometry = EngineKVGeometry(engine_identity(model, dtype, layout), dtype, spec.block_size,
                                          len(self.layer_names), heads, spec.head_size, layout,
                                          "mla" if self.mla else "kv", sum(self.layer_window),
-                                         len(self.state_layer_names), self.state_bytes)
+                                         len(self.state_layer_names), self.state_bytes * self.tp)
         try:
             self.faults = ConnectorFaults.from_env()
         except FaultConfigError as exc:
@@ -531,9 +533,6 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         problem = kv_groups_problem(kv_cache_config)
         if problem:
             raise ConnectorRefused(problem)
-        if par.tensor_parallel_size != 1 and any(is_state_group(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups):
-            raise ConnectorRefused(f"tensor_parallel_size {par.tensor_parallel_size} with state layers: hicache keeps "
-                                   "the state of engines of one rank only")
         if kv_cache_config.kv_cache_layout != "LBHNC" and not (mla and kv_cache_config.kv_cache_layout == "LBNHC"):
             raise ConnectorRefused(f"KV cache layout {kv_cache_config.kv_cache_layout!r} is not supported "
                                    "(supported: LBHNC, vLLM's CPU layout)")
@@ -1010,7 +1009,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             problem = state_problem(states, self.num_blocks, self.state_bytes)
             if problem:
                 raise ConnectorRefused(f"hicache cannot copy this engine's state: {problem}")
-            self.state_copier = StateCopier(states, self.state_layer_groups)
+            self.state_copier = StateCopier(states, self.state_layer_groups, rank=self.rank, ranks=self.tp)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

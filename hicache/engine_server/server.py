@@ -325,8 +325,6 @@ class CacheServer:
         problem = self.geometry.mismatch(theirs)
         if problem is None and msg.page_bytes != self.geometry.page_bytes:
             problem = f"page_bytes: daemon {self.geometry.page_bytes}, engine {msg.page_bytes}"
-        if problem is None and self.state and msg.tensor_parallel != 1:
-            problem = f"tensor_parallel {msg.tensor_parallel}: states are kept for engines of one rank only"
         if problem is None and self.window and not 0 < msg.window_tokens <= self.window + 1:
             problem = (f"window_tokens: the engine reads {msg.window_tokens - 1} tokens before a hit, this daemon "
                        f"keeps the window parts of {self.window} (the sliding_window of its config.json)")

@@ -1016,7 +1016,6 @@ def test_a_state_model_hits_only_after_a_page_whose_state_is_kept() -> None:
     offered one for; a hit ends at the last page with a state, and a later save that offers
     the state at a branch point inside a held prefix makes that point a hit."""
     server = make_state_server()
-    assert isinstance(state_session(server, tp=2), protos.EngineError)  # one rank only
     assert isinstance(state_session(server, state_bytes=999), protos.EngineError)  # another state layout
     assert isinstance(register(server), protos.EngineError)  # no state layers: other pages
     e = StateEngine(server)

@@ -264,6 +264,29 @@ def test_states_copy_every_state_layers_bytes_of_one_block_and_skip_vllms_paddin
     finally:
         seg.unlink()
         seg.close()
+    # two ranks: each copies its share of every layer's state, side by side in one slot
+    shares = [[[torch.full((blocks, state), 10 * r + i, dtype=torch.int8)] for i in range(2)] for r in range(2)]
+    name = f"hicache-test-state2-{os.getpid()}"
+    seg = SharedSegment.create(name, slots * 2 * 2 * state)
+    try:
+        pool = seg.tensor(TensorSpec(name, (slots, 2, 2 * state), "uint8"))
+        ref = PoolRef("inst", name, seg.directory, slots, 2 * 2 * state)
+        ranks = [StateCopier(shares[r], [0, 0], rank=r, ranks=2) for r in range(2)]
+        for c in ranks:
+            c.attach(ref)
+            c.save([3], 1)
+        for i in range(2):
+            assert torch.equal(pool[1, i, :state], torch.full((state,), i, dtype=torch.uint8))
+            assert torch.equal(pool[1, i, state:], torch.full((state,), 10 + i, dtype=torch.uint8))
+        shares[1][0][0].zero_()
+        ranks[1].load(1, [5])
+        assert torch.equal(shares[1][0][0][5], torch.full((state,), 10, dtype=torch.int8))
+        del pool
+        for c in ranks:
+            c.detach()
+    finally:
+        seg.unlink()
+        seg.close()
     attention = [torch.zeros(blocks, HEADS, BS, 2 * DIM)]
     kv = BlockCopier(attention, [0], num_groups=2)  # group 1 holds state layers: no block of it is copied
     assert len(kv.group_layers) == 2 and kv.group_layers[1] == []

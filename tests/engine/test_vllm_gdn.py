@@ -34,6 +34,7 @@ import pytest
 from conftest import Engines, ModelStack, engine_config, expected_hit, generate_in_background
 from daemon import Daemon
 
+from hicache.bench.engine import hybrid_block_size
 from hicache.bench.engine_lib.vllm_driver import VllmProcess, save_random_model
 from hicache.local_redis import RedisProcess
 
@@ -228,3 +229,46 @@ def test_an_engine_killed_mid_save_leaves_nothing_wrong_and_nothing_leaked(stack
     hits = stack.ask(stack.flushed(a), S)  # whatever b saved before it died is correct KV and state
     assert hits[0] == expected_hit(len(S[0]), BLOCK)
     stack.idle_and_intact()
+
+
+def test_two_ranks_each_save_and_load_their_share_of_the_state(engines: Engines,
+                                                              tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Tensor parallel 2 (two GDN heads: one per rank): each rank copies its share of every
+    state, side by side in one slot, and its heads of every page. An engine loads what
+    another one saved, from L2 and from the file L3 after a daemon restart, and its answers
+    equal vLLM alone's at two ranks at the same hit."""
+    tmp = tmp_path_factory.mktemp("engine-gdn-tp2")
+    model = save_random_model(tmp / "qwen3-next-2", arch="qwen3_next", layers=LAYERS, hidden=256, heads=4,
+                              kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype="bfloat16", seed=4, linear_heads=2)
+    prompts = _prompts(25, [300, 700])
+    block = hybrid_block_size(str(model), 32)  # a rank's attention page must hold its share of a state: 96
+    tp2 = {**ENGINE, "tensor_parallel": 2, "block_size": block}
+    alone = engines.start(model, "tp2-alone", **tp2)
+    reference: dict[tuple[tuple[int, ...], int], list[int]] = {}
+    for p in prompts:
+        alone.reset_prefix_cache()
+        for _ in range(2):  # cold, then its own hit
+            got = alone.generate([p], MAX_TOKENS)
+            reference[(tuple(p), got["cached"][0])] = got["outputs"][0]
+    alone.stop()
+    cfg = engine_config(model, Path(f"/tmp/hct-{os.getpid()}"), page_size=block, l2_tokens=128 * block,
+                        l3={"backend": "file", "file": {"dir": str(tmp / "l3")}})
+    cfg["cache"]["l2"]["state_slots"] = 16
+    daemon = Daemon(tmp, cfg, "daemon")
+    daemon.start()
+    try:
+        stack = Stack(model, daemon, engines, reference, tmp)
+        first = engines.start(model, "tp2-a", hicache=daemon, **tp2)
+        assert stack.ask(first, prompts) == [0, 0]
+        st = stack.wait("the saves", lambda st: st["leases"]["open"] == 0)
+        assert st["l2"]["mamba"]["used_slots"] == len(prompts)
+        assert st["l2"]["mamba"]["slot_bytes"] == 2 * STATE_LAYERS * STATE_BYTES  # two heads' state per layer
+        first.stop()
+        other = engines.start(model, "tp2-b", hicache=daemon, **tp2)
+        hits = [expected_hit(len(p), block) for p in prompts]
+        assert stack.ask(other, prompts) == hits
+        stack.restart_after_backups(block)
+        assert stack.ask(stack.flushed(other), prompts) == hits
+        stack.idle_and_intact()
+    finally:
+        daemon.stop()

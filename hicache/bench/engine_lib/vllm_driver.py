@@ -369,12 +369,13 @@ class VllmProcess:
 def save_random_model(out_dir: str | Path, *, arch: str = "llama", layers: int = 2, hidden: int = 128,
                       heads: int = 4, kv_heads: int = 2, head_dim: int = 32, vocab: int = 1024,
                       intermediate: int = 256, dtype: str = "bfloat16", seed: int = 0,
-                      max_positions: int = 8192, sliding_window: int = 64) -> Path:
+                      max_positions: int = 8192, sliding_window: int = 64, linear_heads: int = 1) -> Path:
     """Save a small checkpoint with random weights (nothing is downloaded): ``llama``,
     ``qwen2``, ``gemma3`` (text only; layers alternate a sliding window of
     ``sliding_window`` tokens and full attention, the first sliding), ``mistral`` (every
     layer has the sliding window), ``qwen3_next`` (gated delta net layers, whose state vLLM
-    keeps per block, alternating with full attention, the first a GDN layer) or
+    keeps per block, alternating with full attention, the first a GDN layer; ``linear_heads``
+    key and value heads of 128 each) or
     ``deepseek_v2`` (multi-head latent attention with
     vLLM's CPU MLA sizes: a latent of 512 + 64 rotary; dense MLPs; ``head_dim`` is the
     per-head query and value size)."""
@@ -412,8 +413,8 @@ def save_random_model(out_dir: str | Path, *, arch: str = "llama", layers: int =
         # gated delta net layers ("linear_attention") alternate with full attention, the first linear;
         # vLLM's CPU GDN kernel wants key / value head dims of 128; a tiny MoE
         types = ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-        cfg = transformers.Qwen3NextConfig(head_dim=head_dim, layer_types=types, linear_num_key_heads=1,
-                                           linear_num_value_heads=1, linear_key_head_dim=128,
+        cfg = transformers.Qwen3NextConfig(head_dim=head_dim, layer_types=types, linear_num_key_heads=linear_heads,
+                                           linear_num_value_heads=linear_heads, linear_key_head_dim=128,
                                            linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=4,
                                            num_experts_per_tok=2, moe_intermediate_size=intermediate // 4,
                                            shared_expert_intermediate_size=intermediate // 4, decoder_sparse_step=1,
