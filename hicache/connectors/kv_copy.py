@@ -327,23 +327,20 @@ class StateCopier:
     def load(self, slot: int, blocks: Sequence[int]) -> int:
         """Copy state ``slot`` into block ``blocks[g]`` of every state layer of group ``g``;
         returns bytes copied."""
-        pool = self._check(slot, blocks)
-        for i, tensors in enumerate(self.layers):
-            b, at = blocks[self.layer_groups[i]], self.offset
-            for t in tensors:
-                dst = self._bytes(t, b)
-                dst.copy_(pool[slot, i, at : at + dst.numel()])
-                at += dst.numel()
-        return len(self.layers) * self.state_bytes
+        return self._copy(slot, blocks, load=True)
 
     def save(self, blocks: Sequence[int], slot: int) -> int:
         """Copy block ``blocks[g]`` of every state layer of group ``g`` into state ``slot``;
         returns bytes copied."""
+        return self._copy(slot, blocks, load=False)
+
+    def _copy(self, slot: int, blocks: Sequence[int], *, load: bool) -> int:
         pool = self._check(slot, blocks)
         for i, tensors in enumerate(self.layers):
             b, at = blocks[self.layer_groups[i]], self.offset
             for t in tensors:
-                src = self._bytes(t, b)
-                pool[slot, i, at : at + src.numel()].copy_(src)
-                at += src.numel()
+                block = self._bytes(t, b)
+                part = pool[slot, i, at : at + block.numel()]
+                (block if load else part).copy_(part if load else block)
+                at += block.numel()
         return len(self.layers) * self.state_bytes

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -856,93 +857,119 @@ def test_a_prompt_of_whole_pages_keeps_the_window_where_it_hits_when_asked_again
     assert server.integrity_error is None
 
 
+def unit(tokens: list[int], page: int, what: str) -> bytes:
+    """What an engine's ``what`` (a page's part, a state) for page ``page`` of ``tokens`` "is"."""
+    return hashlib.sha256(repr((what, tokens[: (page + 1) * PS])).encode()).digest()
+
+
+class RandomTraffic:
+    """Random engine traffic over one server, 400 operations: requests that start (a prefix
+    of a shared stem and new tokens) and save as they grow, in chunks or a page at a time,
+    sometimes after decoding a page (``save(session, rid, tokens, saved, step)``: the model's
+    own save of pages ``[saved, step)``); lookups of a running request's prefix or of a new
+    prompt (``check(tokens, answer)``: the model's own check), a third of whose leases stay
+    held a while; requests ending. Integrity is checked after every operation, and exactly
+    once idle at the end, every lease released."""
+
+    def __init__(self, server: CacheServer, sessions: list[int], seed: int) -> None:
+        self.server, self.sessions, self.rnd = server, sessions, random.Random(seed)
+
+    def run(self, save: Callable[[int, str, list[int], int, int], None],
+            check: Callable[[list[int], protos.LookupResult], None]) -> None:
+        rnd, server = self.rnd, self.server
+        stems = [[rnd.randrange(1, 30) for _ in range(3 * PS)] for _ in range(3)]
+        open_leases: list[tuple[int, int]] = []
+        live: list[tuple[int, str, list[int], int]] = []  # (session, rid, tokens, pages saved)
+        rids = iter(range(10**6))
+        for _ in range(400):
+            op = rnd.random()
+            if op < 0.35 or not live:  # a request starts: its prompt, saved in one step or in chunks
+                tokens = rnd.choice(stems)[: rnd.randrange(1, 4) * PS] + [rnd.randrange(1, 4) for _ in range(
+                    rnd.randrange(0, 5) * PS + rnd.randrange(0, PS))]
+                live.append((rnd.choice(self.sessions), f"r{next(rids)}", tokens, 0))
+            if op < 0.7 and live:  # a running request saves its next pages (a chunk or a decoded page)
+                i = rnd.randrange(len(live))
+                s, rid, tokens, saved = live[i]
+                if rnd.random() < 0.3:
+                    tokens = tokens + [rnd.randrange(1, 4) for _ in range(PS)]  # it decoded a page
+                end = len(tokens) // PS
+                if end > saved:
+                    step = rnd.choice([end, min(end, saved + 1)])
+                    save(s, rid, tokens, saved, step)
+                    live[i] = (s, rid, tokens, step)
+            elif op < 0.9:  # a lookup: a prefix of a running request, or of a stem and something new
+                if live and rnd.random() < 0.5:
+                    asked = rnd.choice(live)[2]
+                    tokens = asked[: rnd.randrange(1, len(asked) + 1)]
+                else:
+                    tokens = rnd.choice(stems)[: rnd.randrange(1, 4) * PS] + [rnd.randrange(1, 4) for _ in range(
+                        rnd.randrange(0, 5) * PS)]
+                tokens = tokens[: len(tokens) // PS * PS]
+                s = rnd.choice(self.sessions)
+                ans = server.handle(protos.Lookup(2, s, RUN, f"q{next(rids)}", protos.pack_tokens(tokens)))
+                assert isinstance(ans, protos.LookupResult)
+                check(tokens, ans)
+                if ans.lease:
+                    if rnd.random() < 0.3:
+                        open_leases.append((s, ans.lease))
+                    else:
+                        server.handle(protos.Release(s, RUN, ans.lease, len(ans.host_pages)))
+            elif open_leases:
+                s, lease = open_leases.pop(rnd.randrange(len(open_leases)))
+                server.handle(protos.Release(s, RUN, lease, 0))
+            if rnd.random() < 0.05:
+                live = [x for x in live if rnd.random() < 0.5]  # requests finish
+            server.cache.check_integrity()
+        for s, lease in open_leases:
+            server.handle(protos.Release(s, RUN, lease, 0))
+        server.check_idle()
+        assert server.integrity_error is None and server.exact_checks == 1
+
+
+def _sessions(server: CacheServer, register_one: Callable[[CacheServer], protos.Message]) -> list[int]:
+    out = []
+    for _ in range(3):
+        reg = register_one(server)
+        assert isinstance(reg, protos.EngineRegistered)
+        out.append(reg.session)
+    return out
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_window_engines_never_get_another_prefixes_parts(seed: int) -> None:
     """Requests of a window model saving as they grow (prompts, chunks, decoded pages, some
     failing), lookups holding leases, engines dying, over pools small enough to evict: every
     hit holds exactly its own prefix's full parts and the window parts of its last window
     (the window before it is whole), and idle checks find no leak."""
-    rnd = random.Random(seed)
     server = make_window_server(l2_pages=24, window_pages=7)
-    clock = server.clock
-    assert isinstance(clock, Clock)
+    traffic = RandomTraffic(server, _sessions(server, window_session), seed)
     full: dict[int, bytes] = {}
     window: dict[int, bytes] = {}
 
-    def part(tokens: list[int], page: int, what: str) -> bytes:
-        return hashlib.sha256(repr((what, tokens[: (page + 1) * PS])).encode()).digest()
+    def save(s: int, rid: str, tokens: list[int], saved: int, step: int) -> None:
+        window_from = max(0, saved * PS - WINDOW_TOKENS) // PS
+        repeat = (len(tokens) - 1) // PS if step == len(tokens) // PS else 0
+        item = protos.SaveRange(rid, protos.pack_tokens(tokens[: step * PS]), saved, "", 0, window_from, repeat)
+        ans = server.handle(protos.Reserve(1, s, RUN, [item]))
+        assert isinstance(ans, protos.ReserveResult)
+        res = ans.items[0]
+        assert all(j >= window_from for j in res.window_at)
+        for k, page in enumerate(res.host_pages):
+            full[page] = unit(tokens, res.start_page + k, "full")
+        for j, page in zip(res.window_at, res.window_pages, strict=True):
+            window[page] = unit(tokens, j, "window")
+        if res.lease:
+            server.handle(protos.Commit(s, RUN, res.lease, traffic.rnd.random() > 0.1))
 
-    sessions = []
-    for _ in range(3):
-        reg = window_session(server)
-        assert isinstance(reg, protos.EngineRegistered)
-        sessions.append(reg.session)
-    stems = [[rnd.randrange(1, 30) for _ in range(3 * PS)] for _ in range(3)]
-    open_leases: list[tuple[int, int]] = []
-    live: list[tuple[int, str, list[int], int]] = []  # (session, rid, tokens, pages saved)
-    rids = iter(range(10**6))
-    for _ in range(400):
-        op = rnd.random()
-        if op < 0.35 or not live:  # a request starts: its prompt, saved in one step or in chunks
-            tokens = rnd.choice(stems)[: rnd.randrange(1, 4) * PS] + [rnd.randrange(1, 4) for _ in range(
-                rnd.randrange(0, 5) * PS + rnd.randrange(0, PS))]
-            live.append((rnd.choice(sessions), f"r{next(rids)}", tokens, 0))
-        if op < 0.7 and live:  # a running request saves its next pages (a chunk or a decoded page)
-            i = rnd.randrange(len(live))
-            s, rid, tokens, saved = live[i]
-            if rnd.random() < 0.3:
-                tokens = tokens + [rnd.randrange(1, 4) for _ in range(PS)]  # it decoded a page
-            end = len(tokens) // PS
-            if end > saved:
-                step = rnd.choice([end, min(end, saved + 1)])
-                computed_before = saved * PS
-                window_from = max(0, computed_before - WINDOW_TOKENS) // PS
-                repeat = (len(tokens) - 1) // PS if step == len(tokens) // PS else 0
-                item = protos.SaveRange(rid, protos.pack_tokens(tokens[: step * PS]), saved, "", 0, window_from,
-                                        repeat)
-                ans = server.handle(protos.Reserve(1, s, RUN, [item]))
-                assert isinstance(ans, protos.ReserveResult)
-                res = ans.items[0]
-                assert all(j >= window_from for j in res.window_at)
-                for k, page in enumerate(res.host_pages):
-                    full[page] = part(tokens, res.start_page + k, "full")
-                for j, page in zip(res.window_at, res.window_pages, strict=True):
-                    window[page] = part(tokens, j, "window")
-                if res.lease:
-                    server.handle(protos.Commit(s, RUN, res.lease, rnd.random() > 0.1))
-                live[i] = (s, rid, tokens, step)
-        elif op < 0.9:  # a lookup: a prefix of a running request, or of a stem and something new
-            if live and rnd.random() < 0.5:
-                asked = rnd.choice(live)[2]
-                tokens = asked[: rnd.randrange(1, len(asked) + 1)]
-            else:
-                tokens = rnd.choice(stems)[: rnd.randrange(1, 4) * PS] + [rnd.randrange(1, 4) for _ in range(
-                    rnd.randrange(0, 5) * PS)]
-            tokens = tokens[: len(tokens) // PS * PS]
-            s = rnd.choice(sessions)
-            ans = server.handle(protos.Lookup(2, s, RUN, f"q{next(rids)}", protos.pack_tokens(tokens)))
-            assert isinstance(ans, protos.LookupResult)
-            n = len(ans.host_pages)
-            for k, page in enumerate(ans.host_pages):
-                assert full[page] == part(tokens, k, "full"), f"full part {k} of the hit holds other KV"
-            assert len(ans.window_pages) * PS >= min(WINDOW_TOKENS, n * PS)  # the window before the hit is whole
-            for k, page in enumerate(ans.window_pages):
-                assert window[page] == part(tokens, n - len(ans.window_pages) + k, "window"), "window part of other KV"
-            if ans.lease:
-                if rnd.random() < 0.3:
-                    open_leases.append((s, ans.lease))
-                else:
-                    server.handle(protos.Release(s, RUN, ans.lease, n))
-        elif open_leases:
-            s, lease = open_leases.pop(rnd.randrange(len(open_leases)))
-            server.handle(protos.Release(s, RUN, lease, 0))
-        if rnd.random() < 0.05:
-            live = [x for x in live if rnd.random() < 0.5]  # requests finish
-        server.cache.check_integrity()
-    for s, lease in open_leases:
-        server.handle(protos.Release(s, RUN, lease, 0))
-    server.check_idle()
-    assert server.integrity_error is None and server.exact_checks == 1
+    def check(tokens: list[int], ans: protos.LookupResult) -> None:
+        n = len(ans.host_pages)
+        for k, page in enumerate(ans.host_pages):
+            assert full[page] == unit(tokens, k, "full"), f"full part {k} of the hit holds other KV"
+        assert len(ans.window_pages) * PS >= min(WINDOW_TOKENS, n * PS)  # the window before the hit is whole
+        for k, page in enumerate(ans.window_pages):
+            assert window[page] == unit(tokens, n - len(ans.window_pages) + k, "window"), "window part of other KV"
+
+    traffic.run(save, check)
 
 
 STATEFUL = EngineKVGeometry("c" * 64, "bfloat16", PS, 2, 2, 32, "LBHNC", state_layers=2, state_bytes=1000)
@@ -1070,88 +1097,38 @@ def test_random_state_engines_never_get_another_prefixes_pages_or_states(seed: i
     an earlier page where it branches off another request; some saves fail), lookups holding
     leases, over pools small enough to evict pages and states: every hit holds exactly its
     own prefix's pages and the state after its last page, and idle checks find no leak."""
-    rnd = random.Random(seed)
     server = make_state_server(l2_pages=24, state_slots=5)
+    traffic = RandomTraffic(server, _sessions(server, state_session), seed)
     pages: dict[int, bytes] = {}
     states: dict[int, bytes] = {}
+    hits: list[int] = []
 
-    def unit(tokens: list[int], page: int, what: str) -> bytes:
-        return hashlib.sha256(repr((what, tokens[: (page + 1) * PS])).encode()).digest()
+    def save(s: int, rid: str, tokens: list[int], saved: int, step: int) -> None:
+        offered = {step - 1, (len(tokens) - 1) // PS - 1}
+        if traffic.rnd.random() < 0.3:
+            offered.add(traffic.rnd.randrange(0, step))  # a branch point
+        offered = {j for j in offered if 0 <= j < step}
+        item = protos.SaveRange(rid, protos.pack_tokens(tokens[: step * PS]), saved, state_pages=sorted(offered))
+        ans = server.handle(protos.Reserve(1, s, RUN, [item]))
+        assert isinstance(ans, protos.ReserveResult)
+        res = ans.items[0]
+        assert set(res.state_at) <= offered
+        for k, page in enumerate(res.host_pages):
+            pages[page] = unit(tokens, res.start_page + k, "page")
+        for j, slot in zip(res.state_at, res.state_slots, strict=True):
+            states[slot] = unit(tokens, j, "state")
+        if res.lease:
+            server.handle(protos.Commit(s, RUN, res.lease, traffic.rnd.random() > 0.1))
 
-    sessions = []
-    for _ in range(3):
-        reg = state_session(server)
-        assert isinstance(reg, protos.EngineRegistered)
-        sessions.append(reg.session)
-    stems = [[rnd.randrange(1, 30) for _ in range(3 * PS)] for _ in range(3)]
-    open_leases: list[tuple[int, int]] = []
-    live: list[tuple[int, str, list[int], int]] = []  # (session, rid, tokens, pages saved)
-    rids = iter(range(10**6))
-    hits = states_seen = 0
-    for _ in range(400):
-        op = rnd.random()
-        if op < 0.35 or not live:
-            tokens = rnd.choice(stems)[: rnd.randrange(1, 4) * PS] + [rnd.randrange(1, 4) for _ in range(
-                rnd.randrange(0, 5) * PS + rnd.randrange(0, PS))]
-            live.append((rnd.choice(sessions), f"r{next(rids)}", tokens, 0))
-        if op < 0.7 and live:
-            i = rnd.randrange(len(live))
-            s, rid, tokens, saved = live[i]
-            if rnd.random() < 0.3:
-                tokens = tokens + [rnd.randrange(1, 4) for _ in range(PS)]
-            end = len(tokens) // PS
-            if end > saved:
-                step = rnd.choice([end, min(end, saved + 1)])
-                offered = {step - 1, (len(tokens) - 1) // PS - 1}
-                if rnd.random() < 0.3:
-                    offered.add(rnd.randrange(0, step))  # a branch point
-                offered = {j for j in offered if 0 <= j < step}
-                item = protos.SaveRange(rid, protos.pack_tokens(tokens[: step * PS]), saved,
-                                        state_pages=sorted(offered))
-                ans = server.handle(protos.Reserve(1, s, RUN, [item]))
-                assert isinstance(ans, protos.ReserveResult)
-                res = ans.items[0]
-                assert set(res.state_at) <= offered
-                for k, page in enumerate(res.host_pages):
-                    pages[page] = unit(tokens, res.start_page + k, "page")
-                for j, slot in zip(res.state_at, res.state_slots, strict=True):
-                    states[slot] = unit(tokens, j, "state")
-                if res.lease:
-                    server.handle(protos.Commit(s, RUN, res.lease, rnd.random() > 0.1))
-                live[i] = (s, rid, tokens, step)
-        elif op < 0.9:
-            if live and rnd.random() < 0.5:
-                asked = rnd.choice(live)[2]
-                tokens = asked[: rnd.randrange(1, len(asked) + 1)]
-            else:
-                tokens = rnd.choice(stems)[: rnd.randrange(1, 4) * PS] + [rnd.randrange(1, 4) for _ in range(
-                    rnd.randrange(0, 5) * PS)]
-            tokens = tokens[: len(tokens) // PS * PS]
-            s = rnd.choice(sessions)
-            ans = server.handle(protos.Lookup(2, s, RUN, f"q{next(rids)}", protos.pack_tokens(tokens)))
-            assert isinstance(ans, protos.LookupResult)
-            n = len(ans.host_pages)
-            for k, page in enumerate(ans.host_pages):
-                assert pages[page] == unit(tokens, k, "page"), f"page {k} of the hit holds other KV"
-            if n:
-                assert states[ans.state_slot] == unit(tokens, n - 1, "state"), "the hit's state is another prefix's"
-                hits += 1
-            else:
-                assert ans.state_slot == -1
-            if ans.lease:
-                if rnd.random() < 0.3:
-                    open_leases.append((s, ans.lease))
-                else:
-                    server.handle(protos.Release(s, RUN, ans.lease, n))
-        elif open_leases:
-            s, lease = open_leases.pop(rnd.randrange(len(open_leases)))
-            server.handle(protos.Release(s, RUN, lease, 0))
-        if rnd.random() < 0.05:
-            live = [x for x in live if rnd.random() < 0.5]
-        states_seen = max(states_seen, server.counters.committed_states)
-        server.cache.check_integrity()
-    for s, lease in open_leases:
-        server.handle(protos.Release(s, RUN, lease, 0))
-    server.check_idle()
-    assert server.integrity_error is None and server.exact_checks == 1
-    assert hits > 10 and states_seen > 5  # the run exercised hits and evicted states (5 slots)
+    def check(tokens: list[int], ans: protos.LookupResult) -> None:
+        n = len(ans.host_pages)
+        for k, page in enumerate(ans.host_pages):
+            assert pages[page] == unit(tokens, k, "page"), f"page {k} of the hit holds other KV"
+        if n:
+            assert states[ans.state_slot] == unit(tokens, n - 1, "state"), "the hit's state is another prefix's"
+            hits.append(n)
+        else:
+            assert ans.state_slot == -1
+
+    traffic.run(save, check)
+    assert len(hits) > 10 and server.counters.committed_states > 5  # hits, and states evicted (5 slots)
