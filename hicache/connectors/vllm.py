@@ -235,11 +235,10 @@ class BlockCopyPlan:
     pages: list[int]
     blocks: list[list[int]]
     window_pages: list[int] = field(default_factory=list)
-    states: list[StateCopy] = field(default_factory=list)
     """With window layers: the window part of ``pages[i]`` (``NO_PAGE``: none), else empty.
-    A save's ``pages[i]`` may be ``NO_PAGE`` too: a page whose window part alone is saved.
-    ``states``: with state layers, the states copied with the pages (a load's: the one after
-    its last page)."""
+    A save's ``pages[i]`` may be ``NO_PAGE`` too: a page whose window part alone is saved."""
+    states: list[StateCopy] = field(default_factory=list)
+    """With state layers: the states copied with the pages (a load's: the one after its last page)."""
 
 
 @dataclass
@@ -338,12 +337,12 @@ def kv_groups_problem(kv_cache_config: KVCacheConfig) -> str | None:
         spec = group.kv_cache_spec
         name = (f"KV cache group {i} ({type(spec).__name__}, layers {', '.join(group.layer_names[:3])}"
                 f"{', ...' if len(group.layer_names) > 3 else ''})")
+        if not group.enable_kv_transfer:
+            return f"{name}: vLLM marks it as not transferable"
         if isinstance(spec, MambaSpec):
             if spec.mamba_cache_mode != "align":
                 return (f"{name}: mamba_cache_mode {spec.mamba_cache_mode!r}; hicache keeps the states vLLM keeps "
                         "at block ends ('align', on with --enable-prefix-caching)")
-            if not group.enable_kv_transfer:
-                return f"{name}: vLLM marks it as not transferable"
             if spec.block_size != first.block_size:
                 return f"{name}: block_size {spec.block_size} differs from the attention groups' {first.block_size}"
             continue
@@ -353,8 +352,6 @@ def kv_groups_problem(kv_cache_config: KVCacheConfig) -> str | None:
                     "MambaSpec) only")
         if isinstance(spec, MLAAttentionSpec) != isinstance(first, MLAAttentionSpec):
             return f"{name}: MLA and other attention in one engine (an L2 page holds one kind)"
-        if not group.enable_kv_transfer:
-            return f"{name}: vLLM marks it as not transferable"
         assert isinstance(spec, AttentionSpec) and isinstance(first, AttentionSpec)
         for attr in ("block_size", "num_kv_heads", "head_size", "dtype"):
             if getattr(spec, attr) != getattr(first, attr):
@@ -413,14 +410,12 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         spec = next(g.kv_cache_spec for g in groups if not is_state_group(g.kv_cache_spec))
         assert isinstance(spec, AttentionSpec)  # _check_setup refused every other kind
         # An L2 page holds one block of every attention layer, in model order; a layer's block ids are its group's.
-        by_layer = sorted((extract_layer_index(n), n, g) for g, group in enumerate(groups) for n in group.layer_names
-                          if not is_state_group(group.kv_cache_spec))
-        self.layer_names = [n for _, n, _ in by_layer]
-        self.layer_groups = [g for _, _, g in by_layer]
-        by_state = sorted((extract_layer_index(n), n, g) for g, group in enumerate(groups) for n in group.layer_names
-                          if is_state_group(group.kv_cache_spec))
-        self.state_layer_names = [n for _, n, _ in by_state]
-        self.state_layer_groups = [g for _, _, g in by_state]
+        by_layer = sorted((extract_layer_index(n), n, g) for g, group in enumerate(groups) for n in group.layer_names)
+        state = [is_state_group(groups[g].kv_cache_spec) for _, _, g in by_layer]
+        self.layer_names = [n for (_, n, _), st in zip(by_layer, state, strict=True) if not st]
+        self.layer_groups = [g for (_, _, g), st in zip(by_layer, state, strict=True) if not st]
+        self.state_layer_names = [n for (_, n, _), st in zip(by_layer, state, strict=True) if st]
+        self.state_layer_groups = [g for (_, _, g), st in zip(by_layer, state, strict=True) if st]
         """The state layers (a GDN's), in model order, and their KV cache groups: the daemon keeps
         their state at the block ends where vLLM offers it (``boundary_state_offloads``)."""
         self.state_groups = sorted(set(self.state_layer_groups))
