@@ -51,7 +51,7 @@ class Finisher:
         s.budget.release(req.rid)
         if req.tree is not None:
             req.tree.token_ids = req.all_tokens()
-            self.aux.hand_over_state(req)
+            self.aux.hand_over(req)
             s.cache.cache_finished_req(req.tree, committed_len=req.computed)
             req.tree = None
         if reason == "error":

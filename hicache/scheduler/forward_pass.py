@@ -76,12 +76,8 @@ class ForwardPass:
                         continue
                     finisher.finish(req, "error", "L1 is out of pages for this request")
                     continue
-                # Mamba snapshots (a snapshot no slot can be had for, reserved but with the
-                # evictable state busy, is skipped: that state is then not cached)
-                snaps = req.mamba.snapshots(req.computed, req.computed + len(tokens)) if req.mamba else []
-                st = req.tree
-                batch.append((req, ForwardItem(tokens, req.computed, st.kv_pages, self.aux.swa_table(st),
-                                               req.mamba.own if req.mamba else None, snaps, logits)))
+                item = ForwardItem(tokens, req.computed, req.tree.kv_pages, logits=logits)
+                batch.append((req, self.aux.fill_item(req, item)))
         if not batch:
             return
         if self.before_model is not None:
@@ -93,9 +89,7 @@ class ForwardPass:
         except Exception as exc:
             log.exception("the forward pass over %d requests failed", len(batch))
             for req, item in batch:
-                if item.snapshots and req.mamba is not None:
-                    # the failed pass may have written the snapshot slots: never hand one over
-                    req.mamba.forward_failed()
+                self.aux.forward_failed(req, item)
                 finisher.fail_request(req, exc, "running the forward pass", logged=True)
             return
         s.counters.forward_passes += 1
@@ -107,7 +101,7 @@ class ForwardPass:
                     self.append_token(req, out)
 
     def ensure_pages(self, req: Request, upto: int) -> bool:
-        """L1 pages (Full, and SWA) for ``req``'s first ``upto`` tokens, from its reservation."""
+        """L1 pages (Full, and the auxiliary components') for ``req``'s first ``upto`` tokens, from its reservation."""
         assert req.tree is not None
         need = -(-upto // self.s.page_size) - len(req.tree.kv_pages)
         if need > 0:
@@ -115,7 +109,7 @@ class ForwardPass:
             if pages is None:
                 return False
             req.tree.kv_pages.extend(pages)
-        return self.aux.ensure_swa_pages(req, upto)
+        return self.aux.ensure_pages(req, upto)
 
     def advance(self, req: Request, item: ForwardItem) -> None:
         """After a forward pass: ``req`` has computed ``item``; hand the tree what is new.
@@ -127,7 +121,8 @@ class ForwardPass:
           there a match ends at the prompt's last page boundary before its last token,
           which the prompt-boundary insert already covers (with Mamba's state, with the
           window of SWA pages before it, or both);
-        - SWA: ``AuxMemory.settle_swa``.
+        - the auxiliary components settle (``AuxMemory.settle``; SWA frees what fell out
+          of the window).
         """
         st = req.tree
         assert st is not None
@@ -136,7 +131,7 @@ class ForwardPass:
         self.aux.advance(req, item, prefill)
         if prefill and (req.prefilling or not self.s.hybrid):
             self.s.cache.cache_unfinished_req(st, committed_len=req.computed)
-        self.aux.settle_swa(req)
+        self.aux.settle(req)
 
     def append_token(self, req: Request, logits: torch.Tensor) -> None:
         """Sample ``req``'s next token from ``logits``, send it, finish ``req`` if it stops."""

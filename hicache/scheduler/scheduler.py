@@ -17,7 +17,8 @@ It is one object per phase around one ``SchedulerState`` (the table in
    request's pages to the tree, which frees duplicates; the lock is released.
 
 What a hybrid model's requests hold besides Full pages (SWA windows, Mamba state slots) is
-the business of ``hicache.scheduler.aux_memory``, which the phases call at fixed points.
+the business of ``hicache.scheduler.aux_memory``, which the phases call at fixed points; it
+calls one hooks object per auxiliary component (``hicache.scheduler.component_hooks``).
 
 Fault isolation (``hicache.scheduler.finishing``): an exception while serving one request
 fails that request alone; one in the batched forward pass fails the requests of that batch.
@@ -66,7 +67,7 @@ from hicache.scheduler.request import LOADING, Request
 from hicache.scheduler.state import SchedulerCounters, SchedulerState
 from hicache.tier_manager import TierManager
 from hicache.tree.cache import UnifiedRadixCache
-from hicache.tree.node import KEY_TYPECODE, ComponentType
+from hicache.tree.node import KEY_TYPECODE
 
 log = logging.getLogger("hicache.scheduler")
 
@@ -260,14 +261,13 @@ class Scheduler:
                            "storage": self.counters.cached_storage},
             "integrity_checks": self.counters.integrity_checks,
         }
-        if self.swa is not None:
-            a = self.swa.allocator
-            out["l1"]["swa"] = {"used_tokens": a.used * ps, "capacity_tokens": a.capacity * ps,
-                                "cached_tokens": self.cache.total_size(ComponentType.SWA)}
-        if self.mamba is not None:
-            a = self.mamba.allocator
-            out["l1"]["mamba"] = {"used_slots": a.used, "capacity_slots": a.capacity,
-                                  "cached_states": self.cache.total_size(ComponentType.MAMBA)}
+        for c in self.cache.aux:  # paged components count tokens, the others state slots
+            a, cached = c.allocator, self.cache.total_size(c.name)
+            if c.paged:
+                out["l1"][c.name] = {"used_tokens": a.used * ps, "capacity_tokens": a.capacity * ps,
+                                     "cached_tokens": cached}
+            else:
+                out["l1"][c.name] = {"used_slots": a.used, "capacity_slots": a.capacity, "cached_states": cached}
         host = self.cache.full.host_allocator
         if host is not None:
             out["l2"] = {"full": {"used_tokens": host.used * ps, "capacity_tokens": host.capacity * ps}}

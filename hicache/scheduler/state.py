@@ -10,7 +10,8 @@ module              object                    changes
 ``forward_pass``    ``ForwardPass``           a running request's pages, ``computed``,
                                               its output tokens (one model call per step)
 ``aux_memory``      ``AuxMemory``             a running request's SWA pages and Mamba
-                                              slots (both phases call it)
+                                              slots, through each component's hooks
+                                              (``component_hooks``; the phases call it)
 ``finishing``       ``Finisher``              removes a request from every queue, gives
                                               back what it holds, sends its final output
 ``scheduler``       ``Scheduler``             ``waiting`` (submit), admin ops, the step

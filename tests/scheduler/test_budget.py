@@ -110,7 +110,7 @@ def test_the_scheduler_checks_its_budget_whenever_it_is_idle() -> None:
 
 
 def test_mamba_slots_hand_over_only_the_last_full_page_state_and_free_the_rest() -> None:
-    from hicache.scheduler.request import MambaSlots
+    from hicache.scheduler.component_hooks.mamba import MambaSlots
 
     alloc = PageAllocator(8, "mamba")
 
@@ -143,7 +143,7 @@ def test_mamba_slots_hand_over_only_the_last_full_page_state_and_free_the_rest()
 
 
 def test_branch_points_are_the_prompt_end_the_fork_and_every_interval_past_the_prefix() -> None:
-    from hicache.scheduler.request import MambaSlots
+    from hicache.scheduler.component_hooks.mamba import MambaSlots
 
     assert MambaSlots.branch_points(100, 0, PS) == [96]
     assert MambaSlots.branch_points(100, 0, PS, fork=40) == [40, 96]
@@ -153,7 +153,7 @@ def test_branch_points_are_the_prompt_end_the_fork_and_every_interval_past_the_p
 
 
 def test_branch_snapshots_are_taken_in_the_pass_that_reaches_them_and_handed_over_in_order() -> None:
-    from hicache.scheduler.request import MambaSlots
+    from hicache.scheduler.component_hooks.mamba import MambaSlots
 
     alloc = PageAllocator(16, "mamba")
 
