@@ -11,66 +11,27 @@ This package depends on the standard library and msgpack only (no torch, no zmq)
 
 from __future__ import annotations
 
-from protos.base import MAX_FRAME_BYTES, PROTOCOL_VERSION, Message, ProtocolError
-from protos.codec import MESSAGE_TYPES, decode, encode
-from protos.lifecycle import ErrorReply, LifecycleMessage, ProcessEvent, Ready, Shutdown
-from protos.table import ENGINE_SOCKET, ROUTES, Route, accepted_by, route_of
-from protos.to_cache_server import (
-    ALL_RANKS,
-    TOKEN_TYPECODE,
-    CacheServerMessage,
-    Commit,
-    EngineRegister,
-    EngineWorker,
-    Finished,
-    Heartbeat,
-    Lookup,
-    Release,
-    Reserve,
-    SaveRange,
-    pack_tokens,
-    unpack_tokens,
+# Each module names what it exports in its ``__all__``; this package re-exports them all.
+from protos import (
+    base,
+    codec,
+    lifecycle,
+    table,
+    to_cache_server,
+    to_controller,
+    to_engine,
+    to_scheduler,
+    to_tokenizer,
 )
-from protos.to_controller import (
-    BackupToStorage,
-    Cancel,
-    ControllerMessage,
-    LoadToDevice,
-    PrefetchFetch,
-    PrefetchQuery,
-    StorageAdmin,
-    WriteToHost,
-)
-from protos.to_engine import (
-    EngineError,
-    EngineMessage,
-    EngineRegistered,
-    LookupResult,
-    Reservation,
-    ReserveResult,
-)
-from protos.to_scheduler import (
-    AbortRequest,
-    AdminRequest,
-    GenerateRequest,
-    OpDone,
-    PrefetchHits,
-    SamplingParams,
-    SchedulerMessage,
-    StorageEvicted,
-    StorageStatus,
-)
-from protos.to_tokenizer import AdminReply, TokenizerMessage, TokenOutput, Usage
+from protos.base import *  # noqa: F403
+from protos.codec import *  # noqa: F403
+from protos.lifecycle import *  # noqa: F403
+from protos.table import *  # noqa: F403
+from protos.to_cache_server import *  # noqa: F403
+from protos.to_controller import *  # noqa: F403
+from protos.to_engine import *  # noqa: F403
+from protos.to_scheduler import *  # noqa: F403
+from protos.to_tokenizer import *  # noqa: F403
 
-__all__ = [
-    "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "MESSAGE_TYPES", "Message", "ProtocolError", "decode", "encode",
-    "ErrorReply", "LifecycleMessage", "ProcessEvent", "Ready", "Shutdown",
-    "BackupToStorage", "Cancel", "ControllerMessage", "LoadToDevice", "PrefetchFetch", "PrefetchQuery",
-    "StorageAdmin", "WriteToHost",
-    "AbortRequest", "AdminRequest", "GenerateRequest", "OpDone", "PrefetchHits", "SamplingParams",
-    "SchedulerMessage", "StorageEvicted", "StorageStatus",
-    "AdminReply", "TokenOutput", "TokenizerMessage", "Usage",
-    "ALL_RANKS", "CacheServerMessage", "Commit", "EngineRegister", "EngineWorker", "Finished", "Heartbeat", "Lookup", "Release", "Reserve",
-    "SaveRange", "TOKEN_TYPECODE", "pack_tokens", "unpack_tokens", "EngineError", "EngineMessage", "EngineRegistered", "LookupResult", "Reservation", "ReserveResult",
-    "ENGINE_SOCKET", "ROUTES", "Route", "accepted_by", "route_of",
-]
+__all__ = [*base.__all__, *codec.__all__, *lifecycle.__all__, *table.__all__, *to_cache_server.__all__,
+           *to_controller.__all__, *to_engine.__all__, *to_scheduler.__all__, *to_tokenizer.__all__]

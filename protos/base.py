@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import ClassVar, TypeVar
 
+__all__ = ["MAX_FRAME_BYTES", "PROTOCOL_VERSION", "Message", "ProtocolError"]
+
 PROTOCOL_VERSION = 7
 """Bumped on any incompatible change of a message's fields or meaning."""
 

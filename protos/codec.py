@@ -23,6 +23,8 @@ import msgpack
 from protos.base import MAX_FRAME_BYTES, PROTOCOL_VERSION, Message, ProtocolError
 from protos.table import ROUTES
 
+__all__ = ["MESSAGE_TYPES", "decode", "encode"]
+
 MESSAGE_TYPES: tuple[type[Message], ...] = tuple(route.message for route in ROUTES)
 """Every message type, from the protocol table (``protos.table``): the only tags decoded."""
 

@@ -7,6 +7,8 @@ from typing import Literal
 
 from protos.base import Message, message
 
+__all__ = ["ErrorReply", "LifecycleMessage", "ProcessEvent", "Ready", "Shutdown"]
+
 ProcessEventKind = Literal["died", "restart", "failed"]
 """The ``event`` of a ``ProcessEvent``; the codec refuses any other value."""
 

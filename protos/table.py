@@ -49,6 +49,8 @@ from protos.to_scheduler import (
 )
 from protos.to_tokenizer import AdminReply, TokenOutput
 
+__all__ = ["ENGINE_SOCKET", "ROUTES", "Route", "accepted_by", "route_of"]
+
 PROCESSES = ("tokenizer", "scheduler", "controller", "launcher", "engine")
 ENGINE_SOCKET = "engine"
 """The scheduler process's second socket (engine mode): what ``engine`` senders reach."""

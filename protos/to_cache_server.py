@@ -55,6 +55,11 @@ from dataclasses import dataclass, field
 
 from protos.base import Message, message
 
+__all__ = [
+    "ALL_RANKS", "TOKEN_TYPECODE", "CacheServerMessage", "Commit", "EngineRegister", "EngineWorker",
+    "Finished", "Heartbeat", "Lookup", "Release", "Reserve", "SaveRange", "pack_tokens", "unpack_tokens",
+]
+
 TOKEN_TYPECODE = "I"
 """Token ids travel packed (``pack_tokens``): 4-byte unsigned integers, little-endian, the
 array typecode the server unpacks them into (a 32k-token prompt is 128 KiB, packed and

@@ -13,6 +13,11 @@ from typing import Any
 
 from protos.base import Message, message
 
+__all__ = [
+    "BackupToStorage", "Cancel", "ControllerMessage", "LoadToDevice", "PrefetchFetch", "PrefetchQuery",
+    "StorageAdmin", "WriteToHost",
+]
+
 
 class ControllerMessage(Message):
     """Base of everything the controller can be told."""

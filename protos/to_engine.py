@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from protos.base import Message, message
 
+__all__ = ["EngineError", "EngineMessage", "EngineRegistered", "LookupResult", "Reservation", "ReserveResult"]
+
 
 class EngineMessage(Message):
     """Base of everything the cache server answers an engine."""

@@ -7,6 +7,11 @@ from typing import Any, Literal
 
 from protos.base import Message, message
 
+__all__ = [
+    "AbortRequest", "AdminRequest", "GenerateRequest", "OpDone", "PrefetchHits", "SamplingParams",
+    "SchedulerMessage", "StorageEvicted", "StorageStatus",
+]
+
 OpStatus = Literal["ok", "failed", "cancelled", "error", "rejected"]
 """How a controller op ended (``OpDone.status``); the codec refuses any other value."""
 

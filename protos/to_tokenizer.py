@@ -7,6 +7,8 @@ from typing import Any
 
 from protos.base import Message, message
 
+__all__ = ["AdminReply", "TokenizerMessage", "TokenOutput", "Usage"]
+
 
 class TokenizerMessage(Message):
     """Base of everything the tokenizer can be told."""

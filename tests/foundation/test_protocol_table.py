@@ -25,6 +25,14 @@ def test_every_message_type_has_exactly_one_row() -> None:
     assert set(messages) == _message_classes()  # a class with a tag and no row is never decoded
 
 
+def test_the_package_exports_every_message_once() -> None:
+    """Each module's ``__all__`` is the one list: the package re-exports them, none twice."""
+    assert len(protos.__all__) == len(set(protos.__all__))
+    for r in ROUTES:
+        assert getattr(protos, r.message.__name__) is r.message, r.message.__name__
+        assert r.message.__name__ in protos.__all__
+
+
 def test_answers_travel_back_the_way_the_request_came() -> None:
     for r in ROUTES:
         assert set(r.senders) <= set(PROCESSES) and set(r.receivers) <= set(PROCESSES), r
