@@ -25,6 +25,8 @@ from urllib.parse import parse_qs, urlparse
 
 import yaml
 
+from storage_backends.settings import RedisConnection
+
 CONFIG_ENV = "HICACHE_CONFIG"
 
 ModelKind = Literal["reference", "hf"]
@@ -228,30 +230,14 @@ class FileStoreConfig:
 
 
 @dataclass(frozen=True)
-class RedisStoreConfig:
-    """``cache.l3.redis`` (README "L3 storage").
+class RedisStoreConfig(RedisConnection):
+    """``cache.l3.redis`` (README "L3 storage"): the fields of
+    ``storage_backends.settings.RedisConnection``, shared with the Redis backend's own
+    ``RedisSettings`` (which documents them: the password's one source, TLS), and
+    ``timeout_s``. The password is never shown: not in ``repr``, not in ``hicache
+    check-config``'s output. Files and variables named for the password are read when the
+    store is attached."""
 
-    The password comes from at most one of ``password`` (inline), ``password_file`` (a file
-    holding only it; one trailing newline dropped), ``password_env`` (the name of an
-    environment variable holding it) or the URL's ``user:pw@``; files and variables are
-    read when the store is attached. ``tls_*`` need a ``rediss://`` URL: the server's
-    certificate is always verified, against ``tls_ca_file`` (PEM, trusted besides the
-    system store) or the system store; ``tls_verify_hostname`` also checks the URL's host
-    against it; ``tls_cert_file`` (+ ``tls_key_file`` unless the key is in the same PEM,
-    unencrypted) is the client certificate for servers that require one. The password is
-    never shown: not in ``repr``, not in ``hicache check-config``'s output."""
-
-    url: str = "redis://127.0.0.1:6379/0"
-    cluster: bool = False
-    password: str | None = field(default=None, repr=False, metadata={"secret": True})
-    password_file: str | None = None
-    password_env: str | None = None
-    tls_ca_file: str | None = None
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    tls_verify_hostname: bool = True
-    ttl_s: int | None = None
-    key_prefix: str = "hicache"
     timeout_s: float = 2.0
 
 

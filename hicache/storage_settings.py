@@ -13,19 +13,20 @@ kind an installed package provides (``storage_backends.plugins``) takes its sett
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from storage_backends.plugins import RESERVED_KINDS
+from storage_backends.settings import RedisConnection
 
 BUILTIN_L3_BACKENDS = RESERVED_KINDS
 """The values of ``cache.l3.backend`` that need no plug-in (``none``, ``file``, ``redis``)."""
 
 
-REDIS_CONFIG_KEYS = ("url", "cluster", "password", "password_file", "password_env", "tls_ca_file", "tls_cert_file",
-                     "tls_key_file", "tls_verify_hostname", "ttl_s", "key_prefix")
+REDIS_CONFIG_KEYS = tuple(f.name for f in dataclasses.fields(RedisConnection))
 """The keys of ``cache.l3.redis`` that are ``RedisSettings`` fields of the same name and
-meaning (its ``timeout_s`` becomes ``resilience.timeout_s``; the rest of ``RedisSettings`` is
-tuning the config does not expose). A test keeps the two classes agreeing on them."""
+meaning: both classes take them from ``RedisConnection`` (the section's ``timeout_s`` becomes
+``resilience.timeout_s``; the rest of ``RedisSettings`` is tuning the config does not expose)."""
 
 
 def l3_backends() -> list[str]:

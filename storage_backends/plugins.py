@@ -21,8 +21,8 @@ The plug-in owns everything about its kind, and nothing in hicache names it:
 Settings cross process boundaries by pickle, so the settings class must be importable at
 module level in every process of the daemon (it is, when the package is installed).
 
-Entry points are read on first use and read again when a kind is asked for that is not
-known (a package installed while the process runs). An entry point that fails to load, is
+Entry points are read on first use, read again when a kind is asked for that is not
+known (a package installed while the process runs), and on every listing of the kinds. An entry point that fails to load, is
 not a ``BackendPlugin``, has another name than its kind, or claims a built-in kind is kept
 as *broken*: asking for that kind raises ``StorageConfigError`` with the reason, and every
 other kind works as before.
@@ -161,9 +161,10 @@ class _Registry:
             return self.plugins.get(kind)
 
     def kinds(self) -> list[str]:
+        """Read afresh on every call (a listing is rare: an error message, the OpenAPI
+        schema), so a package installed after the first scan is listed too."""
         with self.lock:
-            if not self.scanned:
-                self.scan()
+            self.scan()
             return sorted(self.plugins)
 
 

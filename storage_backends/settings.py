@@ -87,7 +87,27 @@ class FileSettings:
 
 
 @dataclass(frozen=True)
-class RedisSettings:
+class RedisConnection:
+    """Where a Redis store is and how to reach it: the fields ``RedisSettings`` shares with
+    the daemon's ``cache.l3.redis`` section (``hicache.config.RedisStoreConfig``), defined
+    once here. Their meaning is documented on ``RedisSettings``; ``password`` is secret
+    (never in ``repr``, redacted where a config is shown)."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    cluster: bool = False
+    password: str | None = field(default=None, repr=False, metadata={"secret": True})
+    password_file: str | None = None
+    password_env: str | None = None
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_verify_hostname: bool = True
+    ttl_s: int | None = None
+    key_prefix: str = "hicache"
+
+
+@dataclass(frozen=True)
+class RedisSettings(RedisConnection):
     """Redis or Redis Cluster.
 
     ``url``: ``redis://[user[:pw]@]host:port/db``, ``rediss://`` (TLS) or
@@ -111,17 +131,6 @@ class RedisSettings:
     key must not be encrypted.
     """
 
-    url: str = "redis://127.0.0.1:6379/0"
-    cluster: bool = False
-    password: str | None = field(default=None, repr=False)
-    password_file: str | None = None
-    password_env: str | None = None
-    tls_ca_file: str | None = None
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    tls_verify_hostname: bool = True
-    ttl_s: int | None = None
-    key_prefix: str = "hicache"
     pipeline_bytes: int = 16 * 1024 * 1024
     pipeline_max: int = 256
     max_connections: int = 32

@@ -129,8 +129,8 @@ def test_settings_from_the_real_config(tmp_path: Path) -> None:
 
 
 def test_the_config_redis_section_and_the_redis_settings_agree() -> None:
-    """``cache.l3.redis`` is ``RedisSettings`` seen from the config: the keys it shares carry
-    the same defaults, and ``timeout_s`` is the resilience timeout's."""
+    """``cache.l3.redis`` is ``RedisSettings`` seen from the config: both take the keys they
+    share from ``RedisConnection``, and ``timeout_s`` is the resilience timeout's."""
     import dataclasses
 
     from hicache.config import RedisStoreConfig
