@@ -479,7 +479,6 @@ def engine_layout(cfg: HicacheConfig) -> PoolLayout:
     layers (GDN) a ``mamba`` pool of ``cache.l2.state_slots`` states as bytes. Raises ValueError
     when the engine model cannot be served or L2 does not fit in the host's available memory."""
     from hicache.config import engine_window_pages
-    from hicache.engine_server.geometry import KV_KINDS
     from hicache.memory.pools import (
         PoolLayout,
         default_directory,
@@ -488,6 +487,7 @@ def engine_layout(cfg: HicacheConfig) -> PoolLayout:
         state_layout,
     )
     from hicache.startup_checks import engine_geometry
+    from protos import KV_KINDS
 
     g, problems = engine_geometry(cfg)
     if problems:

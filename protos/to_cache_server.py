@@ -51,13 +51,13 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from protos.base import Message, message
 
 __all__ = [
-    "ALL_RANKS", "TOKEN_TYPECODE", "CacheServerMessage", "Commit", "EngineRegister", "EngineWorker",
-    "Finished", "Heartbeat", "Lookup", "Release", "Reserve", "SaveRange", "pack_tokens", "unpack_tokens",
+    "ALL_RANKS", "TOKEN_TYPECODE", "KV_DTYPE_BYTES", "KV_KINDS", "CacheServerMessage", "Commit",
+    "EngineKVGeometry", "EngineRegister", "EngineWorker", "Finished", "Heartbeat", "Lookup", "Release", "Reserve", "SaveRange", "pack_tokens", "unpack_tokens",
 ]
 
 TOKEN_TYPECODE = "I"
@@ -93,6 +93,83 @@ ALL_RANKS = -1
 scheduler half, for a lease no rank was given (a lookup not loaded, a reservation not saved)."""
 
 
+KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+KV_KINDS = {"kv": 2, "mla": 1}
+"""What a token's row of a head holds, and how many ``head_dim`` vectors: a key and a value,
+or the compressed latent of multi-head latent attention (DeepSeek V2 / V3: ``kv_lora_rank``
+plus the rotary part, one per token for all heads)."""
+
+
+@dataclass(frozen=True)
+class EngineKVGeometry:
+    """One KV page: ``block_size`` tokens of every one of ``num_layers`` attention layers.
+
+    ``state_layers`` more layers keep a recurrent state instead of KV (Qwen3-Next's gated
+    delta net, ``linear_attention``; 0: none): vLLM keeps that state at some block ends, and
+    the daemon keeps one, of ``state_bytes`` per layer, in model order, after the pages where
+    the engine offered it (the tree's Mamba component: a hit ends only at a page whose state
+    it holds). ``num_layers`` counts the attention layers only.
+
+    ``window_layers`` of the layers have a sliding window (0: none). Such a page is kept in
+    two parts (docs/architecture.md §13): the *full part*, the blocks of the other layers,
+    in model order, kept for every page of a cached prefix; and the *window part*, the
+    blocks of the window layers, in model order, kept only for the pages a hit at some
+    boundary reads (the tree's SWA component: the last window before a boundary).
+
+    ``kv_layout`` names the byte order of one layer's block (vLLM's CPU backend: ``LBHNC``,
+    a block is ``[num_kv_heads, block_size, 2 * head_dim]``: K then V per token row).
+    ``kv_kind`` says what a token row holds (``KV_KINDS``): ``kv``, a key and a value per
+    head; ``mla``, one latent vector of ``head_dim`` (multi-head latent attention, one
+    "head": ``[1, block_size, head_dim]``).
+    """
+
+    model_identity: str
+    kv_dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_layout: str
+    kv_kind: str = "kv"
+    window_layers: int = 0
+    state_layers: int = 0
+    state_bytes: int = 0
+
+    @property
+    def state_part_bytes(self) -> int:
+        """Bytes of one kept state: every state layer's (0 without state layers)."""
+        return self.state_layers * self.state_bytes
+
+    @property
+    def layer_block_bytes(self) -> int:
+        """Bytes of one layer's block (K and V, or the latent)."""
+        vectors = KV_KINDS.get(self.kv_kind, 0)
+        return self.num_kv_heads * self.block_size * vectors * self.head_dim * KV_DTYPE_BYTES[self.kv_dtype]
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of a whole page: both parts."""
+        return self.num_layers * self.layer_block_bytes
+
+    @property
+    def full_page_bytes(self) -> int:
+        """Bytes of a page's full part (0 for a model whose every layer has the window)."""
+        return (self.num_layers - self.window_layers) * self.layer_block_bytes
+
+    @property
+    def window_page_bytes(self) -> int:
+        """Bytes of a page's window part (0 without window layers)."""
+        return self.window_layers * self.layer_block_bytes
+
+    def mismatch(self, other: EngineKVGeometry) -> str | None:
+        """None if ``other`` describes the same pages, else which fields differ (daemon vs engine)."""
+        diffs = [f"{f.name}: daemon {getattr(self, f.name)!r}, engine {getattr(other, f.name)!r}"
+                 for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+        return "; ".join(diffs) if diffs else None
+
+
+
 class CacheServerMessage(Message):
     """Base of everything an engine can tell the cache server."""
 
@@ -102,9 +179,9 @@ class CacheServerMessage(Message):
 @message("engine_register")
 @dataclass(slots=True)
 class EngineRegister(CacheServerMessage):
-    """Open a session. The geometry fields describe one KV page (one engine block of every
-    layer): ``page_bytes`` = ``num_layers`` x the bytes of one layer's block, in ``kv_layout``
-    (the engine's per-block byte order, e.g. vLLM's CPU ``LBHNC``).
+    """Open a session. ``geometry`` describes one KV page (one engine block of every
+    attention layer, ``EngineKVGeometry``); ``page_bytes`` is the engine's own count of its
+    bytes, which the daemon checks against the geometry's.
 
     ``runtime_identity`` (64 hex characters) names everything else that changes the bytes
     of a page: the engine's version, attention backend and kernel ISA, block size, the
@@ -119,38 +196,23 @@ class EngineRegister(CacheServerMessage):
     ``tensor_parallel``: the engine's ranks; each sends its ``Commit`` and ``Release`` of
     every lease (the page geometry is the whole model's: every rank holds
     ``num_kv_heads / tensor_parallel`` of its heads, or the whole latent with ``kv_kind``
-    ``mla``). ``kv_kind``: what a token row of a head holds, ``kv`` (a key and a value) or
-    ``mla`` (one latent vector).
+    ``mla``).
 
-    ``window_layers``: how many of the layers have a sliding window (0: none); a page is then
-    kept in two parts, its full part (``page_bytes`` less the window layers' blocks) and its
-    window part, only where a hit reads it (``EngineRegistered.window_segment``).
-    ``window_tokens``: the engine's window (vLLM's ``SlidingWindowSpec.sliding_window``);
-    refused when it reads more tokens before a hit than the daemon keeps.
-    ``state_layers``: how many layers keep a recurrent state instead of KV (a GDN's
-    ``linear_attention``; 0: none), ``state_bytes`` the bytes of one such layer's state as the
-    engine keeps it; ``num_layers`` and ``page_bytes`` count the attention layers only."""
+    ``window_tokens``: the engine's window (vLLM's ``SlidingWindowSpec.sliding_window``) when
+    the geometry has window layers; refused when it reads more tokens before a hit than the
+    daemon keeps (the window parts are then kept where a hit reads them:
+    ``EngineRegistered.window_segment``)."""
 
     req: int
     engine: str
     pid: int
-    model_identity: str
-    kv_dtype: str
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    kv_layout: str
+    geometry: EngineKVGeometry
     page_bytes: int
     runtime_identity: str
     pid_namespace: str = ""
     start_time: int = 0
     tensor_parallel: int = 1
-    kv_kind: str = "kv"
-    window_layers: int = 0
     window_tokens: int = 0
-    state_layers: int = 0
-    state_bytes: int = 0
 
 
 @message("engine_worker")

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 from protos.base import Message, message
 
-__all__ = ["EngineError", "EngineMessage", "EngineRegistered", "LookupResult", "Reservation", "ReserveResult"]
+__all__ = ["EngineError", "EngineMessage", "EngineRegistered", "L2PoolInfo", "LookupResult", "Reservation",
+           "ReserveResult"]
 
 
 class EngineMessage(Message):
@@ -16,39 +17,43 @@ class EngineMessage(Message):
     __slots__ = ()
 
 
+@dataclass(frozen=True)
+class L2PoolInfo:
+    """Where engines map the L2 pool (``EngineRegistered.pool``): shared-memory segments in
+    ``directory`` whose names start with ``instance`` (this daemon run's). ``segment`` holds
+    ``pages`` pages' full parts of ``page_bytes`` each (page ``i`` at byte ``i * page_bytes``;
+    the whole page without window layers; no segment and 0 bytes when every layer has the
+    window)."""
+
+    instance: str
+    segment: str
+    directory: str
+    pages: int
+    page_bytes: int
+    """Bytes of a page's full part (the whole page without window layers)."""
+    window_segment: str = ""
+    window_pages: int = 0
+    window_page_bytes: int = 0
+    """The pool of window parts (none without window layers)."""
+    state_segment: str = ""
+    state_slots: int = 0
+    state_bytes: int = 0
+    """The pool of states (none without state layers)."""
+
+
 @message("engine_registered")
 @dataclass(slots=True)
 class EngineRegistered(EngineMessage):
-    """The session is open. The L2 pool is one shared-memory segment ``l2_segment`` in
-    ``l2_directory`` holding ``l2_pages`` pages of ``page_bytes`` bytes each (page ``i`` at
-    byte ``i * page_bytes``); ``instance`` names this daemon run's shared memory and ``run``
-    (random per start) is what every later message of the session carries. The session
-    expires ``lease_ttl_s`` after the last message it sent.
-
-    With window layers (``EngineRegister.window_layers``) a page is two parts: ``l2_segment``
-    holds the full parts (``page_bytes`` each: the other layers' blocks; 0 bytes and no
-    segment when every layer has the window) and ``window_segment`` holds ``window_pages``
-    window parts of ``window_page_bytes`` each, in pages of their own.
-
-    With state layers (``EngineRegister.state_layers``), ``state_segment`` holds
-    ``state_slots`` states of ``state_bytes`` each (every state layer's, in model order):
-    the recurrent state after a page, kept only after the pages where the engine saved one."""
+    """The session is open. ``pool`` says where the engine maps the L2 pool (its full
+    parts, and with window layers the window parts, with state layers the states).
+    ``run`` (random per start) is what every later message of the session carries. The
+    session expires ``lease_ttl_s`` after the last message it sent."""
 
     req: int
     session: int
     run: int
-    instance: str
-    l2_segment: str
-    l2_directory: str
-    l2_pages: int
-    page_bytes: int
+    pool: L2PoolInfo
     lease_ttl_s: float
-    window_segment: str = ""
-    window_pages: int = 0
-    window_page_bytes: int = 0
-    state_segment: str = ""
-    state_slots: int = 0
-    state_bytes: int = 0
 
 
 @message("engine_lookup_result")

@@ -257,7 +257,7 @@ class CacheSession:
         with self._lock:
             self.registered = answer
         log.info("hicache: registered with the daemon at %s (session %d, L2 %d pages of %d bytes)", self.address,
-                 answer.session, answer.l2_pages, answer.page_bytes)
+                 answer.session, answer.pool.pages, answer.pool.page_bytes)
         self._start_heartbeat(answer.lease_ttl_s)
         return answer
 

@@ -160,7 +160,7 @@ from hicache.connectors.runtime_identity import (
     runtime_identity,
 )
 from hicache.connectors.vllm_stats import HiCachePromMetrics, HiCacheStats
-from hicache.engine_server.geometry import EngineKVGeometry, engine_identity, namespace_of
+from hicache.engine_server.geometry import engine_identity, namespace_of
 from hicache.engine_server.leases import own_pid_namespace, process_start_time
 from hicache.kv_events.follower import EventFollower, connect_address
 from hicache.kv_events.format import BlockRemoved, BlockStored, KVEvent
@@ -453,7 +453,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         layout = "LBHNC" if self.mla else kv_cache_config.kv_cache_layout
         assert layout is not None
         heads = 1 if self.mla else spec.num_kv_heads * self.tp
-        self.geometry = EngineKVGeometry(engine_identity(model, dtype, layout), dtype, spec.block_size,
+        self.geometry = protos.EngineKVGeometry(engine_identity(model, dtype, layout), dtype, spec.block_size,
                                          len(self.layer_names), heads, spec.head_size, layout,
                                          "mla" if self.mla else "kv", sum(self.layer_window),
                                          len(self.state_layer_names), self.state_bytes * self.tp)
@@ -574,7 +574,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def _register_msg(self) -> protos.EngineRegister:
         g = self.geometry
         return protos.EngineRegister(
-            req=0, engine=engine_name(), pid=os.getpid(), **g.register_fields(),
+            req=0, engine=engine_name(), pid=os.getpid(), geometry=g, page_bytes=g.page_bytes,
             runtime_identity=runtime_identity(self.runtime, self.reset_generation),
             pid_namespace=own_pid_namespace(), start_time=process_start_time(os.getpid()) or 0, tensor_parallel=self.tp,
             window_tokens=self.window_tokens)
@@ -808,13 +808,13 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         reg = self.session.registered  # after the reserves, which may have registered again
         if reg is not None:
             meta.run = reg.run
-            meta.pool = PoolRef(reg.instance, reg.l2_segment, reg.l2_directory, reg.l2_pages, reg.page_bytes)
-            if reg.window_segment:
-                meta.window_pool = PoolRef(reg.instance, reg.window_segment, reg.l2_directory, reg.window_pages,
-                                           reg.window_page_bytes)
-            if reg.state_segment:
-                meta.state_pool = PoolRef(reg.instance, reg.state_segment, reg.l2_directory, reg.state_slots,
-                                          reg.state_bytes)
+            p = reg.pool
+            meta.pool = PoolRef(p.instance, p.segment, p.directory, p.pages, p.page_bytes)
+            if p.window_segment:
+                meta.window_pool = PoolRef(p.instance, p.window_segment, p.directory, p.window_pages,
+                                           p.window_page_bytes)
+            if p.state_segment:
+                meta.state_pool = PoolRef(p.instance, p.state_segment, p.directory, p.state_slots, p.state_bytes)
         return meta
 
     def _take_state_offers(self, scheduler_output: SchedulerOutput) -> None:

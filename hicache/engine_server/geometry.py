@@ -14,23 +14,16 @@ or in L3.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from hicache.model import hf_config
 from hicache.model.hf_config import CheckpointError
+from protos import KV_DTYPE_BYTES, EngineKVGeometry
 
 if TYPE_CHECKING:
     from hicache.config import DType
 
 ENGINE_IDENTITY_VERSION = b"hicache-engine-identity-v1"
-
-KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-KV_KINDS = {"kv": 2, "mla": 1}
-"""What a token's row of a head holds, and how many ``head_dim`` vectors: a key and a value,
-or the compressed latent of multi-head latent attention (DeepSeek V2 / V3: ``kv_lora_rank``
-plus the rotary part, one per token for all heads)."""
 
 _MODEL_DTYPES: dict[str, DType] = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 """The KV dtypes (``KV_DTYPE_BYTES``) as ``ModelConfig.dtype`` values."""
@@ -38,83 +31,6 @@ _MODEL_DTYPES: dict[str, DType] = {"float32": "float32", "bfloat16": "bfloat16",
 
 class EngineModelError(ValueError):
     """The engine's model cannot be served in engine mode; the message says why."""
-
-
-@dataclass(frozen=True)
-class EngineKVGeometry:
-    """One KV page: ``block_size`` tokens of every one of ``num_layers`` attention layers.
-
-    ``state_layers`` more layers keep a recurrent state instead of KV (Qwen3-Next's gated
-    delta net, ``linear_attention``; 0: none): vLLM keeps that state at some block ends, and
-    the daemon keeps one, of ``state_bytes`` per layer, in model order, after the pages where
-    the engine offered it (the tree's Mamba component: a hit ends only at a page whose state
-    it holds). ``num_layers`` counts the attention layers only.
-
-    ``window_layers`` of the layers have a sliding window (0: none). Such a page is kept in
-    two parts (docs/architecture.md §13): the *full part*, the blocks of the other layers,
-    in model order, kept for every page of a cached prefix; and the *window part*, the
-    blocks of the window layers, in model order, kept only for the pages a hit at some
-    boundary reads (the tree's SWA component: the last window before a boundary).
-
-    ``kv_layout`` names the byte order of one layer's block (vLLM's CPU backend: ``LBHNC``,
-    a block is ``[num_kv_heads, block_size, 2 * head_dim]``: K then V per token row).
-    ``kv_kind`` says what a token row holds (``KV_KINDS``): ``kv``, a key and a value per
-    head; ``mla``, one latent vector of ``head_dim`` (multi-head latent attention, one
-    "head": ``[1, block_size, head_dim]``).
-    """
-
-    model_identity: str
-    kv_dtype: str
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    kv_layout: str
-    kv_kind: str = "kv"
-    window_layers: int = 0
-    state_layers: int = 0
-    state_bytes: int = 0
-
-    @property
-    def state_part_bytes(self) -> int:
-        """Bytes of one kept state: every state layer's (0 without state layers)."""
-        return self.state_layers * self.state_bytes
-
-    @property
-    def layer_block_bytes(self) -> int:
-        """Bytes of one layer's block (K and V, or the latent)."""
-        vectors = KV_KINDS.get(self.kv_kind, 0)
-        return self.num_kv_heads * self.block_size * vectors * self.head_dim * KV_DTYPE_BYTES[self.kv_dtype]
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of a whole page: both parts."""
-        return self.num_layers * self.layer_block_bytes
-
-    @property
-    def full_page_bytes(self) -> int:
-        """Bytes of a page's full part (0 for a model whose every layer has the window)."""
-        return (self.num_layers - self.window_layers) * self.layer_block_bytes
-
-    @property
-    def window_page_bytes(self) -> int:
-        """Bytes of a page's window part (0 without window layers)."""
-        return self.window_layers * self.layer_block_bytes
-
-    @classmethod
-    def of_register(cls, msg: Any) -> EngineKVGeometry:
-        """The geometry an ``EngineRegister`` states: its fields of the same names."""
-        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})
-
-    def register_fields(self) -> dict[str, Any]:
-        """The ``EngineRegister`` fields that state this geometry, ``page_bytes`` included."""
-        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "page_bytes": self.page_bytes}
-
-    def mismatch(self, other: EngineKVGeometry) -> str | None:
-        """None if ``other`` describes the same pages, else which fields differ (daemon vs engine)."""
-        diffs = [f"{f.name}: daemon {getattr(self, f.name)!r}, engine {getattr(other, f.name)!r}"
-                 for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
-        return "; ".join(diffs) if diffs else None
 
 
 def read_hf_config(model_dir: str) -> dict[str, Any]:

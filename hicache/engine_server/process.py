@@ -91,7 +91,7 @@ def build_cache_server(args: SchedulerArgs, controller_send: Callable[[protos.Co
     the tier manager and the ``CacheServer`` over the pools of ``args.layout`` (mapped by
     the caller)."""
     from hicache.engine_server.geometry import geometry_from_config, sliding_window_from_config
-    from hicache.engine_server.server import STATE, WINDOW, CacheServer, L2PoolInfo
+    from hicache.engine_server.server import STATE, WINDOW, CacheServer
     from hicache.hashing import HashNamespace
     from hicache.memory.allocator import PageAllocator
     from hicache.tier_manager import TierManager
@@ -103,7 +103,7 @@ def build_cache_server(args: SchedulerArgs, controller_send: Callable[[protos.Co
     full = args.layout.component("full")
     ps = cfg.cache.page_size
     comps: list[TreeComponent] = [FullComponent(PageAllocator(0, "l1-full"), PageAllocator(full.l2_pages, "l2-full"))]
-    pool = L2PoolInfo(args.layout.instance, full.l2[0].segment, args.layout.directory, full.l2_pages,
+    pool = protos.L2PoolInfo(args.layout.instance, full.l2[0].segment, args.layout.directory, full.l2_pages,
                       full.l2_page_bytes)
     if geometry.window_layers:
         window = args.layout.component(WINDOW)

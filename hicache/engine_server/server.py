@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import protos
-from hicache.engine_server.geometry import EngineKVGeometry, namespace_of
+from hicache.engine_server.geometry import namespace_of
 from hicache.engine_server.leases import EngineProcess, Lease, LeaseKind, LeaseTable, Report, Session
 from hicache.engine_server.request_tokens import RequestTokens
 from hicache.tier_manager import PrefetchTicket, TierManager
@@ -118,26 +118,6 @@ class SlotMemory:
     """... whether that window stays when the request saves further (a prompt's end) ..."""
     window_brought: list[int] = field(default_factory=list)
     """... and the pages of it whose window parts the request brought itself."""
-
-
-@dataclass(frozen=True)
-class L2PoolInfo:
-    """Where engines map the L2 pool (``EngineRegistered``)."""
-
-    instance: str
-    segment: str
-    directory: str
-    pages: int
-    page_bytes: int
-    """Bytes of a page's full part (the whole page without window layers)."""
-    window_segment: str = ""
-    window_pages: int = 0
-    window_page_bytes: int = 0
-    """The pool of window parts (none without window layers)."""
-    state_segment: str = ""
-    state_slots: int = 0
-    state_bytes: int = 0
-    """The pool of states (none without state layers)."""
 
 
 WINDOW = "swa"
@@ -214,8 +194,8 @@ class CacheServer:
     with ``lease_ttl_s`` that watches engine processes through /proc).
     """
 
-    def __init__(self, cache: UnifiedRadixCache, tier: TierManager | None, geometry: EngineKVGeometry,
-                 pool: L2PoolInfo, lease_ttl_s: float, *,
+    def __init__(self, cache: UnifiedRadixCache, tier: TierManager | None, geometry: protos.EngineKVGeometry,
+                 pool: protos.L2PoolInfo, lease_ttl_s: float, *,
                  clock: Callable[[], float] = time.monotonic, run: int | None = None,
                  leases: LeaseTable | None = None) -> None:
         if cache.full.host_allocator is None:
@@ -313,15 +293,15 @@ class CacheServer:
 
     # ------------------------------------------------------------------ register
     def register(self, msg: protos.EngineRegister) -> protos.Message:
-        theirs = EngineKVGeometry.of_register(msg)
+        theirs = msg.geometry
         if not _IDENTITY.fullmatch(msg.runtime_identity):
             self.counters.bad_requests += 1
             return protos.EngineError(msg.req, "bad_request", "runtime_identity must be 64 lowercase hex characters")
-        sharded = msg.kv_kind != "mla"  # every rank holds the whole latent of MLA
-        if not 1 <= msg.tensor_parallel <= MAX_TENSOR_PARALLEL or (sharded and msg.num_kv_heads % msg.tensor_parallel):
+        sharded = theirs.kv_kind != "mla"  # every rank holds the whole latent of MLA
+        if not 1 <= msg.tensor_parallel <= MAX_TENSOR_PARALLEL or (sharded and theirs.num_kv_heads % msg.tensor_parallel):
             self.counters.bad_requests += 1
             return protos.EngineError(msg.req, "bad_request", f"tensor_parallel {msg.tensor_parallel}: must be in "
-                                      f"[1, {MAX_TENSOR_PARALLEL}] and divide num_kv_heads ({msg.num_kv_heads})")
+                                      f"[1, {MAX_TENSOR_PARALLEL}] and divide num_kv_heads ({theirs.num_kv_heads})")
         problem = self.geometry.mismatch(theirs)
         if problem is None and msg.page_bytes != self.geometry.page_bytes:
             problem = f"page_bytes: daemon {self.geometry.page_bytes}, engine {msg.page_bytes}"
@@ -337,10 +317,7 @@ class CacheServer:
         s = self.leases.open_session(msg.engine, process, namespace, self.clock(), msg.tensor_parallel)
         log.info("engine %s (pid %d, %d rank%s) registered: session %d, namespace %s", msg.engine, msg.pid,
                  msg.tensor_parallel, "s" if msg.tensor_parallel > 1 else "", s.session_id, namespace)
-        p = self.pool
-        return protos.EngineRegistered(msg.req, s.session_id, self.run, p.instance, p.segment, p.directory, p.pages,
-                                       p.page_bytes, self.leases.ttl_s, p.window_segment, p.window_pages,
-                                       p.window_page_bytes, p.state_segment, p.state_slots, p.state_bytes)
+        return protos.EngineRegistered(msg.req, s.session_id, self.run, self.pool, self.leases.ttl_s)
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, msg: protos.Lookup) -> protos.Message:

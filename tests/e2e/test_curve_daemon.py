@@ -171,8 +171,7 @@ def test_engine_client_talks_to_a_curve_cache_server_only_with_admitted_keys(
            "ipc": _tcp_ipc(keys_dir, base), "logging": {"level": "warning"}}
     daemons(cfg)
     g = geometry_from_config(config_from_dict(cfg))
-    register = protos.EngineRegister(1, "test", os.getpid(), g.model_identity, g.kv_dtype, g.block_size,
-                                     g.num_layers, g.num_kv_heads, g.head_dim, g.kv_layout, g.page_bytes, "c" * 64)
+    register = protos.EngineRegister(1, "test", os.getpid(), g, g.page_bytes, "c" * 64)
     address = Endpoints("tcp", tcp_host="127.0.0.1", tcp_base_port=base).address("engine")
 
     wrong = curve_keys_for({"curve_client_secret_file": str(tmp_path / "stranger.key_secret")}, str(keys_dir))

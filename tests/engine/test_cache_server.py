@@ -8,6 +8,7 @@ engine is never handed KV that another prefix (or another tenant) wrote.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 from collections.abc import Callable
@@ -16,17 +17,18 @@ from dataclasses import replace
 import pytest
 
 import protos
-from hicache.engine_server.geometry import EngineKVGeometry, attention_shape
+from hicache.engine_server.geometry import attention_shape
 from hicache.engine_server.leases import EngineProcess, LeaseTable
-from hicache.engine_server.server import CacheServer, L2PoolInfo
+from hicache.engine_server.server import CacheServer
 from hicache.hashing import HashNamespace
 from hicache.memory.allocator import PageAllocator
 from hicache.tree.cache import UnifiedRadixCache
 from hicache.tree.components import FullComponent
+from protos import L2PoolInfo
 
 PS = 4
 TTL = 10.0
-GEOMETRY = EngineKVGeometry("a" * 64, "bfloat16", PS, 2, 2, 32, "LBHNC")
+GEOMETRY = protos.EngineKVGeometry("a" * 64, "bfloat16", PS, 2, 2, 32, "LBHNC")
 RUN = 77
 RUNTIME = "f" * 64
 
@@ -57,13 +59,11 @@ def make_server(l2_pages: int = 32) -> tuple[CacheServer, Clock]:
 _pids = iter(range(1000, 10**6))
 
 
-def register(server: CacheServer, geometry: EngineKVGeometry = GEOMETRY, page_bytes: int | None = None,
+def register(server: CacheServer, geometry: protos.EngineKVGeometry = GEOMETRY, page_bytes: int | None = None,
              runtime: str = RUNTIME, pid: int = 123, tp: int = 1) -> protos.Message:
     g = geometry
-    return server.handle(protos.EngineRegister(1, "engine-a", pid, g.model_identity, g.kv_dtype, g.block_size,
-                                               g.num_layers, g.num_kv_heads, g.head_dim, g.kv_layout,
-                                               g.page_bytes if page_bytes is None else page_bytes, runtime,
-                                               tensor_parallel=tp, kv_kind=g.kv_kind))
+    return server.handle(protos.EngineRegister(1, "engine-a", pid, g, g.page_bytes if page_bytes is None else page_bytes,
+                                               runtime, tensor_parallel=tp))
 
 
 def session_of(server: CacheServer, runtime: str = RUNTIME, pid: int = 123, tp: int = 1) -> int:
@@ -128,7 +128,7 @@ class FakeEngine:
 def test_registration_is_refused_with_the_fields_that_differ() -> None:
     server, _ = make_server()
     assert isinstance(register(server), protos.EngineRegistered)
-    other = EngineKVGeometry("b" * 64, "float16", 64, 2, 2, 32, "LBHNC")
+    other = protos.EngineKVGeometry("b" * 64, "float16", 64, 2, 2, 32, "LBHNC")
     ans = register(server, other)
     assert isinstance(ans, protos.EngineError) and ans.code == "refused"
     for name in ("model_identity", "kv_dtype", "block_size"):
@@ -614,7 +614,7 @@ def test_an_mla_model_is_one_latent_head_and_every_rank_holds_it_whole() -> None
     raw = {"num_hidden_layers": 3, "num_attention_heads": 16, "num_key_value_heads": 16, "hidden_size": 2048,
            "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128}
     assert attention_shape(raw) == (3, 1, 576, "mla")
-    mla = EngineKVGeometry("a" * 64, "bfloat16", PS, 3, 1, 576, "LBHNC", "mla")
+    mla = protos.EngineKVGeometry("a" * 64, "bfloat16", PS, 3, 1, 576, "LBHNC", "mla")
     assert mla.page_bytes == 3 * PS * 576 * 2  # one latent vector per token and layer, no K/V pair
     comp = FullComponent(PageAllocator(0, "l1-full"), PageAllocator(8, "l2-full"))
     cache = UnifiedRadixCache([comp], PS, hasher=HashNamespace(mla.model_identity, "bfloat16", PS, "full"))
@@ -656,7 +656,7 @@ def test_a_request_asked_about_many_times_counts_one_hit() -> None:
 
 
 WINDOW_TOKENS = 2 * PS
-WINDOWED = EngineKVGeometry("c" * 64, "bfloat16", PS, 2, 2, 32, "LBHNC", window_layers=1)
+WINDOWED = protos.EngineKVGeometry("c" * 64, "bfloat16", PS, 2, 2, 32, "LBHNC", window_layers=1)
 
 
 def make_window_server(l2_pages: int = 32, window_pages: int = 8) -> CacheServer:
@@ -674,9 +674,8 @@ def make_window_server(l2_pages: int = 32, window_pages: int = 8) -> CacheServer
 
 def window_session(server: CacheServer, window_tokens: int = WINDOW_TOKENS) -> protos.Message:
     g = WINDOWED
-    return server.handle(protos.EngineRegister(1, "engine-w", 321, g.model_identity, g.kv_dtype, g.block_size,
-                                               g.num_layers, g.num_kv_heads, g.head_dim, g.kv_layout, g.page_bytes,
-                                               RUNTIME, window_layers=1, window_tokens=window_tokens))
+    return server.handle(protos.EngineRegister(1, "engine-w", 321, g, g.page_bytes, RUNTIME,
+                                               window_tokens=window_tokens))
 
 
 def test_a_window_model_keeps_the_window_parts_of_each_saved_ranges_last_window_only() -> None:
@@ -687,8 +686,8 @@ def test_a_window_model_keeps_the_window_parts_of_each_saved_ranges_last_window_
     assert isinstance(window_session(server, WINDOW_TOKENS + 2), protos.EngineError)  # reads 9 tokens back: refused
     assert isinstance(register(server), protos.EngineError)  # no window layers: other pages
     reg = window_session(server, WINDOW_TOKENS + 1)  # reads 8 tokens before a hit: what the daemon keeps
-    assert isinstance(reg, protos.EngineRegistered) and reg.window_segment == "inst-swa-l2-0"
-    assert reg.page_bytes == WINDOWED.full_page_bytes and reg.window_pages == 8
+    assert isinstance(reg, protos.EngineRegistered) and reg.pool.window_segment == "inst-swa-l2-0"
+    assert reg.pool.page_bytes == WINDOWED.full_page_bytes and reg.pool.window_pages == 8
     s = reg.session
     tokens = list(range(1, 6 * PS + 1))
     res = reserve(server, 2, s, RUN, "r", tokens, 0)
@@ -972,7 +971,7 @@ def test_random_window_engines_never_get_another_prefixes_parts(seed: int) -> No
     traffic.run(save, check)
 
 
-STATEFUL = EngineKVGeometry("c" * 64, "bfloat16", PS, 2, 2, 32, "LBHNC", state_layers=2, state_bytes=1000)
+STATEFUL = protos.EngineKVGeometry("c" * 64, "bfloat16", PS, 2, 2, 32, "LBHNC", state_layers=2, state_bytes=1000)
 """A model with two attention layers and two state layers (a GDN's), whose states are kept at some page ends."""
 
 
@@ -990,10 +989,8 @@ def make_state_server(l2_pages: int = 32, state_slots: int = 4) -> CacheServer:
 
 
 def state_session(server: CacheServer, state_bytes: int = STATEFUL.state_bytes, tp: int = 1) -> protos.Message:
-    g = STATEFUL
-    return server.handle(protos.EngineRegister(1, "engine-s", 322, g.model_identity, g.kv_dtype, g.block_size,
-                                               g.num_layers, g.num_kv_heads, g.head_dim, g.kv_layout, g.page_bytes,
-                                               RUNTIME, tensor_parallel=tp, state_layers=2, state_bytes=state_bytes))
+    g = dataclasses.replace(STATEFUL, state_bytes=state_bytes)
+    return server.handle(protos.EngineRegister(1, "engine-s", 322, g, g.page_bytes, RUNTIME, tensor_parallel=tp))
 
 
 class StateEngine:

@@ -3,6 +3,7 @@ and the connector's session logic (timeouts, backoff, re-registration after a re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -69,12 +70,13 @@ def test_check_config_validates_engine_mode(tmp_path: Path, checkpoints: dict[st
 
 
 def _register_msg(cfg: dict, req: int = 1, **change: object) -> protos.EngineRegister:
+    """The register message of the engine ``cfg`` serves; ``change`` sets geometry fields
+    (the page bytes follow them) or the message's own."""
     g = geometry_from_config(config_from_dict(cfg))
-    fields = dict(req=req, engine="test", pid=os.getpid(), model_identity=g.model_identity, kv_dtype=g.kv_dtype,
-                  block_size=g.block_size, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
-                  kv_layout=g.kv_layout, page_bytes=g.page_bytes, runtime_identity="c" * 64)
-    fields.update(change)
-    return protos.EngineRegister(**fields)  # type: ignore[arg-type]
+    mine = {f.name for f in dataclasses.fields(g)}
+    g = dataclasses.replace(g, **{k: v for k, v in change.items() if k in mine})  # type: ignore[arg-type]
+    rest = {k: v for k, v in change.items() if k not in mine}
+    return protos.EngineRegister(req, "test", os.getpid(), g, g.page_bytes, "c" * 64, **rest)  # type: ignore[arg-type]
 
 
 @pytest.fixture

@@ -654,9 +654,7 @@ def run_lookup(b: Bench, *, lengths: list[int], repeats: int) -> tuple[list[Figu
     try:
         cfg = load_config(str(daemon.config))
         g = geometry_from_config(cfg)
-        register = protos.EngineRegister(0, "bench-lookup", os.getpid(), g.model_identity, g.kv_dtype, g.block_size,
-                                         g.num_layers, g.num_kv_heads, g.head_dim, g.kv_layout, g.page_bytes,
-                                         "b" * 64, window_layers=g.window_layers,
+        register = protos.EngineRegister(0, "bench-lookup", os.getpid(), g, g.page_bytes, "b" * 64,
                                          window_tokens=sliding_window_from_config(cfg))
         session = CacheSession(engine_address(cfg), 5000, register)
         try:
