@@ -93,7 +93,7 @@ rank holds the whole latent, so rank 0 alone saves it (stored once) and every ra
 Refused at start, with the reason: pipeline parallelism, fewer KV heads than tensor-parallel
 ranks (vLLM replicates them), vLLM's AMX MLA backend (not run with hicache), a vLLM version other than
 the supported ones, a KV cache group that is not full or sliding-window attention, MLA of one
-shape or a state group in ``align`` mode (``kv_groups_problem``: e.g. MLA beside other
+shape or a state group in ``align`` mode (``vllm_layout.check_setup``: e.g. MLA beside other
 attention), a CUDA KV cache (its copy path has not run
 on a GPU), and an engine whose model or KV geometry differs
 from what the daemon serves. A daemon that is absent or slow costs hits, never correctness:
@@ -111,7 +111,6 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
-import vllm
 from vllm.distributed import kv_events as vllm_events
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -122,14 +121,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-from vllm.model_executor.models.utils import extract_layer_index
-from vllm.v1.kv_cache_interface import (
-    AttentionSpec,
-    FullAttentionSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowSpec,
-)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import protos
@@ -144,7 +135,6 @@ from hicache.connectors.engine_client import (
 )
 from hicache.connectors.faults import FAIL_LOADS_ENV, ConnectorFaults, FaultConfigError
 from hicache.connectors.kv_copy import (
-    CUDA_REFUSAL,
     NO_BLOCK,
     NO_PAGE,
     BlockCopier,
@@ -155,12 +145,12 @@ from hicache.connectors.kv_copy import (
 )
 from hicache.connectors.runtime_identity import (
     UnclassifiedOption,
-    mla_backend,
     runtime_entries,
     runtime_identity,
 )
+from hicache.connectors.vllm_layout import ConnectorRefused, VllmKVLayout, check_setup
 from hicache.connectors.vllm_stats import HiCachePromMetrics, HiCacheStats
-from hicache.engine_server.geometry import engine_identity, namespace_of
+from hicache.engine_server.geometry import namespace_of
 from hicache.engine_server.leases import own_pid_namespace, process_start_time
 from hicache.kv_events.follower import EventFollower, connect_address
 from hicache.kv_events.format import BlockRemoved, BlockStored, KVEvent
@@ -192,23 +182,9 @@ keeps waiting when a later ask gets no answer in time (a daemon loop slowed for 
 the client's backoff after one such timeout): it becomes a miss only once this long has
 passed since its first pending answer. A slow answer then costs a short wait, not the hit."""
 
-SUPPORTED_VLLM = ("0.32.",)
-"""vLLM versions whose connector API this module was written and tested against."""
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-HELD_SPECS = (FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec)
-"""The attention KV cache group kinds hicache holds (exactly these classes, not other
-subclasses): attention KV, full or sliding-window, or MLA's latent, of one shape across groups.
-Beside them, ``MambaSpec`` groups in vLLM's ``align`` mode (a GDN's state, kept at block ends)."""
-
 VLLM_NULL_BLOCK = 0
 """The block id vLLM's hybrid allocator puts where a sliding-window group holds no block
 (before the window); never a real block of any group."""
-
-
-class ConnectorRefused(RuntimeError):
-    """This vLLM setup cannot use hicache; the message says why."""
 
 
 # ---------------------------------------------------------------------- metadata
@@ -317,49 +293,6 @@ class _Tracked:
 # ---------------------------------------------------------------------- the connector
 
 
-def is_state_group(spec: Any) -> bool:
-    """Whether a KV cache group's spec is recurrent state (``MambaSpec``: Mamba, GDN), not KV."""
-    return isinstance(spec, MambaSpec)
-
-
-def kv_groups_problem(kv_cache_config: KVCacheConfig) -> str | None:
-    """None if hicache can hold every KV cache group of this engine, else which group it
-    cannot and why: each attention group must be full or sliding-window attention
-    (``HELD_SPECS``) with the block size, heads, head size and dtype of the first (an L2 page
-    is one block of every attention layer); a state group (``MambaSpec``) must keep states at
-    block ends (vLLM's ``align`` mode, on with prefix caching) of that block size."""
-    groups = kv_cache_config.kv_cache_groups
-    attention = [g for g in groups if not is_state_group(g.kv_cache_spec)]
-    if not attention:
-        return "the engine has no attention KV cache group (a model of state layers only)"
-    first = attention[0].kv_cache_spec
-    for i, group in enumerate(groups):
-        spec = group.kv_cache_spec
-        name = (f"KV cache group {i} ({type(spec).__name__}, layers {', '.join(group.layer_names[:3])}"
-                f"{', ...' if len(group.layer_names) > 3 else ''})")
-        if not group.enable_kv_transfer:
-            return f"{name}: vLLM marks it as not transferable"
-        if isinstance(spec, MambaSpec):
-            if spec.mamba_cache_mode != "align":
-                return (f"{name}: mamba_cache_mode {spec.mamba_cache_mode!r}; hicache keeps the states vLLM keeps "
-                        "at block ends ('align', on with --enable-prefix-caching)")
-            if spec.block_size != first.block_size:
-                return f"{name}: block_size {spec.block_size} differs from the attention groups' {first.block_size}"
-            continue
-        if type(spec) not in HELD_SPECS:
-            return (f"{name}: hicache holds full and sliding-window attention KV, MLA's latent and the state "
-                    f"of Mamba-kind layers kept at block ends ({', '.join(c.__name__ for c in HELD_SPECS)}, "
-                    "MambaSpec) only")
-        if isinstance(spec, MLAAttentionSpec) != isinstance(first, MLAAttentionSpec):
-            return f"{name}: MLA and other attention in one engine (an L2 page holds one kind)"
-        assert isinstance(spec, AttentionSpec) and isinstance(first, AttentionSpec)
-        for attr in ("block_size", "num_kv_heads", "head_size", "dtype"):
-            if getattr(spec, attr) != getattr(first, attr):
-                return (f"{name}: {attr} {getattr(spec, attr)} differs from group 0's {getattr(first, attr)} "
-                        "(an L2 page holds one block of every layer, of one shape)")
-    return None
-
-
 def _tensors(value: Any) -> list[torch.Tensor]:
     """A layer's KV cache entry as a list of tensors (a state layer's is a list or tuple)."""
     return list(value) if isinstance(value, (list, tuple)) else [value]
@@ -400,69 +333,20 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self._check_setup(vllm_config, kv_cache_config)
+        check_setup(vllm_config, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.hicache = _load_hicache_config(extra)
         if self.hicache.engine.kind != "vllm":
             raise ConnectorRefused(f"{extra['hicache_config']}: engine.kind is {self.hicache.engine.kind!r}; "
                                    "the daemon must run in engine mode (engine.kind: vllm)")
-        groups = kv_cache_config.kv_cache_groups
-        spec = next(g.kv_cache_spec for g in groups if not is_state_group(g.kv_cache_spec))
-        assert isinstance(spec, AttentionSpec)  # _check_setup refused every other kind
-        # An L2 page holds one block of every attention layer, in model order; a layer's block ids are its group's.
-        by_layer = sorted((extract_layer_index(n), n, g) for g, group in enumerate(groups) for n in group.layer_names)
-        state = [is_state_group(groups[g].kv_cache_spec) for _, _, g in by_layer]
-        self.layer_names = [n for (_, n, _), st in zip(by_layer, state, strict=True) if not st]
-        self.layer_groups = [g for (_, _, g), st in zip(by_layer, state, strict=True) if not st]
-        self.state_layer_names = [n for (_, n, _), st in zip(by_layer, state, strict=True) if st]
-        self.state_layer_groups = [g for (_, _, g), st in zip(by_layer, state, strict=True) if st]
-        """The state layers (a GDN's), in model order, and their KV cache groups: the daemon keeps
-        their state at the block ends where vLLM offers it (``boundary_state_offloads``)."""
-        self.state_groups = sorted(set(self.state_layer_groups))
-        self._kv_groups = [g for g in range(len(groups)) if g not in self.state_groups]
-        """The attention groups: a page is one block of each of their layers."""
-        state_specs = [g.kv_cache_spec for g in groups if is_state_group(g.kv_cache_spec)]
-        self.state_bytes = state_specs[0].state_content_size_bytes if state_specs else 0
-        """Bytes of this rank's share of one state layer's state in one block (vLLM pads its
-        blocks; those bytes are not kept); a slot holds every rank's share side by side."""
-        self.num_groups = len(groups)
-        self._group_window = [isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in groups]
-        self.layer_window = [isinstance(groups[g].kv_cache_spec, SlidingWindowSpec) for g in self.layer_groups]
-        """Which layers have a sliding window: their blocks go to the pages' window parts."""
-        self.windowed = any(self.layer_window)
-        """A group holds blocks of the window only: a block before it may be gone (see ``_plan_saves``)."""
-        self.window_tokens = max((g.kv_cache_spec.sliding_window for g in groups
-                                  if isinstance(g.kv_cache_spec, SlidingWindowSpec)), default=0)
-        self.load_async = self.num_groups > 1
-        """vLLM maps a failed block of a load back to its request with one KV cache group only;
-        with several, a hit loads asynchronously (the request waits for the step that loads
-        it), so a failed load is reported for the request (``failed_recving``) and recomputed."""
-        self.block_size = spec.block_size
-        self.num_blocks = kv_cache_config.num_blocks
-        self.tp = vllm_config.parallel_config.tensor_parallel_size
-        """Tensor-parallel ranks: each holds ``num_kv_heads / tp`` heads of every layer."""
-        dtype = _DTYPE_NAMES.get(spec.dtype)
-        if dtype is None:
-            raise ConnectorRefused(f"KV dtype {spec.dtype} is not supported (supported: {', '.join(_DTYPE_NAMES.values())})")
-        self.kv_dtype = spec.dtype
-        model = vllm_config.model_config.model
-        self.mla = isinstance(spec, MLAAttentionSpec)
-        """Multi-head latent attention: every rank holds the whole latent (one "head"), so
-        rank 0 alone saves it, once, and every rank loads it."""
-        # _check_setup accepted LBHNC, and MLA's LBNHC: with its one head, the same bytes
-        layout = "LBHNC" if self.mla else kv_cache_config.kv_cache_layout
-        assert layout is not None
-        heads = 1 if self.mla else spec.num_kv_heads * self.tp
-        self.geometry = protos.EngineKVGeometry(engine_identity(model, dtype, layout), dtype, spec.block_size,
-                                         len(self.layer_names), heads, spec.head_size, layout,
-                                         "mla" if self.mla else "kv", sum(self.layer_window),
-                                         len(self.state_layer_names), self.state_bytes * self.tp)
+        self.layout = layout = VllmKVLayout.of(vllm_config, kv_cache_config)
+        self.geometry = layout.geometry
         try:
             self.faults = ConnectorFaults.from_env()
         except FaultConfigError as exc:
             raise ConnectorRefused(str(exc)) from None
         try:
-            self.runtime = runtime_entries(vllm_config, spec.head_size, self.faults.runtime)
+            self.runtime = runtime_entries(vllm_config, layout.head_size, self.faults.runtime)
         except UnclassifiedOption as exc:
             raise ConnectorRefused(f"cannot tell which KV pages this engine may share: {exc}") from None
         self.address = engine_address(self.hicache)
@@ -504,33 +388,6 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._failed_rids: set[str] = set()  # requests whose load failed in this step
             self._loaded_async: set[str] = set()  # asynchronous loads done (or failed) since the last report
             self._failed_async: set[str] = set()  # of which these failed
-
-    @staticmethod
-    def _check_setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
-        if not vllm.__version__.startswith(SUPPORTED_VLLM):
-            raise ConnectorRefused(f"vLLM {vllm.__version__} is not supported (supported: "
-                                   f"{', '.join(v + 'x' for v in SUPPORTED_VLLM)})")
-        par = vllm_config.parallel_config
-        if par.pipeline_parallel_size != 1:
-            raise ConnectorRefused(f"pipeline parallelism is not supported (pipeline_parallel_size "
-                                   f"{par.pipeline_parallel_size}): a page holds every layer, which no rank has")
-        if vllm_config.device_config.device_type == "cuda":
-            raise ConnectorRefused(CUDA_REFUSAL)
-        mla = vllm_config.model_config.use_mla
-        if mla and mla_backend(vllm_config) != "CPU_MLA":
-            raise ConnectorRefused(f"vLLM's {mla_backend(vllm_config)} backend has not run with hicache (its latent "
-                                   "layout is unchecked); set the attention backend to CPU_MLA, or run without hicache")
-        kv_heads = vllm_config.model_config.get_total_num_kv_heads()
-        if not mla and kv_heads % par.tensor_parallel_size:
-            raise ConnectorRefused(f"tensor_parallel_size {par.tensor_parallel_size} does not divide the model's "
-                                   f"{kv_heads} KV heads (vLLM replicates them across ranks; hicache stores "
-                                   "each head once)")
-        problem = kv_groups_problem(kv_cache_config)
-        if problem:
-            raise ConnectorRefused(problem)
-        if kv_cache_config.kv_cache_layout != "LBHNC" and not (mla and kv_cache_config.kv_cache_layout == "LBNHC"):
-            raise ConnectorRefused(f"KV cache layout {kv_cache_config.kv_cache_layout!r} is not supported "
-                                   "(supported: LBHNC, vLLM's CPU layout)")
 
     # ================================================================== scheduler half
     def _follow_events(self, vllm_config: VllmConfig) -> EventFollower | None:
@@ -576,8 +433,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return protos.EngineRegister(
             req=0, engine=engine_name(), pid=os.getpid(), geometry=g, page_bytes=g.page_bytes,
             runtime_identity=runtime_identity(self.runtime, self.reset_generation),
-            pid_namespace=own_pid_namespace(), start_time=process_start_time(os.getpid()) or 0, tensor_parallel=self.tp,
-            window_tokens=self.window_tokens)
+            pid_namespace=own_pid_namespace(), start_time=process_start_time(os.getpid()) or 0, tensor_parallel=self.layout.tp,
+            window_tokens=self.layout.window_tokens)
 
     @property
     def _registered(self) -> protos.EngineRegistered | None:
@@ -652,7 +509,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         tracked.hit = None
         if tracked.lookups_closed:
             return 0, False
-        bs = self.block_size
+        bs = self.layout.block_size
         tokens = request.prompt_token_ids or []
         usable = (len(tokens) - 1) // bs * bs  # vLLM computes at least the last prompt token
         if usable <= num_computed_tokens:
@@ -690,7 +547,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._release(hit)
             return 0, False
         tracked.hit = hit
-        return external, self.load_async
+        return external, self.layout.load_async
 
     def _lookup(self, tracked: _Tracked, tokens: list[int], usable: int,
                 timeout_ms: int | None = None) -> EngineAnswer | None:
@@ -721,7 +578,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         hit, tracked.hit = tracked.hit, None
         if hit is None:
             return
-        n = num_external_tokens // self.block_size
+        n = num_external_tokens // self.layout.block_size
         if n <= 0:
             self._release(hit)
             return
@@ -731,28 +588,28 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         plan_blocks = self._page_blocks(tracked.block_ids, first, first + len(pages))
         # the window parts are the hit's last ones: page j has window_pages[j - (len(hit.pages) - len(window_pages))]
         window: list[int] = []
-        if self.windowed:
+        if self.layout.windowed:
             lead = len(hit.pages) - len(hit.window_pages)
             window = [hit.window_pages[j - lead] if j >= lead else NO_PAGE for j in range(first, first + len(pages))]
         states: list[StateCopy] = []
         unloadable = ""
-        if self.state_layer_names:  # the state after the last loaded page, into that page's state blocks
+        if self.layout.state_layer_names:  # the state after the last loaded page, into that page's state blocks
             last = first + len(pages) - 1
-            blocks_at = [ids[last] if g in self.state_groups and last < len(ids) else NO_BLOCK
+            blocks_at = [ids[last] if g in self.layout.state_groups and last < len(ids) else NO_BLOCK
                          for g, ids in enumerate(tracked.block_ids)]
             if first + len(pages) != len(hit.pages) or hit.state_slot == NO_PAGE:
                 unloadable = "the load does not end where the daemon kept the state"
-            elif any(blocks_at[g] in (NO_BLOCK, VLLM_NULL_BLOCK) for g in self.state_groups):
+            elif any(blocks_at[g] in (NO_BLOCK, VLLM_NULL_BLOCK) for g in self.layout.state_groups):
                 unloadable = "vLLM gave no state block at the hit's end"
             else:
                 states = [StateCopy(hit.state_slot, blocks_at)]
         self._loads.append(LoadPlan(request.request_id, hit.session, hit.run, hit.lease, pages, plan_blocks,
                                     window, states, unloadable))
-        tracked.loaded_tokens = len(pages) * self.block_size
+        tracked.loaded_tokens = len(pages) * self.layout.block_size
         # the pages from L3 are the hit's tail: [len - storage_pages, len); count the loaded ones
         storage_start = len(hit.pages) - hit.storage_pages
         from_storage = max(0, first + len(pages) - max(first, storage_start))
-        tracked.loaded_storage_tokens = from_storage * self.block_size
+        tracked.loaded_storage_tokens = from_storage * self.layout.block_size
         self.stats.add("hit_tokens_host", tracked.loaded_tokens - tracked.loaded_storage_tokens)
         self.stats.add("hit_tokens_disk", tracked.loaded_storage_tokens)
 
@@ -802,7 +659,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                     held.extend(more)
             computed = cached.num_computed_tokens[i]
             ranges.append(_StepRange(tracked, computed, computed + scheduled.get(rid, 0)))
-        if self.state_layer_names:
+        if self.layout.state_layer_names:
             self._take_state_offers(scheduler_output)
         self._plan_saves(ranges, meta)
         reg = self.session.registered  # after the reserves, which may have registered again
@@ -825,18 +682,18 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         kept: a page is a whole block."""
         block_state = scheduler_output.kv_connector_block_state
         offers = block_state.boundary_state_offloads if block_state is not None else {}
-        bs = self.block_size
+        bs = self.layout.block_size
         for rid, entries in offers.items():
             tracked = self._requests.get(rid)
             if tracked is None:
                 continue
             by_page: dict[int, list[int]] = {}
             for group, block, tokens in entries:
-                if tokens <= 0 or tokens % bs or group not in self.state_groups:
+                if tokens <= 0 or tokens % bs or group not in self.layout.state_groups:
                     continue
-                by_page.setdefault(tokens // bs - 1, [NO_BLOCK] * self.num_groups)[group] = block
+                by_page.setdefault(tokens // bs - 1, [NO_BLOCK] * self.layout.num_groups)[group] = block
             tracked.state_offers = {j: blocks for j, blocks in by_page.items()
-                                    if all(blocks[g] not in (NO_BLOCK, VLLM_NULL_BLOCK) for g in self.state_groups)}
+                                    if all(blocks[g] not in (NO_BLOCK, VLLM_NULL_BLOCK) for g in self.layout.state_groups)}
 
     def _save_range(self, tracked: _Tracked, computed_before_step: int, computed_after_step: int
                     ) -> tuple[protos.SaveRange, int] | None:
@@ -847,9 +704,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         offers, tracked.state_offers = tracked.state_offers, {}
         if tracked.saves_closed or not tracked.block_ids:
             return None
-        bs = self.block_size
+        bs = self.layout.block_size
         tokens = tracked.request.all_token_ids
-        full = min(computed_after_step, len(tokens), min(len(tracked.block_ids[g]) for g in self._kv_groups) * bs) // bs
+        full = min(computed_after_step, len(tokens), min(len(tracked.block_ids[g]) for g in self.layout.kv_groups) * bs) // bs
         start = tracked.saved_pages
         state_pages = sorted(j for j in offers if j < full)
         if full <= start and not state_pages:
@@ -857,9 +714,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         tracked.saved_pages = max(start, full)
         end = full * bs
         base = min(tracked.known_tokens, end)  # the daemon holds these: send only the tokens after them
-        window_from = max(0, computed_before_step - self.window_tokens + 1) // bs if self.windowed else 0
+        window_from = max(0, computed_before_step - self.layout.window_tokens + 1) // bs if self.layout.windowed else 0
         prompt = len(tracked.request.prompt_token_ids or ())
-        repeat_end = (prompt - 1) // bs if self.windowed and full == prompt // bs else 0
+        repeat_end = (prompt - 1) // bs if self.layout.windowed and full == prompt // bs else 0
         item = protos.SaveRange(tracked.request.request_id, protos.pack_tokens(tokens[base:end]), start,
                                 tracked.request.cache_salt or "", base, window_from, repeat_end, state_pages)
         tracked.state_blocks = {j: offers[j] for j in state_pages}
@@ -929,16 +786,16 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         lo = min([first] + list(got.window_at)) if got.window_at else first
         hi = max([first + n] + [j + 1 for j in got.window_at])
         if lo < 0 or len(got.window_at) != len(got.window_pages) or any(len(block_ids[g]) < hi
-                                                                         for g in self._kv_groups):
+                                                                         for g in self.layout.kv_groups):
             return None
         pages = [NO_PAGE] * (first - lo) + list(got.host_pages) + [NO_PAGE] * (hi - first - n)
         blocks = self._page_blocks(block_ids, lo, hi)
         window: list[int] = []
-        if self.windowed:
+        if self.layout.windowed:
             window = [NO_PAGE] * (hi - lo)
             for j, w in zip(got.window_at, got.window_pages, strict=True):
                 window[j - lo] = w
-            if any(ids[j - lo] == NO_BLOCK for ids, g in zip(blocks, self._group_window, strict=True) if g
+            if any(ids[j - lo] == NO_BLOCK for ids, g in zip(blocks, self.layout.group_window, strict=True) if g
                    for j in got.window_at):
                 return None
         elif got.window_at:
@@ -949,7 +806,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         """Per KV cache group, its blocks of pages ``[lo, hi)`` (``NO_BLOCK`` where it holds
         none: before a window; every page of a state group, whose blocks hold states, copied
         by ``StateCopy`` only)."""
-        return [[NO_BLOCK] * (hi - lo) if g in self.state_groups
+        return [[NO_BLOCK] * (hi - lo) if g in self.layout.state_groups
                 else [NO_BLOCK if b == VLLM_NULL_BLOCK else b for b in ids[lo:hi]]
                 for g, ids in enumerate(block_ids)]
 
@@ -985,26 +842,26 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ================================================================== worker half
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        missing = [n for n in self.layer_names if n not in kv_caches]
+        missing = [n for n in self.layout.layer_names if n not in kv_caches]
         if missing:
             raise ConnectorRefused(f"vLLM registered no KV tensor for layers {missing}")
-        layers = [kv_caches[n] for n in self.layer_names]
-        shards = 1 if self.mla else self.tp  # MLA: each rank holds the whole latent
-        problem = kv_problem(layers, self.num_blocks, self.geometry.layer_block_bytes // shards, self.kv_dtype)
+        layers = [kv_caches[n] for n in self.layout.layer_names]
+        shards = 1 if self.layout.mla else self.layout.tp  # MLA: each rank holds the whole latent
+        problem = kv_problem(layers, self.layout.num_blocks, self.geometry.layer_block_bytes // shards, self.layout.kv_dtype)
         if problem:
             raise ConnectorRefused(f"hicache cannot copy this KV cache: {problem}")
-        self.copier = BlockCopier(layers, self.layer_groups, window=self.layer_window,
-                                  rank=0 if self.mla else self.rank, ranks=shards, num_groups=self.num_groups)
+        self.copier = BlockCopier(layers, self.layout.layer_groups, window=self.layout.layer_window,
+                                  rank=0 if self.layout.mla else self.rank, ranks=shards, num_groups=self.layout.num_groups)
         self.state_copier = None
-        if self.state_layer_names:
-            missing = [n for n in self.state_layer_names if n not in kv_caches]
+        if self.layout.state_layer_names:
+            missing = [n for n in self.layout.state_layer_names if n not in kv_caches]
             if missing:
                 raise ConnectorRefused(f"vLLM registered no state tensor for layers {missing}")
-            states = [_tensors(kv_caches[n]) for n in self.state_layer_names]
-            problem = state_problem(states, self.num_blocks, self.state_bytes)
+            states = [_tensors(kv_caches[n]) for n in self.layout.state_layer_names]
+            problem = state_problem(states, self.layout.num_blocks, self.layout.state_bytes)
             if problem:
                 raise ConnectorRefused(f"hicache cannot copy this engine's state: {problem}")
-            self.state_copier = StateCopier(states, self.state_layer_groups, rank=self.rank, ranks=self.tp)
+            self.state_copier = StateCopier(states, self.layout.state_layer_groups, rank=self.rank, ranks=self.layout.tp)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -1028,13 +885,13 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             except Exception as exc:  # vLLM recomputes what could not be loaded
                 log.warning("hicache: loading %d blocks of %s failed (%s): vLLM recomputes them",
                             len(plan.pages), plan.rid, exc)
-                if self.load_async:
+                if self.layout.load_async:
                     self._failed_async.add(plan.rid)
                 else:
                     self._load_errors.update(b for ids in plan.blocks for b in ids if b != NO_BLOCK)
                     self._failed_rids.add(plan.rid)
                 self.stats.add("load_errors", len(plan.pages))
-            if self.load_async:
+            if self.layout.load_async:
                 self._loaded_async.add(plan.rid)
             self.stats.add("load_seconds", time.perf_counter() - began)
             self.worker_client.send(protos.Release(plan.session, plan.run, plan.lease, loaded, self.rank))
@@ -1046,7 +903,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             raise RuntimeError("register_kv_caches was not called")
         if meta.pool is None:
             raise RuntimeError("no L2 pool is known")
-        if self.tp > 1 and meta.run != self._announced_run:
+        if self.layout.tp > 1 and meta.run != self._announced_run:
             engine = os.getppid()  # vLLM's executor, where the scheduler half runs, started this worker
             self.worker_client.send(protos.EngineWorker(meta.run, engine, process_start_time(engine) or 0,
                                                         own_pid_namespace(), self.rank, os.getpid(),
@@ -1090,7 +947,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                     raise RuntimeError("planned under another daemon run (the daemon restarted)")
                 copier = self._attach(meta)
                 copied = (copier.save(plan.blocks, plan.pages, plan.window_pages or None)
-                          if self.rank == 0 or not self.mla else 0)
+                          if self.rank == 0 or not self.layout.mla else 0)
                 copied += self._copy_states(meta, plan.states, load=False)
                 ok = True
                 self.stats.add("saved_blocks", blocks)

@@ -160,7 +160,7 @@ def test_the_session_survives_a_daemon_restart_and_backs_off_while_it_is_down(en
             time.sleep(0.2)
             answer = lookup()
         assert isinstance(answer, protos.LookupResult), "no answer after the restart"
-        assert session.registered is not None and session.registered.instance != first.instance
+        assert session.registered is not None and session.registered.pool.instance != first.pool.instance
         # the heartbeat thread keeps the session open while the engine is idle
         time.sleep(3 * cfg["engine"]["lease_ttl_s"])
         assert [e["session"] for e in d.get("/cache/stats")["engines"]] == [session.registered.session]
