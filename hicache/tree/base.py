@@ -59,6 +59,11 @@ class MatchResult:
     copies: dict[str, Any] = field(default_factory=dict)
     walked_len: int = 0
     walked_node: TreeNode | None = None
+    path: list[TreeNode] | None = None
+    """The walked path, root side first (``walked_node`` last), as the tree's shape was at
+    ``shape_version`` (``TreeCore.shape_version``); ``record_hit`` uses it while the shape
+    has not changed since."""
+    shape_version: int = -1
 
 
 @dataclass

@@ -180,7 +180,8 @@ class UnifiedRadixCache(CacheBase):
             for j in range(1, best):
                 indices.extend(path[j].data[0].value)
         last_dev = path[best - 1] if best else root
-        res = MatchResult(indices, last_dev, last_dev, 0, len(indices) * self.page_size, walked_node=path[-1])
+        res = MatchResult(indices, last_dev, last_dev, 0, len(indices) * self.page_size, walked_node=path[-1],
+                          path=path, shape_version=core.shape_version)
         if validators:
             res.walked_len = sum(len(x.key) for x in path)
         if best == ndev and ndev < len(path):
@@ -206,15 +207,19 @@ class UnifiedRadixCache(CacheBase):
         every node of its matched path (root side first) and each of them refreshed as just
         used (access times, every LRU order). Call it once per request, when it is admitted
         or its lease taken. If the tree removed a node of the path since the match (a
-        removed node has no parent: it no longer leads to its root), nothing is counted."""
-        node = res.walked_node
-        path: list[TreeNode] = []
-        while node is not None and node.parent is not None:
-            path.append(node)
-            node = node.parent
-        if node is None or node.salt is None or self.core.root(node.salt) is not node:
-            return
-        path.reverse()
+        removed node has no parent: it no longer leads to its root), nothing is counted.
+        While the tree's shape is as the match saw it, the match's own path is used."""
+        if res.path is not None and res.shape_version == self.core.shape_version:
+            path = res.path
+        else:  # split or removed since: walk up from the deepest node, as the tree is now
+            node = res.walked_node
+            path = []
+            while node is not None and node.parent is not None:
+                path.append(node)
+                node = node.parent
+            if node is None or node.salt is None or self.core.root(node.salt) is not node:
+                return
+            path.reverse()
         for n in path:
             n.hit_count += 1
         self.core.touch(path)

@@ -60,6 +60,9 @@ class TreeCore:
         self.host_prot = [0] * n_components
         self.tick = 0
         self.node_count = 0
+        self.shape_version = 0
+        """Counts the changes of the tree's shape (a split, a removed node): a path walked when it
+        had this value is still a path of the tree while it has."""
         # ``written[i]``: component i has an L2 tier, so its L1-only data waits for a write
         # (default: FULL only)
         self._written = [bool(w) for w in written] if written is not None else [True] + [False] * (n_components - 1)
@@ -153,6 +156,7 @@ class TreeCore:
         parent = node.parent
         upper = TreeNode(parent, node.key[:ntok], self.n)
         self.node_count += 1
+        self.shape_version += 1
         pages = ntok // ps
         upper.hit_count = node.hit_count
         upper.last_access_time = node.last_access_time
@@ -212,6 +216,7 @@ class TreeCore:
         del node.parent.children[self.first_page(node.key, 0)]  # type: ignore[union-attr]
         node.parent = None
         self.node_count -= 1
+        self.shape_version += 1
 
     # ------------------------------------------------------------------ data
     def set_value(self, node: TreeNode, i: int, value: Any) -> None:

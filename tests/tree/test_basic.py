@@ -233,3 +233,22 @@ def test_a_match_is_a_peek_and_record_hit_counts_once_what_is_still_there():
     assert stale.last_device_node.hit_count == 1
     assert cache.total_size() == 0
     cache.check_integrity(exact=True)
+
+
+def test_record_hit_after_the_path_was_split_counts_the_path_as_it_is_now():
+    """A match remembers its path; a split on it between the match and ``record_hit`` (another
+    request's insert forking inside a node) makes ``record_hit`` walk the tree as it is now:
+    both halves of the split node count the hit and are touched."""
+    cache, dev, _ = full_cache(capacity=64)
+    cache_seq(cache, dev, toks("aaaabbbb"))
+    m = cache.match_prefix(toks("aaaabbbb"))
+    assert m.path == [m.walked_node] and m.walked_node is m.last_device_node
+    cache_seq(cache, dev, toks("aaaacc"))  # splits the matched node after "aaaa"
+    upper = m.walked_node.parent
+    assert upper is not None and upper.parent is not None and len(upper.key) == 4  # the new upper half
+    cache.record_hit(m)
+    assert (upper.hit_count, m.walked_node.hit_count) == (2, 1)  # the upper half: "aaaacc"'s hit too
+    cache.evict(2)  # "cc", not touched by the hit, is the oldest leaf now
+    assert cache.match_prefix(toks("aaaacc")).device_len == 4
+    assert cache.match_prefix(toks("aaaabbbb")).device_len == 8
+    cache.check_integrity(exact=True)
