@@ -158,3 +158,8 @@ def test_state_fields_take_only_their_documented_values() -> None:
         for bad in ("bogus", "OK", 1, None):
             with pytest.raises(ProtocolError, match=f"field '{field}' must be one of"):
                 decode(_frame(**base, **{field: bad}))
+
+
+def test_the_readme_names_the_protocol_version() -> None:
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert f'`{{"v": {PROTOCOL_VERSION}, "t": tag, ...fields}}`' in readme
