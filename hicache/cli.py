@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("hicache.launch", "start the daemon (tokenizer, scheduler, cache controller)"),
     "check-config": ("hicache.config_cli", "validate a config file and print the resolved config"),
     "replay": ("hicache.replay", "replay a request trace offline through the real tree and tier policies"),
+    "advise": ("hicache.advise", "tier sizes, policy and a config from a trace of the operator's own traffic"),
     "storage": ("hicache.storage_cli", "inspect, verify, clear or gc the configured L3 store"),
     "events": ("hicache.events_cli", "subscribe to a KV event publisher and print its events"),
     "keygen": ("hicache.keygen_cli", "write the CURVE key pairs that ipc.transport: tcp needs"),

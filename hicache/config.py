@@ -358,6 +358,10 @@ class ServerConfig:
     # ``controller_freeze_restart_s`` (0 = never); a frozen scheduler is never restarted.
     health_stale_s: float = 5.0
     controller_freeze_restart_s: float = 30.0
+    request_log: str | None = None
+    """A file the tokenizer process appends one line per finished request to: the page
+    hashes of its prompt (no text), its lengths and cached tokens, as a Mooncake-format
+    trace for ``hicache advise`` (``hicache.tokenizer.request_log``). None: no log."""
 
 
 @dataclass(frozen=True)
@@ -889,6 +893,8 @@ def _check_server(cfg: HicacheConfig, ck: _Checks) -> None:
     ck.positive("server.body_timeout_s", cfg.server.body_timeout_s)
     if not 1 <= cfg.server.max_samples <= 128:
         ck.bad("server.max_samples", f"must be in [1, 128], got {cfg.server.max_samples}")
+    if cfg.server.request_log is not None and not cfg.server.request_log.strip():
+        ck.bad("server.request_log", "must be a file path (or null for no log)")
     names = cfg.server.served_model_names
     if names is not None:
         if not names:

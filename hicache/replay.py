@@ -20,7 +20,7 @@ import argparse
 import sys
 from typing import Any
 
-DEFAULT_BYTES_PER_TOKEN = 131072  # an 8B-class model: 32 layers x 8 KV heads x 128 dims x K,V x fp16
+from hicache.replay_sim.sizes import DEFAULT_BYTES_PER_TOKEN, fmt_bytes, fmt_tokens
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,22 +83,6 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         if v is not None:
             s[k] = v
     return s
-
-
-def _fmt_tokens(n: int | None) -> str:
-    if n is None:
-        return "unbounded"
-    for unit, div in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
-        if n >= div:
-            return f"{n / div:.2f}{unit}"
-    return str(n)
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit, div in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{n} B"
 
 
 def _progress(enabled: bool, total: int, desc: str) -> Any:
@@ -170,7 +154,7 @@ def _run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear report
                   "blocks": trace.total_blocks, "tokens": total * P, "unique_pages": unique},
     }
     print(f"trace {trace.name}: {trace.requests:,} requests, {trace.total_blocks:,} blocks of {B} tokens "
-          f"({_fmt_tokens(total * P)} tokens), {unique:,} distinct pages of {P} tokens")
+          f"({fmt_tokens(total * P)} tokens), {unique:,} distinct pages of {P} tokens")
 
     # ---- the tiered run
     bar = _progress(show, len(work.keys), "replay")
@@ -178,17 +162,17 @@ def _run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear report
     bar.close()
     out["config"] = {k: v for k, v in rep.to_dict()["config"].items()}
     out["run"] = rep.to_dict()
-    l2s = _fmt_tokens(l2 * P) if l2 else "off"
-    l3s = "off" if not cfg.l3_enabled else _fmt_tokens(None if l3 is None else l3 * P)
-    print(f"config: L1 {_fmt_tokens(l1 * P)} tokens ({l1 * P / B:,.0f} blocks), L2 {l2s}, L3 {l3s}; "
+    l2s = fmt_tokens(l2 * P) if l2 else "off"
+    l3s = "off" if not cfg.l3_enabled else fmt_tokens(None if l3 is None else l3 * P)
+    print(f"config: L1 {fmt_tokens(l1 * P)} tokens ({l1 * P / B:,.0f} blocks), L2 {l2s}, L3 {l3s}; "
           f"eviction {cfg.eviction}, write {cfg.write_policy}, load-back >= {cfg.load_back_threshold}, "
           f"prefetch >= {cfg.prefetch_threshold} tokens")
     print(f"\n{'tier':<5} {'capacity':>10} {'hit tokens':>14} {'hit rate':>9} {'evicted tokens':>15}")
     for t in rep.tiers:
-        print(f"{t.tier:<5} {_fmt_tokens(t.capacity_tokens):>10} {t.hit_tokens:>14,} {100 * t.hit_rate:>8.2f}% "
+        print(f"{t.tier:<5} {fmt_tokens(t.capacity_tokens):>10} {t.hit_tokens:>14,} {100 * t.hit_rate:>8.2f}% "
               f"{t.evicted_tokens:>15,}")
     print(f"{'all':<5} {'':>10} {rep.hit_tokens:>14,} {100 * rep.hit_rate:>8.2f}%")
-    moved = ", ".join(f"{d} {_fmt_tokens(rep.tokens_moved[d])} tok / {_fmt_bytes(rep.bytes_moved[d])}"
+    moved = ", ".join(f"{d} {fmt_tokens(rep.tokens_moved[d])} tok / {fmt_bytes(rep.bytes_moved[d])}"
                       for d in rep.tokens_moved)
     print(f"moved ({cfg.bytes_per_token:,} B/token): {moved}")
     print(f"replayed in {rep.seconds:.2f} s ({trace.requests / max(rep.seconds, 1e-9):,.0f} requests/s)")
@@ -202,7 +186,7 @@ def _run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear report
         nxt = next_uses(work.pages)
         opt = belady_hits(work.pages, l1, nxt) / total if total else 0.0
         out["belady"] = {"capacity_pages": l1, "hit_rate": opt}
-    print(f"\nsingle tier at L1 capacity ({_fmt_tokens(l1 * P)} tokens):")
+    print(f"\nsingle tier at L1 capacity ({fmt_tokens(l1 * P)} tokens):")
     print(f"  infinite-capacity ceiling {100 * ceiling:6.2f}%")
     if opt is not None:
         print(f"  Belady (offline optimum)  {100 * opt:6.2f}%")
@@ -234,7 +218,7 @@ def _run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear report
         print(f"{'tokens':>10} {'blocks':>9} " + " ".join(f"{p:>17}" for p in policies) + f" {'Belady':>8}")
         for pt in res.points:
             cells = " ".join(f"{100 * pt.rates[p]:6.2f}% ({pt.ratio(p):.2f}x)" for p in policies)
-            print(f"{_fmt_tokens(pt.capacity_tokens):>10} {pt.capacity_tokens / B:>9,.0f} {cells} "
+            print(f"{fmt_tokens(pt.capacity_tokens):>10} {pt.capacity_tokens / B:>9,.0f} {cells} "
                   f"{100 * pt.belady:7.2f}%")
         plot = args.plot or f"{trace.name.rsplit('.', 1)[0]}_sweep.png"
         drawn = plot_sweep(res, plot)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DEFAULT_BYTES_PER_TOKEN = 131072  # an 8B-class model: 32 layers x 8 KV heads x 128 dims x K,V x fp16
 _MULT = {"": 1, "k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
 
 
@@ -48,3 +49,22 @@ def parse_size(text: str) -> Size:
     if amount < 0 or value != value:
         raise ValueError(f"capacity must be >= 0: {text!r}")
     return Size(amount, unit)
+
+
+def fmt_tokens(n: int | None) -> str:
+    """``3.00M``, ``512k``, ``64``; ``unbounded`` for None."""
+    if n is None:
+        return "unbounded"
+    for unit, div in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def fmt_bytes(n: int) -> str:
+    """Binary units: ``1.50 GiB``."""
+    for unit, div in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n} B"
+

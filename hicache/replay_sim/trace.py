@@ -17,6 +17,11 @@ ids* (page ``j`` of block ``b`` is the single token ``b*(B/P) + j``, with a tree
 of 1); ``page_keys`` builds those, which is what the simulator uses unless asked for real
 tokens. All figures are reported in tokens either way. The last block of a record counts
 as a whole block, as in the traces' reference hit rates.
+
+Large ids. The daemon's request log (``server.request_log``) writes 63-bit page hashes as
+ids; ``load_trace`` renumbers a trace whose ids do not all fit ``DENSE_LIMIT`` to 0, 1, 2,
+... in order of first appearance. Only equality of ids carries meaning, so every figure is
+the same.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pathlib import Path
 from hicache.tree.node import KEY_TYPECODE  # the tree's key type: traces replay through the real tree
 
 MAX_TOKEN = 2**32
+DENSE_LIMIT = 2**24
 CANDIDATE_BLOCK_SIZES = (512, 256, 128, 64, 32, 16, 8, 4, 2, 1, 1024, 2048)
 
 
@@ -100,7 +106,15 @@ def load_trace(path: str | Path) -> Trace:
             blocks.append(ids)
             stamps.append(ts)
             lengths.append(n)
+    if any(i >= DENSE_LIMIT for ids in blocks for i in ids):
+        blocks = _renumbered(blocks)
     return Trace(Path(path).name, blocks, stamps, lengths)
+
+
+def _renumbered(blocks: list[list[int]]) -> list[list[int]]:
+    """The same ids as 0, 1, 2, ... in order of first appearance."""
+    dense: dict[int, int] = {}
+    return [[dense.setdefault(i, len(dense)) for i in ids] for ids in blocks]
 
 
 def infer_block_size(trace: Trace) -> int | None:

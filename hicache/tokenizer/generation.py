@@ -42,6 +42,7 @@ import protos
 from hicache.metrics import RequestTracker, TokenCounts
 from hicache.text import Tokenizer
 from hicache.tokenizer.formats import Step, TokenLogprob, token_logprobs
+from hicache.tokenizer.request_log import RequestLog
 from hicache.tokenizer.scheduler_link import SchedulerLink
 from hicache.tokenizer.textstream import OutputText
 from hicache.tokenizer.validation import PreparedRequest
@@ -60,9 +61,10 @@ def final_usage(req: PreparedRequest, latest: protos.Usage | None, completion_to
 
 
 async def generate_steps(link: SchedulerLink, tokenizer: Tokenizer, req: PreparedRequest,
-                         tracker: RequestTracker) -> AsyncGenerator[Step, None]:
+                         tracker: RequestTracker, log: RequestLog | None = None) -> AsyncGenerator[Step, None]:
     """Yield the steps of ``req``. Streaming: one per ``TokenOutput`` that adds text or ids,
-    the last with ``finish_reason`` and ``usage``. Otherwise: one step, the whole output."""
+    the last with ``finish_reason`` and ``usage``. Otherwise: one step, the whole output.
+    A request that ends with a final output is appended to ``log`` (``server.request_log``)."""
     channel = link.generate(req.to_message())
     text = OutputText(tokenizer, req.stop, incremental=req.stream, keep_stop=req.keep_stop)
     all_ids: list[int] = []
@@ -95,6 +97,9 @@ async def generate_steps(link: SchedulerLink, tokenizer: Tokenizer, req: Prepare
                 tracker.finish("aborted" if reason == "abort" else "ok", TokenCounts(
                     final.prompt_tokens, final.completion_tokens, final.cached_device, final.cached_host,
                     final.cached_storage))
+                if log is not None:
+                    log.record(req.input_ids, req.cache_salt, final.completion_tokens,
+                               final.cached_device + final.cached_host + final.cached_storage)
                 if req.stream:
                     yield Step(piece, ids, reason, final, logprobs)
                 else:  # nothing was yielded before: the whole output at once

@@ -92,6 +92,7 @@ from hicache.tokenizer.formats import (
 )
 from hicache.tokenizer.generation import GenerationError, generate_steps
 from hicache.tokenizer.openapi import openapi_document
+from hicache.tokenizer.request_log import RequestLog
 from hicache.tokenizer.scheduler_link import SchedulerLink, SchedulerUnavailable, new_rid
 from hicache.tokenizer.validation import (
     ModelLimits,
@@ -174,6 +175,8 @@ class HttpApi:
             if problems:
                 raise ValueError("; ".join(str(p) for p in problems))
         self._keys = api_keys
+        self.request_log = (RequestLog(config.server.request_log, config.cache.page_size)
+                            if config.server.request_log else None)
         self._active = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -352,7 +355,7 @@ class HttpApi:
         samples = req.samples()
         with contextlib.ExitStack() as more:
             trackers = [tracker, *(more.enter_context(self.metrics.track_request()) for _ in samples[1:])]
-            streams = [generate_steps(self.link, self.tokenizer, s, t) for s, t in zip(samples, trackers, strict=True)]
+            streams = [generate_steps(self.link, self.tokenizer, s, t, self.request_log) for s, t in zip(samples, trackers, strict=True)]
             async with aclosing(_merged(streams)) as steps:
                 try:
                     first = await anext(steps)

@@ -114,8 +114,13 @@ async def _serve(args: TokenizerArgs) -> None:
         link = SchedulerLink(args.endpoints, loop, on_control)
     except zmq.ZMQError as exc:
         raise _StartupError(f"cannot bind {args.endpoints.address('tokenizer')}: {exc}") from exc
-    api = HttpApi(link=link, tokenizer=tokenizer, limits=limits, config=cfg, pids=pids, metrics=get_metrics(),
-                  max_body_bytes=args.max_body_bytes, admin_timeout_s=args.admin_timeout_s, api_keys=api_keys)
+    try:
+        api = HttpApi(link=link, tokenizer=tokenizer, limits=limits, config=cfg, pids=pids, metrics=get_metrics(),
+                      max_body_bytes=args.max_body_bytes, admin_timeout_s=args.admin_timeout_s, api_keys=api_keys)
+    except OSError as exc:
+        link.close()
+        raise _StartupError(f"cannot open server.request_log {cfg.server.request_log}: "
+                            f"{exc.strerror or exc}") from exc
     api.heartbeat_dir = args.endpoints.dir  # /health reads the scheduler's and controller's heartbeats
     debug = logging.getLogger().isEnabledFor(logging.DEBUG)
     runner = JsonErrorRunner(api.app, header_timeout_s=cfg.server.header_timeout_s, handle_signals=False,
@@ -143,6 +148,8 @@ async def _serve(args: TokenizerArgs) -> None:
         if set_up:
             await runner.cleanup()
         link.close()
+        if api.request_log is not None:
+            api.request_log.close()
     log.info("tokenizer stopped")
 
 

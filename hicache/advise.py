@@ -1,0 +1,273 @@
+"""``hicache advise TRACE``: tier sizes and a config from the operator's own traffic.
+
+Reads a Mooncake-format trace, or the request log the daemon writes when
+``server.request_log`` is set (the same format, with 64-bit page hashes as ids). Prints:
+
+- a grid of capacities, each with LRU's hit rate, the prefill tokens it saves and Belady's
+  offline optimum for one cache of that size;
+- each tier (L1, L2, L3) at its knee within its budget: the size past which growing it adds
+  at most ``--gain`` points, what it serves, Belady beside it; a tier that adds no more than
+  that is left off;
+- the recommended sizes replayed through the real tree with each eviction policy (the
+  figure ``hicache bench serve`` replaying the same trace should reach);
+- the recommended config, written as YAML with ``--write`` (over ``--config`` when given).
+
+The model behind the sizes is in ``hicache.replay_sim.advice``. Budgets (``--l1-max``,
+``--l2-max``, ``--l3-max``) default to the sizes in ``--config`` (or the embedded defaults)
+for L1 and L2, and unbounded for L3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hicache.replay_sim.sizes import DEFAULT_BYTES_PER_TOKEN, fmt_bytes, fmt_tokens
+
+if TYPE_CHECKING:
+    from hicache.replay_sim.advice import Advice, Advisor
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", help="Mooncake-format JSON-lines trace, or a server.request_log file")
+    g = parser.add_argument_group("geometry")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="tokens per hash id (default: inferred from input_length)")
+    g.add_argument("--page-size", type=int, default=None, help="tokens per page (default: the block size)")
+    g.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    b = parser.add_argument_group("budgets")
+    b.add_argument("--config", default=None, help="daemon config: budgets, bytes per token, base of --write")
+    b.add_argument("--l1-max", default=None, help="most L1 may have: tokens (3M) or blocks (5859b)")
+    b.add_argument("--l2-max", default=None, help="most L2 may have (0: no L2)")
+    b.add_argument("--l3-max", default=None, help="most L3 may have, 'inf' for no limit (0: no L3; default inf)")
+    b.add_argument("--gain", type=float, default=1.0,
+                   help="points of hit rate a tier must add to be worth growing (default 1)")
+    b.add_argument("--headroom", type=float, default=10.0,
+                   help="percent added to each tier's knee (a knee is often a cliff; default 10)")
+    b.add_argument("--bytes-per-token", type=int, default=None,
+                   help=f"KV bytes per token (default: from --config's model, else {DEFAULT_BYTES_PER_TOKEN})")
+    o = parser.add_argument_group("output")
+    o.add_argument("--policies", default=None, help="eviction policies to replay, comma-separated (default: all)")
+    o.add_argument("--grid-belady", action="store_true",
+                   help="Belady for every row of the grid, not only beside the tiers (one pass per row)")
+    o.add_argument("--workers", type=int, default=None,
+                   help="processes for the Belady runs and replays (default: one per core)")
+    o.add_argument("--write", default=None, metavar="PATH", help="write the recommended config as YAML")
+    o.add_argument("--plot", default=None, help="PNG of the curves (default: <trace>_advice.png)")
+    o.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hicache.config import ConfigError
+    from hicache.replay_sim.trace import TraceError
+
+    try:
+        return _run(args)
+    except (TraceError, ConfigError, ValueError, OSError) as exc:
+        print(f"hicache advise: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    import json
+    import os
+    import time
+
+    from hicache.config import config_from_dict, kv_bytes_per_token, load_config
+    from hicache.replay_sim.advice import Advisor, Budgets
+    from hicache.replay_sim.sizes import parse_size
+    from hicache.replay_sim.trace import load_trace
+    from hicache.replay_sim.workload import Workload
+    from hicache.tree.policy import POLICIES
+
+    t0 = time.perf_counter()
+    cfg = load_config(args.config) if args.config is not None else config_from_dict({})
+    trace = load_trace(args.trace)
+    if args.limit is not None:
+        if args.limit < 1:
+            raise ValueError("--limit must be >= 1")
+        trace.blocks = trace.blocks[: args.limit]
+    if not trace.requests:
+        raise ValueError(f"{args.trace}: the trace has no requests")
+    work = Workload.build(trace, args.block_size, args.page_size)
+    B, P = work.block_size, work.page_size
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else sorted(POLICIES)
+    for p in policies:
+        if p not in POLICIES:
+            raise ValueError(f"unknown eviction policy {p!r}; choose from {sorted(POLICIES)}")
+    if not 0 < args.gain < 100:
+        raise ValueError("--gain must be between 0 and 100 points")
+    if not 0 <= args.headroom <= 100:
+        raise ValueError("--headroom must be between 0 and 100 percent")
+    # Without --config, the embedded reference model's tiny KV would understate every size.
+    bpt = args.bytes_per_token or (kv_bytes_per_token(cfg) if args.config else None) or DEFAULT_BYTES_PER_TOKEN
+
+    def pages_of(text: str, flag: str) -> int | None:
+        try:
+            return parse_size(str(text)).pages(B, P)
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
+
+    c = cfg.cache
+    l1 = pages_of(args.l1_max if args.l1_max is not None else str(c.l1.tokens), "--l1-max")
+    l2 = pages_of(args.l2_max if args.l2_max is not None else str(c.l2.tokens if c.l2.enabled else 0), "--l2-max")
+    l3 = pages_of(args.l3_max if args.l3_max is not None else "inf", "--l3-max")
+    if not l1:
+        raise ValueError("--l1-max must be bounded and at least one page")
+    if l2 is None:
+        raise ValueError("--l2-max must be bounded")
+    budgets = Budgets(l1, l2, l3)
+
+    advisor = Advisor(work)
+    t_profile = time.perf_counter() - t0
+    workers = args.workers or os.cpu_count() or 1
+    advice = advisor.advise(budgets, policies, args.gain / 100, args.headroom / 100, args.grid_belady, bpt,
+                            workers)
+    seconds = time.perf_counter() - t0
+    _print(trace.name, trace.requests, work, advice, bpt)
+    print(f"\nadvised in {seconds:.1f} s (reuse profile {t_profile:.2f} s; "
+          f"{trace.requests / max(seconds, 1e-9):,.0f} requests/s)")
+
+    doc = _document(args.trace, trace.requests, B, advice, bpt, seconds)
+    if args.write:
+        raw = recommended_config(args.config, advice, bpt)
+        _write_yaml(raw, args.write)
+        print(f"config: {args.write}")
+        doc["config"] = raw
+    plot = args.plot or f"{Path(trace.name).stem}_advice.png"
+    if plot_advice(advisor, advice, plot, title=f"{trace.name}: hit rate by capacity"):
+        print(f"plot: {plot}")
+        doc["plot"] = plot
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=2)
+        print(f"json: {args.json}")
+    return 0
+
+
+def _print(name: str, requests: int, work: Any, advice: Advice, bpt: int) -> None:
+    P = advice.page_tokens
+    print(f"trace {name}: {requests:,} requests, {fmt_tokens(advice.total_pages * P)} prompt tokens in pages "
+          f"of {P}, {advice.unique_pages:,} distinct pages; ceiling (unbounded cache) {100 * advice.ceiling:.2f}%")
+    print("\ngrid (one LRU cache of each size; Belady = offline optimum; saved = prefill tokens not computed):")
+    print(f"{'tokens':>10} {'KV bytes':>11} {'LRU':>8} {'saved':>10} {'Belady':>8} {'LRU/Belady':>10}")
+    for row in advice.grid:
+        opt = "" if row.belady is None else f"{100 * row.belady:7.2f}%"
+        ratio = "" if not row.belady else f"{row.lru / row.belady:9.2f}x"
+        print(f"{fmt_tokens(row.pages * P):>10} {fmt_bytes(row.pages * P * bpt):>11} {100 * row.lru:7.2f}% "
+              f"{fmt_tokens(round(row.lru * advice.total_pages) * P):>10} {opt:>8} {ratio:>10}")
+    print(f"\ntiers (knee: past it, growing to the budget adds <= {100 * advice.gain:g} point; "
+          f"advised: the knee + {100 * advice.headroom:g} %, within the budget):")
+    print(f"{'tier':<4} {'budget':>10} {'knee':>10} {'knee adds':>9} {'advised':>10} {'serves':>8} "
+          f"{'cumulative':>10} {'Belady':>8}")
+    for t in advice.tiers:
+        size = fmt_tokens(t.pages * P) if t.pages else "off"
+        budget = fmt_tokens(None if t.budget is None else t.budget * P) if t.budget != 0 else "0"
+        opt = "" if t.belady is None else f"{100 * t.belady:7.2f}%"
+        print(f"{t.tier:<4} {budget:>10} {fmt_tokens(t.knee * P):>10} {100 * t.knee_gain:8.2f}% {size:>10} "
+              f"{100 * t.served:7.2f}% {100 * t.cumulative:9.2f}% {opt:>8}")
+    if advice.policies:
+        print("\nthe advised sizes through the real tree, per eviction policy (hit rate by tier):")
+        print(f"{'policy':<8} {'L1':>8} {'L2':>8} {'L3':>8} {'all':>8} {'saved':>10}")
+        for pol, rep in advice.policies.items():
+            by = {t.tier: t.hit_rate for t in rep.tiers}
+            cells = " ".join(f"{100 * by[x]:7.2f}%" if x in by else f"{'-':>8}" for x in ("L1", "L2", "L3"))
+            mark = "  <- advised" if pol == advice.best_policy else ""
+            print(f"{pol:<8} {cells} {100 * rep.hit_rate:7.2f}% {fmt_tokens(rep.hit_tokens):>10}{mark}")
+
+
+def _document(path: str, requests: int, block: int, advice: Advice, bpt: int, seconds: float) -> dict[str, Any]:
+    P = advice.page_tokens
+    return {
+        "trace": {"path": str(path), "requests": requests, "block_size": block, "page_size": P,
+                  "tokens": advice.total_pages * P, "unique_pages": advice.unique_pages},
+        "bytes_per_token": bpt, "ceiling": advice.ceiling, "gain": advice.gain, "headroom": advice.headroom, "seconds": seconds,
+        "grid": [{"tokens": r.pages * P, "lru": r.lru, "belady": r.belady} for r in advice.grid],
+        "tiers": [{"tier": t.tier, "tokens": t.pages * P, "budget_tokens": None if t.budget is None else t.budget * P,
+                   "knee_tokens": t.knee * P, "knee_gain": t.knee_gain, "serves": t.served,
+                   "cumulative": t.cumulative, "belady": t.belady} for t in advice.tiers],
+        "policies": {p: {"hit_rate": r.hit_rate, "tiers": {t.tier: t.hit_rate for t in r.tiers}}
+                     for p, r in advice.policies.items()},
+        "best_policy": advice.best_policy, "predicted_hit_rate": advice.predicted_hit_rate,
+    }
+
+
+def recommended_config(base: str | None, advice: Advice, bpt: int) -> dict[str, Any]:
+    """The YAML mapping of ``base`` (a config file; None: empty) with the advised tier sizes and
+    policy set, checked by the config loader (``ConfigError`` if the result is not valid)."""
+    import yaml
+
+    from hicache.config import config_from_dict
+
+    raw: dict[str, Any] = {}
+    if base is not None:
+        raw = yaml.safe_load(Path(base).read_text(encoding="utf-8")) or {}
+    cfg = config_from_dict(raw)
+    cache = raw.setdefault("cache", {})
+    P = advice.page_tokens
+    page = cfg.cache.page_size
+    l1, l2, l3 = (advice.tier(t).pages * P for t in ("L1", "L2", "L3"))
+    cache.setdefault("l1", {})["tokens"] = max(page, -(-l1 // page) * page)
+    l2_section = cache.setdefault("l2", {})
+    l2_section["enabled"] = bool(l2)
+    if l2:
+        l2_section["tokens"] = -(-l2 // page) * page
+    l3_section = cache.setdefault("l3", {})
+    if not l3:
+        l3_section["backend"] = "none"
+    else:
+        backend = cfg.cache.l3.backend if cfg.cache.l3.backend != "none" else "file"
+        l3_section["backend"] = backend
+        if backend == "file":
+            gb = -(-l3 * bpt // 10**6) / 1000  # whole megabytes, in GB
+            l3_section.setdefault("file", {})["max_size_gb"] = gb
+    if advice.best_policy is not None:
+        cache["eviction"] = advice.best_policy
+    config_from_dict(raw)
+    return raw
+
+
+def _write_yaml(raw: dict[str, Any], path: str) -> None:
+    import yaml
+
+    header = "# written by `hicache advise`: tier sizes at their knees, eviction by replay\n"
+    Path(path).write_text(header + yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+
+
+def plot_advice(advisor: Advisor, advice: Advice, path: str, title: str) -> bool:
+    """The LRU curve, Belady's points and the advised tier sizes as a PNG; False (with a
+    warning) when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"warning: matplotlib is not installed: {path} not drawn (install hicache[bench] for plots)",
+              file=sys.stderr, flush=True)
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    P = advice.page_tokens
+    top = max(2, advice.unique_pages)
+    xs = np.unique(np.geomspace(1, top, 200).astype(np.int64))
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    ax.plot(xs * P, [100 * advisor.profile.hit_rate(int(x)) for x in xs], label="LRU")
+    opt = [(r.pages * P, 100 * r.belady) for r in advice.grid if r.belady is not None]
+    if opt:
+        ax.plot(*zip(*opt, strict=True), "k--", marker="s", ms=3, label="Belady (offline optimum)")
+    ax.axhline(100 * advice.ceiling, color="grey", lw=0.8, ls=":", label="unbounded cache")
+    for t, colour in zip(advice.tiers, ("tab:red", "tab:orange", "tab:green"), strict=True):
+        if t.pages:
+            ax.axvline(t.pages * P, color=colour, lw=1, label=f"{t.tier} advised")
+    ax.set_xscale("log")
+    ax.set_xlabel("capacity (tokens)")
+    ax.set_ylabel("prefix hit rate (%)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+    return True
