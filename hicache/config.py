@@ -270,6 +270,22 @@ class PrefetchConfig:
 
 
 @dataclass(frozen=True)
+class PinnedPrefixConfig:
+    """One entry of ``cache.pinned`` (README "Pinned prefixes"): a prefix the cache computes
+    (or loads from L3) at start and never evicts from ``tiers`` (``l1``, ``l2``). Exactly one
+    of ``text`` (tokenized as a completion prompt is, without a chat template) and
+    ``token_ids``. ``cache_salt`` and ``tenant`` name its namespace as a request's do (a
+    tenant's pin is that tenant's requests' hit). ``tiers`` None: every tier that is on."""
+
+    name: str = ""
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    cache_salt: str = ""
+    tenant: str | None = None
+    tiers: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     page_size: int = 16
     l1: L1Config = field(default_factory=L1Config)
@@ -284,6 +300,9 @@ class CacheConfig:
     """Models with Mamba layers: a prefill also caches the state after every this many
     tokens (a multiple of ``page_size``; 0: only at the prompt's end and where the prompt
     forks from a cached path), so that later prompts sharing a prefix find a state in it."""
+    pinned: tuple[PinnedPrefixConfig, ...] = ()
+    pinned_fraction: float = 0.5
+    """The most of each tier (L1, L2) that pinned prefixes may hold together."""
 
 
 # --------------------------------------------------------------------------- the rest
@@ -302,6 +321,8 @@ class SchedulerConfig:
 TENANT_NAME_RE = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 """What a ``server.api_keys`` tenant name may be: 1 to 64 ASCII letters, digits, ``.``,
 ``_`` and ``-``, starting with a letter or digit."""
+PIN_NAME_RE = re.compile(f"^{TENANT_NAME_RE}$")
+"""A pinned prefix's name (``cache.pinned[].name``, ``PUT /cache/pinned``): a tenant name's form."""
 
 
 @dataclass(frozen=True)
@@ -828,12 +849,48 @@ def _check_cache(cfg: HicacheConfig, ck: _Checks) -> None:
     if c.write_through_threshold < 1:
         ck.bad("cache.write_through_threshold", f"must be >= 1, got {c.write_through_threshold}")
     ck.non_negative("cache.load_back_threshold", c.load_back_threshold)
+    _check_pinned(cfg, ck)
     p = c.prefetch
     ck.non_negative("cache.prefetch.threshold_tokens", p.threshold_tokens)
     ck.non_negative("cache.prefetch.timeout_base_s", p.timeout_base_s)
     ck.non_negative("cache.prefetch.timeout_per_ki_token_s", p.timeout_per_ki_token_s)
     if not 0.0 < p.max_reserved_fraction <= 1.0:
         ck.bad("cache.prefetch.max_reserved_fraction", f"must be in (0, 1], got {p.max_reserved_fraction}")
+
+
+def _check_pinned(cfg: HicacheConfig, ck: _Checks) -> None:
+    """``cache.pinned`` and ``cache.pinned_fraction``; the sizes are checked when the
+    scheduler takes each pin (they need the tokenizer)."""
+    c = cfg.cache
+    if not 0.0 < c.pinned_fraction <= 0.9:
+        ck.bad("cache.pinned_fraction", f"must be in (0, 0.9] (running requests need the rest), got {c.pinned_fraction}")
+    if c.pinned and cfg.engine.kind != "builtin":
+        ck.bad("cache.pinned", "is served by the built-in model worker only: in engine mode the engines compute KV, "
+                               "and pinning through them is not built yet")
+    tenants = {k.tenant for k in cfg.server.api_keys if k.tenant is not None}
+    seen: set[str] = set()
+    for i, p in enumerate(c.pinned):
+        path = f"cache.pinned[{i}]"
+        if not PIN_NAME_RE.match(p.name):
+            ck.bad(f"{path}.name", f"must be 1-64 letters, digits, '.', '_' or '-' (first a letter or digit), "
+                                   f"got {p.name!r}")
+        elif p.name in seen:
+            ck.bad(f"{path}.name", f"{p.name!r} is pinned twice")
+        seen.add(p.name)
+        if (p.text is None) == (p.token_ids is None):
+            ck.bad(path, "give exactly one of text and token_ids")
+        elif p.text is not None and not p.text:
+            ck.bad(f"{path}.text", "must not be empty")
+        elif p.token_ids is not None and (not p.token_ids or any(t < 0 for t in p.token_ids)):
+            ck.bad(f"{path}.token_ids", "must be a non-empty list of token ids")
+        if p.tiers is None:
+            pass
+        elif not p.tiers or len(set(p.tiers)) != len(p.tiers) or any(t not in ("l1", "l2") for t in p.tiers):
+            ck.bad(f"{path}.tiers", f"must be a non-empty subset of [l1, l2], got {list(p.tiers)}")
+        elif "l2" in p.tiers and not c.l2.enabled:
+            ck.bad(f"{path}.tiers", "names l2, but cache.l2.enabled is false")
+        if p.tenant is not None and p.tenant not in tenants:
+            ck.bad(f"{path}.tenant", f"{p.tenant!r} is not a tenant of server.api_keys")
 
 
 def _check_l3(cfg: HicacheConfig, ck: _Checks) -> None:

@@ -236,8 +236,13 @@ class TierManager:
     # ------------------------------------------------------------------ L1 -> L2
     def issue_writes(self, limit: int | None = None) -> int:
         """Start the L2 writes the write policy asks for now; returns how many were sent."""
+        return self.write_nodes(self.cache.tiers.nodes_to_write_to_host(limit))
+
+    def write_nodes(self, nodes: list[TreeNode]) -> int:
+        """Start the L2 writes of ``nodes`` (parents first; a node the tree will not write
+        now, e.g. one in flight, is skipped); returns how many were sent."""
         sent = 0
-        for node in self.cache.tiers.nodes_to_write_to_host(limit):
+        for node in nodes:
             op = self.cache.tiers.start_write(node)
             if op is None:
                 continue

@@ -63,6 +63,7 @@ from hicache.scheduler.admission import Admission
 from hicache.scheduler.aux_memory import AuxMemory
 from hicache.scheduler.finishing import Finisher, internal_error
 from hicache.scheduler.forward_pass import ForwardPass
+from hicache.scheduler.pins import PinnedPrefixes
 from hicache.scheduler.request import LOADING, Request
 from hicache.scheduler.state import SchedulerCounters, SchedulerState
 from hicache.tier_manager import TierManager
@@ -112,7 +113,7 @@ class Scheduler:
             raise ValueError(f"the cache holds components {have}, the model needs {model.geometry.components}")
         if l1 is not cache.full.allocator:
             raise ValueError("l1 must be the cache's Full L1 allocator")
-        state = self.state = SchedulerState(cfg, cache, l1, emit, tier, clock)
+        state = self.state = SchedulerState(cfg, cache, l1, self._route_output, tier, clock)
         self.cfg, self.model, self.runner, self.cache, self.l1 = cfg, model, runner, cache, l1
         self.emit, self.tier, self.controller_send = emit, tier, controller_send
         self.page_size = state.page_size
@@ -131,6 +132,15 @@ class Scheduler:
         self.forward_s_ewma = 0.0  # recent forward-pass duration (s), for load_join_wait_s
         self._admin_waiting: dict[int, str] = {}
         self._admin_ids = iter(range(1, 2**62))
+        self.pins = PinnedPrefixes(state, self.submit, emit, cfg.cache.pinned_fraction)
+
+    def _route_output(self, msg: protos.TokenizerMessage) -> None:
+        """What the phases emit: a pinned prefix's internal request's outputs go to ``pins``,
+        everything else to the tokenizer."""
+        if isinstance(msg, protos.TokenOutput) and self.pins.owns(msg.rid):
+            self.pins.on_output(msg)
+        else:
+            self.emit(msg)
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -163,7 +173,7 @@ class Scheduler:
                 log.exception("request %s: checking it failed", msg.rid)
                 error = internal_error("checking the request", exc)
             self.counters.requests_error += 1
-            self.emit(protos.TokenOutput(msg.rid, [], True, "error", protos.Usage(len(msg.input_ids)), error))
+            self._route_output(protos.TokenOutput(msg.rid, [], True, "error", protos.Usage(len(msg.input_ids)), error))
             return
         self.by_rid[req.rid] = req
         self.waiting.append(req)
@@ -190,8 +200,10 @@ class Scheduler:
         except ValueError as exc:
             raise RequestRejected(str(exc)) from None
         need = -(-(len(msg.input_ids) + s.max_new_tokens) // self.page_size)
-        if need > self.l1.capacity:
-            raise RequestRejected(f"the request needs {need} L1 pages; L1 holds {self.l1.capacity}")
+        pinned = self.pins.l1_pages
+        if need > self.l1.capacity - pinned:
+            held = f" ({pinned} of them held by pinned prefixes)" if pinned else ""
+            raise RequestRejected(f"the request needs {need} L1 pages; L1 holds {self.l1.capacity}{held}")
         problem = self.aux.refusal(need)
         if problem is not None:
             raise RequestRejected(problem)
@@ -218,6 +230,12 @@ class Scheduler:
                 self.emit(protos.AdminReply(msg.rid, True, self.stats()))
             elif op in ("storage_status", "storage_attach", "storage_detach", "storage_clear"):
                 self._storage_admin(msg)
+            elif op == "pin":
+                self.pins.pin(msg.rid, msg.args)
+            elif op == "unpin":
+                self.pins.unpin(msg.rid, msg.args)
+            elif op == "pins":
+                self.emit(protos.AdminReply(msg.rid, True, self.pins.listing()))
             else:
                 self.emit(protos.AdminReply(msg.rid, False, {}, f"unknown admin op {op!r}"))
         except Exception as exc:  # an admin call must never take the scheduler down
@@ -260,6 +278,7 @@ class Scheduler:
             "hit_tokens": {"device": self.counters.cached_device, "host": self.counters.cached_host,
                            "storage": self.counters.cached_storage},
             "integrity_checks": self.counters.integrity_checks,
+            "pinned": self.pins.listing()["tiers"],
         }
         for c in self.cache.aux:  # paged components count tokens, the others state slots
             a, cached = c.allocator, self.cache.total_size(c.name)
@@ -293,7 +312,9 @@ class Scheduler:
         return self.forward()
 
     def schedule(self) -> None:
-        """Start the writes the write policy asks for, then admit what can be admitted."""
+        """Advance the pinned prefixes, start the writes the write policy asks for, then
+        admit what can be admitted."""
+        self.pins.poll()
         if self.tier is not None:
             self.tier.issue_writes()
         self.admission.run()

@@ -92,6 +92,7 @@ from hicache.tokenizer.formats import (
 )
 from hicache.tokenizer.generation import GenerationError, generate_steps
 from hicache.tokenizer.openapi import openapi_document
+from hicache.tokenizer.pinning import PIN_TIMEOUT_S, body_args
 from hicache.tokenizer.request_log import RequestLog
 from hicache.tokenizer.scheduler_link import SchedulerLink, SchedulerUnavailable, new_rid
 from hicache.tokenizer.validation import (
@@ -197,6 +198,9 @@ class HttpApi:
         r.add_put("/cache/storage", self.storage_attach)
         r.add_delete("/cache/storage", self._admin_route("storage_detach"))
         r.add_post("/cache/storage/clear", self._admin_route("storage_clear"))
+        r.add_get("/cache/pinned", self._admin_route("pins"))
+        r.add_put("/cache/pinned", self.pin)
+        r.add_delete("/cache/pinned/{name}", self.unpin)
 
     # ---- lifecycle
 
@@ -476,19 +480,36 @@ class HttpApi:
 
     # ---- admin
 
-    async def _admin(self, op: str, args: dict[str, Any] | None = None) -> web.Response:
+    async def _admin(self, op: str, args: dict[str, Any] | None = None, timeout_s: float | None = None) -> web.Response:
+        """An admin op's reply as JSON. A failed op: 400 when the scheduler marks it
+        ``refused`` (the request's own fault), 404 ``missing``, 409 busy, else 500."""
+        timeout_s = self.admin_timeout_s if timeout_s is None else timeout_s
         try:
-            reply = await self.link.admin(op, args, self.admin_timeout_s)
+            reply = await self.link.admin(op, args, timeout_s)
         except asyncio.TimeoutError:
-            raise RequestError(f"the scheduler did not answer {op} within {self.admin_timeout_s:g} s", 504,
+            raise RequestError(f"the scheduler did not answer {op} within {timeout_s:g} s", 504,
                                "timeout") from None
         except SchedulerUnavailable as exc:
             raise RequestError(str(exc), 503, "unavailable") from None
         if not reply.ok:
             error = reply.error or f"{op} failed"
+            if reply.result.get("refused"):
+                raise RequestError(error)
+            if reply.result.get("missing"):
+                raise RequestError(error, 404, "not_found")
             raise RequestError(error, 409 if "busy" in error.lower() else 500,
                                "conflict" if "busy" in error.lower() else "server_error")
         return _json(reply.result)
+
+    async def pin(self, request: web.Request) -> web.Response:
+        """``PUT /cache/pinned``: pin a prefix (or replace the pin of that name); answered once
+        it is pinned (``hicache.tokenizer.pinning``)."""
+        args = body_args(await self._read_json(request), self.tokenizer, request.get(TENANT))
+        return await self._admin("pin", args, max(self.admin_timeout_s, PIN_TIMEOUT_S))
+
+    async def unpin(self, request: web.Request) -> web.Response:
+        """``DELETE /cache/pinned/{name}``: let a pinned prefix go (its pages stay cached, evictable)."""
+        return await self._admin("unpin", {"name": request.match_info["name"]})
 
     def _admin_route(self, op: str) -> Handler:
         async def handler(request: web.Request) -> web.StreamResponse:

@@ -437,6 +437,23 @@ def _no_body() -> Schema:
     return {"type": "object", "maxProperties": 0, "description": "no body, or an empty object"}
 
 
+def pin_body(limits: ModelLimits) -> Schema:
+    """The ``PUT /cache/pinned`` body (``hicache.tokenizer.pinning``); the scheduler refuses
+    with 400 what only it can judge: a prefix shorter than a page, or past its tier's share."""
+    ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0,
+                                                      "maximum": limits.vocab_size - 1}}
+    return _object({
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"},
+        "text": {"type": "string", "minLength": 1, "description": "tokenized as a completion prompt is"},
+        "input_ids": ids,
+        "cache_salt": {"type": "string"},
+        "tiers": {"type": "array", "minItems": 1, "uniqueItems": True, "items": {"enum": ["l1", "l2"]},
+                  "description": "default: every tier that is on"},
+    }, ("name", "text", "input_ids", "cache_salt", "tiers"), required=("name",),
+        oneOf=[{"required": ["text"], "not": {"required": ["input_ids"]}},
+               {"required": ["input_ids"], "not": {"required": ["text"]}}])
+
+
 def openapi_document(limits: ModelLimits) -> dict[str, Any]:
     """The OpenAPI 3.1 document of the API for the model ``limits`` describes (a fresh dict:
     the caller may change it). Needs nothing from the scheduler."""
@@ -479,6 +496,14 @@ def openapi_document(limits: ModelLimits) -> dict[str, Any]:
             **_admin("delete", "detach the L3 backend", 400, 408, 413, body=_no_body()),
         },
         "/cache/storage/clear": _admin("post", "clear the L3 backend", 400, 408, 413, body=_no_body()),
+        "/cache/pinned": {
+            **_admin("get", "the pinned prefixes, and each tier's share for them"),
+            **_admin("put", "pin a prefix (or replace the pin of that name); answered once it is pinned",
+                     400, 408, 413, body=pin_body(limits)),
+        },
+        "/cache/pinned/{name}": {"delete": {
+            **_admin("delete", "unpin a prefix (its pages stay cached, evictable)", 404)["delete"],
+            "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}]}},
     }
     return {
         "openapi": OPENAPI_VERSION,

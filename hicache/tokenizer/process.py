@@ -81,6 +81,7 @@ async def _serve(args: TokenizerArgs) -> None:
     from hicache.startup_checks import load_api_keys
     from hicache.text import TokenizerError, load_tokenizer
     from hicache.tokenizer.http_api import HttpApi, JsonErrorRunner
+    from hicache.tokenizer.pinning import PinStartError, pin_configured
     from hicache.tokenizer.scheduler_link import SchedulerLink
     from hicache.tokenizer.validation import ModelLimits
 
@@ -129,6 +130,19 @@ async def _serve(args: TokenizerArgs) -> None:
     set_up = False
     try:
         link.start()
+        if cfg.cache.pinned:  # before the port opens, so that the first request finds them
+            pinning = asyncio.ensure_future(pin_configured(link, tokenizer, cfg))
+            stopping = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({pinning, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if not pinning.done():  # stopped while pinning
+                pinning.cancel()
+                log.info("tokenizer stopped while pinning cache.pinned")
+                return
+            try:
+                pinning.result()
+            except PinStartError as exc:
+                raise _StartupError(str(exc)) from exc
         await runner.setup()
         set_up = True
         site = web.TCPSite(runner, cfg.server.host, cfg.server.port, reuse_address=True)

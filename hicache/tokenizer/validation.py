@@ -429,7 +429,8 @@ def _finish(rid: str, input_ids: list[int], s: _Asked, limits: ModelLimits, *, s
                            extras.keep_stop, extras.cache_details, s.n, extras.logprob_text)
 
 
-def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
+def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A text prompt's ids, as every route without a chat template makes them."""
     return tokenizer.encode(text, add_special_tokens=True)
 
 
@@ -535,7 +536,7 @@ def parse_generate(data: dict[str, Any], rid: str, tokenizer: Tokenizer, limits:
                            param="text" if f.has("text") else "input_ids")
     _sglang_fields(f)
     text = f.get_str("text")
-    input_ids = _encode(tokenizer, text) if text is not None else list(f.int_list("input_ids"))
+    input_ids = encode_prompt(tokenizer, text) if text is not None else list(f.int_list("input_ids"))
     sp = _Fields(data.get("sampling_params") or {}, _GENERATE_SAMPLING, "sampling_params.")
     _sglang_sampling(sp)
     s = _sampling(sp, "max_new_tokens", default_temperature=0.0)
@@ -648,7 +649,7 @@ def parse_completion(data: dict[str, Any], rid: str, tokenizer: Tokenizer, limit
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        input_ids = _encode(tokenizer, prompt)
+        input_ids = encode_prompt(tokenizer, prompt)
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         input_ids = list(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):

@@ -123,6 +123,18 @@ def test_an_engine_mode_page_is_the_engines_block_and_need_not_be_a_power_of_two
     ({"events": {"enabled": True, "journal": "/tmp/j"}, "cache": {"l3": {"backend": "none"}}},
      "events.journal", "needs an L3"),
     ({"events": {"enabled": True, "journal": " "}}, "events.journal", "file path"),
+    ({"server": {"request_log": ""}}, "server.request_log", "file path"),
+    ({"cache": {"pinned": [{"name": "a", "text": "x"}, {"name": "a", "token_ids": [1]}]}}, "cache.pinned[1].name",
+     "pinned twice"),
+    ({"cache": {"pinned": [{"name": "a b", "text": "x"}]}}, "cache.pinned[0].name", "letters, digits"),
+    ({"cache": {"pinned": [{"name": "a", "text": "x", "token_ids": [1]}]}}, "cache.pinned[0]", "exactly one"),
+    ({"cache": {"pinned": [{"name": "a"}]}}, "cache.pinned[0]", "exactly one"),
+    ({"cache": {"pinned": [{"name": "a", "text": "x", "tiers": ["l3"]}]}}, "cache.pinned[0].tiers", "subset"),
+    ({"cache": {"l2": {"enabled": False}, "l3": {"backend": "none"},
+                "pinned": [{"name": "a", "text": "x", "tiers": ["l2"]}]}}, "cache.pinned[0].tiers", "l2"),
+    ({"cache": {"pinned": [{"name": "a", "text": "x", "tenant": "acme"}]}}, "cache.pinned[0].tenant", "not a tenant"),
+    ({"cache": {"pinned_fraction": 1.0}}, "cache.pinned_fraction", "(0, 0.9]"),
+    ({"engine": {"kind": "vllm"}, "cache": {"pinned": [{"name": "a", "text": "x"}]}}, "cache.pinned", "built-in"),
 ])
 def test_single_problems(raw: dict, path: str, needle: str) -> None:
     probs = _problems(raw)

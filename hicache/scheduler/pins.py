@@ -1,0 +1,325 @@
+"""Pinned prefixes: token prefixes kept in the tiers named and never evicted from them.
+
+The operator names them in ``cache.pinned`` (the tokenizer process pins those before it
+opens the HTTP port) or at run time with ``PUT /cache/pinned``; ``DELETE /cache/pinned/NAME``
+lets one go. They reach the scheduler as admin ops (``AdminRequest`` ``pin``, ``unpin``,
+``pins``), and ``Scheduler`` hands them to ``PinnedPrefixes``.
+
+A pin's life (``PinState``):
+
+==========  ================================================  ==============================
+state       meaning                                           leaves it when
+==========  ================================================  ==============================
+computing   an internal request of the prefix (one output     it finishes (-> writing, or
+            token, greedy) goes the way every request goes:   pinned), or fails (the pin is
+            matched in L1, loaded from L2, prefetched from    dropped and its caller gets
+            L3, the rest computed                             the error)
+writing     L1-locked; the L2 copies of its path are being    every node of the path has its
+            written (pins naming l2)                          L2 copy (-> pinned)
+pinned      locked in each tier named                         ``unpin`` (or a ``pin`` of the
+                                                              same name, which replaces it)
+==========  ================================================  ==============================
+
+What a pin holds, and who releases it (only ``unpin`` / a replacing ``pin`` do):
+
+- ``l1``: one ``inc_lock_ref`` on the node that ends the prefix; the Full lock holds the
+  whole path to the root, each auxiliary component its own part (an SWA window, a Mamba
+  state), so the prefix stays a valid match for every component;
+- ``l2``: one ``protect_host`` per node of the path, each released with the page count it
+  returned (a node split meanwhile is walked up from, as for every host lock);
+- while ``writing``, a temporary L1 lock (even for a pin without ``l1``) so the pages cannot
+  leave L1 before their L2 copies exist.
+
+Only whole pages are pinned: a prefix's partial last page is computed by every request, as
+for any cached prefix. Sizes: each tier's pins together may take at most
+``cache.pinned_fraction`` of that tier; a pin past it is refused, naming it, the share and
+the pins that hold it. Two pins that share pages count them twice (never too little). The
+internal requests' outputs never reach the tokenizer (``owns`` / ``on_output``).
+
+Tiers: L1 and L2. L3 is where a pinned prefix comes back from after a restart (its pages are
+backed up like any others); L3 stores evict on their own terms (the file store's size bound,
+Redis's ``maxmemory``), so a pin does not hold pages there.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import protos
+from hicache.config import PIN_NAME_RE
+from hicache.scheduler.state import SchedulerState
+from hicache.tree.base import MatchResult
+from hicache.tree.node import KEY_TYPECODE, LockToken, TreeNode
+
+log = logging.getLogger("hicache.scheduler.pins")
+
+PIN_RID_PREFIX = "pin:"
+"""Internal request ids; the tokenizer's ids are hex, so they never collide."""
+PIN_TIERS = ("l1", "l2")
+
+
+class PinState(enum.Enum):
+    """A pin's state (the table above); the value is its name in ``/cache/pinned``."""
+
+    COMPUTING = "computing"
+    WRITING = "writing"
+    PINNED = "pinned"
+
+
+class PinRefused(ValueError):
+    """A pin that cannot be taken (the message says why, naming it)."""
+
+
+@dataclass
+class Pin:
+    """One pinned prefix. ``pages``: the whole pages pinned; ``waiters``: admin rids to
+    answer once it is pinned (or failed)."""
+
+    name: str
+    tokens: array[int]
+    salt: str
+    tiers: tuple[str, ...]
+    pages: int
+    rid: str
+    state: PinState = PinState.COMPUTING
+    waiters: list[str] = field(default_factory=list)
+    usage: protos.Usage | None = None
+    l1_lock: LockToken | None = None
+    hold: LockToken | None = None
+    """The temporary L1 lock of ``writing``."""
+    l2_locks: list[tuple[TreeNode, int]] = field(default_factory=list)
+    outcome: protos.TokenOutput | None = None
+    """The internal request's final output, until ``poll`` takes it up."""
+
+    def describe(self, page_size: int) -> dict[str, Any]:
+        u = self.usage
+        return {"name": self.name, "state": self.state.value, "tokens": self.pages * page_size,
+                "prompt_tokens": len(self.tokens), "tiers": list(self.tiers), "cache_salt": self.salt,
+                "loaded": None if u is None else {"device": u.cached_device, "host": u.cached_host,
+                                                  "storage": u.cached_storage}}
+
+
+def parse_pin_args(args: dict[str, Any]) -> tuple[str, list[int], str, tuple[str, ...]]:
+    """``(name, input_ids, cache_salt, tiers)`` of a ``pin`` op (tiers absent or None: ``()``,
+    every tier that is on); ``PinRefused`` naming the first bad field."""
+    name = args.get("name")
+    if not isinstance(name, str) or not PIN_NAME_RE.match(name):
+        raise PinRefused(f"name must be 1-64 letters, digits, '.', '_' or '-' (first a letter or digit), "
+                         f"got {name!r}")
+    ids = args.get("input_ids")
+    if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
+        raise PinRefused(f"pinned prefix {name!r}: input_ids must be a non-empty list of token ids")
+    salt = args.get("cache_salt", "")
+    if not isinstance(salt, str):
+        raise PinRefused(f"pinned prefix {name!r}: cache_salt must be a string")
+    tiers = args.get("tiers")
+    if tiers is None:
+        return name, ids, salt, ()
+    if (not isinstance(tiers, list) or not tiers or len(set(tiers)) != len(tiers)
+            or not all(t in PIN_TIERS for t in tiers)):
+        raise PinRefused(f"pinned prefix {name!r}: tiers must be a non-empty subset of {list(PIN_TIERS)}, "
+                         f"got {tiers!r}")
+    return name, ids, salt, tuple(t for t in PIN_TIERS if t in tiers)
+
+
+class PinnedPrefixes:
+    """The pins of one scheduler (see the module docstring). ``submit`` queues an internal
+    request as the tokenizer's are queued; ``reply`` answers an admin rid."""
+
+    def __init__(self, state: SchedulerState, submit: Callable[[protos.GenerateRequest], None],
+                 reply: Callable[[protos.AdminReply], None], fraction: float) -> None:
+        self.s = state
+        self.submit = submit
+        self.reply = reply
+        self.fraction = fraction
+        self.pins: dict[str, Pin] = {}
+        self._by_rid: dict[str, Pin] = {}
+        self._seq = itertools.count(1)
+
+    # ---------------------------------------------------------------- sizes
+    def capacity_pages(self, tier: str) -> int:
+        """The tier's Full pages (0 for an L2 that is off)."""
+        c = self.s.cache.full
+        a = c.allocator if tier == "l1" else c.host_allocator
+        return 0 if a is None else a.capacity
+
+    def pinned_pages(self, tier: str, but: str | None = None) -> int:
+        return sum(p.pages for p in self.pins.values() if tier in p.tiers and p.name != but)
+
+    def _check_share(self, name: str, pages: int, tiers: tuple[str, ...]) -> None:
+        ps = self.s.page_size
+        for tier in tiers:
+            cap = self.capacity_pages(tier)
+            if cap == 0:
+                raise PinRefused(f"pinned prefix {name!r} names {tier}, which is off")
+            share = int(cap * self.fraction)
+            held = self.pinned_pages(tier, but=name)
+            if held + pages > share:
+                others = ", ".join(sorted(p.name for p in self.pins.values() if tier in p.tiers and p.name != name))
+                raise PinRefused(
+                    f"pinned prefix {name!r} ({pages * ps} tokens) does not fit {tier.upper()}'s share for pinned "
+                    f"prefixes: {share * ps} of {cap * ps} tokens (cache.pinned_fraction {self.fraction:g}), "
+                    f"{held * ps} already pinned" + (f" by {others}" if others else ""))
+
+    # ---------------------------------------------------------------- admin ops
+    def pin(self, admin_rid: str, args: dict[str, Any]) -> None:
+        """Start pinning (the reply comes once it is pinned); a pin of the same name is
+        replaced once the new one is taken. Refusals are answered at once."""
+        try:
+            name, ids, salt, tiers = parse_pin_args(args)
+            tiers = tiers or tuple(t for t in PIN_TIERS if self.capacity_pages(t))
+            pages = len(ids) // self.s.page_size
+            if pages == 0:
+                raise PinRefused(f"pinned prefix {name!r} has {len(ids)} tokens, less than one page "
+                                 f"({self.s.page_size}): nothing to pin")
+            old = self.pins.get(name)
+            if old is not None and old.state is not PinState.PINNED:
+                raise PinRefused(f"pinned prefix {name!r} is still being pinned; retry when it is")
+            self._check_share(name, pages, tiers)
+        except PinRefused as exc:
+            self.reply(protos.AdminReply(admin_rid, False, {"refused": True}, str(exc)))
+            return
+        rid = f"{PIN_RID_PREFIX}{name}:{next(self._seq)}"
+        pin = Pin(name, array(KEY_TYPECODE, ids), salt, tiers, pages, rid, waiters=[admin_rid])
+        if old is not None:
+            self._release(old)
+            del self.pins[name]
+        self.pins[name] = pin
+        self._by_rid[rid] = pin
+        self.submit(protos.GenerateRequest(rid, ids, protos.SamplingParams(max_new_tokens=1), False, salt))
+
+    def unpin(self, admin_rid: str, args: dict[str, Any]) -> None:
+        name = args.get("name")
+        pin = self.pins.get(name) if isinstance(name, str) else None
+        if pin is None:
+            self.reply(protos.AdminReply(admin_rid, False, {"missing": True}, f"no pinned prefix named {name!r}"))
+            return
+        if pin.state is not PinState.PINNED:
+            self.reply(protos.AdminReply(admin_rid, False, {"refused": True},
+                                         f"pinned prefix {name!r} is still being pinned; retry when it is"))
+            return
+        self._release(pin)
+        del self.pins[pin.name]
+        self.reply(protos.AdminReply(admin_rid, True, {"unpinned": pin.name, "tokens": pin.pages * self.s.page_size}))
+
+    def listing(self) -> dict[str, Any]:
+        ps = self.s.page_size
+        tiers = {t: {"pinned_tokens": self.pinned_pages(t) * ps,
+                     "share_tokens": int(self.capacity_pages(t) * self.fraction) * ps} for t in PIN_TIERS}
+        return {"pinned": [p.describe(ps) for p in self.pins.values()], "tiers": tiers}
+
+    # ---------------------------------------------------------------- the internal requests
+    def owns(self, rid: str) -> bool:
+        return rid in self._by_rid
+
+    def on_output(self, out: protos.TokenOutput) -> None:
+        """An output of a pin's internal request (called instead of sending it to the
+        tokenizer). The final one is kept for ``poll``: the tree is not changed from inside
+        a finishing request."""
+        if out.finished:
+            pin = self._by_rid.pop(out.rid)
+            pin.outcome = out
+
+    def poll(self) -> None:
+        """Advance every pin that can: computed ones are locked, written ones protected."""
+        for pin in list(self.pins.values()):
+            try:
+                if pin.outcome is not None:
+                    out, pin.outcome = pin.outcome, None
+                    self._computed(pin, out)
+                elif pin.state is PinState.WRITING:
+                    self._try_protect_l2(pin)
+            except Exception as exc:  # a bug here must not stop the scheduler: that pin fails alone
+                log.exception("pinned prefix %s failed", pin.name)
+                self._fail(pin, f"internal error while pinning: {type(exc).__name__}: {exc}", refused=False)
+
+    def _computed(self, pin: Pin, out: protos.TokenOutput) -> None:
+        if out.finish_reason in ("error", "abort"):
+            self._fail(pin, out.error or f"the prefix's request ended with {out.finish_reason}")
+            return
+        pin.usage = out.usage
+        cache = self.s.cache
+        m = cache.match_prefix(pin.tokens, pin.salt, copy_on_match=False)
+        want = pin.pages * self.s.page_size
+        if m.device_len < want:
+            self._fail(pin, f"only {m.device_len} of its {want} tokens were in L1 after computing it")
+            return
+        node = m.last_device_node
+        if "l1" in pin.tiers:
+            pin.l1_lock = cache.inc_lock_ref(node)
+        if "l2" in pin.tiers:
+            if pin.l1_lock is None:
+                pin.hold = cache.inc_lock_ref(node)
+            pin.state = PinState.WRITING
+            self._try_protect_l2(pin, m)
+        else:
+            self._done(pin)
+
+    def _path(self, pin: Pin, m: MatchResult | None = None) -> list[TreeNode]:
+        if m is None:
+            m = self.s.cache.match_prefix(pin.tokens, pin.salt, copy_on_match=False)
+        node, path = m.last_device_node, []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        return path
+
+    def _try_protect_l2(self, pin: Pin, m: MatchResult | None = None) -> None:
+        """Protect the path's L2 copies once all exist; write the missing ones meanwhile."""
+        path = self._path(pin, m)
+        missing = [n for n in path if n.data[0].host_value is None]
+        if missing:
+            tier = self.s.tier
+            if tier is None:
+                self._fail(pin, "L2 is off: nothing writes its pages to L2")
+                return
+            tier.write_nodes([n for n in missing if not n.in_flight and not n.loading])
+            return
+        tiers = self.s.cache.tiers
+        pin.l2_locks = [(n, tiers.protect_host(n)) for n in path]
+        if pin.hold is not None:
+            self.s.cache.dec_lock_ref(pin.hold)
+            pin.hold = None
+        self._done(pin)
+
+    def _done(self, pin: Pin) -> None:
+        pin.state = PinState.PINNED
+        log.info("pinned prefix %s: %d tokens in %s", pin.name, pin.pages * self.s.page_size, "+".join(pin.tiers))
+        result = pin.describe(self.s.page_size)
+        for rid in pin.waiters:
+            self.reply(protos.AdminReply(rid, True, result))
+        pin.waiters = []
+
+    def _fail(self, pin: Pin, error: str, refused: bool = True) -> None:
+        """Drop ``pin`` and answer its callers; ``refused``: the prefix itself is the cause
+        (the request of it was refused or failed), not the scheduler."""
+        log.warning("pinned prefix %s not pinned: %s", pin.name, error)
+        self._release(pin)
+        self.pins.pop(pin.name, None)
+        self._by_rid.pop(pin.rid, None)
+        for rid in pin.waiters:
+            self.reply(protos.AdminReply(rid, False, {"refused": refused}, f"pinned prefix {pin.name!r}: {error}"))
+        pin.waiters = []
+
+    def _release(self, pin: Pin) -> None:
+        """Give back every lock ``pin`` holds (the table in the module docstring)."""
+        cache = self.s.cache
+        for lock in (pin.l1_lock, pin.hold):
+            if lock is not None:
+                cache.dec_lock_ref(lock)
+        pin.l1_lock = pin.hold = None
+        for node, npages in pin.l2_locks:
+            cache.tiers.release_host(node, npages)
+        pin.l2_locks = []
+
+    @property
+    def l1_pages(self) -> int:
+        """L1 pages pins hold locked now (what running requests can never use)."""
+        return sum(p.pages for p in self.pins.values() if p.l1_lock is not None or p.hold is not None)

@@ -1,0 +1,174 @@
+"""Pinned prefixes in the scheduler (``hicache.scheduler.pins``), on the in-process rigs.
+
+A pinned prefix survives a flood of other prompts that evicts everything else from L1 and
+L2, and a request starting with it gets it as a hit with the output it gets cold. Sizes past
+the tier's share are refused by name; unpinning makes the pages evictable again; a pin
+after a restart (a new scheduler on the same L3 directory) is loaded from L3, not computed.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rigs import L2Rig, L3Rig, Rig, cold_tokens, gen
+
+import protos
+from hicache.config import HicacheConfig, config_from_dict
+
+
+def _cfg(l2: bool = True, **cache: Any) -> HicacheConfig:
+    return config_from_dict({
+        "model": {"reference": {"preset": "tiny"}},
+        "cache": {"page_size": 4, "l1": {"tokens": 256}, "l2": {"enabled": l2, "tokens": 512},
+                  "l3": {"backend": "none"}, "load_back_threshold": 0, **cache},
+        "scheduler": {"chunked_prefill_tokens": 64, "max_prefill_tokens": 128},
+    })
+
+
+class Admin:
+    """Rig outputs with the admin replies kept apart."""
+
+    replies: dict[str, protos.AdminReply]
+
+    def _emit(self, msg: protos.TokenizerMessage) -> None:
+        if isinstance(msg, protos.AdminReply):
+            self.replies[msg.rid] = msg
+        else:
+            super()._emit(msg)  # type: ignore[misc]
+
+    def admin(self, op: str, args: dict[str, Any], steps: int = 400) -> protos.AdminReply:
+        rid = f"admin-{len(self.replies)}-{op}"
+        self.sched.admin(protos.AdminRequest(rid, op, args))  # type: ignore[attr-defined]
+        for _ in range(steps):
+            if rid in self.replies:
+                break
+            self.sched.step()  # type: ignore[attr-defined]
+            pump = getattr(self, "pump", None)
+            if pump is not None:
+                pump()
+        return self.replies[rid]
+
+
+class PinRig(Admin, Rig):
+    def __init__(self, cfg: HicacheConfig) -> None:
+        self.replies = {}
+        super().__init__(cfg)
+
+
+class PinL2Rig(Admin, L2Rig):
+    def __init__(self, cfg: HicacheConfig) -> None:
+        self.replies = {}
+        super().__init__(cfg)
+
+
+class PinL3Rig(Admin, L3Rig):
+    def __init__(self, cfg: HicacheConfig, l3_dir: str) -> None:
+        self.replies = {}
+        super().__init__(cfg, l3_dir)
+
+
+PREFIX = [random.Random(1).randrange(3, 250) for _ in range(42)]  # 10 whole pages and 2 tokens
+
+
+def _flood(rig: Rig, n: int, seed: int) -> None:
+    rng = random.Random(seed)
+    rig.run([gen(f"flood-{seed}-{i}", [rng.randrange(3, 250) for _ in range(60)], n=2) for i in range(n)])
+
+
+def test_an_l1_and_l2_pin_survives_a_flood_and_serves_exact_hits() -> None:
+    cfg = _cfg()
+    rig = PinL2Rig(cfg)
+    try:
+        reply = rig.admin("pin", {"name": "system", "input_ids": PREFIX})
+        assert reply.ok, reply.error
+        assert reply.result["state"] == "pinned" and reply.result["tokens"] == 40
+        assert reply.result["tiers"] == ["l1", "l2"]
+        _flood(rig, 30, 1)  # 30 x 60 tokens: far more than L1 (256) and L2 (512)
+        assert rig.cache.full.allocator.capacity * 4 < 30 * 60
+        m = rig.cache.match_prefix(PREFIX)
+        assert m.device_len == 40
+        ids = PREFIX + [7, 8, 9, 10, 11]
+        rig.run([gen("user", ids, n=5)])
+        assert rig.cached("user") == 40
+        assert rig.tokens("user") == cold_tokens(cfg, "user", ids, 5)
+        listing = rig.admin("pins", {}).result
+        assert listing["tiers"]["l1"]["pinned_tokens"] == 40 and listing["tiers"]["l2"]["pinned_tokens"] == 40
+        assert rig.sched.stats()["pinned"]["l1"]["share_tokens"] == 128
+        # unpinned, the same flood evicts it
+        assert rig.admin("unpin", {"name": "system"}).ok
+        _flood(rig, 30, 2)
+        assert rig.cache.match_prefix(PREFIX).device_len == 0
+        assert rig.cache.match_prefix(PREFIX).host_hit_length == 0
+        assert rig.admin("pins", {}).result["pinned"] == []
+    finally:
+        rig.close()
+
+
+def test_an_l1_pin_without_l2() -> None:
+    cfg = _cfg(l2=False)
+    rig = PinRig(cfg)
+    reply = rig.admin("pin", {"name": "tools", "input_ids": PREFIX, "tiers": ["l1"], "cache_salt": "t1"})
+    assert reply.ok, reply.error
+    _flood(rig, 12, 3)
+    assert rig.cache.match_prefix(PREFIX, "t1").device_len == 40
+    assert rig.cache.match_prefix(PREFIX).device_len == 0  # the salt is part of the pin
+    # a request larger than what the pin leaves of L1 is refused, naming the pin's share
+    rig.run([gen("big", list(range(3, 230)), n=10)])
+    assert rig.final("big").finish_reason == "error"
+    assert "held by pinned prefixes" in (rig.final("big").error or "")
+    assert rig.admin("pin", {"name": "x", "input_ids": PREFIX, "tiers": ["l2"]}).error == \
+        "pinned prefix 'x' names l2, which is off"
+
+
+def test_sizes_past_the_share_are_refused_by_name() -> None:
+    rig = PinRig(_cfg(l2=False, pinned_fraction=0.25))  # 64 of 256 tokens
+    assert rig.admin("pin", {"name": "a", "input_ids": PREFIX, "tiers": ["l1"]}).ok
+    big = rig.admin("pin", {"name": "b", "input_ids": list(range(3, 35)), "tiers": ["l1"]})
+    assert not big.ok and big.result["refused"]
+    assert big.error == ("pinned prefix 'b' (32 tokens) does not fit L1's share for pinned prefixes: 64 of 256 "
+                         "tokens (cache.pinned_fraction 0.25), 40 already pinned by a")
+    # replacing 'a' by a larger prefix of the same name frees its own share first
+    assert rig.admin("pin", {"name": "a", "input_ids": list(range(3, 67)), "tiers": ["l1"]}).ok
+    assert rig.admin("pins", {}).result["tiers"]["l1"]["pinned_tokens"] == 64
+
+
+@pytest.mark.parametrize("args, error", [
+    ({"name": "", "input_ids": [1]}, "name must be"),
+    ({"name": "a b", "input_ids": [1]}, "name must be"),
+    ({"name": "a", "input_ids": []}, "input_ids must be"),
+    ({"name": "a", "input_ids": [1, 2]}, "less than one page"),
+    ({"name": "a", "input_ids": [1] * 8, "tiers": ["l3"]}, "tiers must be"),
+    ({"name": "a", "input_ids": [1] * 8, "cache_salt": 3}, "cache_salt must be"),
+    ({"name": "a", "input_ids": [999_999] * 8}, "outside the vocabulary"),
+])
+def test_bad_pins_are_refused_with_the_reason(args: dict[str, Any], error: str) -> None:
+    rig = PinRig(_cfg(l2=False))
+    reply = rig.admin("pin", args)
+    assert not reply.ok and error in (reply.error or "") and reply.result["refused"]
+    assert rig.admin("pins", {}).result["pinned"] == []
+    assert not rig.admin("unpin", {"name": "nope"}).ok
+    rig.assert_idle()
+
+
+def test_a_pin_after_a_restart_is_loaded_from_l3(tmp_path: Path) -> None:
+    cfg = _cfg(prefetch={"threshold_tokens": 4})
+    first = PinL3Rig(cfg, str(tmp_path))
+    try:
+        reply = first.admin("pin", {"name": "system", "input_ids": PREFIX})
+        assert reply.ok and reply.result["loaded"]["storage"] == 0
+        for _ in range(50):  # let the backups reach L3
+            first.sched.step()
+            first.pump()
+    finally:
+        first.close()
+    second = PinL3Rig(cfg, str(tmp_path))
+    try:
+        reply = second.admin("pin", {"name": "system", "input_ids": PREFIX})
+        assert reply.ok, reply.error
+        assert reply.result["loaded"]["storage"] == 40  # every whole page came from L3
+        assert second.cache.match_prefix(PREFIX).device_len == 40
+    finally:
+        second.close()
