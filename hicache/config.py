@@ -326,6 +326,16 @@ PIN_NAME_RE = re.compile(f"^{TENANT_NAME_RE}$")
 
 
 @dataclass(frozen=True)
+class TenantQuotaConfig:
+    """``server.api_keys[].quota`` (README "Tenants"): ``l2_tokens`` bounds the tenant's Full
+    L2 pages (a multiple of ``cache.page_size``) and reserves them: a write past it evicts
+    the tenant's own L2 pages first, and no other tenant's need evicts them
+    (``hicache.tree.quotas``). The quotas together may hold at most ``cache.l2.tokens``."""
+
+    l2_tokens: int = 0
+
+
+@dataclass(frozen=True)
 class ApiKeyConfig:
     """One entry of ``server.api_keys``: a bearer key and the tenant it authenticates.
 
@@ -339,6 +349,8 @@ class ApiKeyConfig:
     key: str | None = field(default=None, repr=False, metadata={"secret": True})
     key_file: str | None = None
     key_env: str | None = None
+    quota: TenantQuotaConfig | None = None
+    """The tenant's quota, given on one of its entries (``TenantQuotaConfig``)."""
 
 
 @dataclass(frozen=True)
@@ -962,6 +974,8 @@ def _check_server(cfg: HicacheConfig, ck: _Checks) -> None:
             ck.bad("server.served_model_names", "must not repeat a name")
     for key, reason in api_key_problems(cfg.server):
         ck.bad(f"server.{key}", reason)
+    for key, reason in quota_problems(cfg):
+        ck.bad(key, reason)
     if cfg.ipc.transport == "tcp" and not 0 <= cfg.ipc.tcp_base_port <= 65535 - 8:
         ck.bad("ipc.tcp_base_port", f"must be in 0..65527, got {cfg.ipc.tcp_base_port}")
     if cfg.ipc.curve_keys_dir is not None and not cfg.ipc.curve_keys_dir.strip():
@@ -1048,6 +1062,39 @@ def api_key_problems(server: ServerConfig) -> list[tuple[str, str]]:
                                             "each key must be given once"))
             else:
                 inline[entry.key] = i
+    quota_of: dict[str, int] = {}
+    for i, entry in enumerate(server.api_keys):
+        if entry.quota is None or not entry.tenant:
+            continue
+        where = f"api_keys[{i}].quota"
+        if entry.tenant in quota_of:
+            out.append((where, f"tenant {entry.tenant!r} has a quota already (api_keys[{quota_of[entry.tenant]}]): "
+                               "give it on one entry"))
+        quota_of.setdefault(entry.tenant, i)
+    return out
+
+
+def quota_problems(cfg: HicacheConfig) -> list[tuple[str, str]]:
+    """``server.api_keys[].quota`` against the cache: positive page multiples, L2 on, and
+    their sum within ``cache.l2.tokens`` (they reserve L2)."""
+    out: list[tuple[str, str]] = []
+    c = cfg.cache
+    total = 0
+    for i, entry in enumerate(cfg.server.api_keys):
+        q = entry.quota
+        if q is None:
+            continue
+        where = f"server.api_keys[{i}].quota.l2_tokens"
+        if q.l2_tokens <= 0 or (c.page_size > 0 and q.l2_tokens % c.page_size):
+            out.append((where, f"must be a positive multiple of cache.page_size ({c.page_size}), got {q.l2_tokens}"))
+        elif not c.l2.enabled:
+            out.append((where, "needs cache.l2.enabled: true"))
+        elif cfg.engine.kind != "builtin":
+            out.append((where, "quotas apply to the HTTP routes' tenants; engine mode has none"))
+        total += max(q.l2_tokens, 0)
+    if c.l2.enabled and total > c.l2.tokens:
+        out.append(("server.api_keys", f"the quotas' l2_tokens add up to {total}, more than cache.l2.tokens "
+                                       f"({c.l2.tokens}): they reserve L2"))
     return out
 
 

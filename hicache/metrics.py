@@ -156,6 +156,12 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("hicache_kv_event_lag_seconds", "histogram",
                "Per KV event batch: from the oldest tier change in it to the batch on the socket",
                buckets=_EVENT_LAG_BUCKETS),
+    MetricSpec("hicache_tenant_used_tokens", "gauge",
+               "Tokens a tenant's cached pages hold in a tier (server.api_keys; L2 only for now)", ("tenant", "tier")),
+    MetricSpec("hicache_tenant_quota_tokens", "gauge",
+               "A tenant's quota in a tier (server.api_keys[].quota)", ("tenant", "tier")),
+    MetricSpec("hicache_pinned_tokens", "gauge",
+               "Tokens pinned prefixes hold in a tier (cache.pinned, PUT /cache/pinned)", ("tier",)),
     MetricSpec("hicache_process_up", "gauge",
                "1 while a process is alive and its heartbeat is at most server.health_stale_s old "
                "(what /health calls ok), else 0", ("process",)),
@@ -371,6 +377,18 @@ class Metrics:
         _check("tier", tier, TIERS)
         self._m["hicache_pool_used_tokens"].labels(tier=tier, component=component).set(used)
         self._m["hicache_pool_capacity_tokens"].labels(tier=tier, component=component).set(capacity)
+
+    def set_tenant_usage(self, tenant: str, tier: str, used: int, quota: int | None) -> None:
+        """A tenant's cached tokens in ``tier`` (and its quota there, when it has one)."""
+        _check("tier", tier, TIERS)
+        self._m["hicache_tenant_used_tokens"].labels(tenant=tenant, tier=tier).set(used)
+        if quota is not None:
+            self._m["hicache_tenant_quota_tokens"].labels(tenant=tenant, tier=tier).set(quota)
+
+    def set_pinned(self, tier: str, tokens: int) -> None:
+        """The tokens pinned prefixes hold in ``tier``."""
+        _check("tier", tier, TIERS)
+        self._m["hicache_pinned_tokens"].labels(tier=tier).set(tokens)
 
     def set_queue(self, queue: str, n: int) -> None:
         """The current length of a scheduler queue (e.g. ``waiting``, ``running``, ``loading``)."""

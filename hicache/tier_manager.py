@@ -324,8 +324,14 @@ class TierManager:
         assert host_alloc is not None
         cap = int(host_alloc.capacity * self.prefetch_cfg.max_reserved_fraction) - self._prefetch_reserved
         n = min(n, max(cap, 0))
+        tiers = self.cache.tiers
+        quotas, may_evict = tiers.quotas, None
+        if quotas is not None and n:  # within the tenant's quota (``hicache.tree.quotas``)
+            tenant = quotas.tenant_of_salt(ticket.cache_salt)
+            n = quotas.make_room(tiers.evict_host, ps, tenant, n)
+            may_evict = quotas.evictable_for(tenant)
         if n and host_alloc.free_count < n:
-            self.cache.tiers.evict_host((n - host_alloc.free_count) * ps)
+            tiers.evict_host((n - host_alloc.free_count) * ps, may_evict)
         n = min(n, host_alloc.free_count)
         pages = host_alloc.alloc(n) if n > 0 else None
         if not pages:
@@ -334,6 +340,8 @@ class TierManager:
             return
         ticket.host_pages = list(pages)
         self._prefetch_reserved += len(pages)
+        if quotas is not None:
+            quotas.reserve(quotas.tenant_of_salt(ticket.cache_salt), len(pages))
         self._reserve_aux(ticket, len(pages), aux_present or {})
         ticket.fetch_op = next(self._ids)
         self._register(ticket.fetch_op, OpKind.FETCH, prefetch=ticket)
@@ -368,6 +376,9 @@ class TierManager:
         ps = self.cache.page_size
         pages = ticket.host_pages
         self._prefetch_reserved -= len(pages)
+        quotas = self.cache.tiers.quotas
+        if quotas is not None:
+            quotas.settle(quotas.tenant_of_salt(ticket.cache_salt), len(pages))
         host_alloc = self.cache.full.host_allocator
         assert host_alloc is not None
         if pages_done < len(pages):

@@ -40,8 +40,10 @@ from hicache.memory.pools import SharedPools
 from hicache.model.geometry import unsupported_reason
 from hicache.model.loader import LoadedModel
 from hicache.model.pools import KVPools
+from hicache.tenants import split_tenant_salt
 from hicache.tree.cache import UnifiedRadixCache
 from hicache.tree.components import FullComponent, MambaComponent, SWAComponent, TreeComponent
+from hicache.tree.quotas import TenantQuotas
 
 __all__ = ["build_cache", "hash_namespace", "kv_pools_from_shared", "kv_pools_over", "mamba_copier",
            "unsupported_reason"]
@@ -111,7 +113,16 @@ def build_cache(cfg: HicacheConfig, model: LoadedModel, l1_pages: int, l2_pages:
     cache = UnifiedRadixCache(components, cfg.cache.page_size, hasher=hash_namespace(cfg, model),
                               eviction_policy=cfg.cache.eviction, write_policy=cfg.cache.write_policy,
                               write_through_threshold=cfg.cache.write_through_threshold)
+    quotas = {k.tenant: k.quota.l2_tokens // cfg.cache.page_size for k in cfg.server.api_keys if k.quota is not None}
+    if quotas and l2 is not None:
+        cache.tiers.quotas = TenantQuotas(cache.core, quotas, tenant_of_salt)
     return cache, l1, l2
+
+
+def tenant_of_salt(salt: str) -> str | None:
+    """The tenant of a namespace's ``cache_salt`` (None: no tenant)."""
+    pair = split_tenant_salt(salt)
+    return None if pair is None else pair[0]
 
 
 def kv_pools_over(full_kv: torch.Tensor, page_size: int, *, swa_kv: torch.Tensor | None = None,

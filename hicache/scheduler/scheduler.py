@@ -296,6 +296,10 @@ class Scheduler:
                     unit = ps if c.paged else 1
                     key = "tokens" if c.paged else "slots"
                     out["l2"][c.name] = {f"used_{key}": h.used * unit, f"capacity_{key}": h.capacity * unit}
+        quotas = self.cache.tiers.quotas
+        if quotas is not None:
+            out["tenants"] = {t: {"l2_used_tokens": used * ps, "l2_quota_tokens": None if q is None else q * ps}
+                              for t, (used, q) in quotas.usage().items()}
         if self.tier is not None:
             out["tiers"] = {**vars(self.tier.counters), "in_flight": self.tier.in_flight,
                             "writes_due": len(self.cache.tiers.nodes_to_write_to_host())}

@@ -40,6 +40,12 @@ class SchedulerTelemetry:
             m.set_pool("device", "swa", swa.allocator.used * ps, swa.allocator.capacity * ps)
             if swa.host_allocator is not None:
                 m.set_pool("host", "swa", swa.host_allocator.used * ps, swa.host_allocator.capacity * ps)
+        for tier, name in (("device", "l1"), ("host", "l2")):
+            m.set_pinned(tier, s.pins.pinned_pages(name) * ps if s.pins.capacity_pages(name) else 0)
+        quotas = s.cache.tiers.quotas
+        if quotas is not None:
+            for tenant, (used, quota) in quotas.usage().items():
+                m.set_tenant_usage(tenant, "host", used * ps, None if quota is None else quota * ps)
         counts = {WAITING: 0, PREFETCH: 0, LOADING: 0}
         for req in s.waiting:
             counts[req.status] = counts.get(req.status, 0) + 1

@@ -16,9 +16,10 @@ import logging
 from typing import Any
 
 from hicache.config import HicacheConfig, PinnedPrefixConfig
+from hicache.tenants import tenant_salt
 from hicache.text import Tokenizer
 from hicache.tokenizer.scheduler_link import SchedulerLink
-from hicache.tokenizer.validation import RequestError, encode_prompt, tenant_salt
+from hicache.tokenizer.validation import RequestError, encode_prompt
 
 log = logging.getLogger("hicache.tokenizer.pinning")
 

@@ -76,6 +76,8 @@ class TreeCore:
         self.unwritten: dict[TreeNode, None] = {}
         # told of every change of the Full pages L1 and L2 hold (``hicache.tree.content``)
         self.observer: ContentObserver | None = None
+        # Full L2 pages per namespace root (``TreeNode.root``), for per-tenant quotas
+        self.host_by_root: dict[TreeNode, int] = {}
 
     # ------------------------------------------------------------------ structure
     def root(self, salt: str) -> TreeNode | None:
@@ -269,6 +271,7 @@ class TreeCore:
         if i == 0:
             self.tick += 1
             node.host_time = self.tick
+            self.host_by_root[node.root] = self.host_by_root.get(node.root, 0) + u
         if self._aux_written:
             self._retrack(node)
         elif i == 0:
@@ -285,6 +288,8 @@ class TreeCore:
             self.observer.pages_dropped(node, Tier.HOST)
         u = self.units[i](hv)
         self.host_total[i] -= u
+        if i == 0:
+            self.host_by_root[node.root] -= u
         if cd.host_lock_ref:
             self.host_prot[i] -= u
         self.host_lru[i].remove(cd.hlink)

@@ -48,12 +48,19 @@ def check_integrity(cache: UnifiedRadixCache, exact: bool = False) -> None:
     in_dev: list[set[int]] = [set() for _ in comps]
     in_host: list[set[int]] = [set() for _ in comps]
     count = 0
+    host_by_root: dict[int, int] = {}
     for node in nodes:
         if node.parent is None:
             if core.roots.get(node.salt or "") is not node:
                 _fail("a parentless node is not a registered root")
+            if node.root is not node:
+                _fail(f"{node!r}: a root whose root is another node")
         else:
             count += 1
+            if node.root is not node.parent.root:
+                _fail(f"{node!r}: not in its parent's namespace root")
+            if node.data[0].host_value is not None:
+                host_by_root[id(node.root)] = host_by_root.get(id(node.root), 0) + len(node.data[0].host_value)
             k = node.key
             if not k or len(k) % ps:
                 _fail(f"{node!r}: key is empty or not page-aligned")
@@ -96,6 +103,9 @@ def check_integrity(cache: UnifiedRadixCache, exact: bool = False) -> None:
                 member[i].add(id(node))
     if count != core.node_count:
         _fail(f"node_count {core.node_count} but {count} nodes in the tree")
+    counted = {id(r): n for r, n in core.host_by_root.items() if n}
+    if counted != host_by_root:
+        _fail(f"L2 pages per namespace root {counted} but the tree sums to {host_by_root}")
     for c in comps:
         i = c.slot
         for name, got, want in (

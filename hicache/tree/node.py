@@ -81,12 +81,13 @@ class TreeNode:
     the cache's ``i``-th component (FULL is index 0). ``hash_value`` (one hex page hash per
     page) is computed lazily, only when a tier needs it, and split along with the node.
     ``loading`` marks an L1 copy whose host->device load is still in flight (not yet readable).
-    ``salt`` is set on namespace roots only (one root per ``cache_salt``).
+    ``salt`` is set on namespace roots only (one root per ``cache_salt``); ``root`` is the
+    namespace root the node hangs under (itself for a root; it never changes).
     """
 
     __slots__ = (
         "children", "parent", "key", "data", "hash_value", "hit_count", "last_access_time",
-        "host_time", "id", "loading", "in_flight", "salt",
+        "host_time", "id", "loading", "in_flight", "salt", "root",
     )
 
     _next_id = 0
@@ -94,6 +95,7 @@ class TreeNode:
     def __init__(self, parent: TreeNode | None, key: Key, n_components: int) -> None:
         self.children: dict[Any, TreeNode] = {}
         self.parent = parent
+        self.root: TreeNode = self if parent is None else parent.root
         self.key = key
         self.data = [ComponentData(self) for _ in range(n_components)]
         self.hash_value: list[str] | None = None

@@ -57,7 +57,7 @@ pages, so splitting never strands a lock.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -67,6 +67,7 @@ from hicache.tree.base import CacheBase, EvictResult, InsertResult, MatchResult
 from hicache.tree.components import TreeComponent
 from hicache.tree.content import Tier
 from hicache.tree.node import LockToken, TreeNode
+from hicache.tree.quotas import TenantQuotas
 
 
 class TreeLocks(Protocol):
@@ -90,6 +91,7 @@ class TierOp:
     ``aux_keys[component]``: a backup's L3 keys of each auxiliary component in
     ``transfers`` (one per L2 unit: ``hicache.hashing.component_key``);
     ``done``: finished. It has no id: the tier layer files it under its controller op id.
+    ``quota_tenant``: a write's tenant, whose quota counts its L2 pages while in flight.
     """
 
     kind: str
@@ -99,6 +101,7 @@ class TierOp:
     hashes: list[str] = field(default_factory=list)
     done: bool = False
     aux_keys: dict[str, list[str]] = field(default_factory=dict)
+    quota_tenant: str | None = None
 
     @property
     def src_pages(self) -> list[int]:
@@ -127,6 +130,7 @@ class TierCalls:
         self._hasher = hasher
         self._hashers: dict[str, PageHasher] = {}
         self._open_transfers = 0  # TierOps started and not finished (their owner keeps them)
+        self.quotas: TenantQuotas | None = None  # per-tenant L2 quotas, when configured
 
     # ================================================================== tiers (§5)
     def nodes_to_write_to_host(self, limit: int | None = None) -> list[TreeNode]:
@@ -174,6 +178,12 @@ class TierCalls:
         core = self.tree.core
         if node.parent is None or node.in_flight or node.loading or node.data[0].value is None:
             return None
+        quotas, tenant = self.quotas, None
+        if quotas is not None and node.data[0].host_value is None:
+            tenant = quotas.tenant(node)
+            npages = len(node.data[0].value)
+            if quotas.make_room(self.evict_host, self.tree.page_size, tenant, npages) < npages:
+                return None  # past its tenant's quota even after evicting that tenant's own pages
         transfers: dict[str, tuple[list[int], PageIndices]] = {}
         for c in self.tree.components:
             cd = node.data[c.slot]
@@ -184,7 +194,8 @@ class TierCalls:
             dst = host.alloc(len(src))
             if dst is None:
                 if c is self.tree.full:
-                    self.evict_host((len(src) - host.free_count) * self.tree.page_size)
+                    self.evict_host((len(src) - host.free_count) * self.tree.page_size,
+                                    None if quotas is None else quotas.evictable_for(tenant))
                 else:
                     self._evict_host_aux(c, len(src) - host.free_count)
                 dst = host.alloc(len(src))
@@ -198,6 +209,9 @@ class TierCalls:
         if not transfers:
             return None
         op = TierOp("write", node, self.tree._npages(node), transfers)
+        if quotas is not None and "full" in transfers:
+            op.quota_tenant = tenant
+            quotas.reserve(tenant, len(transfers["full"][1]))
         self.tree.full.lock(core, node)
         for c in self.tree.aux:
             core.lock(node, c.slot)
@@ -225,6 +239,8 @@ class TierCalls:
         happened while the write was in flight); empty when ``ok`` is False."""
         self._close(op, "write")
         core = self.tree.core
+        if self.quotas is not None and "full" in op.transfers:
+            self.quotas.settle(op.quota_tenant, len(op.transfers["full"][1]))
         nodes = self.tree._op_nodes(op.node, op.npages)
         for n in nodes:
             n.in_flight -= 1
@@ -683,14 +699,18 @@ class TierCalls:
             m.clear()
 
     # ================================================================== L2 eviction
-    def evict_host(self, tokens: int) -> int:
+    def evict_host(self, tokens: int, may_evict: Callable[[TreeNode], bool] | None = None) -> int:
         """L2 eviction: delete L2-only leaves with ``host_lock_ref == 0`` (LRU first) until
-        ``tokens`` worth of FULL L2 pages are free. Returns tokens freed."""
+        ``tokens`` worth of FULL L2 pages are free. ``may_evict``: only nodes it accepts (a
+        node's ancestors are in its namespace, so it judges them alike; per-tenant quotas,
+        ``hicache.tree.quotas``). Returns tokens freed."""
         need = -(-tokens // self.tree.page_size)
         freed = 0
         for node in self.tree.core.host_lru[0].candidates():
             if freed >= need:
                 break
+            if may_evict is not None and not may_evict(node):
+                continue
             while freed < need and self._host_evictable(node):
                 parent = node.parent
                 assert parent is not None  # _host_evictable refuses roots

@@ -135,6 +135,13 @@ def test_an_engine_mode_page_is_the_engines_block_and_need_not_be_a_power_of_two
     ({"cache": {"pinned": [{"name": "a", "text": "x", "tenant": "acme"}]}}, "cache.pinned[0].tenant", "not a tenant"),
     ({"cache": {"pinned_fraction": 1.0}}, "cache.pinned_fraction", "(0, 0.9]"),
     ({"engine": {"kind": "vllm"}, "cache": {"pinned": [{"name": "a", "text": "x"}]}}, "cache.pinned", "built-in"),
+    ({"server": {"api_keys": [{"tenant": "a", "key": "k" * 32, "quota": {"l2_tokens": 10}}]}},
+     "server.api_keys[0].quota.l2_tokens", "positive multiple"),
+    ({"server": {"api_keys": [{"tenant": "a", "key": "k" * 32, "quota": {"l2_tokens": 2 ** 20}}]}},
+     "server.api_keys", "they reserve L2"),
+    ({"server": {"api_keys": [{"tenant": "a", "key": "k" * 32, "quota": {"l2_tokens": 64}},
+                              {"tenant": "a", "key": "j" * 32, "quota": {"l2_tokens": 64}}]}},
+     "server.api_keys[1].quota", "has a quota already"),
 ])
 def test_single_problems(raw: dict, path: str, needle: str) -> None:
     probs = _problems(raw)

@@ -433,6 +433,8 @@ def _record_elsewhere(path: str) -> None:
     m.set_storage_up(True)
     m.storage_error("get", 2)
     m.process_restarted("controller")
+    m.set_tenant_usage("acme", "host", 64, 128)
+    m.set_pinned("device", 32)
 
 
 def _families(text: str) -> dict:
@@ -473,6 +475,9 @@ def test_metrics_exposition_spans_processes(tok: TokenizerProcess, metrics_dir: 
     # recorded by the other process
     assert _value(fams, "hicache_pool_used_tokens", "hicache_pool_used_tokens", tier="device", component="full") == 100
     assert _value(fams, "hicache_pool_capacity_tokens", "hicache_pool_capacity_tokens", tier="device") == 1000
+    assert _value(fams, "hicache_tenant_used_tokens", "hicache_tenant_used_tokens", tenant="acme", tier="host") == 64
+    assert _value(fams, "hicache_tenant_quota_tokens", "hicache_tenant_quota_tokens", tenant="acme", tier="host") == 128
+    assert _value(fams, "hicache_pinned_tokens", "hicache_pinned_tokens", tier="device") == 32
     assert _value(fams, "hicache_queue_requests", "hicache_queue_requests", queue="waiting") == 3
     assert _value(fams, "hicache_transfer_bytes", "hicache_transfer_bytes_total", direction="h2d") == 4096
     assert _value(fams, "hicache_transfer_seconds", "hicache_transfer_seconds_count", direction="h2d") == 1

@@ -23,16 +23,9 @@ from hypothesis import strategies as st
 from hicache.config import ConfigError, config_from_dict, dump_yaml
 from hicache.hashing import HashNamespace, PageHasher
 from hicache.startup_checks import BearerKey, load_api_keys, startup_problems
+from hicache.tenants import TENANT_SALT_TAG, split_tenant_salt, tenant_salt
 from hicache.text import ByteTokenizer
-from hicache.tokenizer.validation import (
-    TENANT_SALT_TAG,
-    ModelLimits,
-    parse_chat,
-    parse_completion,
-    parse_generate,
-    split_tenant_salt,
-    tenant_salt,
-)
+from hicache.tokenizer.validation import ModelLimits, parse_chat, parse_completion, parse_generate
 
 from .fake_scheduler import FakeScheduler
 from .harness import TokenizerProcess
