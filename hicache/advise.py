@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from hicache.replay_sim.sizes import DEFAULT_BYTES_PER_TOKEN, fmt_bytes, fmt_tokens
 
 if TYPE_CHECKING:
+    from hicache.config import HicacheConfig
     from hicache.replay_sim.advice import Advice, Advisor
 
 
@@ -131,10 +132,20 @@ def _run(args: argparse.Namespace) -> int:
           f"{trace.requests / max(seconds, 1e-9):,.0f} requests/s)")
 
     doc = _document(args.trace, trace.requests, B, advice, bpt, seconds)
+    served = logged_hit_rate(args.trace, args.limit)
+    if served is not None:
+        print(f"the daemon that wrote this request log served {100 * served:.2f}% of its prompt tokens from its "
+              f"tiers; the advised config: {100 * advice.predicted_hit_rate:.2f}%")
+        doc["logged_hit_rate"] = served
     if args.write:
         raw = recommended_config(args.config, advice, bpt)
         _write_yaml(raw, args.write)
         print(f"config: {args.write}")
+        advised_l1 = advice.tier("L1").pages * advice.page_tokens
+        if raw["cache"]["l1"]["tokens"] > advised_l1:
+            print(f"  L1 written as {raw['cache']['l1']['tokens']:,} tokens, above the advised {advised_l1:,}: "
+                  "running requests need one prefill and a chunk of L1 (scheduler.max_prefill_tokens + "
+                  "chunked_prefill_tokens)")
         doc["config"] = raw
     plot = args.plot or f"{Path(trace.name).stem}_advice.png"
     if plot_advice(advisor, advice, plot, title=f"{trace.name}: hit rate by capacity"):
@@ -209,11 +220,11 @@ def recommended_config(base: str | None, advice: Advice, bpt: int) -> dict[str, 
     P = advice.page_tokens
     page = cfg.cache.page_size
     l1, l2, l3 = (advice.tier(t).pages * P for t in ("L1", "L2", "L3"))
-    cache.setdefault("l1", {})["tokens"] = max(page, -(-l1 // page) * page)
+    cache.setdefault("l1", {})["tokens"] = l1_tokens = max(written_l1_floor(cfg), -(-l1 // page) * page)
     l2_section = cache.setdefault("l2", {})
     l2_section["enabled"] = bool(l2)
     if l2:
-        l2_section["tokens"] = -(-l2 // page) * page
+        l2_section["tokens"] = max(l1_tokens, -(-l2 // page) * page)  # L2 holds what L1 holds
     l3_section = cache.setdefault("l3", {})
     if not l3:
         l3_section["backend"] = "none"
@@ -227,6 +238,35 @@ def recommended_config(base: str | None, advice: Advice, bpt: int) -> dict[str, 
         cache["eviction"] = advice.best_policy
     config_from_dict(raw)
     return raw
+
+
+def logged_hit_rate(path: str, limit: int | None) -> float | None:
+    """Cached over prompt tokens of a ``server.request_log`` (its ``cached_tokens``); None for
+    a trace without them."""
+    import json
+
+    cached = prompt = 0
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh):
+            if limit is not None and n >= limit:
+                break
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            c, p = rec.get("cached_tokens"), rec.get("input_length")
+            if type(c) is not int or type(p) is not int:
+                return None
+            cached, prompt = cached + c, prompt + p
+    return cached / prompt if prompt else None
+
+
+def written_l1_floor(cfg: HicacheConfig) -> int:
+    """The least L1 a written config gets: room for one prefill at its largest and a chunk
+    (``scheduler.max_prefill_tokens`` + ``chunked_prefill_tokens``, whole pages), what the
+    running requests need whatever the cache holds. The hit rates are those of the advised
+    size or more."""
+    s, page = cfg.scheduler, cfg.cache.page_size
+    return -(-(s.max_prefill_tokens + min(s.chunked_prefill_tokens, s.max_prefill_tokens)) // page) * page
 
 
 def _write_yaml(raw: dict[str, Any], path: str) -> None:

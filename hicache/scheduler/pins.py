@@ -174,6 +174,9 @@ class PinnedPrefixes:
         try:
             name, ids, salt, tiers = parse_pin_args(args)
             tiers = tiers or tuple(t for t in PIN_TIERS if self.capacity_pages(t))
+            if self.s.cache.aux and "l1" not in tiers:
+                raise PinRefused(f"pinned prefix {name!r}: this model's windows and states are held in L1, "
+                                 "so its pins must name l1")
             pages = len(ids) // self.s.page_size
             if pages == 0:
                 raise PinRefused(f"pinned prefix {name!r} has {len(ids)} tokens, less than one page "

@@ -201,7 +201,9 @@ def test_the_command_prints_writes_a_valid_config_and_json(tmp_path: Path,
     assert rc == 0, text
     assert "grid" in text and "tiers" in text and "<- advised" in text
     cfg = load_config(out)
-    assert cfg.cache.l1.tokens == 35 * 16 and cfg.cache.l2.tokens == 175 * 16 and cfg.cache.l2.enabled
+    # L1 is written with room for the running requests (8192 + 2048 by default), over the advice
+    assert cfg.cache.l1.tokens == 10240 and cfg.cache.l2.tokens == 10240 and cfg.cache.l2.enabled
+    assert "L1 written as 10,240 tokens, above the advised 560" in text
     assert cfg.cache.l3.backend == "none"
     assert cfg.server.port == 31999  # the base config's other keys are kept
     d = json.loads(doc.read_text())

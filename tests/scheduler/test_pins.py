@@ -172,3 +172,20 @@ def test_a_pin_after_a_restart_is_loaded_from_l3(tmp_path: Path) -> None:
         assert second.cache.match_prefix(PREFIX).device_len == 40
     finally:
         second.close()
+
+
+def test_a_hybrid_models_pin_must_name_l1_and_then_hits_exactly() -> None:
+    cfg = config_from_dict({
+        "model": {"reference": {"preset": "tiny", "layers": ["full", "swa", "full", "swa"], "sliding_window": 8}},
+        "cache": {"page_size": 4, "l1": {"tokens": 256}, "l2": {"enabled": False}, "l3": {"backend": "none"}},
+        "scheduler": {"chunked_prefill_tokens": 64, "max_prefill_tokens": 128},
+    })
+    rig = PinRig(cfg)
+    reply = rig.admin("pin", {"name": "w", "input_ids": PREFIX, "tiers": ["l2"]})
+    assert not reply.ok and "must name l1" in (reply.error or "")
+    assert rig.admin("pin", {"name": "w", "input_ids": PREFIX}).ok
+    _flood(rig, 12, 4)
+    ids = PREFIX + [5, 6, 7, 8]
+    rig.run([gen("user", ids, n=4)])
+    assert rig.cached("user") == 40
+    assert rig.tokens("user") == cold_tokens(cfg, "user", ids, 4)
