@@ -903,6 +903,9 @@ def _check_pinned(cfg: HicacheConfig, ck: _Checks) -> None:
             ck.bad(f"{path}.tiers", "names l2, but cache.l2.enabled is false")
         if p.tenant is not None and p.tenant not in tenants:
             ck.bad(f"{path}.tenant", f"{p.tenant!r} is not a tenant of server.api_keys")
+        elif p.tenant is None and tenants:
+            ck.bad(f"{path}.tenant", "is required with server.api_keys: every request is then a tenant's, and a "
+                                     "pin without one would never be hit")
 
 
 def _check_l3(cfg: HicacheConfig, ck: _Checks) -> None:

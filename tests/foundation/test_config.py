@@ -134,6 +134,8 @@ def test_an_engine_mode_page_is_the_engines_block_and_need_not_be_a_power_of_two
                 "pinned": [{"name": "a", "text": "x", "tiers": ["l2"]}]}}, "cache.pinned[0].tiers", "l2"),
     ({"cache": {"pinned": [{"name": "a", "text": "x", "tenant": "acme"}]}}, "cache.pinned[0].tenant", "not a tenant"),
     ({"cache": {"pinned_fraction": 1.0}}, "cache.pinned_fraction", "(0, 0.9]"),
+    ({"cache": {"pinned": [{"name": "a", "text": "x"}]}, "server": {"api_keys": [{"tenant": "t", "key": "k" * 32}]}},
+     "cache.pinned[0].tenant", "never be hit"),
     ({"engine": {"kind": "vllm"}, "cache": {"pinned": [{"name": "a", "text": "x"}]}}, "cache.pinned", "built-in"),
     ({"server": {"api_keys": [{"tenant": "a", "key": "k" * 32, "quota": {"l2_tokens": 10}}]}},
      "server.api_keys[0].quota.l2_tokens", "positive multiple"),
