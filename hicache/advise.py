@@ -207,7 +207,9 @@ def _document(path: str, requests: int, block: int, advice: Advice, bpt: int, se
 
 def recommended_config(base: str | None, advice: Advice, bpt: int) -> dict[str, Any]:
     """The YAML mapping of ``base`` (a config file; None: empty) with the advised tier sizes and
-    policy set, checked by the config loader (``ConfigError`` if the result is not valid)."""
+    policy set, checked by the config loader (``ConfigError`` if the result is not valid).
+    L1 gets at least ``written_l1_floor``; L2 at least L1, and stays on (at least the
+    tenants' quotas) where the base config's quotas or pins need it."""
     import yaml
 
     from hicache.config import config_from_dict
@@ -221,6 +223,10 @@ def recommended_config(base: str | None, advice: Advice, bpt: int) -> dict[str, 
     page = cfg.cache.page_size
     l1, l2, l3 = (advice.tier(t).pages * P for t in ("L1", "L2", "L3"))
     cache.setdefault("l1", {})["tokens"] = l1_tokens = max(written_l1_floor(cfg), -(-l1 // page) * page)
+    # what the base config itself needs of L2: its tenants' quotas reserve it, pins may name it
+    quotas = sum(k.quota.l2_tokens for k in cfg.server.api_keys if k.quota is not None)
+    if quotas or any(p.tiers is not None and "l2" in p.tiers for p in cfg.cache.pinned):
+        l2 = max(l2, quotas, page)
     l2_section = cache.setdefault("l2", {})
     l2_section["enabled"] = bool(l2)
     if l2:

@@ -54,6 +54,7 @@ from typing import Any
 import protos
 from hicache.config import PIN_NAME_RE
 from hicache.scheduler.state import SchedulerState
+from hicache.tenants import split_tenant_salt
 from hicache.tree.base import MatchResult
 from hicache.tree.node import KEY_TYPECODE, LockToken, TreeNode
 
@@ -99,8 +100,9 @@ class Pin:
 
     def describe(self, page_size: int) -> dict[str, Any]:
         u = self.usage
+        tenant, salt = split_tenant_salt(self.salt) or (None, self.salt)
         return {"name": self.name, "state": self.state.value, "tokens": self.pages * page_size,
-                "prompt_tokens": len(self.tokens), "tiers": list(self.tiers), "cache_salt": self.salt,
+                "prompt_tokens": len(self.tokens), "tiers": list(self.tiers), "tenant": tenant, "cache_salt": salt,
                 "loaded": None if u is None else {"device": u.cached_device, "host": u.cached_host,
                                                   "storage": u.cached_storage}}
 

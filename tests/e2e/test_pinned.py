@@ -53,6 +53,7 @@ def test_pins_hit_from_the_first_request_survive_floods_and_restarts(daemons: Da
     assert status == 200
     (pin,) = listing["pinned"]
     assert pin["name"] == "system" and pin["state"] == "pinned" and pin["tiers"] == ["l1", "l2"]
+    assert pin["tenant"] is None and pin["cache_salt"] == ""
     assert pin["tokens"] == _pinned_tokens() and pin["loaded"]["storage"] == 0
 
     rng = random.Random(3)

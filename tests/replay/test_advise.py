@@ -260,3 +260,22 @@ def test_large_ids_are_renumbered_with_their_equalities(tmp_path: Path) -> None:
     assert tr.blocks == [[0, 1], [0, 1, 2], [0, 3]]
     assert all(i < DENSE_LIMIT for ids in tr.blocks for i in ids)
     assert reuse_profile(tr.blocks).hits(None) == reuse_profile([[0, 1], [0, 1, 2], [0, 3]]).hits(None) == 3
+
+
+def test_the_written_config_keeps_what_the_base_config_needs_of_l2(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, phases(A))  # one working set: L1 takes it, L2 would add nothing
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump({
+        "cache": {"page_size": 16, "l3": {"backend": "none"}},
+        "scheduler": {"max_prefill_tokens": 256, "chunked_prefill_tokens": 128},
+        "server": {"api_keys": [{"tenant": "a", "key": "k" * 32, "quota": {"l2_tokens": 1024}},
+                                {"tenant": "b", "key": "j" * 32, "quota": {"l2_tokens": 512}}]},
+    }))
+    out = tmp_path / "advised.yaml"
+    assert main(["advise", str(trace), "--config", str(base), "--l1-max", "1600", "--l2-max", "4096",
+                 "--write", str(out), "--plot", str(tmp_path / "p.png"), "--policies", "lru"]) == 0
+    cfg = load_config(out)
+    assert cfg.cache.l1.tokens == 560  # the knee (31 pages) + 10 %, over the floor of 384
+    assert cfg.cache.l2.enabled and cfg.cache.l2.tokens == 1536  # the quotas reserve it
+    assert sum(k.quota.l2_tokens for k in cfg.server.api_keys if k.quota) == 1536
