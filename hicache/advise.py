@@ -285,15 +285,13 @@ def _write_yaml(raw: dict[str, Any], path: str) -> None:
 def plot_advice(advisor: Advisor, advice: Advice, path: str, title: str) -> bool:
     """The LRU curve, Belady's points and the advised tier sizes as a PNG; False (with a
     warning) when matplotlib is not installed."""
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"warning: matplotlib is not installed: {path} not drawn (install hicache[bench] for plots)",
-              file=sys.stderr, flush=True)
-        return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    from hicache.plotting import pyplot_or_none, save_capacity_plot
+
+    plt = pyplot_or_none(path)
+    if plt is None:
+        return False
 
     P = advice.page_tokens
     top = max(2, advice.unique_pages)
@@ -307,13 +305,5 @@ def plot_advice(advisor: Advisor, advice: Advice, path: str, title: str) -> bool
     for t, colour in zip(advice.tiers, ("tab:red", "tab:orange", "tab:green"), strict=True):
         if t.pages:
             ax.axvline(t.pages * P, color=colour, lw=1, label=f"{t.tier} advised")
-    ax.set_xscale("log")
-    ax.set_xlabel("capacity (tokens)")
-    ax.set_ylabel("prefix hit rate (%)")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    plt.close(fig)
+    save_capacity_plot(plt, fig, ax, path, title)
     return True

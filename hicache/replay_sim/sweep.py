@@ -6,7 +6,6 @@ curve is exactly what the daemon's L1 would reach with that policy and that much
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -85,15 +84,11 @@ def plot_sweep(res: SweepResult, path: str, title: str | None = None) -> bool:
     of the daemon: without it the plot is skipped with a warning on stderr and False is
     returned, so ``hicache replay --sweep`` still prints its table and writes ``--json``.
     """
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"warning: matplotlib is not installed: {path} not drawn (install hicache[bench] for plots)",
-              file=sys.stderr, flush=True)
-        return False
+    from hicache.plotting import pyplot_or_none, save_capacity_plot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot_or_none(path)
+    if plt is None:
+        return False
 
     xs = [p.capacity_tokens for p in res.points]
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
@@ -101,13 +96,5 @@ def plot_sweep(res: SweepResult, path: str, title: str | None = None) -> bool:
         ax.plot(xs, [100 * p.rates[pol] for p in res.points], marker="o", ms=3, label=pol)
     ax.plot(xs, [100 * p.belady for p in res.points], "k--", marker="s", ms=3, label="Belady (offline optimum)")
     ax.axhline(100 * res.ceiling, color="grey", lw=0.8, ls=":", label="infinite capacity")
-    ax.set_xscale("log")
-    ax.set_xlabel("cache capacity (tokens)")
-    ax.set_ylabel("prefix hit rate (%)")
-    ax.set_title(title or f"{res.trace}: hit rate by capacity")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    plt.close(fig)
+    save_capacity_plot(plt, fig, ax, path, title or f"{res.trace}: hit rate by capacity")
     return True

@@ -14,9 +14,10 @@ stderr and return False, so that ``hicache bench serve`` still writes ``result.j
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import Any
+
+from hicache.plotting import pyplot_or_none
 
 __all__ = ["tier_hits", "ttft_cdf"]
 
@@ -24,23 +25,10 @@ _COLORS = {"device": "#2b8a3e", "host": "#1c7ed6", "storage": "#f59f00", "comput
 _LABELS = {"device": "L1 device", "host": "L2 host", "storage": "L3 storage", "computed": "computed (miss)"}
 
 
-def _pyplot(path: str) -> Any | None:
-    """pyplot on the Agg backend, or None (after a warning naming ``path``) without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"warning: matplotlib is not installed: {path} not drawn (install hicache[bench] for plots)",
-              file=sys.stderr, flush=True)
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
 
 def ttft_cdf(runs: Sequence[dict[str, Any]], path: str, title: str | None = None) -> bool:
     """One TTFT CDF curve (ms, log x axis when the values span more than 20x) per run."""
-    plt = _pyplot(path)
+    plt = pyplot_or_none(path)
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
@@ -71,7 +59,7 @@ def ttft_cdf(runs: Sequence[dict[str, Any]], path: str, title: str | None = None
 
 def tier_hits(s: dict[str, Any], path: str, title: str | None = None) -> bool:
     """Stacked bars: prompt tokens per time bin by tier, for one run."""
-    plt = _pyplot(path)
+    plt = pyplot_or_none(path)
     if plt is None:
         return False
     tl = s["timeline"]
