@@ -65,7 +65,8 @@ def test_a_valid_api_keys_config_loads_and_hides_its_keys() -> None:
     _assert_no_secret(dumped)
     server = yaml.safe_load(dumped)["server"]
     assert server["api_keys"][0]["key"] == "***" and server["api_keys"][1]["key_file"] == "/run/k"
-    assert server["api_keys"][2] == {"tenant": "beta", "key": None, "key_file": None, "key_env": "HC_B"}
+    assert server["api_keys"][2] == {"tenant": "beta", "key": None, "key_file": None, "key_env": "HC_B",
+                                     "quota": None}
     assert config_from_dict({}).server.api_keys == ()
 
 
