@@ -876,9 +876,7 @@ def _check_pinned(cfg: HicacheConfig, ck: _Checks) -> None:
     c = cfg.cache
     if not 0.0 < c.pinned_fraction <= 0.9:
         ck.bad("cache.pinned_fraction", f"must be in (0, 0.9] (running requests need the rest), got {c.pinned_fraction}")
-    if c.pinned and cfg.engine.kind != "builtin":
-        ck.bad("cache.pinned", "is served by the built-in model worker only: in engine mode the engines compute KV, "
-                               "and pinning through them is not built yet")
+    engine = cfg.engine.kind != "builtin"
     tenants = {k.tenant for k in cfg.server.api_keys if k.tenant is not None}
     seen: set[str] = set()
     for i, p in enumerate(c.pinned):
@@ -889,7 +887,10 @@ def _check_pinned(cfg: HicacheConfig, ck: _Checks) -> None:
         elif p.name in seen:
             ck.bad(f"{path}.name", f"{p.name!r} is pinned twice")
         seen.add(p.name)
-        if (p.text is None) == (p.token_ids is None):
+        if engine and (p.text is not None or p.tenant is not None or (p.tiers is not None and list(p.tiers) != ["l2"])):
+            ck.bad(path, "in engine mode a pin gives token_ids (this daemon has no tokenizer of the engines' model), "
+                         "no tenant, and tiers [l2] or none (the engines keep L1)")
+        elif (p.text is None) == (p.token_ids is None):
             ck.bad(path, "give exactly one of text and token_ids")
         elif p.text is not None and not p.text:
             ck.bad(f"{path}.text", "must not be empty")

@@ -91,6 +91,7 @@ def build_cache_server(args: SchedulerArgs, controller_send: Callable[[protos.Co
     the tier manager and the ``CacheServer`` over the pools of ``args.layout`` (mapped by
     the caller)."""
     from hicache.engine_server.geometry import geometry_from_config, sliding_window_from_config
+    from hicache.engine_server.pins import PinEntry
     from hicache.engine_server.server import STATE, WINDOW, CacheServer
     from hicache.hashing import HashNamespace
     from hicache.memory.allocator import PageAllocator
@@ -120,7 +121,9 @@ def build_cache_server(args: SchedulerArgs, controller_send: Callable[[protos.Co
                               eviction_policy=cfg.cache.eviction, write_policy="write_through")
     tier = TierManager(cache, controller_send, prefetch=cfg.cache.prefetch,
                        l3_enabled=cfg.cache.l3.backend != "none")
-    return CacheServer(cache, tier, geometry, pool, cfg.engine.lease_ttl_s)
+    pinned = [PinEntry(p.name, tuple(p.token_ids or ()), p.cache_salt) for p in cfg.cache.pinned]
+    return CacheServer(cache, tier, geometry, pool, cfg.engine.lease_ttl_s, pinned=pinned,
+                       pinned_fraction=cfg.cache.pinned_fraction)
 
 
 class CacheServerProcess(ProcessLoop):
@@ -199,6 +202,8 @@ class CacheServerProcess(ProcessLoop):
                     break
         if self.links.inbox.socket in ready:
             self.read_inbox(0)
+        if self.server.pins is not None:
+            self.server.pins.poll()  # pins whose prefetch from L3 ended
         if self._expire.due(self.clock()) and self.drain_engines():
             self.awake()
             self.server.expire()

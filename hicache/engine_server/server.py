@@ -48,13 +48,14 @@ import secrets
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import protos
 from hicache.engine_server.geometry import namespace_of
 from hicache.engine_server.leases import EngineProcess, Lease, LeaseKind, LeaseTable, Report, Session
+from hicache.engine_server.pins import EnginePins, PinEntry
 from hicache.engine_server.request_tokens import RequestTokens
 from hicache.tier_manager import PrefetchTicket, TierManager
 from hicache.tree.cache import MatchResult, UnifiedRadixCache
@@ -191,13 +192,15 @@ class CacheServer:
     ``tier``: the tier manager (L3 backups and prefetches), None without a controller.
     ``clock``: monotonic seconds (tests pass their own). ``run``:
     this daemon run's number (default: random). ``leases``: the lease table (default: one
-    with ``lease_ttl_s`` that watches engine processes through /proc).
+    with ``lease_ttl_s`` that watches engine processes through /proc). ``pinned``: the
+    pinned prefixes (``hicache.engine_server.pins``; models without window or state layers).
     """
 
     def __init__(self, cache: UnifiedRadixCache, tier: TierManager | None, geometry: protos.EngineKVGeometry,
                  pool: protos.L2PoolInfo, lease_ttl_s: float, *,
                  clock: Callable[[], float] = time.monotonic, run: int | None = None,
-                 leases: LeaseTable | None = None) -> None:
+                 leases: LeaseTable | None = None, pinned: Sequence[PinEntry] = (),
+                 pinned_fraction: float = 0.5) -> None:
         if cache.full.host_allocator is None:
             raise ValueError("the cache server needs a tree with an L2 allocator")
         if cache.page_size != geometry.block_size:
@@ -227,6 +230,11 @@ class CacheServer:
         """The model has state layers: a hit ends only where the tree holds the state after it."""
         if self.state != bool(geometry.state_layers) or (mamba is not None and mamba.host_allocator is None):
             raise ValueError("a model with state layers needs a tree with an L2 Mamba component, and only it")
+        self.pins: EnginePins | None = None
+        if pinned:
+            if self.window or self.state:
+                raise ValueError("cache.pinned in engine mode serves models without window or state layers")
+            self.pins = EnginePins(cache, lambda: self.tier, pinned, pinned_fraction, namespaced_salt)
         self._handlers: dict[type, Callable[[Any], protos.Message | None]] = {
             protos.EngineRegister: self.register,
             protos.Lookup: self.lookup,
@@ -315,6 +323,8 @@ class CacheServer:
         process = EngineProcess(msg.pid, msg.pid_namespace, msg.start_time)
         namespace = namespace_of(msg.runtime_identity)
         s = self.leases.open_session(msg.engine, process, namespace, self.clock(), msg.tensor_parallel)
+        if self.pins is not None:
+            self.pins.on_namespace(namespace)
         log.info("engine %s (pid %d, %d rank%s) registered: session %d, namespace %s", msg.engine, msg.pid,
                  msg.tensor_parallel, "s" if msg.tensor_parallel > 1 else "", s.session_id, namespace)
         return protos.EngineRegistered(msg.req, s.session_id, self.run, self.pool, self.leases.ttl_s)
@@ -573,6 +583,8 @@ class CacheServer:
         if self.tier is not None:  # new nodes, and held ones that took window parts or states (L3 lacks those)
             for node in res.aux_nodes + res.new_nodes:
                 self.tier.back_up(node)
+        if self.pins is not None:
+            self.pins.on_commit(lease.cache_salt)
 
     def _slide_window(self, lease: Lease, node: TreeNode) -> None:
         """After a save of ``lease``'s request that ends at ``node``: the window parts the
@@ -760,5 +772,7 @@ class CacheServer:
         }
         if self.tier is not None:
             out["tiers"] = {**vars(self.tier.counters), "in_flight": self.tier.in_flight}
+        if self.pins is not None:
+            out["pinned"] = self.pins.listing()
         return out
 

@@ -19,6 +19,7 @@ import pytest
 import protos
 from hicache.engine_server.geometry import attention_shape
 from hicache.engine_server.leases import EngineProcess, LeaseTable
+from hicache.engine_server.pins import PinEntry
 from hicache.engine_server.server import CacheServer
 from hicache.hashing import HashNamespace
 from hicache.memory.allocator import PageAllocator
@@ -47,13 +48,13 @@ class Clock:
         return process.pid in self.dead
 
 
-def make_server(l2_pages: int = 32) -> tuple[CacheServer, Clock]:
+def make_server(l2_pages: int = 32, pinned: tuple[PinEntry, ...] = ()) -> tuple[CacheServer, Clock]:
     comp = FullComponent(PageAllocator(0, "l1-full"), PageAllocator(l2_pages, "l2-full"))
     cache = UnifiedRadixCache([comp], PS, hasher=HashNamespace(GEOMETRY.model_identity, "bfloat16", PS, "full"))
     clock = Clock()
     pool = L2PoolInfo("inst", "inst-full-l2-0", "/dev/shm", l2_pages, GEOMETRY.page_bytes)
     return CacheServer(cache, None, GEOMETRY, pool, TTL, clock=clock, run=RUN,
-                       leases=LeaseTable(TTL, gone=clock.gone)), clock
+                       leases=LeaseTable(TTL, gone=clock.gone), pinned=pinned), clock
 
 
 _pids = iter(range(1000, 10**6))
@@ -403,12 +404,12 @@ def test_random_engines_never_get_another_prefixes_pages(seed: int) -> None:
     assert server.integrity_error is None and server.exact_checks == 1
 
 
-def make_tiered_server() -> tuple[CacheServer, Clock, list[protos.Message]]:
+def make_tiered_server(pinned: tuple[PinEntry, ...] = ()) -> tuple[CacheServer, Clock, list[protos.Message]]:
     """A server whose tier manager sends to a list (the test plays the controller)."""
     from hicache.config import PrefetchConfig
     from hicache.tier_manager import TierManager
 
-    server, clock = make_server()
+    server, clock = make_server(pinned=pinned)
     sent: list[protos.Message] = []
     tier = TierManager(server.cache, sent.append, prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=PS),
                        l3_enabled=True, clock=clock)
@@ -1129,3 +1130,60 @@ def test_random_state_engines_never_get_another_prefixes_pages_or_states(seed: i
 
     traffic.run(save, check)
     assert len(hits) > 10 and server.counters.committed_states > 5  # hits, and states evicted (5 slots)
+
+
+# ---------------------------------------------------------------------------- pinned prefixes
+
+SYSTEM = list(range(100, 100 + 5 * PS + 2))  # 5 whole pages and 2 tokens
+
+
+def test_a_pin_waits_for_an_engines_save_then_survives_every_flood() -> None:
+    server, _ = make_server(l2_pages=16, pinned=(PinEntry("system", tuple(SYSTEM)),))
+    assert server.pins is not None and server.pins.pins == []  # nothing before an engine registers
+    eng = FakeEngine(server, {})
+    (pin,) = server.stats()["pinned"]
+    assert pin["state"] == "waiting" and pin["tokens"] == 5 * PS
+    eng.save(SYSTEM + [1, 2, 3, 4, 5, 6])  # the first request that starts with it
+    assert server.stats()["pinned"][0]["state"] == "pinned"
+    rng = random.Random(2)
+    for i in range(12):  # 12 x 4 pages through an L2 of 16, 5 of them pinned
+        eng.save([rng.randrange(1000, 9000) for _ in range(4 * PS)], salt=f"flood-{i}")
+    hit = eng.lookup(SYSTEM + [7] * PS)
+    assert len(hit.host_pages) == 5  # every whole page of the pin, with its own KV (checked by lookup)
+    server.check_idle()
+    assert server.integrity_error is None
+    # an engine of another runtime (other KV bytes) gets its own copy, waiting for its own save
+    other = FakeEngine(server, eng.l2, runtime="e" * 64)
+    states = sorted((p["namespace"] != server.stats()["pinned"][0]["namespace"], p["state"])
+                    for p in server.stats()["pinned"])
+    assert states == [(False, "pinned"), (True, "waiting")]
+    assert not other.lookup(SYSTEM).host_pages
+
+
+def test_pins_past_the_l2_share_stop_the_start_naming_them() -> None:
+    with pytest.raises(ValueError, match="pinned prefix 'big' .* does not fit L2's share"):
+        make_server(l2_pages=16, pinned=(PinEntry("a", tuple(range(4 * PS))), PinEntry("big", tuple(range(6 * PS)))))
+    with pytest.raises(ValueError, match="less than one page"):
+        make_server(pinned=(PinEntry("tiny", (1, 2)),))
+
+
+def test_a_pin_comes_back_from_l3_when_the_first_engine_registers() -> None:
+    server, _clock, sent = make_tiered_server(pinned=(PinEntry("system", tuple(SYSTEM)),))
+    l2: dict[int, bytes] = {}
+    eng = FakeEngine(server, l2)
+    (pin,) = server.stats()["pinned"]
+    assert pin["state"] == "loading"
+    query = sent[-1]
+    assert isinstance(query, protos.PrefetchQuery) and len(query.hashes) == 5
+    server.tier.on_message(protos.PrefetchHits(query.op_id, 5))  # type: ignore[union-attr]  # L3 holds it all
+    fetch = sent[-1]
+    assert isinstance(fetch, protos.PrefetchFetch)
+    for i, page in enumerate(fetch.host_pages):  # the "controller" reads L3 into L2
+        l2[page] = content(SYSTEM, i, RUNTIME)
+    server.tier.on_message(protos.OpDone(fetch.op_id, "ok", 5))  # type: ignore[union-attr]
+    server.pins.poll()  # type: ignore[union-attr]
+    (pin,) = server.stats()["pinned"]
+    assert pin["state"] == "pinned" and pin["from_l3_tokens"] == 5 * PS
+    assert len(eng.lookup(SYSTEM).host_pages) == 5  # a hit before any engine computed it here
+    server.check_idle()
+    assert server.integrity_error is None
