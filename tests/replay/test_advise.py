@@ -28,8 +28,6 @@ from hicache.replay_sim.trace import DENSE_LIMIT, Trace, load_trace
 from hicache.replay_sim.workload import Workload
 from hicache.tokenizer.request_log import chained_page_ids
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
-
 
 def naive_lru_hits(requests: list[list[int]], capacity: int) -> int:
     """Prefix hits of an LRU cache of ``capacity`` pages that touches each request's pages
@@ -99,8 +97,10 @@ def test_reuse_profile_equals_a_naive_prefix_lru_at_every_capacity() -> None:
             assert prof.hits(cap) == naive_lru_hits(reqs, cap), cap
 
 
-def test_reuse_profile_matches_the_reference_lru_of_the_mooncake_trace() -> None:
-    work = Workload.build(load_trace(TRACES / "mooncake" / "conversation_trace.jsonl"))
+def test_reuse_profile_matches_the_reference_lru_of_the_mooncake_trace(tmp_path: Path) -> None:
+    from .test_replay import trace_file
+
+    work = Workload.build(load_trace(trace_file("mooncake_conversation_trace.jsonl", tmp_path)))
     prof = reuse_profile(work.pages)
     # The traces' README: LRU at 1,000 / 2,000 / 5,859 / 10,000 / 20,000 blocks, and the ceiling.
     got = [round(100 * prof.hit_rate(c), 1) for c in (1000, 2000, 5859, 10000, 20000)]
