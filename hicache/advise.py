@@ -127,7 +127,7 @@ def _run(args: argparse.Namespace) -> int:
     advice = advisor.advise(budgets, policies, args.gain / 100, args.headroom / 100, args.grid_belady, bpt,
                             workers)
     seconds = time.perf_counter() - t0
-    _print(trace.name, trace.requests, work, advice, bpt)
+    _print(trace.name, trace.requests, advice, bpt)
     print(f"\nadvised in {seconds:.1f} s (reuse profile {t_profile:.2f} s; "
           f"{trace.requests / max(seconds, 1e-9):,.0f} requests/s)")
 
@@ -158,7 +158,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print(name: str, requests: int, work: Any, advice: Advice, bpt: int) -> None:
+def _print(name: str, requests: int, advice: Advice, bpt: int) -> None:
     P = advice.page_tokens
     print(f"trace {name}: {requests:,} requests, {fmt_tokens(advice.total_pages * P)} prompt tokens in pages "
           f"of {P}, {advice.unique_pages:,} distinct pages; ceiling (unbounded cache) {100 * advice.ceiling:.2f}%")

@@ -137,12 +137,7 @@ class EnginePins:
         want = len(pin.key) // ps * ps
         m = self.cache.match_prefix(pin.key, pin.salt, copy_on_match=False)
         if m.host_hit_length >= want:
-            node, path = m.last_host_node, []
-            while node.parent is not None:
-                path.append(node)
-                node = node.parent
-            tiers = self.cache.tiers
-            pin.locks = [(n, tiers.protect_host(n)) for n in reversed(path)]
+            pin.locks = self.cache.tiers.protect_host_path(m.last_host_node)
             pin.state = EnginePinState.PINNED
             log.info("pinned prefix %s (namespace %s): %d tokens in L2, %d from L3", pin.entry.name, pin.namespace,
                      want, pin.from_l3 * ps)

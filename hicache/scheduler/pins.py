@@ -266,20 +266,11 @@ class PinnedPrefixes:
         else:
             self._done(pin)
 
-    def _path(self, pin: Pin, m: MatchResult | None = None) -> list[TreeNode]:
-        if m is None:
-            m = self.s.cache.match_prefix(pin.tokens, pin.salt, copy_on_match=False)
-        node, path = m.last_device_node, []
-        while node.parent is not None:
-            path.append(node)
-            node = node.parent
-        path.reverse()
-        return path
-
     def _try_protect_l2(self, pin: Pin, m: MatchResult | None = None) -> None:
         """Protect the path's L2 copies once all exist; write the missing ones meanwhile."""
-        path = self._path(pin, m)
-        missing = [n for n in path if n.data[0].host_value is None]
+        if m is None:
+            m = self.s.cache.match_prefix(pin.tokens, pin.salt, copy_on_match=False)
+        missing = [n for n in m.path or () if n.data[0].host_value is None]
         if missing:
             tier = self.s.tier
             if tier is None:
@@ -287,8 +278,7 @@ class PinnedPrefixes:
                 return
             tier.write_nodes([n for n in missing if not n.in_flight and not n.loading])
             return
-        tiers = self.s.cache.tiers
-        pin.l2_locks = [(n, tiers.protect_host(n)) for n in path]
+        pin.l2_locks = self.s.cache.tiers.protect_host_path(m.last_device_node)
         if pin.hold is not None:
             self.s.cache.dec_lock_ref(pin.hold)
             pin.hold = None

@@ -425,6 +425,15 @@ class TierCalls:
         self.tree.core.host_lock(node, 0)
         return self.tree._npages(node)
 
+    def protect_host_path(self, node: TreeNode) -> list[tuple[TreeNode, int]]:
+        """Host-lock every node from ``node``'s root down to it (each has an L2 copy);
+        returns the ``(node, npages)`` pairs to give back, each with ``release_host``."""
+        path: list[TreeNode] = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        return [(n, self.protect_host(n)) for n in reversed(path)]
+
     def release_host(self, node: TreeNode, npages: int | None = None) -> None:
         nodes = self.tree._op_nodes(node, self.tree._npages(node) if npages is None else npages)
         for n in nodes:
