@@ -263,6 +263,9 @@ def cache_server_main(args: SchedulerArgs) -> None:
     CacheServerProcess.build(args, stop).run()
 
 
+ENGINE_PINS_FIXED = ("in engine mode the pinned prefixes are cache.pinned, started when each engine namespace "
+                     "registers (hicache.engine_server.pins); they cannot be changed at run time")
+
 class _Admin:
     """Tokenizer requests in engine mode: admin ops answered here (storage ops through the
     controller); generation requests are refused, since the engines generate."""
@@ -288,7 +291,7 @@ class _Admin:
                                         {"backend": msg.backend, "up": msg.up, "stats": msg.stats}, msg.error))
 
     def admin(self, msg: protos.AdminRequest) -> None:
-        """``stats`` and ``flush`` answered here, ``storage_*`` through the controller (refused
+        """``stats``, ``flush`` and ``pins`` answered here (``pin`` / ``unpin`` refused), ``storage_*`` through the controller (refused
         with ``busy`` unless idle, but for ``storage_status``)."""
         try:
             if msg.op == "stats":
@@ -304,6 +307,11 @@ class _Admin:
                 op_id = next(self._ids)
                 self._waiting[op_id] = msg.rid
                 self.controller_send(protos.StorageAdmin(op_id, op, msg.args))
+            elif msg.op == "pins":
+                pins = self.server.pins
+                self.emit(protos.AdminReply(msg.rid, True, {"pinned": [] if pins is None else pins.listing()}))
+            elif msg.op in ("pin", "unpin"):  # engine-mode pins come from cache.pinned only
+                self.emit(protos.AdminReply(msg.rid, False, {"refused": True}, ENGINE_PINS_FIXED))
             else:
                 self.emit(protos.AdminReply(msg.rid, False, {}, f"unknown admin op {msg.op!r}"))
         except Exception as exc:  # an admin call must never take the cache server down

@@ -130,7 +130,8 @@ async def _serve(args: TokenizerArgs) -> None:
     set_up = False
     try:
         link.start()
-        if cfg.cache.pinned:  # before the port opens, so that the first request finds them
+        if cfg.cache.pinned and cfg.engine.kind == "builtin":  # before the port opens: the first request finds
+            # them (in engine mode the cache server starts them itself, as engines register)
             pinning = asyncio.ensure_future(pin_configured(link, tokenizer, cfg))
             stopping = asyncio.ensure_future(stop.wait())
             await asyncio.wait({pinning, stopping}, return_when=asyncio.FIRST_COMPLETED)

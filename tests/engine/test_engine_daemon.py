@@ -259,3 +259,23 @@ def test_heartbeats_queued_behind_a_backlog_keep_their_session(engine_daemon) ->
         assert reg.session in sessions, "the session expired with its heartbeat still queued"
     finally:
         sock.close()
+
+
+def test_an_engine_mode_daemon_with_pins_starts_and_pins_at_the_first_save(tmp_path: Path, short_dir: Path,
+                                                                           checkpoints: dict[str, Path]) -> None:
+    cfg = engine_config(checkpoints["llama-bf16"], short_dir / "run")
+    prefix = [5] * 64 + [6] * 32  # 3 blocks of 32
+    cfg["cache"]["pinned"] = [{"name": "sys", "token_ids": prefix}]
+    d = Daemon(tmp_path, cfg, "daemon")
+    d.start()  # the tokenizer leaves engine-mode pins to the cache server
+    session = CacheSession(f"ipc://{cfg['ipc']['dir']}/engine.sock", 1000, _register_msg(cfg))
+    try:
+        assert session.ensure() is not None
+        assert [p["state"] for p in d.get("/cache/pinned")["pinned"]] == ["waiting"]
+        _save(session, prefix + [9] * 32)
+        d.wait_for_stats("the pin", lambda st: [p["state"] for p in st["pinned"]] == ["pinned"])
+        status, err = d.request("PUT", "/cache/pinned", {"name": "x", "input_ids": [1] * 64})
+        assert status == 400 and "cache.pinned" in err["error"]["message"]
+    finally:
+        session.close()
+        assert d.stop() == 0, d.log()
