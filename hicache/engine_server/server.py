@@ -454,6 +454,8 @@ class CacheServer:
         match = self.cache.match_prefix(key, salt)
         # the first page L2 lacks (with window or state layers a hit may end before it)
         start = (match.walked_len if self.window or self.state else match.host_hit_length) // ps
+        if not self.window and not self.state:
+            start = self._after_own_reservations(session, item.rid, key, salt, start)
         want = max(0, end - start)
         host = self.host
         if host.free_count < want:
@@ -494,6 +496,32 @@ class CacheServer:
         self.counters.reserved_pages += n
         return protos.Reservation(lease.lease_id, start, pages, window_pages=window, window_at=window_at,
                                   state_slots=states, state_at=state_at)
+
+    def _after_own_reservations(self, session: int, rid: str, key: array[int], salt: str, start: int) -> int:
+        """``start`` moved past the pages that the request's own open reservations (its
+        earlier saves, whose commits have not come yet) will insert from there on, so that a
+        save of a page that filled while an earlier one was still being copied does not copy
+        the request's whole prefix again. Full-attention models only (a window or a state
+        part is brought at a save's own boundaries).
+
+        Safe because a rank commits its saves in the order they were planned, so the earlier
+        lease ends first; if it fails, the later one starts past what the tree holds and
+        ``insert_host`` frees its pages (a shorter cache, never a wrong one)."""
+        s = self.leases.sessions.get(session)
+        if s is None:
+            return start
+        own = [lease for lid in s.leases if (lease := self.leases.leases.get(lid)) is not None
+               and lease.kind is LeaseKind.RESERVE and lease.rid == rid and lease.cache_salt == salt
+               and not lease.failed and lease.pages and lease.key is not None]
+        moved = True
+        while moved:
+            moved = False
+            for lease in own:
+                top = lease.start_page + len(lease.pages)
+                assert lease.key is not None
+                if lease.start_page <= start < top and key[: len(lease.key)] == lease.key:
+                    start, moved = top, True
+        return start
 
     def _window_wanted(self, window_from: int, valid: int, boundaries: list[int], end: int) -> list[int]:
         """The pages whose window parts a save range ending at page ``end`` should bring

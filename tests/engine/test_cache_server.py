@@ -359,6 +359,39 @@ def test_a_reserve_after_a_gap_starts_at_the_first_page_l2_lacks() -> None:
     assert server.integrity_error is None
 
 
+def _fill(eng: FakeEngine, tokens: list[int], got: protos.Reservation) -> None:
+    for i, page in enumerate(got.host_pages):
+        eng.l2[page] = content(tokens, got.start_page + i, eng.runtime)
+
+
+@pytest.mark.parametrize("first_ok", [True, False])
+def test_a_save_while_the_requests_earlier_save_is_being_copied_reserves_only_the_new_pages(first_ok: bool) -> None:
+    """A request's page fills while its prefill's save is still being copied (no commit yet):
+    the second reservation starts where the first one ends, so the prefix is not copied
+    twice. If the first save fails, the second one is freed at its commit (a gap): the
+    cache is shorter, never wrong."""
+    server, _ = make_server()
+    eng = FakeEngine(server, {})
+    tokens = list(range(1, 4 * PS + 1))
+    first = reserve(server, 1, eng.session, RUN, "r", tokens[: 3 * PS], 0)
+    second = reserve(server, 2, eng.session, RUN, "r", tokens, 3)
+    assert (first.start_page, len(first.host_pages)) == (0, 3)
+    assert (second.start_page, len(second.host_pages)) == (3, 1)
+    other = reserve(server, 3, eng.session, RUN, "q", tokens, 0)  # another request: no shortcut
+    assert other.start_page == 0 and len(other.host_pages) == 4
+    for got in (first, second, other):
+        _fill(eng, tokens, got)
+    server.handle(protos.Commit(eng.session, RUN, first.lease, first_ok))
+    server.handle(protos.Commit(eng.session, RUN, second.lease))
+    # not taken by the tree: none, or (after a failed first save) the page past the gap
+    assert server.counters.commit_duplicate_pages == (0 if first_ok else 1)
+    server.handle(protos.Commit(eng.session, RUN, other.lease, False))
+    assert len(eng.lookup(tokens).host_pages) == (4 if first_ok else 0)
+    assert server.host.used == (4 if first_ok else 0)
+    server.check_idle()
+    assert server.integrity_error is None
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_engines_never_get_another_prefixes_pages(seed: int) -> None:
     """Several engines saving, loading, dying and coming back over a small L2: every hit
