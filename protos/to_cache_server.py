@@ -333,8 +333,13 @@ class Release(CacheServerMessage):
 @message("engine_heartbeat")
 @dataclass(slots=True)
 class Heartbeat(CacheServerMessage):
+    """The session is alive. Unanswered, except when the daemon cannot place it (another
+    run, an unknown session): then an ``EngineError`` with this ``req``, so the engine can tell
+    which registration the refusal is about (the connector numbers its heartbeats)."""
+
     session: int
     run: int
+    req: int = 0
 
 
 @message("engine_finished")

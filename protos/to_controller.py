@@ -52,7 +52,9 @@ class BackupToStorage(ControllerMessage):
 
     ``aux_pages[name]`` / ``aux_keys[name]``: an auxiliary component's L2 units (SWA pages,
     Mamba state slots) and the L3 key of each (``hicache.hashing.component_key``), equal
-    lengths; written after the ``component`` pages, each object on its own."""
+    lengths; written after the ``component`` pages, each object on its own. ``tenant``: the
+    tenant whose L3 partition the pages go to (``server.api_keys[].quota.l3_gb``); "" for the
+    shared store."""
 
     op_id: int
     host_pages: list[int]
@@ -60,6 +62,7 @@ class BackupToStorage(ControllerMessage):
     component: str = "full"
     aux_pages: dict[str, list[int]] = field(default_factory=dict)
     aux_keys: dict[str, list[str]] = field(default_factory=dict)
+    tenant: str = ""
 
 
 @message("prefetch_query")
@@ -68,12 +71,14 @@ class PrefetchQuery(ControllerMessage):
     """How many consecutive pages of this hash chain does L3 hold? Answered by ``PrefetchHits``.
 
     ``aux_keys[name][i]``: the key of an auxiliary component's object for page ``i`` of
-    the chain; ``PrefetchHits.aux_present`` says which of them L3 holds."""
+    the chain; ``PrefetchHits.aux_present`` says which of them L3 holds. ``tenant``: the L3
+    partition to ask, as for ``BackupToStorage``."""
 
     op_id: int
     hashes: list[str]
     component: str = "full"
     aux_keys: dict[str, list[str]] = field(default_factory=dict)
+    tenant: str = ""
 
 
 @message("prefetch_fetch")
@@ -83,7 +88,8 @@ class PrefetchFetch(ControllerMessage):
 
     ``aux_keys[name]`` / ``aux_pages[name]``: auxiliary objects to read into these L2 units
     (equal lengths), each on its own; ``OpDone.aux_done[name][i]`` says whether object
-    ``i`` arrived verified (the units of the others hold nothing usable)."""
+    ``i`` arrived verified (the units of the others hold nothing usable). ``tenant``: the L3
+    partition to read, as for ``BackupToStorage``."""
 
     op_id: int
     hashes: list[str]
@@ -91,6 +97,7 @@ class PrefetchFetch(ControllerMessage):
     component: str = "full"
     aux_keys: dict[str, list[str]] = field(default_factory=dict)
     aux_pages: dict[str, list[int]] = field(default_factory=dict)
+    tenant: str = ""
 
 
 @message("cancel")
