@@ -19,7 +19,11 @@ above, as with a daemon that is not there.
 ``CacheSession`` is the registered session of one engine: it registers lazily (and again
 after ``unknown_session`` or ``stale_run``: the session expired or the daemon restarted, or
 after ``reregister``: the engine's runtime identity changed), and a heartbeat thread with its
-own socket keeps the session alive while the engine is idle.
+own socket keeps the session alive while the engine is idle. The daemon answers a heartbeat
+it cannot place (another run, an unknown session) with that error: the heartbeat thread then
+registers again itself, so an idle engine is known to a restarted daemon (which starts its
+pinned prefixes for it) without waiting for the engine's next request. One registration runs
+at a time (``_registering``), whichever thread makes it.
 """
 
 from __future__ import annotations
@@ -231,6 +235,8 @@ class CacheSession:
         self.register_msg = register
         self.registered: protos.EngineRegistered | None = None
         self._lock = threading.Lock()  # guards ``registered`` against the heartbeat thread
+        self._registering = threading.Lock()  # one registration at a time (a call's or the heartbeat's)
+        self._beat_refused = 0  # the latest heartbeat ``req`` answered stale_run / unknown_session
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         self._asked: OrderedDict[int, tuple[int, int]] = OrderedDict()  # req -> (session, run) of a call
@@ -247,15 +253,23 @@ class CacheSession:
         """The open session, registering first if needed; None while the daemon is unreachable."""
         if self.registered is not None:
             return self.registered
-        with self._lock:
-            msg = replace(self.register_msg, req=self.client.next_req())
-        answer = self.client.call(msg, timeout_ms)
-        if isinstance(answer, protos.EngineError):
-            raise RegistrationRefused(answer.reason)
-        if not isinstance(answer, protos.EngineRegistered):
-            return None
-        with self._lock:
-            self.registered = answer
+        return self._register(self.client, timeout_ms)
+
+    def _register(self, client: EngineClient, timeout_ms: int | None = None) -> protos.EngineRegistered | None:
+        """Register through ``client`` (the calling thread's socket) unless another thread
+        just did; raises ``RegistrationRefused`` when the daemon refuses this engine."""
+        with self._registering:
+            if self.registered is not None:
+                return self.registered
+            with self._lock:
+                msg = replace(self.register_msg, req=client.next_req())
+            answer = client.call(msg, timeout_ms)
+            if isinstance(answer, protos.EngineError):
+                raise RegistrationRefused(answer.reason)
+            if not isinstance(answer, protos.EngineRegistered):
+                return None
+            with self._lock:
+                self.registered = answer
         log.info("hicache: registered with the daemon at %s (session %d, L2 %d pages of %d bytes)", self.address,
                  answer.session, answer.pool.pages, answer.pool.page_bytes)
         self._start_heartbeat(answer.lease_ttl_s)
@@ -316,15 +330,44 @@ class CacheSession:
         self._beat.start()
 
     def _heartbeat(self, period_s: float) -> None:
-        client = EngineClient(self.address, self.client.timeout_ms, curve=self.curve)
+        """Heartbeats of the open session, each numbered. A refusal of one sent under the
+        session still open (not of an older one's, in flight when it was replaced) ends that
+        session here; while none is open this thread registers (the client's backoff paces
+        it while the daemon is away), until the daemon refuses this engine (then the next
+        call raises it to the connector)."""
+        client = EngineClient(self.address, self.client.timeout_ms, curve=self.curve, on_stray=self._beat_answer)
+        sent_under: protos.EngineRegistered | None = None
+        first_req = 0  # the first heartbeat sent under ``sent_under``
+        refused = False
         try:
             while not self._stop.wait(period_s):
                 with self._lock:
                     reg = self.registered
                 if reg is not None:
-                    client.send(protos.Heartbeat(reg.session, reg.run))
+                    refused = False
+                    req = client.next_req()
+                    if reg is not sent_under:
+                        sent_under, first_req = reg, req
+                    client.send(protos.Heartbeat(reg.session, reg.run, req))
+                    client.drain()  # the daemon's answers to earlier heartbeats it could not place
+                    if self._beat_refused < first_req:
+                        continue
+                    with self._lock:
+                        if self.registered is reg:
+                            self.registered = None
+                if refused:
+                    continue
+                try:
+                    self._register(client)
+                except RegistrationRefused as exc:
+                    refused = True
+                    log.warning("hicache: the daemon refused this engine: %s", exc)
         finally:
             client.close()
+
+    def _beat_answer(self, answer: EngineAnswer) -> None:
+        if isinstance(answer, protos.EngineError) and answer.code in REREGISTER_CODES:
+            self._beat_refused = max(self._beat_refused, answer.req)
 
     def close(self) -> None:
         self._stop.set()

@@ -674,11 +674,16 @@ class CacheServer:
         engine = EngineProcess(msg.engine_pid, msg.pid_namespace, msg.engine_start_time)
         self.leases.add_worker(engine, msg.rank, EngineProcess(msg.pid, msg.pid_namespace, msg.start_time))
 
-    def heartbeat(self, msg: protos.Heartbeat) -> None:
+    def heartbeat(self, msg: protos.Heartbeat) -> protos.EngineError | None:
+        """Renews the session. A heartbeat of another run or of a session this run does not
+        know is answered (with its ``req``): the engine's heartbeat thread registers again at once, so
+        an idle engine's namespace (and its pins) is back without waiting for its next request."""
         if self._stale(msg.run):
-            return
+            return protos.EngineError(msg.req, "stale_run", f"run {msg.run} is not this daemon's run (it restarted)")
         if self.leases.touch(msg.session, self.clock()) is None:
             log.debug("heartbeat of unknown session %d", msg.session)
+            return self._session_error(msg.req, msg.session)
+        return None
 
     def finished(self, msg: protos.Finished) -> None:
         if self._stale(msg.run):

@@ -325,8 +325,12 @@ def test_messages_of_another_daemon_run_are_refused_and_counted() -> None:
         assert isinstance(ans, protos.EngineError) and ans.code == "stale_run" and ans.req == msg.req
     server.handle(protos.Release(eng.session, old, hit.lease, 2))  # same session and lease numbers
     server.handle(protos.Commit(eng.session, old, hit.lease, True))
-    server.handle(protos.Heartbeat(eng.session, old))
+    ans = server.handle(protos.Heartbeat(eng.session, old))  # answered: the engine registers again at once
+    assert isinstance(ans, protos.EngineError) and ans.code == "stale_run" and ans.req == 0
     assert server.counters.stale_run == 5
+    ans = server.handle(protos.Heartbeat(eng.session + 100, RUN))
+    assert isinstance(ans, protos.EngineError) and ans.code == "unknown_session"
+    assert server.handle(protos.Heartbeat(eng.session, RUN)) is None
     assert hit.lease in server.leases.leases  # the stale Release did not end this run's lease
     server.handle(protos.Release(eng.session, RUN, hit.lease, 2))
     server.check_idle()

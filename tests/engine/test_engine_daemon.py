@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -154,16 +155,25 @@ def test_the_session_survives_a_daemon_restart_and_backs_off_while_it_is_down(en
         assert lookup() is None  # ... and then not at all while backing off
         assert time.monotonic() - began < 0.1
         d.start()
+        # the engine is idle: its heartbeat thread learns of the restart and registers again
         deadline = time.monotonic() + 30
+        while not d.get("/cache/stats")["engines"]:
+            assert time.monotonic() < deadline, "the idle engine did not register with the restarted daemon"
+            time.sleep(0.2)
+        assert session.registered is not None and session.registered.pool.instance != first.pool.instance
         answer = lookup()
         while not isinstance(answer, protos.LookupResult) and time.monotonic() < deadline:
             time.sleep(0.2)
             answer = lookup()
         assert isinstance(answer, protos.LookupResult), "no answer after the restart"
-        assert session.registered is not None and session.registered.pool.instance != first.pool.instance
+        assert [e["session"] for e in d.get("/cache/stats")["engines"]] == [session.registered.session]
         # the heartbeat thread keeps the session open while the engine is idle
         time.sleep(3 * cfg["engine"]["lease_ttl_s"])
-        assert [e["session"] for e in d.get("/cache/stats")["engines"]] == [session.registered.session]
+        stats = d.get("/cache/stats")
+        assert [e["session"] for e in stats["engines"]] == [session.registered.session]
+        # one registration in this run: a refusal of a heartbeat sent before it (under the old
+        # run) did not open a second session, left to expire
+        assert stats["leases"]["expired_sessions"] == 0 and session.registered.session == 1
     finally:
         session.close()
 
@@ -279,3 +289,56 @@ def test_an_engine_mode_daemon_with_pins_starts_and_pins_at_the_first_save(tmp_p
     finally:
         session.close()
         assert d.stop() == 0, d.log()
+
+
+def test_a_late_refusal_of_a_heartbeat_of_the_old_run_does_not_open_a_second_session(short_dir: Path) -> None:
+    """A daemon (played here by a ROUTER socket) restarts and answers the engine's heartbeats
+    of the old run late, 2.5 heartbeats after each: the heartbeat thread registers once, on
+    the first refusal; the refusals of heartbeats it sent before that, arriving after it,
+    leave the new session alone."""
+    geometry = protos.EngineKVGeometry("a" * 64, "bfloat16", 16, 2, 2, 32, "LBHNC")
+    pool = protos.L2PoolInfo("inst", "inst-full-l2-0", "/dev/shm", 64, geometry.page_bytes)
+    ttl = 0.4  # heartbeats every 0.1 s
+    address = f"ipc://{short_dir}/fake-daemon.sock"
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(address)
+    run = [1]
+    sessions: list[int] = []  # the run of each registration, in order
+    stop = threading.Event()
+
+    def serve() -> None:
+        late: list[tuple[float, list[bytes]]] = []
+        while not stop.is_set():
+            if router.poll(5):
+                ident, frame = router.recv_multipart()
+                msg = protos.decode(frame)
+                if isinstance(msg, protos.EngineRegister):
+                    sessions.append(run[0])
+                    router.send_multipart([ident, protos.encode(
+                        protos.EngineRegistered(msg.req, len(sessions), run[0], pool, ttl))])
+                elif isinstance(msg, protos.Heartbeat) and msg.run != run[0]:
+                    late.append((time.monotonic() + 0.25, [ident, protos.encode(
+                        protos.EngineError(msg.req, "stale_run", "another run"))]))
+            while late and late[0][0] <= time.monotonic():
+                router.send_multipart(late.pop(0)[1])
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    session = CacheSession(address, 1000, protos.EngineRegister(0, "test", os.getpid(), geometry,
+                                                                geometry.page_bytes, "c" * 64))
+    try:
+        assert session.ensure() is not None and sessions == [1]
+        run[0] = 2  # "restarted"
+        deadline = time.monotonic() + 10
+        while len(sessions) < 2:
+            assert time.monotonic() < deadline, "the idle session did not register with the new run"
+            time.sleep(0.05)
+        time.sleep(1.5)  # 15 heartbeats: every late refusal of the old run has arrived
+        assert sessions == [1, 2]
+        assert session.registered is not None and (session.registered.session, session.registered.run) == (2, 2)
+    finally:
+        session.close()
+        stop.set()
+        server.join(2)
+        router.close()
