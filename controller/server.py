@@ -51,7 +51,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -67,7 +67,6 @@ from hicache.logging_setup import setup_logging
 from hicache.memory.pools import PoolLayout, attach_pools
 from hicache.metrics import get_metrics, init_process_metrics
 from hicache.proc import die_with_parent
-from storage_backends import create_backend
 from storage_backends.errors import StorageAuthError, StorageTLSError
 
 log = logging.getLogger("hicache.controller")
@@ -113,6 +112,8 @@ class ControllerArgs:
     log_json: bool = False
     metrics_enabled: bool = True
     copy_threads: int = COPY_THREADS  # torch intra-op threads of the controller process
+    l3_quotas_gb: dict[str, float] = field(default_factory=dict)
+    """Per tenant, its L3 partition's size (``server.api_keys[].quota.l3_gb``)."""
 
 
 @dataclass(slots=True)
@@ -129,17 +130,16 @@ class ControllerServer:
         self.ctx = ctx
         self.pools = attach_pools(args.layout)
         self.engine = make_transfer_engine(self.pools, args.device)
-        backend = None
         self.attach_error: str | None = None
         """Why the configured L3 store refused us at start (credentials), until one attaches."""
+        self.storage = StorageIO(self.pools, None)
         if args.storage is not None:
             try:
-                backend = create_backend(args.storage, StorageIO(self.pools, None).default_layout())
+                self.storage.attach(args.storage, args.l3_quotas_gb)
             except (StorageAuthError, StorageTLSError) as exc:  # a store that is down still fails the start
                 self.attach_error = str(exc)
                 log.error("the %s L3 store refused the daemon: %s; serving without L3 (fix cache.l3 and "
                           "attach it with PUT /cache/storage)", args.storage.kind, exc)
-        self.storage = StorageIO(self.pools, backend, args.storage.kind if backend is not None else "none")
         self.inbox: PullSocket[protos.Message] = PullSocket(
             ctx, args.endpoints.address("controller"), ACCEPTS, bind=True)
         self.outbox: PushSocket[protos.Message] = PushSocket(ctx, args.endpoints.address("scheduler"))
@@ -258,8 +258,8 @@ class ControllerServer:
     def _l3(self, op: _Op, msg: protos.BackupToStorage | protos.PrefetchFetch | protos.PrefetchQuery) -> protos.Message:
         if isinstance(msg, protos.PrefetchQuery):
             op.started = True
-            n = self.storage.query(msg.hashes)
-            present = {name: [i for i, p in enumerate(self.storage.query_aux(keys[:n])) if p]
+            n = self.storage.query(msg.hashes, msg.tenant)
+            present = {name: [i for i, p in enumerate(self.storage.query_aux(keys[:n], msg.tenant)) if p]
                        for name, keys in msg.aux_keys.items()} if n else {}
             return protos.PrefetchHits(op.op_id, n, present)
         if op.cancelled:
@@ -271,17 +271,18 @@ class ControllerServer:
             if isinstance(msg, protos.BackupToStorage):
                 written_before = self.storage.counters.backup_pages
                 with metrics.transfer("h2s", 0):
-                    done = self.storage.backup(msg.component, msg.host_pages, msg.hashes, lambda: op.cancelled)
+                    done = self.storage.backup(msg.component, msg.host_pages, msg.hashes, lambda: op.cancelled,
+                                               msg.tenant)
                 metrics.transfer_bytes("h2s", (self.storage.counters.backup_pages - written_before) * page_bytes)
                 metrics.storage_error("set", len(msg.hashes) - done)
                 for name, units in msg.aux_pages.items():  # after the Full pages, each on its own
-                    stored = self.storage.backup_aux(name, units, msg.aux_keys[name])
+                    stored = self.storage.backup_aux(name, units, msg.aux_keys[name], msg.tenant)
                     metrics.storage_error("set", len(units) - stored)
                 aux_done: dict[str, list[bool]] = {}
             else:
                 with metrics.transfer("s2h", 0):
-                    done = self.storage.fetch(msg.component, msg.hashes, msg.host_pages)
-                    aux_done = {name: self.storage.fetch_aux(name, msg.aux_keys[name], units)
+                    done = self.storage.fetch(msg.component, msg.hashes, msg.host_pages, msg.tenant)
+                    aux_done = {name: self.storage.fetch_aux(name, msg.aux_keys[name], units, msg.tenant)
                                 for name, units in msg.aux_pages.items()}
                 metrics.transfer_bytes("s2h", done * page_bytes + sum(
                     sum(ok) * self.pools[name].layout.l2_page_bytes for name, ok in aux_done.items()))
@@ -320,7 +321,7 @@ class ControllerServer:
                     if settings is None:
                         self.storage.detach()
                     else:
-                        self.storage.attach(settings)
+                        self.storage.attach(settings, self.args.l3_quotas_gb)
                 elif msg.op == "detach":
                     self.storage.detach()
                 elif msg.op == "clear":
@@ -389,6 +390,8 @@ class ControllerServer:
         size = self.storage.size()
         if size is not None:
             metrics.set_storage_size(size.pages, size.bytes)
+        for tenant, (held, cap) in self.storage.partition_sizes().items():
+            metrics.set_tenant_l3_usage(tenant, held.bytes if held is not None else None, cap)
 
     def _receive(self) -> None:
         try:

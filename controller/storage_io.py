@@ -74,10 +74,17 @@ class StorageCounters:
 
 
 class StorageIO:
-    def __init__(self, pools: SharedPools, backend: StorageBackend | None, backend_name: str = "none") -> None:
+    """The controller's L3 store: ``backend``, the shared store, and ``partitions``, each quota
+    tenant's own store (``hicache.storage_settings.tenant_partitions``). Every op names its
+    ``tenant`` ("" for the shared store); a tenant without a partition uses the shared one."""
+
+    def __init__(self, pools: SharedPools, backend: StorageBackend | None, backend_name: str = "none",
+                 partitions: dict[str, StorageBackend] | None = None) -> None:
         self.pools = pools
         self.backend = backend
         self.backend_name = backend_name if backend is not None else "none"
+        self.partitions: dict[str, StorageBackend] = dict(partitions or {}) if backend is not None else {}
+        self._caps: dict[str, int] = {}  # each partition's cap in bytes (``attach``)
         self.counters = StorageCounters()
         self._layouts: dict[str, PageLayout] = {}
 
@@ -156,11 +163,17 @@ class StorageIO:
             if problem:
                 raise ValueError(problem)
 
+    def _store(self, tenant: str) -> StorageBackend | None:
+        """The store of ``tenant``'s pages: its partition, else the shared store."""
+        if tenant and self.backend is not None:
+            return self.partitions.get(tenant, self.backend)
+        return self.backend
+
     def backup(self, component: str, host_pages: list[int], hashes: list[str],
-               cancelled: Callable[[], bool] = lambda: False) -> int:
+               cancelled: Callable[[], bool] = lambda: False, tenant: str = "") -> int:
         """Write L2 pages to L3 under their hashes; returns how many pages L3 holds afterwards
         (counted as a prefix). Pages L3 already holds at the start of the chain are skipped."""
-        backend = self.backend
+        backend = self._store(tenant)
         if backend is None:
             self.counters.noop_ops += 1
             return 0
@@ -188,10 +201,10 @@ class StorageIO:
         self.counters.bytes_written += written * layout.payload_size
         return done
 
-    def backup_aux(self, component: str, units: list[int], keys: list[str]) -> int:
+    def backup_aux(self, component: str, units: list[int], keys: list[str], tenant: str = "") -> int:
         """Write auxiliary objects (each on its own) unless L3 has them; returns how many
         L3 holds afterwards."""
-        backend = self.backend
+        backend = self._store(tenant)
         if backend is None or not keys:
             return 0
         present = backend.exists_each(keys)
@@ -211,16 +224,17 @@ class StorageIO:
         self.counters.bytes_written += written * layout.payload_size
         return len(keys) - len(todo) + written
 
-    def query_aux(self, keys: list[str]) -> list[bool]:
+    def query_aux(self, keys: list[str], tenant: str = "") -> list[bool]:
         """Which auxiliary objects L3 holds (each on its own; all False with no store)."""
-        if self.backend is None or not keys:
+        backend = self._store(tenant)
+        if backend is None or not keys:
             return [False] * len(keys)
-        return self.backend.exists_each(keys)
+        return backend.exists_each(keys)
 
-    def fetch_aux(self, component: str, keys: list[str], units: list[int]) -> list[bool]:
+    def fetch_aux(self, component: str, keys: list[str], units: list[int], tenant: str = "") -> list[bool]:
         """Read auxiliary objects into L2 units; ``[i]`` is True iff object ``i`` arrived
         verified (a state is copied into its slot only then)."""
-        backend = self.backend
+        backend = self._store(tenant)
         if backend is None or not keys:
             return [False] * len(keys)
         layout = self._layout(component)
@@ -241,28 +255,30 @@ class StorageIO:
         self.counters.bytes_read += got * layout.payload_size
         return ok
 
-    def query(self, hashes: list[str]) -> int:
+    def query(self, hashes: list[str], tenant: str = "") -> int:
         """How many consecutive pages of this chain L3 holds (0 with no store)."""
-        if self.backend is None:
+        backend = self._store(tenant)
+        if backend is None:
             self.counters.noop_ops += 1
             return 0
-        n = self.backend.batch_exists(hashes)
+        n = backend.batch_exists(hashes)
         self.counters.query_hits += n
         return n
 
-    def fetch(self, component: str, hashes: list[str], host_pages: list[int]) -> int:
+    def fetch(self, component: str, hashes: list[str], host_pages: list[int], tenant: str = "") -> int:
         """Read pages into L2; returns how many *leading* pages arrived verified (for an
         index-only component: whose markers arrived verified, read into scratch bytes)."""
-        if self.backend is None:
+        backend = self._store(tenant)
+        if backend is None:
             self.counters.noop_ops += 1
             return 0
         comp = self.pools[component]
         layout = self._layout(component)
         if comp.holds_bytes:
-            ok = self.backend.batch_get(hashes, [comp.host_page_view(p) for p in host_pages], layout)
+            ok = backend.batch_get(hashes, [comp.host_page_view(p) for p in host_pages], layout)
         else:
             scratch = [bytearray(layout.payload_size) for _ in hashes]
-            ok = self.backend.batch_get(hashes, [memoryview(b) for b in scratch], layout)
+            ok = backend.batch_get(hashes, [memoryview(b) for b in scratch], layout)
             ok = [good and buf == INDEX_MARKER for good, buf in zip(ok, scratch, strict=True)]
         done = 0
         for good in ok:
@@ -286,11 +302,22 @@ class StorageIO:
                                                        if k != "extra"}}
 
     def size(self) -> StoreUsage | None:
-        """What the store holds, where its backend can tell cheaply (``StorageBackend.size``);
-        None with no store attached or a backend that cannot tell (Redis). Never raises."""
-        backend = self.backend
-        if backend is None:
+        """What the store holds, partitions included, where its backend can tell cheaply
+        (``StorageBackend.size``); None with no store attached or a backend that cannot tell
+        (Redis). Never raises."""
+        if self.backend is None:
             return None
+        sizes = [self._size_of(b) for b in (self.backend, *self.partitions.values())]
+        if any(u is None for u in sizes):
+            return None
+        return StoreUsage(sum(u.pages for u in sizes if u is not None), sum(u.bytes for u in sizes if u is not None))
+
+    def partition_sizes(self) -> dict[str, tuple[StoreUsage | None, int]]:
+        """Per tenant partition: what it holds (None if it cannot tell) and its cap in bytes."""
+        return {t: (self._size_of(b), self._caps.get(t, 0)) for t, b in self.partitions.items()}
+
+    @staticmethod
+    def _size_of(backend: StorageBackend) -> StoreUsage | None:
         try:
             return backend.size()
         except Exception:  # a size is a nicety: never let it stop the controller's loop
@@ -298,32 +325,52 @@ class StorageIO:
             return None
 
     def take_evicted(self) -> list[str]:
-        """The pages the store evicted on its own since the last call
+        """The pages the stores evicted on their own since the last call
         (``StorageBackend.take_evicted``); [] with no store attached. Never raises."""
-        backend = self.backend
-        if backend is None:
-            return []
-        try:
-            return backend.take_evicted()
-        except Exception:  # the events are a view: never let them stop the controller's loop
-            log.exception("the L3 backend could not tell what it evicted")
-            return []
+        out: list[str] = []
+        for backend in self._all():
+            try:
+                out.extend(backend.take_evicted())
+            except Exception:  # the events are a view: never let them stop the controller's loop
+                log.exception("the L3 backend could not tell what it evicted")
+        return out
 
-    def attach(self, settings: Any) -> None:
-        """Replace the store; raises (StorageError / StorageConfigError) if the new one cannot start."""
-        backend = create_backend(settings, self.default_layout())
+    def _all(self) -> list[StorageBackend]:
+        return [] if self.backend is None else [self.backend, *self.partitions.values()]
+
+    def attach(self, settings: Any, quotas_gb: dict[str, float] | None = None) -> None:
+        """Replace the store, and its tenants' partitions (``quotas_gb``); raises
+        (StorageError / StorageConfigError) if the new one cannot start, leaving the old one."""
+        from hicache.storage_settings import tenant_partitions
+
+        shared_settings, part_settings = tenant_partitions(settings, quotas_gb or {})
+        layout = self.default_layout()
+        built: list[StorageBackend] = []
+        try:
+            backend = create_backend(shared_settings, layout)
+            built.append(backend)
+            partitions = {}
+            for tenant, ps in part_settings.items():
+                partitions[tenant] = create_backend(ps, layout)
+                built.append(partitions[tenant])
+        except BaseException:
+            for b in built:
+                b.close()
+            raise
         self.detach()
         self.backend = backend
+        self.partitions = partitions
+        self._caps = {t: int(ps.max_bytes) for t, ps in part_settings.items()}
         self.backend_name = settings.kind
 
     def detach(self) -> None:
-        if self.backend is not None:
+        stores, self.backend, self.partitions, self.backend_name = self._all(), None, {}, "none"
+        for backend in stores:
             try:
-                self.backend.close()
-            finally:
-                self.backend = None
-                self.backend_name = "none"
+                backend.close()
+            except Exception:  # one store that fails to close must not keep the others open
+                log.exception("closing an L3 store failed")
 
     def clear(self) -> None:
-        if self.backend is not None:
-            self.backend.clear()
+        for backend in self._all():
+            backend.clear()

@@ -209,7 +209,8 @@ def recommended_config(base: str | None, advice: Advice, bpt: int) -> dict[str, 
     """The YAML mapping of ``base`` (a config file; None: empty) with the advised tier sizes and
     policy set, checked by the config loader (``ConfigError`` if the result is not valid).
     L1 gets at least ``written_l1_floor``; L2 at least L1, and stays on (at least the
-    tenants' quotas) where the base config's quotas or pins need it."""
+    tenants' quotas) where the base config's quotas or pins need it; a file L3 stays larger
+    than the base's tenant partitions (``quota.l3_gb``)."""
     import yaml
 
     from hicache.config import config_from_dict
@@ -225,21 +226,23 @@ def recommended_config(base: str | None, advice: Advice, bpt: int) -> dict[str, 
     cache.setdefault("l1", {})["tokens"] = l1_tokens = max(written_l1_floor(cfg), -(-l1 // page) * page)
     # what the base config itself needs of L2: its tenants' quotas reserve it, pins may name it
     quotas = sum(k.quota.l2_tokens for k in cfg.server.api_keys if k.quota is not None)
-    if quotas or any(p.tiers is not None and "l2" in p.tiers for p in cfg.cache.pinned):
-        l2 = max(l2, quotas, page)
+    partitions = sum(k.quota.l3_gb for k in cfg.server.api_keys if k.quota is not None)
+    if quotas or partitions or any(p.tiers is not None and "l2" in p.tiers for p in cfg.cache.pinned):
+        l2 = max(l2, quotas, page)  # (L3 is read into and written from L2)
     l2_section = cache.setdefault("l2", {})
     l2_section["enabled"] = bool(l2)
     if l2:
         l2_section["tokens"] = max(l1_tokens, -(-l2 // page) * page)  # L2 holds what L1 holds
     l3_section = cache.setdefault("l3", {})
-    if not l3:
+    if not l3 and not partitions:
         l3_section["backend"] = "none"
     else:
         backend = cfg.cache.l3.backend if cfg.cache.l3.backend != "none" else "file"
         l3_section["backend"] = backend
         if backend == "file":
             gb = -(-l3 * bpt // 10**6) / 1000  # whole megabytes, in GB
-            l3_section.setdefault("file", {})["max_size_gb"] = gb
+            # the tenants' partitions are carved from it: it stays larger than they are
+            l3_section.setdefault("file", {})["max_size_gb"] = max(gb, round(partitions + 0.001, 3))
     if advice.best_policy is not None:
         cache["eviction"] = advice.best_policy
     config_from_dict(raw)

@@ -327,12 +327,20 @@ PIN_NAME_RE = re.compile(f"^{TENANT_NAME_RE}$")
 
 @dataclass(frozen=True)
 class TenantQuotaConfig:
-    """``server.api_keys[].quota`` (README "Tenants"): ``l2_tokens`` bounds the tenant's Full
-    L2 pages (a multiple of ``cache.page_size``) and reserves them: a write past it evicts
-    the tenant's own L2 pages first, and no other tenant's need evicts them
-    (``hicache.tree.quotas``). The quotas together may hold at most ``cache.l2.tokens``."""
+    """``server.api_keys[].quota`` (README "Tenants"); at least one of:
+
+    ``l2_tokens`` bounds the tenant's Full L2 pages (a multiple of ``cache.page_size``) and
+    reserves them: a write past it evicts the tenant's own L2 pages first, and no other
+    tenant's need evicts them (``hicache.tree.quotas``). The quotas together may hold at most
+    ``cache.l2.tokens``.
+
+    ``l3_gb`` gives the tenant an L3 partition of its own, of that many GB (the file store
+    only: ``hicache.storage_settings.tenant_partitions``): its pages go there and are evicted
+    only by its own writes; the shared store keeps ``cache.l3.file.max_size_gb`` less the
+    partitions."""
 
     l2_tokens: int = 0
+    l3_gb: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -1079,26 +1087,48 @@ def api_key_problems(server: ServerConfig) -> list[tuple[str, str]]:
 
 
 def quota_problems(cfg: HicacheConfig) -> list[tuple[str, str]]:
-    """``server.api_keys[].quota`` against the cache: positive page multiples, L2 on, and
-    their sum within ``cache.l2.tokens`` (they reserve L2)."""
+    """``server.api_keys[].quota`` against the cache: at least one bound; ``l2_tokens``
+    positive page multiples, L2 on, their sum within ``cache.l2.tokens`` (they reserve L2);
+    ``l3_gb`` positive, the file store with a size cap, their sum less than that cap (they
+    reserve L3: the rest is everyone else's)."""
     out: list[tuple[str, str]] = []
     c = cfg.cache
     total = 0
+    total_l3 = 0.0
     for i, entry in enumerate(cfg.server.api_keys):
         q = entry.quota
         if q is None:
             continue
-        where = f"server.api_keys[{i}].quota.l2_tokens"
-        if q.l2_tokens <= 0 or (c.page_size > 0 and q.l2_tokens % c.page_size):
-            out.append((where, f"must be a positive multiple of cache.page_size ({c.page_size}), got {q.l2_tokens}"))
-        elif not c.l2.enabled:
-            out.append((where, "needs cache.l2.enabled: true"))
-        elif cfg.engine.kind != "builtin":
+        where = f"server.api_keys[{i}].quota"
+        if not q.l2_tokens and not q.l3_gb:
+            out.append((where, "names no bound: give l2_tokens, l3_gb or both"))
+            continue
+        if cfg.engine.kind != "builtin":
             out.append((where, "quotas apply to the HTTP routes' tenants; engine mode has none"))
-        total += max(q.l2_tokens, 0)
+            continue
+        if q.l2_tokens:
+            if q.l2_tokens < 0 or (c.page_size > 0 and q.l2_tokens % c.page_size):
+                out.append((f"{where}.l2_tokens", f"must be a positive multiple of cache.page_size ({c.page_size}), "
+                                                  f"got {q.l2_tokens}"))
+            elif not c.l2.enabled:
+                out.append((f"{where}.l2_tokens", "needs cache.l2.enabled: true"))
+            total += max(q.l2_tokens, 0)
+        if q.l3_gb:
+            if not q.l3_gb > 0:
+                out.append((f"{where}.l3_gb", f"must be > 0, got {q.l3_gb}"))
+            elif c.l3.backend != "file":
+                out.append((f"{where}.l3_gb", f"needs cache.l3.backend: file (a {c.l3.backend!r} store evicts by "
+                                              "its own policy, blind to tenants)"))
+            elif not c.l3.file.max_size_gb > 0:
+                out.append((f"{where}.l3_gb", "needs cache.l3.file.max_size_gb > 0 (partitions are carved from it)"))
+            total_l3 += max(q.l3_gb, 0.0)
     if c.l2.enabled and total > c.l2.tokens:
         out.append(("server.api_keys", f"the quotas' l2_tokens add up to {total}, more than cache.l2.tokens "
                                        f"({c.l2.tokens}): they reserve L2"))
+    if total_l3 and c.l3.backend == "file" and c.l3.file.max_size_gb > 0 and total_l3 >= c.l3.file.max_size_gb:
+        out.append(("server.api_keys", f"the quotas' l3_gb add up to {total_l3:g}, not less than "
+                                       f"cache.l3.file.max_size_gb ({c.l3.file.max_size_gb:g}): they reserve L3, "
+                                       "and the shared store needs the rest"))
     return out
 
 

@@ -307,7 +307,7 @@ class Launcher:
         from controller.server import ControllerArgs, controller_main
         from hicache.scheduler.loop import SchedulerArgs
         from hicache.scheduler.process import scheduler_main
-        from hicache.storage_settings import storage_settings_from_config
+        from hicache.storage_settings import l3_quotas_gb, storage_settings_from_config
         from hicache.tokenizer.args import TokenizerArgs
         from hicache.tokenizer.process import tokenizer_main
 
@@ -317,7 +317,7 @@ class Launcher:
             storage = storage_settings_from_config(cfg.cache.l3)
             self.children["controller"] = _Child("controller", controller_main, ControllerArgs(
                 layout, endpoints, storage, ready, "cpu", log_level=cfg.logging.level, log_json=cfg.logging.json,
-                metrics_enabled=cfg.metrics.enabled))
+                metrics_enabled=cfg.metrics.enabled, l3_quotas_gb=l3_quotas_gb(cfg)))
         target: Callable[[SchedulerArgs], None]
         if cfg.engine.kind == "builtin":
             target = scheduler_main

@@ -157,9 +157,13 @@ SPECS: tuple[MetricSpec, ...] = (
                "Per KV event batch: from the oldest tier change in it to the batch on the socket",
                buckets=_EVENT_LAG_BUCKETS),
     MetricSpec("hicache_tenant_used_tokens", "gauge",
-               "Tokens a tenant's cached pages hold in a tier (server.api_keys; L2 only for now)", ("tenant", "tier")),
+               "Tokens a tenant's cached pages hold in a tier (server.api_keys; L2: L3 is hicache_tenant_l3_used_bytes)", ("tenant", "tier")),
     MetricSpec("hicache_tenant_quota_tokens", "gauge",
                "A tenant's quota in a tier (server.api_keys[].quota)", ("tenant", "tier")),
+    MetricSpec("hicache_tenant_l3_used_bytes", "gauge",
+               "Bytes a tenant's L3 partition holds (server.api_keys[].quota.l3_gb; the file store)", ("tenant",)),
+    MetricSpec("hicache_tenant_l3_quota_bytes", "gauge",
+               "The size of a tenant's L3 partition (server.api_keys[].quota.l3_gb)", ("tenant",)),
     MetricSpec("hicache_pinned_tokens", "gauge",
                "Tokens pinned prefixes hold in a tier (cache.pinned, PUT /cache/pinned)", ("tier",)),
     MetricSpec("hicache_process_up", "gauge",
@@ -486,6 +490,12 @@ class Metrics:
         """Whether an L3 backend is attached at all: tells a store that is down
         (``hicache_storage_up`` 0, attached 1) from a daemon without one (both 0)."""
         self._m["hicache_storage_attached"].set(1 if attached else 0)
+
+    def set_tenant_l3_usage(self, tenant: str, used: int | None, quota: int) -> None:
+        """A tenant's L3 partition: the bytes it holds (None: it cannot tell now) and its size."""
+        if used is not None:
+            self._m["hicache_tenant_l3_used_bytes"].labels(tenant=tenant).set(used)
+        self._m["hicache_tenant_l3_quota_bytes"].labels(tenant=tenant).set(quota)
 
     def set_storage_size(self, pages: int, nbytes: int) -> None:
         """What the storage (L3) backend holds now, as far as it can tell cheaply (the

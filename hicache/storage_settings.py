@@ -14,6 +14,7 @@ kind an installed package provides (``storage_backends.plugins``) takes its sett
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from storage_backends.plugins import RESERVED_KINDS
@@ -106,3 +107,38 @@ def storage_settings_from_config(l3cfg: Any) -> Any:
             resilience=ResilienceSettings(timeout_s=float(timeout)) if timeout else ResilienceSettings(),
         )
     return plugin_for(str(backend)).settings(getattr(l3cfg, "options", None) or {})
+
+
+TENANTS_DIR = "tenants"
+"""Where a file store keeps its tenants' partitions: ``{dir}/tenants/{tenant}/`` (the store's
+own pages live in its hex shard directories, which a store never leaves)."""
+
+
+def l3_quotas_gb(cfg: Any) -> dict[str, float]:
+    """Per tenant, the L3 partition its ``server.api_keys[].quota.l3_gb`` gives it (none: {})."""
+    return {k.tenant: float(k.quota.l3_gb) for k in cfg.server.api_keys if k.quota is not None and k.quota.l3_gb}
+
+
+def tenant_partitions(settings: Any, quotas_gb: dict[str, float]) -> tuple[Any, dict[str, Any]]:
+    """The shared store's settings and each quota tenant's partition: a file store of its own
+    at ``{dir}/tenants/{tenant}`` capped at its quota, so that only its own writes evict its
+    pages; the shared store keeps the cap less the partitions. Without quotas, ``settings``
+    and {}. Raises ``StorageConfigError`` (a ``ValueError``) for a store that is not a file
+    store with a cap larger than the partitions (``hicache.config.quota_problems`` refuses
+    such configs; a store attached at run time is checked here)."""
+    from storage_backends import FileSettings, StorageConfigError
+
+    if not quotas_gb:
+        return settings, {}
+    if not isinstance(settings, FileSettings):
+        raise StorageConfigError(f"per-tenant L3 quotas (server.api_keys[].quota.l3_gb) need a file store, not "
+                                 f"{getattr(settings, 'kind', type(settings).__name__)!r}: its eviction is blind "
+                                 "to tenants")
+    total = sum(quotas_gb.values())
+    if not 0 < total < settings.max_size_gb:
+        raise StorageConfigError(f"the tenants' L3 partitions ({total:g} GB) must be less than the file store's "
+                                 f"max_size_gb ({settings.max_size_gb:g})")
+    shared = dataclasses.replace(settings, max_size_gb=settings.max_size_gb - total)
+    parts = {t: dataclasses.replace(settings, dir=os.path.join(settings.dir, TENANTS_DIR, t), max_size_gb=gb)
+             for t, gb in sorted(quotas_gb.items())}
+    return shared, parts

@@ -185,6 +185,8 @@ class TierManager:
 
     ``send``: delivers a message to the controller (never blocks for long).
     ``l3_enabled``: whether backups and prefetches are issued at all.
+    ``l3_partition``: the L3 partition of a namespace's ``cache_salt`` (its tenant's name
+    where the tenant has one, "" for the shared store; None: no partitions).
     Holds the registry of every op in flight (the module's ownership table).
     """
 
@@ -196,6 +198,7 @@ class TierManager:
         load_back_threshold: int = 0,
         prefetch: PrefetchConfig | None = None,
         l3_enabled: bool = False,
+        l3_partition: Callable[[str], str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not cache.hicache:
@@ -205,6 +208,7 @@ class TierManager:
         self.load_back_threshold = load_back_threshold
         self.prefetch_cfg = prefetch or PrefetchConfig()
         self.l3_enabled = l3_enabled
+        self.l3_partition = l3_partition
         self.clock = clock
         self.counters = TierCounters()
         self._inflight: dict[int, InFlightOp] = {}
@@ -282,7 +286,11 @@ class TierManager:
         self._register(op_id, OpKind.BACKUP, transfer=op)
         aux_pages = {name: list(op.transfers[name][0]) for name in op.aux_keys}
         self.send(protos.BackupToStorage(op_id, list(op.transfers["full"][0]), list(op.hashes), "full",
-                                         aux_pages, {name: list(k) for name, k in op.aux_keys.items()}))
+                                         aux_pages, {name: list(k) for name, k in op.aux_keys.items()},
+                                         self._partition(node.root.salt or "")))
+
+    def _partition(self, cache_salt: str) -> str:
+        return self.l3_partition(cache_salt) if self.l3_partition is not None else ""
 
     # ------------------------------------------------------------------ L3 -> L2
     def start_prefetch(self, rid: str, token_ids: Sequence[int], match: MatchResult,
@@ -311,7 +319,7 @@ class TierManager:
                            if c.host_allocator is not None}
         self._register(ticket.query_op, OpKind.QUERY, prefetch=ticket)
         self.counters.prefetch_queries += 1
-        self.send(protos.PrefetchQuery(ticket.query_op, hashes, "full", ticket.aux_keys))
+        self.send(protos.PrefetchQuery(ticket.query_op, hashes, "full", ticket.aux_keys, self._partition(cache_salt)))
         return ticket
 
     def _on_hits(self, ticket: PrefetchTicket, n: int, aux_present: dict[str, list[int]] | None = None) -> None:
@@ -348,7 +356,7 @@ class TierManager:
         aux_keys = {name: [ticket.aux_keys[name][i] for i, _u in got] for name, got in ticket.aux_units.items()}
         aux_pages = {name: [u for _i, u in got] for name, got in ticket.aux_units.items()}
         self.send(protos.PrefetchFetch(ticket.fetch_op, ticket.hashes[: len(pages)], ticket.host_pages, "full",
-                                       aux_keys, aux_pages))
+                                       aux_keys, aux_pages, self._partition(ticket.cache_salt)))
 
     def _reserve_aux(self, ticket: PrefetchTicket, npages: int, aux_present: dict[str, list[int]]) -> None:
         """Reserve an L2 unit for each auxiliary object L3 holds for the first ``npages``

@@ -113,10 +113,26 @@ def build_cache(cfg: HicacheConfig, model: LoadedModel, l1_pages: int, l2_pages:
     cache = UnifiedRadixCache(components, cfg.cache.page_size, hasher=hash_namespace(cfg, model),
                               eviction_policy=cfg.cache.eviction, write_policy=cfg.cache.write_policy,
                               write_through_threshold=cfg.cache.write_through_threshold)
-    quotas = {k.tenant: k.quota.l2_tokens // cfg.cache.page_size for k in cfg.server.api_keys if k.quota is not None}
+    quotas = {k.tenant: k.quota.l2_tokens // cfg.cache.page_size for k in cfg.server.api_keys
+              if k.quota is not None and k.quota.l2_tokens}
     if quotas and l2 is not None:
         cache.tiers.quotas = TenantQuotas(cache.core, quotas, tenant_of_salt)
     return cache, l1, l2
+
+
+def l3_partition_of(cfg: HicacheConfig) -> Callable[[str], str] | None:
+    """The L3 partition of a namespace's ``cache_salt``: its tenant where the tenant has an
+    L3 quota (``server.api_keys[].quota.l3_gb``), else "" (the shared store); None without
+    such quotas (``TierManager.l3_partition``)."""
+    parts = {k.tenant for k in cfg.server.api_keys if k.quota is not None and k.quota.l3_gb}
+    if not parts:
+        return None
+
+    def partition(salt: str) -> str:
+        tenant = tenant_of_salt(salt)
+        return tenant if tenant in parts else ""
+
+    return partition
 
 
 def tenant_of_salt(salt: str) -> str | None:

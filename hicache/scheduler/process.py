@@ -91,7 +91,7 @@ class SchedulerProcess(ProcessLoop):
         from hicache.metrics import init_process_metrics
         from hicache.model.loader import load_model
         from hicache.model.runner import ModelRunner
-        from hicache.scheduler.assembly import build_cache, kv_pools_from_shared
+        from hicache.scheduler.assembly import build_cache, kv_pools_from_shared, l3_partition_of
         from hicache.scheduler.scheduler import Scheduler
         from hicache.scheduler.telemetry import SchedulerTelemetry
         from hicache.text import load_tokenizer
@@ -112,7 +112,8 @@ class SchedulerProcess(ProcessLoop):
         tier = None
         if to_controller is not None:
             tier = TierManager(cache, to_controller.send, load_back_threshold=cfg.cache.load_back_threshold,
-                               prefetch=cfg.cache.prefetch, l3_enabled=cfg.cache.l3.backend != "none")
+                               prefetch=cfg.cache.prefetch, l3_enabled=cfg.cache.l3.backend != "none",
+                               l3_partition=l3_partition_of(cfg))
         sched = Scheduler(cfg, model, runner, cache, l1, links.to_tokenizer.send, tier=tier,
                           controller_send=to_controller.send if to_controller else None, eos_token_ids=eos)
         telemetry = SchedulerTelemetry(init_process_metrics(cfg.metrics, "scheduler"), sched)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 from conftest import DaemonFactory
@@ -74,4 +75,97 @@ def test_a_flooding_tenant_cannot_evict_another_tenants_pages_below_its_quota(da
 def test_without_quotas_the_same_flood_evicts_the_other_tenant(daemons: DaemonFactory) -> None:
     d = daemons(_config(quotas=False), "no-quotas")
     again = _flood_then_b(d)
+    assert again["cached_tokens"] == 0, again
+
+
+# ------------------------------------------------------------------ L3 partitions (quota.l3_gb)
+
+PAGE_OBJECT = 96 + 2 * 2 * 16 * 2 * 16 * 4  # header + the tiny model's float32 page of 16 tokens
+GB = 1024**3
+
+
+def _l3_config(tmp: Path, partitions: bool) -> dict[str, Any]:
+    """L2 small, a file L3 of 36 pages: with ``partitions``, 12 of them are tenant ``a``'s own."""
+    keys: list[dict[str, Any]] = [{"tenant": "a", "key": KEY_A}, {"tenant": "b", "key": KEY_B}]
+    if partitions:
+        keys[0]["quota"] = {"l3_gb": 12 * PAGE_OBJECT / GB}
+    cfg = _config(quotas=False)
+    cfg["cache"]["l3"] = {"backend": "file", "file": {"dir": str(tmp / "l3"), "max_size_gb": 36 * PAGE_OBJECT / GB}}
+    cfg["cache"]["prefetch"] = {"threshold_tokens": 16}
+    cfg["server"]["api_keys"] = keys
+    return cfg
+
+
+def _stats(d: Daemon) -> dict[str, Any]:
+    status, stats = d.request("GET", "/cache/stats", headers={"Authorization": f"Bearer {KEY_A}"})
+    assert status == 200, (status, stats)
+    return stats  # type: ignore[no-any-return]
+
+
+def _backed_up(d: Daemon) -> None:
+    """Until every page in L2 has its L3 copy (the backups of what was just computed)."""
+    deadline = time.monotonic() + 20
+    while True:
+        tiers = _stats(d)["tiers"]
+        if not tiers["in_flight"] and not tiers["writes_due"] and \
+                _stats(d)["l2"]["full"]["used_tokens"] <= tiers["backup_tokens"]:
+            return
+        assert time.monotonic() < deadline, f"backups did not settle: {tiers}\n{d.log()}"
+        time.sleep(0.2)
+
+
+def _flush(d: Daemon) -> None:
+    status, body = d.request("POST", "/cache/flush", headers={"Authorization": f"Bearer {KEY_A}"})
+    assert status == 200, (status, body)
+
+
+def _flood_l3_then_a(d: Daemon, rng: random.Random) -> dict[str, Any]:
+    """``a`` caches a prompt, L3 backs it up; ``b`` floods L3 with 30 x 8 pages; L1 and L2
+    are flushed: ``a``'s prompt again, from L3 or computed."""
+    a_prompt = [rng.randrange(3, 250) for _ in range(100)]  # 6 whole pages
+    assert _generate(d, KEY_A, a_prompt)["cached_tokens"] == 0
+    _backed_up(d)
+    for _ in range(30):
+        _generate(d, KEY_B, [rng.randrange(3, 250) for _ in range(130)])
+        _backed_up(d)
+    _flush(d)
+    return _generate(d, KEY_A, a_prompt)
+
+
+def _l3_gauge(d: Daemon, name: str, tenant: str) -> float:
+    deadline = time.monotonic() + 10
+    while True:  # the controller publishes its gauges once a second
+        value = d.metric_samples().get((name, frozenset({("tenant", tenant)})))
+        if value is not None:
+            return value
+        assert time.monotonic() < deadline, f"no {name}{{tenant={tenant}}} in /metrics"
+        time.sleep(0.3)
+
+
+def test_a_tenants_l3_partition_survives_another_tenants_flood_and_holds_at_most_its_quota(
+        daemons: DaemonFactory, tmp_path: Path) -> None:
+    d = daemons(_l3_config(tmp_path, partitions=True), "l3-partitions")
+    rng = random.Random(5)
+    again = _flood_l3_then_a(d, rng)
+    assert again["cached_tokens"] == 96, again  # every whole page, from a's partition (L1, L2 flushed)
+    assert again["cached_tokens_details"]["storage"] == 96, again
+    assert len(list((tmp_path / "l3" / "tenants" / "a").glob("*/*.page"))) == 6
+    assert _l3_gauge(d, "hicache_tenant_l3_quota_bytes", "a") == int(12 * PAGE_OBJECT)
+    # a floods its own partition: it never holds more than its quota; b's pages stay
+    b_prompt = [rng.randrange(3, 250) for _ in range(100)]
+    _generate(d, KEY_B, b_prompt)
+    _backed_up(d)
+    for _ in range(6):
+        _generate(d, KEY_A, [rng.randrange(3, 250) for _ in range(130)])
+        _backed_up(d)
+        assert _l3_gauge(d, "hicache_tenant_l3_used_bytes", "a") <= 12 * PAGE_OBJECT
+    _flush(d)
+    assert _generate(d, KEY_B, b_prompt)["cached_tokens_details"]["storage"] == 96
+    assert len(list((tmp_path / "l3" / "tenants" / "a").glob("*/*.page"))) <= 12
+
+
+def test_without_an_l3_partition_the_same_flood_evicts_the_tenants_l3_pages(
+        daemons: DaemonFactory, tmp_path: Path) -> None:
+    d = daemons(_l3_config(tmp_path, partitions=False), "l3-shared")
+    again = _flood_l3_then_a(d, random.Random(5))
     assert again["cached_tokens"] == 0, again

@@ -146,6 +146,20 @@ def test_an_engine_mode_page_is_the_engines_block_and_need_not_be_a_power_of_two
     ({"server": {"api_keys": [{"tenant": "a", "key": "k" * 32, "quota": {"l2_tokens": 64}},
                               {"tenant": "a", "key": "j" * 32, "quota": {"l2_tokens": 64}}]}},
      "server.api_keys[1].quota", "has a quota already"),
+    ({"server": {"api_keys": [{"tenant": "a", "key": "k" * 32, "quota": {}}]}},
+     "server.api_keys[0].quota", "names no bound"),
+    ({"server": {"api_keys": [{"tenant": "a", "key": "k" * 32, "quota": {"l3_gb": -1}}]}},
+     "server.api_keys[0].quota.l3_gb", "> 0"),
+    ({"cache": {"l3": {"backend": "redis"}}, "server": {"api_keys": [{"tenant": "a", "key": "k" * 32,
+                                                                      "quota": {"l3_gb": 1}}]}},
+     "server.api_keys[0].quota.l3_gb", "blind to tenants"),
+    ({"cache": {"l3": {"file": {"max_size_gb": 0}}},
+      "server": {"api_keys": [{"tenant": "a", "key": "k" * 32, "quota": {"l3_gb": 1}}]}},
+     "server.api_keys[0].quota.l3_gb", "max_size_gb > 0"),
+    ({"cache": {"l3": {"file": {"max_size_gb": 2}}},
+      "server": {"api_keys": [{"tenant": "a", "key": "k" * 32, "quota": {"l3_gb": 1}},
+                              {"tenant": "b", "key": "j" * 32, "quota": {"l3_gb": 1}}]}},
+     "server.api_keys", "they reserve L3"),
 ])
 def test_single_problems(raw: dict, path: str, needle: str) -> None:
     probs = _problems(raw)

@@ -279,3 +279,19 @@ def test_the_written_config_keeps_what_the_base_config_needs_of_l2(tmp_path: Pat
     assert cfg.cache.l1.tokens == 560  # the knee (31 pages) + 10 %, over the floor of 384
     assert cfg.cache.l2.enabled and cfg.cache.l2.tokens == 1536  # the quotas reserve it
     assert sum(k.quota.l2_tokens for k in cfg.server.api_keys if k.quota) == 1536
+
+
+def test_the_written_config_keeps_a_file_l3_larger_than_the_base_configs_tenant_partitions(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, phases(A))  # one working set: L1 takes it, L3 would add nothing
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump({
+        "cache": {"page_size": 16, "l3": {"backend": "file", "file": {"max_size_gb": 5}}},
+        "scheduler": {"max_prefill_tokens": 256, "chunked_prefill_tokens": 128},
+        "server": {"api_keys": [{"tenant": "a", "key": "k" * 32, "quota": {"l3_gb": 2}}]},
+    }))
+    out = tmp_path / "advised.yaml"
+    assert main(["advise", str(trace), "--config", str(base), "--l1-max", "1600", "--l2-max", "4096",
+                 "--l3-max", "8192", "--write", str(out), "--plot", str(tmp_path / "p.png"), "--policies", "lru"]) == 0
+    cfg = load_config(out)  # valid: the partitions are less than the store
+    assert cfg.cache.l3.backend == "file" and 2 < cfg.cache.l3.file.max_size_gb < 2.01
