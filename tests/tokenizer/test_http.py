@@ -434,6 +434,7 @@ def _record_elsewhere(path: str) -> None:
     m.storage_error("get", 2)
     m.process_restarted("controller")
     m.set_tenant_usage("acme", "host", 64, 128)
+    m.set_tenant_l3_usage("acme", 4096, 8192)
     m.set_pinned("device", 32)
 
 
@@ -477,6 +478,8 @@ def test_metrics_exposition_spans_processes(tok: TokenizerProcess, metrics_dir: 
     assert _value(fams, "hicache_pool_capacity_tokens", "hicache_pool_capacity_tokens", tier="device") == 1000
     assert _value(fams, "hicache_tenant_used_tokens", "hicache_tenant_used_tokens", tenant="acme", tier="host") == 64
     assert _value(fams, "hicache_tenant_quota_tokens", "hicache_tenant_quota_tokens", tenant="acme", tier="host") == 128
+    assert _value(fams, "hicache_tenant_l3_used_bytes", "hicache_tenant_l3_used_bytes", tenant="acme") == 4096
+    assert _value(fams, "hicache_tenant_l3_quota_bytes", "hicache_tenant_l3_quota_bytes", tenant="acme") == 8192
     assert _value(fams, "hicache_pinned_tokens", "hicache_pinned_tokens", tier="device") == 32
     assert _value(fams, "hicache_queue_requests", "hicache_queue_requests", queue="waiting") == 3
     assert _value(fams, "hicache_transfer_bytes", "hicache_transfer_bytes_total", direction="h2d") == 4096
