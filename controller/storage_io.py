@@ -78,12 +78,11 @@ class StorageIO:
     tenant's own store (``hicache.storage_settings.tenant_partitions``). Every op names its
     ``tenant`` ("" for the shared store); a tenant without a partition uses the shared one."""
 
-    def __init__(self, pools: SharedPools, backend: StorageBackend | None, backend_name: str = "none",
-                 partitions: dict[str, StorageBackend] | None = None) -> None:
+    def __init__(self, pools: SharedPools, backend: StorageBackend | None, backend_name: str = "none") -> None:
         self.pools = pools
         self.backend = backend
         self.backend_name = backend_name if backend is not None else "none"
-        self.partitions: dict[str, StorageBackend] = dict(partitions or {}) if backend is not None else {}
+        self.partitions: dict[str, StorageBackend] = {}  # set by ``attach``
         self._caps: dict[str, int] = {}  # each partition's cap in bytes (``attach``)
         self.counters = StorageCounters()
         self._layouts: dict[str, PageLayout] = {}

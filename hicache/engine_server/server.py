@@ -263,6 +263,9 @@ class CacheServer:
         return protos.EngineError(req, "unknown_session",
                                   f"session {session} is not open (the daemon restarted or the session expired)")
 
+    def _stale_error(self, req: int, run: int) -> protos.EngineError:
+        return protos.EngineError(req, "stale_run", f"run {run} is not this daemon's run (it restarted)")
+
     def _stale(self, run: int) -> bool:
         """Whether a message carries another daemon run's number (counted)."""
         if run == self.run:
@@ -273,7 +276,7 @@ class CacheServer:
     def _open_session(self, msg: protos.Lookup | protos.Reserve) -> Session | protos.EngineError:
         """Renew the message's session and return it, or the error to answer."""
         if self._stale(msg.run):
-            return protos.EngineError(msg.req, "stale_run", f"run {msg.run} is not this daemon's run (it restarted)")
+            return self._stale_error(msg.req, msg.run)
         session = self.leases.touch(msg.session, self.clock())
         if session is None:
             return self._session_error(msg.req, msg.session)
@@ -510,17 +513,13 @@ class CacheServer:
         s = self.leases.sessions.get(session)
         if s is None:
             return start
-        own = [lease for lid in s.leases if (lease := self.leases.leases.get(lid)) is not None
-               and lease.kind is LeaseKind.RESERVE and lease.rid == rid and lease.cache_salt == salt
-               and not lease.failed and lease.pages and lease.key is not None]
-        moved = True
-        while moved:
-            moved = False
-            for lease in own:
-                top = lease.start_page + len(lease.pages)
-                assert lease.key is not None
-                if lease.start_page <= start < top and key[: len(lease.key)] == lease.key:
-                    start, moved = top, True
+        spans = [(lease.start_page, lease.start_page + len(lease.pages)) for lid in s.leases
+                 if (lease := self.leases.leases.get(lid)) is not None and lease.kind is LeaseKind.RESERVE
+                 and lease.rid == rid and lease.cache_salt == salt and not lease.failed and lease.pages
+                 and lease.key is not None and key[: len(lease.key)] == lease.key]
+        for first, top in sorted(spans):  # by first page: one pass follows a run of them
+            if first <= start < top:
+                start = top
         return start
 
     def _window_wanted(self, window_from: int, valid: int, boundaries: list[int], end: int) -> list[int]:
@@ -679,7 +678,7 @@ class CacheServer:
         know is answered (with its ``req``): the engine's heartbeat thread registers again at once, so
         an idle engine's namespace (and its pins) is back without waiting for its next request."""
         if self._stale(msg.run):
-            return protos.EngineError(msg.req, "stale_run", f"run {msg.run} is not this daemon's run (it restarted)")
+            return self._stale_error(msg.req, msg.run)
         if self.leases.touch(msg.session, self.clock()) is None:
             log.debug("heartbeat of unknown session %d", msg.session)
             return self._session_error(msg.req, msg.session)

@@ -40,6 +40,7 @@ from hicache.memory.pools import SharedPools
 from hicache.model.geometry import unsupported_reason
 from hicache.model.loader import LoadedModel
 from hicache.model.pools import KVPools
+from hicache.storage_settings import l3_quotas_gb
 from hicache.tenants import split_tenant_salt
 from hicache.tree.cache import UnifiedRadixCache
 from hicache.tree.components import FullComponent, MambaComponent, SWAComponent, TreeComponent
@@ -124,7 +125,7 @@ def l3_partition_of(cfg: HicacheConfig) -> Callable[[str], str] | None:
     """The L3 partition of a namespace's ``cache_salt``: its tenant where the tenant has an
     L3 quota (``server.api_keys[].quota.l3_gb``), else "" (the shared store); None without
     such quotas (``TierManager.l3_partition``)."""
-    parts = {k.tenant for k in cfg.server.api_keys if k.quota is not None and k.quota.l3_gb}
+    parts = set(l3_quotas_gb(cfg))
     if not parts:
         return None
 
