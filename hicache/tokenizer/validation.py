@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import protos
-from hicache.config import ConfigError, HicacheConfig, config_from_dict, to_dict
+from hicache.config import ConfigError, HicacheConfig, config_from_dict, quota_problems, to_dict
 from hicache.model.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParamError, shown, to_wire
 from hicache.model.sampling_params import SamplingParams as CheckedSampling
 from hicache.model.spec import spec_for
@@ -694,6 +694,7 @@ def parse_storage_config(data: dict[str, Any], config: HicacheConfig) -> dict[st
 
     The scheduler receives it as ``AdminRequest(op="storage_attach", args={"l3": <this>})``
     and can rebuild the ``L3Config`` with ``config_from_dict({"cache": {"l3": args["l3"]}})``.
+    A section the daemon's tenant L3 quotas cannot live with (``quota_problems``) is refused.
     """
     if data.get("backend") in (None, "none"):
         raise RequestError("backend must name a storage backend (file or redis); DELETE /cache/storage detaches")
@@ -704,4 +705,10 @@ def parse_storage_config(data: dict[str, Any], config: HicacheConfig) -> dict[st
     except ConfigError as exc:
         mine = [p for p in exc.problems if p.path.startswith("cache.l3")] or exc.problems
         raise RequestError("invalid storage config: " + "; ".join(str(p) for p in mine)) from None
+    # the tenants' L3 quotas must hold on the new store as on the configured one
+    swapped = dataclasses.replace(config, cache=dataclasses.replace(config.cache, l3=resolved.cache.l3))
+    problems = quota_problems(swapped)
+    if problems:
+        raise RequestError("invalid storage config for this daemon's tenant quotas: "
+                           + "; ".join(f"{path}: {reason}" for path, reason in problems))
     return {"l3": to_dict(resolved.cache.l3)}

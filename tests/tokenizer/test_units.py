@@ -117,6 +117,14 @@ def test_storage_config_is_resolved_or_refused() -> None:
     with pytest.raises(RequestError) as exc:
         parse_storage_config({"backend": "file"}, no_l2)
     assert exc.value.status == 409
+    quotas = config_from_dict({"cache": {"l3": {"file": {"max_size_gb": 2}}},
+                               "server": {"api_keys": [{"tenant": "a", "key": "k" * 32, "quota": {"l3_gb": 1}}]}})
+    with pytest.raises(RequestError, match="blind to tenants") as exc:
+        parse_storage_config({"backend": "redis"}, quotas)
+    assert exc.value.status == 400
+    with pytest.raises(RequestError, match="they reserve L3"):
+        parse_storage_config({"backend": "file", "file": {"max_size_gb": 1}}, quotas)
+    assert parse_storage_config({"backend": "file", "file": {"max_size_gb": 3}}, quotas)["l3"]["file"]["max_size_gb"] == 3
 
 
 # --------------------------------------------------------------------------- formats
