@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
@@ -291,54 +292,127 @@ def test_an_engine_mode_daemon_with_pins_starts_and_pins_at_the_first_save(tmp_p
         assert d.stop() == 0, d.log()
 
 
-def test_a_late_refusal_of_a_heartbeat_of_the_old_run_does_not_open_a_second_session(short_dir: Path) -> None:
-    """A daemon (played here by a ROUTER socket) restarts and answers the engine's heartbeats
-    of the old run late, 2.5 heartbeats after each: the heartbeat thread registers once, on
-    the first refusal; the refusals of heartbeats it sent before that, arriving after it,
-    leave the new session alone."""
-    geometry = protos.EngineKVGeometry("a" * 64, "bfloat16", 16, 2, 2, 32, "LBHNC")
-    pool = protos.L2PoolInfo("inst", "inst-full-l2-0", "/dev/shm", 64, geometry.page_bytes)
-    ttl = 0.4  # heartbeats every 0.1 s
-    address = f"ipc://{short_dir}/fake-daemon.sock"
-    router = zmq.Context.instance().socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(address)
-    run = [1]
-    sessions: list[int] = []  # the run of each registration, in order
-    stop = threading.Event()
+class FakeDaemon:
+    """A daemon played by a ROUTER socket in a thread: it answers registrations (after
+    ``register_delay_s``, each with the next session number, in run ``run``; the identity of
+    each session is in ``identities``) and, ``refusal_delay_s`` late, refuses the heartbeats
+    of another run than ``run`` (as a restarted daemon does)."""
 
-    def serve() -> None:
-        late: list[tuple[float, list[bytes]]] = []
-        while not stop.is_set():
-            if router.poll(5):
-                ident, frame = router.recv_multipart()
+    GEOMETRY = protos.EngineKVGeometry("a" * 64, "bfloat16", 16, 2, 2, 32, "LBHNC")
+
+    def __init__(self, address: str, ttl_s: float, refusal_delay_s: float = 0.0) -> None:
+        self.pool = protos.L2PoolInfo("inst", "inst-full-l2-0", "/dev/shm", 64, self.GEOMETRY.page_bytes)
+        self.ttl_s, self.refusal_delay_s = ttl_s, refusal_delay_s
+        self.run = 1
+        self.register_delay_s = 0.0
+        self.registrations: list[int] = []  # the run of each registration received, in order
+        self.identities: dict[int, str] = {}  # session -> the runtime identity it registered
+        self.answered = 0  # registrations answered
+        self._router = zmq.Context.instance().socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.bind(address)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def register_msg(self, identity: str = "c" * 64) -> protos.EngineRegister:
+        return protos.EngineRegister(0, "test", os.getpid(), self.GEOMETRY, self.GEOMETRY.page_bytes, identity)
+
+    def _serve(self) -> None:
+        later: list[tuple[float, list[bytes], bool]] = []  # (when, frames, a registration's answer)
+        while not self._stop.is_set():
+            if self._router.poll(5):
+                ident, frame = self._router.recv_multipart()
                 msg = protos.decode(frame)
                 if isinstance(msg, protos.EngineRegister):
-                    sessions.append(run[0])
-                    router.send_multipart([ident, protos.encode(
-                        protos.EngineRegistered(msg.req, len(sessions), run[0], pool, ttl))])
-                elif isinstance(msg, protos.Heartbeat) and msg.run != run[0]:
-                    late.append((time.monotonic() + 0.25, [ident, protos.encode(
-                        protos.EngineError(msg.req, "stale_run", "another run"))]))
-            while late and late[0][0] <= time.monotonic():
-                router.send_multipart(late.pop(0)[1])
+                    self.registrations.append(self.run)
+                    session = len(self.registrations)
+                    self.identities[session] = msg.runtime_identity
+                    later.append((time.monotonic() + self.register_delay_s, [ident, protos.encode(
+                        protos.EngineRegistered(msg.req, session, self.run, self.pool, self.ttl_s))], True))
+                elif isinstance(msg, protos.Heartbeat) and msg.run != self.run:
+                    later.append((time.monotonic() + self.refusal_delay_s, [ident, protos.encode(
+                        protos.EngineError(msg.req, "stale_run", "another run"))], False))
+                later.sort(key=lambda x: x[0])
+            while later and later[0][0] <= time.monotonic():
+                _, frames, registration = later.pop(0)
+                self._router.send_multipart(frames)
+                self.answered += registration
 
-    server = threading.Thread(target=serve, daemon=True)
-    server.start()
-    session = CacheSession(address, 1000, protos.EngineRegister(0, "test", os.getpid(), geometry,
-                                                                geometry.page_bytes, "c" * 64))
+    def wait(self, what: str, cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self._router.close()
+
+
+def test_a_late_refusal_of_a_heartbeat_of_the_old_run_does_not_open_a_second_session(short_dir: Path) -> None:
+    """A daemon restarts and answers the engine's heartbeats of the old run late, 2.5
+    heartbeats after each: the heartbeat thread registers once, on the first refusal; the
+    refusals of heartbeats it sent before that, arriving after it, leave the new session alone."""
+    daemon = FakeDaemon(f"ipc://{short_dir}/fake-daemon.sock", ttl_s=0.4, refusal_delay_s=0.25)  # beats every 0.1 s
+    session = CacheSession(f"ipc://{short_dir}/fake-daemon.sock", 1000, daemon.register_msg())
     try:
-        assert session.ensure() is not None and sessions == [1]
-        run[0] = 2  # "restarted"
-        deadline = time.monotonic() + 10
-        while len(sessions) < 2:
-            assert time.monotonic() < deadline, "the idle session did not register with the new run"
-            time.sleep(0.05)
+        assert session.ensure() is not None and daemon.registrations == [1]
+        daemon.run = 2  # "restarted"
+        daemon.wait("the idle session to register with the new run", lambda: len(daemon.registrations) >= 2)
         time.sleep(1.5)  # 15 heartbeats: every late refusal of the old run has arrived
-        assert sessions == [1, 2]
+        assert daemon.registrations == [1, 2]
         assert session.registered is not None and (session.registered.session, session.registered.run) == (2, 2)
     finally:
         session.close()
-        stop.set()
-        server.join(2)
-        router.close()
+        daemon.close()
+
+
+def test_a_registration_answered_after_a_cache_reset_is_dropped_and_the_new_identity_registers(
+        short_dir: Path) -> None:
+    """After a daemon restart the heartbeat thread registers again; the cache reset
+    (``reregister``: a new runtime identity) comes while the daemon's answer to that
+    registration is still on its way. That answer is of the old identity: it is dropped, and
+    the session registers with the new one (its namespace), never staying in the old."""
+    daemon = FakeDaemon(f"ipc://{short_dir}/fake-daemon.sock", ttl_s=0.4)
+    old, new = "c" * 64, "d" * 64
+    session = CacheSession(f"ipc://{short_dir}/fake-daemon.sock", 2000, daemon.register_msg(old))
+    try:
+        assert session.ensure() is not None
+        daemon.register_delay_s = 0.6  # a slow answer
+        daemon.run = 2
+        daemon.wait("the heartbeat thread's registration", lambda: len(daemon.registrations) == 2)
+        session.reregister(daemon.register_msg(new))  # the cache reset, while that answer is on its way
+        daemon.wait("the slow answer", lambda: daemon.answered == 2)
+        daemon.register_delay_s = 0.0
+        daemon.wait("a registration of the new identity", lambda: session.registered is not None
+                    and daemon.identities[session.registered.session] == new)
+        time.sleep(0.3)
+        assert session.registered is not None and daemon.identities[session.registered.session] == new
+        assert daemon.identities[2] == old and session.dropped_registrations == 1
+    finally:
+        session.close()
+        daemon.close()
+
+
+def test_the_engines_thread_never_waits_for_the_heartbeat_threads_registration(short_dir: Path) -> None:
+    """While the heartbeat thread waits for a slow daemon to answer its registration (after a
+    restart), the engine's calls come back at once (misses), not after that answer."""
+    daemon = FakeDaemon(f"ipc://{short_dir}/fake-daemon.sock", ttl_s=0.4)
+    session = CacheSession(f"ipc://{short_dir}/fake-daemon.sock", 2000, daemon.register_msg())
+    try:
+        assert session.ensure() is not None
+        daemon.register_delay_s = 1.5
+        daemon.run = 2
+        daemon.wait("the heartbeat thread's registration", lambda: len(daemon.registrations) == 2)
+        began = time.monotonic()
+        for _ in range(5):
+            assert session.call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, "r",
+                                                               protos.pack_tokens([1] * 16))) is None
+        assert time.monotonic() - began < 0.5, "the engine's thread waited for the other thread's registration"
+        daemon.wait("the registration of the new run", lambda: session.registered is not None
+                    and session.registered.run == 2)
+    finally:
+        session.close()
+        daemon.close()
