@@ -728,6 +728,8 @@ class CacheServer:
             self._cancel_prefetch(self._prefetches.pop(slot))
         if self.leases.expired_sessions != expired_before:
             self.requests.keep_sessions(live)
+            if self.pins is not None:  # a namespace whose last session ended keeps no pin
+                self.pins.keep_namespaces({s.namespace for s in live.values()})
         if orphaned:
             log.warning("%d leases of engines that stopped answering are held until those engines are seen "
                         "gone or answer", orphaned)
@@ -788,7 +790,8 @@ class CacheServer:
         out: dict[str, Any] = {
             "mode": "engine",
             "l2": {"full": {"used_tokens": host.used * ps, "capacity_tokens": host.capacity * ps,
-                            "reserved_tokens": reserved * ps, "page_bytes": self.pool.page_bytes},
+                            "reserved_tokens": reserved * ps, "locked_tokens": self.cache.host_protected_size(),
+                            "page_bytes": self.pool.page_bytes},
                    **self._window_stats(), **self._state_stats()},
             "engines": [{"session": s.session_id, "engine": s.engine, "pid": s.process.pid,
                          "namespace": s.namespace, "leases": len(s.leases), "ranks": s.ranks,

@@ -1189,12 +1189,57 @@ def test_a_pin_waits_for_an_engines_save_then_survives_every_flood() -> None:
     assert len(hit.host_pages) == 5  # every whole page of the pin, with its own KV (checked by lookup)
     server.check_idle()
     assert server.integrity_error is None
-    # an engine of another runtime (other KV bytes) gets its own copy, waiting for its own save
-    other = FakeEngine(server, eng.l2, runtime="e" * 64)
-    states = sorted((p["namespace"] != server.stats()["pinned"][0]["namespace"], p["state"])
-                    for p in server.stats()["pinned"])
-    assert states == [(False, "pinned"), (True, "waiting")]
-    assert not other.lookup(SYSTEM).host_pages
+
+
+def _pin_states(server: CacheServer) -> list[tuple[str, str]]:
+    return [(p["namespace"], p["state"]) for p in server.stats()["pinned"]]
+
+
+def _namespace(eng: FakeEngine) -> str:
+    return next(e["namespace"] for e in eng.server.stats()["engines"] if e["session"] == eng.session)
+
+
+def test_pins_end_with_their_namespaces_last_session_and_the_share_holds_for_every_namespace() -> None:
+    """An engine that resets its cache five times (a new namespace each time, the old
+    session left to expire) ends with one namespace's pins locked, not five; a second live
+    namespace waits for the share (``no_room``) and starts once the first ends. The saves
+    of later requests find room: none is cut short."""
+    server, clock = make_server(l2_pages=32, pinned=(PinEntry("system", tuple(SYSTEM)),))  # share: 16 pages
+    assert server.pins is not None
+    l2: dict[int, bytes] = {}
+    rng = random.Random(5)
+    eng: FakeEngine | None = None
+    for round_ in range(5):
+        new = FakeEngine(server, l2, runtime=f"{round_:x}" * 64)  # the reset engine's new identity
+        clock.t += TTL + 1  # the old session is left to expire; the new one is alive
+        server.handle(protos.Heartbeat(new.session, RUN))
+        server.expire()
+        eng = new
+        assert _pin_states(server) == [(_namespace(eng), "waiting")]
+        eng.save(SYSTEM + [round_] * PS)
+        assert _pin_states(server) == [(_namespace(eng), "pinned")]
+        assert server.stats()["l2"]["full"]["locked_tokens"] == 5 * PS
+        assert len(server.pins.pins) == 1  # what a commit looks through does not grow with dead namespaces
+    assert eng is not None
+    for i in range(12):  # later saves find room: 12 x 6 pages through the 27 pages left beside the pin
+        eng.save([rng.randrange(1000, 9000) for _ in range(6 * PS)], salt=f"after-{i}")
+    assert server.stats()["engine"]["reserve_short_pages"] == 0
+    assert len(eng.lookup(SYSTEM + [9] * PS).host_pages) == 5  # the live namespace's pin held through it
+    # a second live namespace (another identity beside it): its pins wait for the share
+    share_full, clock = make_server(l2_pages=16, pinned=(PinEntry("system", tuple(SYSTEM)),))  # share: 8 pages
+    first = FakeEngine(share_full, {})
+    first.save(SYSTEM + [1] * PS)
+    other = FakeEngine(share_full, first.l2, runtime="e" * 64)
+    assert _pin_states(share_full) == [(_namespace(first), "pinned"), (_namespace(other), "no_room")]
+    other.save(SYSTEM + [2] * PS)
+    assert share_full.stats()["l2"]["full"]["locked_tokens"] == 5 * PS  # 10 pages would pass the share of 8
+    clock.t += TTL + 1
+    share_full.handle(protos.Heartbeat(other.session, RUN))
+    share_full.expire()  # the first engine's session ends: its pin lets go, the other's starts
+    assert _pin_states(share_full) == [(_namespace(other), "pinned")]  # its pages are in L2 already
+    assert share_full.stats()["l2"]["full"]["locked_tokens"] == 5 * PS
+    share_full.check_idle()
+    assert share_full.integrity_error is None
 
 
 def test_pins_past_the_l2_share_stop_the_start_naming_them() -> None:
