@@ -9,7 +9,8 @@ them, with the engine's cache-reset generation, into 64 hex characters; the daem
 each identity's pages in a namespace of their own (``hicache.engine_server.server``), in L2
 and in L3.
 
-Every field of vLLM's ``ModelConfig``, ``CacheConfig``, ``AttentionConfig`` and
+Every field of vLLM's ``ModelConfig``, ``CacheConfig``, ``AttentionConfig``, ``LoadConfig``
+(which weights: ``--load-format dummy`` runs random ones on the same model directory) and
 ``CompilationConfig`` is classified here, as changing values (hashed) or not (ignored). A
 field this module does not know (another vLLM) refuses the engine, naming the field; so
 does a value it cannot encode stably.
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 import vllm
 
-RUNTIME_IDENTITY_VERSION = "hicache-runtime-identity-v1"
+RUNTIME_IDENTITY_VERSION = "hicache-runtime-identity-v2"
 
 
 class UnclassifiedOption(ValueError):
@@ -52,6 +53,12 @@ VALUE_FIELDS: dict[str, frozenset[str]] = {
         "replayssm_buffer_len", "swa_bounded_replay", "enable_mamba_shared_prefix_checkpoint",
     }),
     "attention": frozenset({"*"}),  # every attention option picks kernels: all hashed
+    # which weights the engine runs: ``dummy`` (random values), another format or loader
+    # option on the same model directory writes other bytes than its checkpoint fingerprint says
+    "load": frozenset({
+        "load_format", "download_dir", "safetensors_load_strategy", "model_loader_extra_config", "device",
+        "ignore_patterns", "pt_load_map_location",
+    }),
     "compilation": frozenset({"mode", "backend", "custom_ops", "splitting_ops", "use_inductor_graph_partition",
                               "pass_config", "inductor_compile_config", "compile_sizes", "fuse_ops"}),
 }
@@ -75,6 +82,7 @@ NEUTRAL_FIELDS: dict[str, frozenset[str]] = {
         "kv_cache_memory_bytes", "kv_offloading_size", "kv_offloading_backend", "_block_size_resolved",
     }),
     "attention": frozenset(),
+    "load": frozenset({"safetensors_prefetch_num_threads", "safetensors_prefetch_block_size", "use_tqdm_on_load"}),
     # the rest of CompilationConfig: what is captured, cached or logged, not which kernels run
     "compilation": frozenset({"*"}),
 }
@@ -154,6 +162,7 @@ def runtime_entries(vllm_config: Any, head_size: int, override: dict[str, Any] |
         "model_config": _section("model", vllm_config.model_config),
         "cache_config": _section("cache", vllm_config.cache_config),
         "attention_config": _section("attention", vllm_config.attention_config),
+        "load_config": _section("load", vllm_config.load_config),
         "compilation_config": _section("compilation", vllm_config.compilation_config),
     }
     entries.update(override or {})
