@@ -42,8 +42,12 @@ Both halves, one class (vLLM makes one instance per role):
   ``get_block_ids_with_load_errors`` and vLLM recomputes them: the connector sets vLLM's
   ``kv_load_failure_policy`` to ``recompute`` at start (vLLM's default, ``fail``, would end
   the request with an error). ``wait_for_save`` copies the step's new full blocks into their
-  reserved pages and commits them, but for a request whose load failed in this step: its
-  new blocks attended to KV that was never loaded, so they are committed as failed.
+  reserved pages and commits them, but none in a step whose synchronous load failed, nor
+  until the scheduler half knows of that failure (every request of the step may attend to
+  the failed blocks: vLLM caches them when it allocates them, and others hit them in its
+  prefix cache): they are committed as failed. The scheduler half then keeps those blocks,
+  and what is computed on top of them, out of every save until they are computed again
+  (``hicache.connectors.stale_blocks``).
 
 Hybrid models (``SupportsHMA``: vLLM's hybrid allocator stays on): each KV cache group (full
 attention, sliding window) has its own block table; a page is one block of every layer, each
@@ -118,6 +122,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -130,6 +135,7 @@ from hicache.connectors.engine_client import (
     EngineCall,
     EngineClient,
     RegistrationRefused,
+    SessionAnswer,
     curve_keys_for,
     engine_name,
 )
@@ -148,6 +154,7 @@ from hicache.connectors.runtime_identity import (
     runtime_entries,
     runtime_identity,
 )
+from hicache.connectors.stale_blocks import StaleBlocks, StepWrite
 from hicache.connectors.vllm_layout import ConnectorRefused, VllmKVLayout, check_setup
 from hicache.connectors.vllm_stats import HiCachePromMetrics, HiCacheStats
 from hicache.engine_server.geometry import namespace_of
@@ -165,10 +172,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("hicache.connector")
-
-REFUSED_RETRY_S = 30.0
-"""After the daemon refused this engine, how long the connector serves without hicache
-before it registers again (the operator may have restarted the daemon with another config)."""
 
 PENDING_RETRY_S = 0.002
 MAX_PENDING_RETRY_S = 0.032
@@ -235,14 +238,31 @@ class SavePlan(BlockCopyPlan):
 class HiCacheConnectorMetadata(KVConnectorMetadata):
     """What the worker half does in one step (built by the scheduler half). ``run`` and
     ``pool``: the registration the step's pages belong to (0 and None: none); a plan of
-    another run is refused by the worker."""
+    another run is refused by the worker. ``step``: the scheduler half's number of the step;
+    ``failures_known``: the steps whose synchronous load failed (``HiCacheWorkerMeta``) that
+    the scheduler half learned of since the last step's metadata, so that the saves planned
+    here already avoid the blocks those failures left stale."""
 
+    step: int = 0
+    failures_known: frozenset[int] = frozenset()
     run: int = 0
     pool: PoolRef | None = None
     window_pool: PoolRef | None = None
     state_pool: PoolRef | None = None
     loads: list[LoadPlan] = field(default_factory=list)
     saves: list[SavePlan] = field(default_factory=list)
+
+
+@dataclass
+class HiCacheWorkerMeta(KVConnectorWorkerMetadata):
+    """What a worker tells the scheduler half after a step: the steps (``HiCacheConnectorMetadata.step``)
+    in which a synchronous load of its failed. vLLM joins every rank's."""
+
+    failed_steps: frozenset[int] = frozenset()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        theirs = other.failed_steps if isinstance(other, HiCacheWorkerMeta) else frozenset()
+        return HiCacheWorkerMeta(self.failed_steps | theirs)
 
 
 @dataclass
@@ -366,8 +386,10 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._late_seen = 0
             self.session: CacheSession | None = CacheSession(self.address, timeout, self._register_msg(), curve=curve)
             self._requests: dict[str, _Tracked] = {}
+            self._step = 0  # the last step numbered (HiCacheConnectorMetadata.step)
+            self._failures_learned: set[int] = set()  # failed steps learned since the last step's metadata
+            self._stale = StaleBlocks(layout.block_size)  # blocks a failed load left without their KV
             self._loads: list[LoadPlan] = []
-            self._refused_until = 0.0
             self.events = self._follow_events(vllm_config)
             self._events_run = 0  # the daemon run the follower's numbering belongs to
             try:
@@ -376,6 +398,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                                 self.address)
             except RegistrationRefused as exc:
                 raise ConnectorRefused(f"the hicache daemon at {self.address} refused this engine: {exc}") from exc
+            self.session.start()  # from now on the heartbeat thread registers whenever no session is open
         else:
             self.session = None
             self.events = None
@@ -385,7 +408,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self.rank = get_tensor_model_parallel_rank()
             self._announced_run = 0  # the daemon run this worker announced its process to (EngineWorker)
             self._load_errors: set[int] = set()
-            self._failed_rids: set[str] = set()  # requests whose load failed in this step
+            self._unknown_failures: set[int] = set()  # steps whose load failed here, not yet known to the
+            # scheduler half: nothing computed since may be saved (it may attend to the failed blocks)
+            self._failures_to_report: set[int] = set()  # for the next HiCacheWorkerMeta
             self._loaded_async: set[str] = set()  # asynchronous loads done (or failed) since the last report
             self._failed_async: set[str] = set()  # of which these failed
 
@@ -458,31 +483,18 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         log.info("hicache: cache reset: this engine's pages have a new namespace")
         return True
 
-    def _open(self) -> protos.EngineRegistered | None:
-        """The session, or None when hicache is unreachable or refused this engine (then
-        registration is tried again only after ``REFUSED_RETRY_S``)."""
-        if self.session is None or time.monotonic() < self._refused_until:
-            return None
-        try:
-            return self.session.ensure()
-        except RegistrationRefused as exc:
-            self._refuse(exc)
-            return None
-
-    def _refuse(self, exc: RegistrationRefused) -> None:
-        self._refused_until = time.monotonic() + REFUSED_RETRY_S
-        log.error("hicache: the daemon refused this engine (%s); serving without hicache", exc)
-
     def _call(self, make: Callable[[int, protos.EngineRegistered], EngineCall],
-              timeout_ms: int | None = None) -> EngineAnswer | None:
-        """A request within the session (see ``CacheSession.call``); None without an answer."""
-        if self._open() is None or self.session is None:  # _open is None without a session
-            return None
+              timeout_ms: int | None = None) -> SessionAnswer:
+        """A request within the session, with the registration it was asked under (see
+        ``CacheSession.call_under``); never waits for a registration (the heartbeat thread
+        registers while none is open, and again ``engine_client.REFUSED_RETRY_S`` after a refusal)."""
+        if self.session is None:
+            return SessionAnswer(None, None)
         try:
-            return self.session.call(make, timeout_ms)
-        except RegistrationRefused as exc:  # the daemon restarted as one that serves other pages
-            self._refuse(exc)
-            return None
+            return self.session.call_under(make, timeout_ms)
+        except RegistrationRefused as exc:  # the daemon (restarted) serves other pages than this engine's
+            log.error("hicache: the daemon refused this engine (%s); serving without hicache", exc)
+            return SessionAnswer(None, None)
 
     def _release(self, hit: _Hit | None) -> None:
         """Give back a hit no rank was given (not planned for loading)."""
@@ -514,12 +526,17 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         usable = (len(tokens) - 1) // bs * bs  # vLLM computes at least the last prompt token
         if usable <= num_computed_tokens:
             return 0, False
+        if self.layout.state_layer_names and num_computed_tokens % bs:
+            # vLLM's own hit ends inside a block (a prefix match unit below the block): a
+            # daemon hit could not be loaded from there (a state is kept at page ends only),
+            # so it is not asked for: vLLM keeps its own hit and computes the rest
+            return 0, False
         now = time.monotonic()
         if now < tracked.retry_at:  # its prefetch from L3 runs: not yet, without asking
             return None, False
         self.stats.add("lookups")
         slow = tracked.pending_since > 0 and self.faults.take_slow_pending_ask()
-        answer = self._lookup(tracked, tokens, usable, timeout_ms=0 if slow else None)
+        answer, reg = self._lookup(tracked, tokens, usable, timeout_ms=0 if slow else None)
         if answer is None and tracked.pending_since and now - tracked.pending_since < UNANSWERED_PENDING_WAIT_S:
             self.stats.add("lookups_unanswered_pending")  # its prefetch ran a moment ago: wait, ask again
             tracked.retry_at = now + MAX_PENDING_RETRY_S
@@ -536,9 +553,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             tracked.pending_since = tracked.pending_since or now
             return None, False
         tracked.pending_wait = tracked.retry_at = tracked.pending_since = 0.0
-        reg = self._registered
-        if reg is None:  # the session changed under the call: nothing to release to
-            return 0, False
+        assert reg is not None  # an answer comes with the registration it was asked under
         hit = _Hit(reg.session, reg.run, answer.lease, list(answer.host_pages), answer.storage_pages,
                    num_computed_tokens // bs, list(answer.window_pages), answer.state_slot)
         tracked.saved_pages = max(tracked.saved_pages, len(hit.pages))
@@ -550,25 +565,25 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return external, self.layout.load_async
 
     def _lookup(self, tracked: _Tracked, tokens: list[int], usable: int,
-                timeout_ms: int | None = None) -> EngineAnswer | None:
+                timeout_ms: int | None = None) -> tuple[EngineAnswer | None, protos.EngineRegistered | None]:
         """Ask about the request's first ``usable`` prompt tokens, sending only those the
-        daemon does not hold for it yet (all of them again if it forgot them). ``timeout_ms``:
-        the wait for the answer (None: ``engine.lookup_timeout_ms``)."""
+        daemon does not hold for it yet (all of them again if it forgot them); the answer and
+        the registration it was asked under (its lease is of that session and run).
+        ``timeout_ms``: the wait for the answer (None: ``engine.lookup_timeout_ms``)."""
         rid = tracked.request.request_id
         salt = tracked.request.cache_salt or ""
         base = min(tracked.known_tokens, usable)
         new = protos.pack_tokens(tokens[base:usable])
-        answer = self._call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, rid, new, salt, True, base),
-                            timeout_ms)
-        if isinstance(answer, protos.EngineError) and answer.code == "unknown_request" and base:
+        got = self._call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, rid, new, salt, True, base),
+                         timeout_ms)
+        if isinstance(got.answer, protos.EngineError) and got.answer.code == "unknown_request" and base:
             whole = protos.pack_tokens(tokens[:usable])
-            answer = self._call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, rid, whole, salt),
-                                timeout_ms)
-        if isinstance(answer, protos.LookupResult):
+            got = self._call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, rid, whole, salt), timeout_ms)
+        if isinstance(got.answer, protos.LookupResult):
             tracked.known_tokens = usable
-        elif isinstance(answer, protos.EngineError):
+        elif isinstance(got.answer, protos.EngineError):
             tracked.known_tokens = 0  # not known to hold them: the next ask sends them all
-        return answer
+        return got.answer, got.registered
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         tracked = self._requests.get(request.request_id)
@@ -615,11 +630,27 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: Any) -> None:
         """A request whose asynchronous load failed is recomputed by vLLM from its first
-        token; it is not looked up again (the same pages could fail again)."""
+        token; it is not looked up again (the same pages could fail again). Blocks whose
+        synchronous load failed (``invalid_block_ids``: vLLM keeps them cached under the
+        recompute policy) are stale until computed again (``StaleBlocks``): no save copies
+        them, nor what was computed on top of them, and a request that held them saves its
+        pages again from there once they are good. The workers' failed steps are passed on
+        with the next step's metadata: the workers save again once every save planned
+        after them knows of the stale blocks."""
         for rid in connector_output.failed_recving or ():
             tracked = self._requests.get(rid)
             if tracked is not None:
                 tracked.lookups_closed = True
+        invalid = connector_output.invalid_block_ids
+        if invalid:
+            g = self.layout.kv_groups[0]  # a synchronous load has one KV cache group
+            held = [t for t in self._requests.values() if t.block_ids]
+            firsts = self._stale.mark_failed(invalid, [t.block_ids[g] for t in held])
+            for tracked, first in zip(held, firsts, strict=True):
+                tracked.saved_pages = min(tracked.saved_pages, first)
+        worker = connector_output.kv_connector_worker_meta
+        if isinstance(worker, HiCacheWorkerMeta):
+            self._failures_learned |= worker.failed_steps
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         if num_external_tokens <= 0:
@@ -630,12 +661,15 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return {k: v for k, v in out.items() if v}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = HiCacheConnectorMetadata()
+        self._step += 1
+        meta = HiCacheConnectorMetadata(self._step, frozenset(self._failures_learned))
+        self._failures_learned = set()
         meta.loads, self._loads = self._loads, []
-        if self.session is not None:
-            self.session.client.drain()  # late answers: their leases are given back now
-        if self.session is None or self.session.registered is None:
+        if self.session is None:
             return meta
+        self.session.client.drain()  # late answers: their leases are given back now
+        # the block tables, state offers and stale blocks follow every step, with or without a
+        # session: a step missed would shift later blocks against their pages
         scheduled = scheduler_output.num_scheduled_tokens
         ranges: list[_StepRange] = []
         for new in scheduler_output.scheduled_new_reqs:
@@ -659,9 +693,15 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                     held.extend(more)
             computed = cached.num_computed_tokens[i]
             ranges.append(_StepRange(tracked, computed, computed + scheduled.get(rid, 0)))
-        if self.layout.state_layer_names:
-            self._take_state_offers(scheduler_output)
-        self._plan_saves(ranges, meta)
+        offered = self._take_state_offers(scheduler_output) if self.layout.state_layer_names else []
+        if self._stale:  # the step's writes first: its saves copy what its forward pass leaves
+            g = self.layout.kv_groups[0]
+            self._stale.step([StepWrite(r.tracked.block_ids[g] if r.tracked.block_ids else [], r.computed_before,
+                                        r.computed_after) for r in ranges])
+        if self.session.registered is not None:
+            self._plan_saves(ranges, meta)
+        for tracked in offered:  # an offer holds for this step only (its block's bytes change after it)
+            tracked.state_offers = {}
         reg = self.session.registered  # after the reserves, which may have registered again
         if reg is not None:
             meta.run = reg.run
@@ -674,19 +714,22 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 meta.state_pool = PoolRef(p.instance, p.state_segment, p.directory, p.state_slots, p.state_bytes)
         return meta
 
-    def _take_state_offers(self, scheduler_output: SchedulerOutput) -> None:
+    def _take_state_offers(self, scheduler_output: SchedulerOutput) -> list[_Tracked]:
         """Note the states vLLM offers in this step (``boundary_state_offloads``: in align
         mode, the block holding each state it keeps, at the end of the step that computes
         it, whose bytes stay until the step ends): per request, the pages after which every
         state group offered its block. States inside a block (vLLM's partial tails) are not
-        kept: a page is a whole block."""
+        kept: a page is a whole block. Returns the requests noted (their offers are dropped
+        at the end of the pass, whether their save range took them or not)."""
         block_state = scheduler_output.kv_connector_block_state
         offers = block_state.boundary_state_offloads if block_state is not None else {}
         bs = self.layout.block_size
+        noted: list[_Tracked] = []
         for rid, entries in offers.items():
             tracked = self._requests.get(rid)
             if tracked is None:
                 continue
+            noted.append(tracked)
             by_page: dict[int, list[int]] = {}
             for group, block, tokens in entries:
                 if tokens <= 0 or tokens % bs or group not in self.layout.state_groups:
@@ -694,6 +737,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 by_page.setdefault(tokens // bs - 1, [NO_BLOCK] * self.layout.num_groups)[group] = block
             tracked.state_offers = {j: blocks for j, blocks in by_page.items()
                                     if all(blocks[g] not in (NO_BLOCK, VLLM_NULL_BLOCK) for g in self.layout.state_groups)}
+        return noted
 
     def _save_range(self, tracked: _Tracked, computed_before_step: int, computed_after_step: int
                     ) -> tuple[protos.SaveRange, int] | None:
@@ -707,6 +751,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         bs = self.layout.block_size
         tokens = tracked.request.all_token_ids
         full = min(computed_after_step, len(tokens), min(len(tracked.block_ids[g]) for g in self.layout.kv_groups) * bs) // bs
+        full = self._stale.first_stale(tracked.block_ids[self.layout.kv_groups[0]], full)  # never a stale block
         start = tracked.saved_pages
         state_pages = sorted(j for j in offers if j < full)
         if full <= start and not state_pages:
@@ -739,8 +784,10 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 asks.append((step, *planned))
         if not asks:
             return
+        # each answer with the registration it was asked under: the second Reserve may be of
+        # another session or daemon run (a restart in between), whose leases and pool differ
         answers = self._reserve([item for _, item, _ in asks])
-        again = [i for i, got in enumerate(answers)
+        again = [i for i, (got, _) in enumerate(answers)
                  if got is not None and got.code == "unknown_request" and asks[i][1].base]
         if again:  # the daemon forgot those requests (or the session changed): send their tokens, once
             whole = []
@@ -748,19 +795,18 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 step, item, end = asks[i]
                 whole.append(replace(item, token_ids=protos.pack_tokens(step.tracked.request.all_token_ids[:end]),
                                      base=0))
-            for i, got in zip(again, self._reserve(whole), strict=True):
-                answers[i] = got
-        reg = self._registered
-        for (step, item, end), got in zip(asks, answers, strict=True):
+            for i, answered in zip(again, self._reserve(whole), strict=True):
+                answers[i] = answered
+        for (step, item, end), (got, reg) in zip(asks, answers, strict=True):
             tracked = step.tracked
-            if got is None:
+            if got is None or reg is None:
                 continue
             if got.code:
                 tracked.known_tokens = 0
                 log.warning("hicache refused a save range of %s: %s", item.rid, got.reason)
                 continue
             tracked.known_tokens = end
-            if not got.lease or reg is None:
+            if not got.lease:
                 continue
             plan = self._save_plan(item.rid, reg, got, tracked.block_ids, tracked.state_blocks)
             if plan is None:  # a window block it needs is not held: given back, the next step tries again
@@ -810,21 +856,23 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 else [NO_BLOCK if b == VLLM_NULL_BLOCK else b for b in ids[lo:hi]]
                 for g, ids in enumerate(block_ids)]
 
-    def _reserve(self, items: list[protos.SaveRange]) -> list[protos.Reservation | None]:
-        """The daemon's reservation for each item (None for all without an answer)."""
-        answer = self._call(lambda req, reg: protos.Reserve(req, reg.session, reg.run, items))
+    def _reserve(self, items: list[protos.SaveRange]
+                 ) -> list[tuple[protos.Reservation | None, protos.EngineRegistered | None]]:
+        """The daemon's reservation for each item, with the registration it was asked under
+        (None for all without an answer)."""
+        got = self._call(lambda req, reg: protos.Reserve(req, reg.session, reg.run, items))
+        answer, reg = got.answer, got.registered
         if isinstance(answer, protos.ReserveResult) and len(answer.items) == len(items):
-            return list(answer.items)
+            return [(item, reg) for item in answer.items]
         if isinstance(answer, protos.EngineError):
             log.warning("hicache refused a reserve: %s", answer.reason)
         elif isinstance(answer, protos.ReserveResult):  # a daemon bug: give back what it holds
             log.warning("hicache answered %d reservations for %d save ranges", len(answer.items), len(items))
-            reg = self._registered
             if reg is not None and self.session is not None:
-                for got in answer.items:
-                    if got.lease:
-                        self.session.send(protos.Commit(reg.session, reg.run, got.lease, False, protos.ALL_RANKS))
-        return [None] * len(items)
+                for item in answer.items:
+                    if item.lease:
+                        self.session.send(protos.Commit(reg.session, reg.run, item.lease, False, protos.ALL_RANKS))
+        return [(None, None)] * len(items)
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
@@ -866,7 +914,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, HiCacheConnectorMetadata)
-        self._failed_rids = set()
+        self._unknown_failures -= meta.failures_known
         for plan in meta.loads:
             loaded = 0
             began = time.perf_counter()
@@ -889,7 +937,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                     self._failed_async.add(plan.rid)
                 else:
                     self._load_errors.update(b for ids in plan.blocks for b in ids if b != NO_BLOCK)
-                    self._failed_rids.add(plan.rid)
+                    self._unknown_failures.add(meta.step)
+                    self._failures_to_report.add(meta.step)
                 self.stats.add("load_errors", len(plan.pages))
             if self.layout.load_async:
                 self._loaded_async.add(plan.rid)
@@ -898,16 +947,20 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _attach(self, meta: HiCacheConnectorMetadata) -> BlockCopier:
         """The copier, attached to the step's L2 pool (a worker of a tensor-parallel engine
-        announces its process to that daemon run first)."""
+        announces its process to that daemon run first, and copies nothing until that
+        message is sent)."""
         if self.copier is None:
             raise RuntimeError("register_kv_caches was not called")
         if meta.pool is None:
             raise RuntimeError("no L2 pool is known")
         if self.layout.tp > 1 and meta.run != self._announced_run:
             engine = os.getppid()  # vLLM's executor, where the scheduler half runs, started this worker
-            self.worker_client.send(protos.EngineWorker(meta.run, engine, process_start_time(engine) or 0,
-                                                        own_pid_namespace(), self.rank, os.getpid(),
-                                                        process_start_time(os.getpid()) or 0))
+            if not self.worker_client.send(protos.EngineWorker(meta.run, engine, process_start_time(engine) or 0,
+                                                               own_pid_namespace(), self.rank, os.getpid(),
+                                                               process_start_time(os.getpid()) or 0)):
+                # a worker the daemon does not know of could still copy after the engine's
+                # orphans were freed: no copy until it is announced (the next copy tries again)
+                raise RuntimeError("this worker could not announce its process to the daemon")
             self._announced_run = meta.run
         self.copier.attach(meta.pool, meta.window_pool)
         return self.copier
@@ -941,8 +994,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             ok = False
             began = time.perf_counter()
             try:
-                if plan.rid in self._failed_rids:
-                    raise RuntimeError("its load failed in this step: its new blocks attended to KV never loaded")
+                if self._unknown_failures:
+                    raise RuntimeError("a load failed in this step or was not known when the save was planned: "
+                                       "its blocks may attend to KV that never arrived")
                 if plan.run != meta.run:
                     raise RuntimeError("planned under another daemon run (the daemon restarted)")
                 copier = self._attach(meta)
@@ -972,6 +1026,14 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """The steps whose synchronous load failed here since the last call, for the scheduler
+        half (``update_connector_output``); None when there were none."""
+        if not self._failures_to_report:
+            return None
+        failed, self._failures_to_report = frozenset(self._failures_to_report), set()
+        return HiCacheWorkerMeta(failed)
 
     # ================================================================== stats (both halves)
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

@@ -6,6 +6,8 @@ hicache equal those of the same model in a vLLM without the connector.
 * A load that fails (a connector fault point fails the worker's first load) is recomputed
   under vLLM's default ``kv_load_failure_policy`` (``fail``), and the blocks that step
   computed on top of the KV that never arrived are not saved.
+* A load that fails in a step where another request hit the loading request's blocks in
+  vLLM's own prefix cache: nothing that request computed on them is saved.
 * An engine whose runtime identity differs (a fault point makes it report another kernel
   ISA and vLLM version, as an engine on another host would) gets no page of the first.
 * A cache reset through vLLM's own ``reset_prefix_cache(reset_connector=True)`` serves
@@ -15,9 +17,9 @@ hicache equal those of the same model in a vLLM without the connector.
   answer in time (a fault point makes the connector give up on them at once, as against a
   slow daemon loop) cost a short wait, not the hit (last: it restarts the daemon).
 
-The module shares one daemon (with a file L3) and five engines (vLLM alone, ``a`` with the
-load fault, ``b``, ``c`` with the other identity, ``d`` with the unanswered-asks fault), each
-started when a test first needs it.
+The module shares one daemon (with a file L3) and six engines (vLLM alone, ``a`` with the
+load fault, ``b``, ``c`` with the other identity, ``d`` with the unanswered-asks fault, ``e``
+with the load fault and vLLM's own prefix caching), each started when a test first needs it.
 """
 
 from __future__ import annotations
@@ -51,7 +53,10 @@ def _prompt(seed: int, n: int) -> list[int]:
 P = [_prompt(40 + i, n) for i, n in enumerate([150, 230, 300])]
 HEAD = P[0][:128]  # the four full blocks of P[0] that an engine can load
 Q = HEAD + _prompt(50, 100)  # shares HEAD; its blocks 4..6 are computed in the step that loads HEAD
-ALL = P + [Q]
+# two requests of one step that share HEAD: the first loads it, the second hits those blocks
+# in vLLM's own prefix cache (cached when allocated, before the load runs)
+Q1, Q2 = HEAD + _prompt(51, 100), HEAD + _prompt(52, 100)
+ALL = P + [Q, Q1, Q2]
 SLOW_ASKS = 1  # one call given up on: the client then backs off for 0.5 s, as after a timeout
 
 
@@ -91,12 +96,35 @@ def test_a_failed_load_is_recomputed_and_the_blocks_of_its_step_are_not_saved(st
     stack.check(out, [Q])  # under vLLM's default policy the request would have ended in an error
     assert "loading 4 blocks" in a.log_path.read_text()
     # the step that failed to load HEAD computed Q's blocks 4..6 attending to KV that never
-    # arrived: they were committed as failed, so another engine loads HEAD only
+    # arrived: they were committed as failed; vLLM then computed Q again from its start, and
+    # those blocks were saved from there: another engine loads the whole of Q, its own KV
     st = stack.wait("the failed saves", lambda st: st["engine"]["commit_failed_pages"] >= failed_before + 3)
     assert st["engine"]["commit_failed_pages"] == failed_before + 3
+    stack.wait("Q's saves", lambda st: st["leases"]["open"] == 0)
     again = b.generate([Q], MAX_TOKENS)
     stack.check(again, [Q])
-    assert again["cached"] == [len(HEAD)]
+    assert again["cached"] == [expected_hit(len(Q), BLOCK)]
+    stack.idle_and_intact()
+
+
+def test_a_failed_load_saves_nothing_another_request_computed_on_it(stack: Stack) -> None:
+    """Engine ``e`` keeps vLLM's prefix caching on and its first load fails: ``Q1`` loads HEAD
+    and ``Q2``, in the same step, hits HEAD's blocks in vLLM's own cache and computes its
+    blocks 4..6 on top of KV that never arrived. Nothing of that step is saved, nor later
+    from those blocks before they are computed again: another engine that loads ``Q2``
+    from L2 answers as vLLM alone."""
+    b = stack.engine("b")
+    stack.check(b.generate([P[0]], MAX_TOKENS), [P[0]])
+    stack.wait("HEAD's pages", lambda st: st["leases"]["open"] == 0 and st["engine"]["committed_pages"] >= 4)
+    e = stack.engine("e", env={FAIL_LOADS_ENV: "1"}, prefix_caching=True)
+    out = e.generate([Q1, Q2], MAX_TOKENS)
+    stack.check(out, [Q1, Q2])
+    assert "loading 4 blocks" in e.log_path.read_text()
+    stack.wait("e's saves", lambda st: st["leases"]["open"] == 0)
+    for q in (Q2, Q1):  # whatever L2 holds of them now is their own KV
+        again = b.generate([q], MAX_TOKENS)
+        stack.check(again, [q])
+        assert again["cached"][0] >= len(HEAD)
     stack.idle_and_intact()
 
 
