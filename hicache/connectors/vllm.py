@@ -469,9 +469,20 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def reset_cache(self) -> bool | None:
         """vLLM's cache reset (after a weight update, say): a new namespace for this engine's
         pages, so nothing saved before is ever served after, and no request that began
-        before saves again. True: done (the daemon needs not answer)."""
+        before saves again. True: done (the daemon needs not answer).
+
+        vLLM calls this even when its own reset failed (a request still holds blocks, which
+        vLLM keeps, hashes and all): then nothing changes here either and the answer is
+        False, since requests of the new weights would compute on those blocks and save
+        into the new namespace. vLLM's own ``reset_prefix_cache()`` without
+        ``reset_connector=True`` does not call this: the engine keeps its namespace."""
         if self.session is None:
             return None
+        kept = self._vllm_kept_blocks()
+        if kept:
+            log.warning("hicache: cache reset refused: vLLM keeps %d blocks (its own reset failed); the engine "
+                        "keeps its namespace", kept)
+            return False
         self.reset_generation = secrets.token_hex(16)
         self.session.reregister(self._register_msg())
         if self.events is not None:  # the old namespace's pages are no longer this engine's
@@ -482,6 +493,16 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             tracked.saves_closed = True
         log.info("hicache: cache reset: this engine's pages have a new namespace")
         return True
+
+    def _vllm_kept_blocks(self) -> int:
+        """Blocks vLLM's block pools hold now besides their null block: vLLM's own prefix
+        cache reset succeeds only with none (``BlockPool.reset_prefix_cache``, 0.32), and
+        it runs just before this connector's. 0 when no cache manager was bound."""
+        manager = self._kv_cache_manager  # set by KVConnectorBase_V1.bind_kv_cache_manager
+        if manager is None:
+            return 0
+        pools = {id(m.block_pool): m.block_pool for m in manager.coordinator.single_type_managers}
+        return sum(p.num_gpu_blocks - p.get_num_free_blocks() - 1 for p in pools.values())
 
     def _call(self, make: Callable[[int, protos.EngineRegistered], EngineCall],
               timeout_ms: int | None = None) -> SessionAnswer:

@@ -11,7 +11,8 @@ hicache equal those of the same model in a vLLM without the connector.
 * An engine whose runtime identity differs (a fault point makes it report another kernel
   ISA and vLLM version, as an engine on another host would) gets no page of the first.
 * A cache reset through vLLM's own ``reset_prefix_cache(reset_connector=True)`` serves
-  nothing saved before it.
+  nothing saved before it; one that vLLM could not do itself (a request held blocks) leaves
+  the engine in its namespace.
 * vLLM's own metrics carry hicache's hits per tier, loads, saves and errors.
 * After a daemon restart, asks about a request whose pages come back from L3 that get no
   answer in time (a fault point makes the connector give up on them at once, as against a
@@ -169,6 +170,26 @@ def test_an_engine_of_another_isa_and_version_gets_no_page_of_the_first(stack: S
     assert second["cached"] == hit
     namespaces = {e["namespace"] for e in stack.stats()["engines"]}
     assert len(namespaces) == 2, namespaces  # a and b share one, c has its own
+    stack.idle_and_intact()
+
+
+def test_a_cache_reset_vllm_could_not_do_leaves_the_engine_in_its_namespace(stack: Stack) -> None:
+    """vLLM's own reset fails while a request holds blocks (it keeps them, hashes and all),
+    and vLLM then still resets the connector: the connector follows vLLM (answers False)
+    and the engine keeps its namespace, so its pages of these weights are still its own."""
+    b = stack.engine("b")
+    hit = [expected_hit(len(p), BLOCK) for p in P]
+    stack.check(b.generate(P, MAX_TOKENS), P)
+    stack.wait("the saves", lambda st: st["leases"]["open"] == 0)
+    namespaces = {e["namespace"] for e in stack.stats()["engines"]}
+    running = b.reset_while_running(P[1], MAX_TOKENS, steps=2)
+    assert running["ok"] is False  # vLLM's own reset failed: the request held its blocks
+    stack.check({"finish": ["length"], "outputs": running["outputs"]}, [P[1]])
+    time.sleep(1.0)  # a registration of a new namespace would show by now
+    assert {e["namespace"] for e in stack.stats()["engines"]} == namespaces
+    after = b.generate(P, MAX_TOKENS)
+    stack.check(after, P)
+    assert after["cached"] == hit  # still b's namespace: its pages are served
     stack.idle_and_intact()
 
 

@@ -11,6 +11,11 @@ starts ``vllm.LLM`` (with ``HiCacheConnector`` when ``--hicache-config`` is give
 * ``{"op": "reset_prefix_cache", "reset_connector": bool}`` -> ``{"ok": bool}`` (drops vLLM's
   own prefix cache; with ``reset_connector``, the connector's too, as vLLM does after a
   weight update);
+* ``{"op": "reset_while_running", "prompt": [ids...], "max_tokens": N, "steps": K}`` -> the
+  prompt added and stepped ``K`` times, then ``reset_prefix_cache(reset_connector=True)``
+  while it still holds blocks, then stepped to its end: ``{"ok": bool, "outputs": [[ids...]],
+  "cached": [n]}`` (``ok``: what the reset returned; vLLM's own fails while a request holds
+  blocks);
 * ``{"op": "metrics", "prefix": P}`` -> ``{"metrics": [{"name", "labels", "value"}...]}``:
   vLLM's own Prometheus metrics whose name starts with ``P`` (needs ``--log-stats``);
 * ``{"op": "steps", "prompts": [[ids...]], "arrivals": [step...], "max_tokens": N}`` -> the
@@ -115,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         if op == "reset_prefix_cache":
             answer({"ok": bool(llm.reset_prefix_cache(reset_connector=bool(req.get("reset_connector"))))})
             continue
+        if op == "reset_while_running":
+            answer(_reset_while_running(llm, TokensPrompt(prompt_token_ids=req["prompt"]),  # type: ignore[typeddict-item]
+                                        SamplingParams(max_tokens=int(req.get("max_tokens", 8)), temperature=0.0,
+                                                       ignore_eos=True), int(req.get("steps", 1))))
+            continue
         if op == "metrics":
             prefix = str(req.get("prefix", ""))
             answer({"metrics": [{"name": m.name, "labels": m.labels, "value": getattr(m, "value", None)}
@@ -142,6 +152,19 @@ def main(argv: list[str] | None = None) -> int:
                 "cached": [int(r.num_cached_tokens or 0) for r in results],
                 "finish": [str(r.outputs[0].finish_reason) for r in results], "elapsed_s": elapsed})
     return 0
+
+
+def _reset_while_running(llm: Any, prompt: Any, params: Any, steps: int) -> dict[str, Any]:
+    """The ``reset_while_running`` op (see the module docstring)."""
+    engine = llm.llm_engine
+    engine.add_request("running", prompt, params)
+    done: list[Any] = []
+    for _ in range(steps):
+        done += [o for o in engine.step() if o.finished]
+    ok = bool(llm.reset_prefix_cache(reset_connector=True))
+    while not done:
+        done += [o for o in engine.step() if o.finished]
+    return {"ok": ok, "outputs": [list(done[0].outputs[0].token_ids)], "cached": [int(done[0].num_cached_tokens or 0)]}
 
 
 def _steps(llm: Any, prompts: list[Any], arrivals: list[int], params: Any) -> dict[str, Any]:
@@ -329,6 +352,10 @@ class VllmProcess:
         """vLLM's own metrics whose name starts with ``prefix`` (started with ``log_stats``)."""
         out: list[dict[str, Any]] = self.request({"op": "metrics", "prefix": prefix})["metrics"]
         return out
+
+    def reset_while_running(self, prompt: list[int], max_tokens: int, steps: int = 1) -> dict[str, Any]:
+        """The ``reset_while_running`` op (module docstring)."""
+        return self.request({"op": "reset_while_running", "prompt": prompt, "max_tokens": max_tokens, "steps": steps})
 
     def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
         return bool(self.request({"op": "reset_prefix_cache", "reset_connector": reset_connector}).get("ok"))
