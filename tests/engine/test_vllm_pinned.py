@@ -158,3 +158,36 @@ def test_the_pin_comes_back_from_l3_after_a_daemon_restart(stack: ModelStack) ->
     # from L2, where the pin's own prefetch put it before the request came
     assert _loaded(stack) == (host + PIN_PAGES, storage)
     stack.idle_and_intact()
+
+
+RESETS = 5
+
+
+def test_cache_resets_leave_one_namespaces_pin_locked_and_saves_room(stack: ModelStack) -> None:
+    """An engine that resets its cache between rounds (as after weight updates) moves to a
+    new namespace each time: the pin of each namespace it left lets go once that session
+    expires, so L2 holds one pin locked, not one per round, and later saves are not cut
+    short."""
+    a = stack.engine("a")
+    for i in range(RESETS):
+        assert a.reset_prefix_cache(reset_connector=True)
+        out = a.generate([WITH_PIN[i % len(WITH_PIN)]], MAX_TOKENS)  # computes the pin in the new namespace
+        stack.check(out, [WITH_PIN[i % len(WITH_PIN)]])
+        assert out["cached"] == [0]  # nothing of the old namespace is served
+        st = stack.wait("the old session to end and the new namespace's pin", lambda st: len(st["engines"]) == 1
+                        and st["leases"]["open"] == 0 and _pins(st) == [(st["engines"][0]["namespace"], "pinned")],
+                        timeout_s=60)
+        assert st["l2"]["full"]["locked_tokens"] == PIN_TOKENS
+    short = stack.stats()["engine"]["reserve_short_pages"]
+    for i in range(0, 6, 3):  # 6 x 9 pages through the 27 pages beside the pin
+        stack.check(a.generate(FLOOD[i:i + 3], MAX_TOKENS), FLOOD[i:i + 3])
+        stack.wait("the flood's saves", lambda st: st["leases"]["open"] == 0)
+    assert stack.stats()["engine"]["reserve_short_pages"] == short
+    out = a.generate([WITH_PIN[0]], MAX_TOKENS)  # the live namespace's pin, from L2
+    stack.check(out, [WITH_PIN[0]])
+    assert out["cached"] == [PIN_TOKENS]
+    stack.idle_and_intact()
+
+
+def _pins(st: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(p["namespace"], p["state"]) for p in st["pinned"]]
