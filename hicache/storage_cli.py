@@ -10,6 +10,12 @@ command without a config, from ``--backend file --dir PATH`` / ``--backend redis
 - ``clear``  remove every page of this store (``--yes`` required);
 - ``gc``     file store only: evict least recently used pages down to ``--to-gb``.
 
+A file store is opened without the config's ``max_size_gb``: only ``gc`` evicts (to its own
+target), and only it runs the store's background scan (which reclaims what dead writers
+left). ``stats`` and ``verify`` change nothing but the objects ``verify --delete`` proves
+corrupt, whatever the store's size against the config's cap (another daemon's store, a
+``--set`` override, a cap lowered since), so what they print is what the files hold.
+
 Exit codes: 0 success, 1 store trouble or (``verify``) bad objects found, 2 bad usage or
 config.
 """
@@ -69,9 +75,9 @@ def _settings(args: argparse.Namespace) -> Any:
         b = base if isinstance(base, FileSettings) else None
         return FileSettings(
             dir=args.dir or (b.dir if b else ""),
-            max_size_gb=b.max_size_gb if b else 0.0,
+            max_size_gb=0.0,  # no command evicts to the config's cap (module doc)
             fsync=b.fsync if b else False,
-            scan_on_start=True,
+            scan_on_start=args.storage_command == "gc",
             resilience=res or ResilienceSettings(),
         )
     if kind == "redis":

@@ -228,3 +228,51 @@ def test_breaker_trips_at_threshold_and_probe_reattaches() -> None:
         time.sleep(0.01)
     assert br.up and changes == [False, True]
     br.close()
+
+
+def _files(store: Path, pattern: str = "*/*.page") -> list[Path]:
+    return sorted(store.glob(pattern))
+
+
+def test_cli_read_only_commands_keep_a_store_over_the_configs_cap(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``stats`` and ``verify`` open a store far above the config's ``max_size_gb`` (another
+    daemon's, a lowered cap) and delete nothing: every page stays, and the counts they print
+    are those of the files."""
+    store = tmp_path / "l3"
+    big = PageLayout(7, "uint8", (1 << 20,))  # 1 MiB pages
+    from storage_backends import create_backend
+
+    be = create_backend(FileSettings(dir=str(store)), big)
+    hashes = random_hashes(40)
+    assert be.batch_set(hashes, random_pages(40, big)) == [True] * 40
+    be.close()
+    before = {p.name: p.stat().st_size for p in _files(store)}
+    assert len(before) == 40
+    config = tmp_path / "hicache.yaml"
+    config.write_text(f"cache:\n  l3:\n    backend: file\n    file:\n      dir: {store}\n      max_size_gb: 0.01\n")
+
+    assert main(["storage", "--config", str(config), "verify"]) == 0
+    out = capsys.readouterr().out
+    assert "40 ok, 0 bad" in out, out
+    assert main(["storage", "--config", str(config), "stats", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert main(["storage", "--config", str(config), "--set", "cache.l3.file.max_size_gb=0.001", "verify"]) == 0
+    capsys.readouterr()
+    after = {p.name: p.stat().st_size for p in _files(store)}
+    assert after == before, f"{len(before) - len(after)} of 40 pages deleted by read-only commands"
+    assert stats["pages"] == len(after) and stats["bytes"] == sum(after.values())
+
+
+def test_cli_verify_deletes_only_what_it_proves_corrupt_and_says_so(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    store = tmp_path / "l3"
+    h = _fill(store, 8)
+    bad = store / h[3][:2] / f"{h[3]}.page"
+    bad.write_bytes(bad.read_bytes()[:-1])
+    config = tmp_path / "hicache.yaml"
+    config.write_text(f"cache:\n  l3:\n    backend: file\n    file:\n      dir: {store}\n      max_size_gb: 0.00001\n")
+    assert main(["storage", "--config", str(config), "verify", "--delete"]) == 1
+    out = capsys.readouterr().out
+    assert h[3] in out and "7 ok, 1 bad, 1 deleted" in out, out
+    assert {p.name for p in _files(store)} == {f"{x}.page" for x in h if x != h[3]}
