@@ -161,7 +161,7 @@ def _verify(be: StorageBackend, args: argparse.Namespace) -> int:
             gone += 1  # removed since the scan listed it
             continue
         try:
-            hdr = verify_object(obj)
+            hdr = verify_object(obj, h)
         except PageFormatError as exc:
             bad += 1
             print(f"{h}: {exc}")

@@ -45,11 +45,14 @@ from storage_backends.errors import StorageUnavailable
 from storage_backends.keys import check_hashes, is_page_hash
 from storage_backends.page_format import (
     HEADER_SIZE,
+    NAME_OFFSET,
     PREFIX_SIZE,
     PageLayout,
     checksum,
     describe_mismatch,
+    describe_name_mismatch,
     encode_header,
+    page_name,
 )
 from storage_backends.resilience import CircuitBreaker, ExponentialJitterBackoff
 from storage_backends.settings import FileSettings
@@ -511,7 +514,7 @@ class FileBackend(StorageBackend):
         One ``open``, one ``readv`` of header + payload + one probe byte (so a long or short
         file shows in the byte count without an ``fstat``), ``close``. The header is
         verified by comparing its first ``PREFIX_SIZE`` bytes with the layout's constant
-        prefix, then the checksum. ``fstat`` runs only for a page whose access time is not
+        prefix and its name field with ``h``'s, then the checksum. ``fstat`` runs only for a page whose access time is not
         known to be recent (to refresh it, see ``_touch_read``) and for a corrupt page (to
         delete exactly the file that was read).
         """
@@ -534,6 +537,8 @@ class FileBackend(StorageBackend):
                 reason = f"object is {'more than ' if got > size else ''}{min(got, size)} bytes, expected {size}"
             elif not hdr.startswith(layout.header_prefix):
                 reason = describe_mismatch(layout, hdr_mv)
+            elif hdr_mv[NAME_OFFSET:HEADER_SIZE] != page_name(h):
+                reason = describe_name_mismatch(hdr_mv, h)
             elif int.from_bytes(hdr[PREFIX_SIZE:_CHECKSUM_END], "little") != checksum(into):
                 reason = "payload checksum mismatch"
             else:
@@ -572,7 +577,7 @@ class FileBackend(StorageBackend):
             return _Outcome.ERROR
         else:
             return _Outcome.EXISTED
-        header = encode_header(layout, page)
+        header = encode_header(layout, page, h)
         shard = f"{self._root_slash}{h[:2]}"
         tmp = f"{shard}/.{h}.{self._pid}.{next(self._tmp_seq)}{TMP_SUFFIX}"
         try:

@@ -399,7 +399,7 @@ class RedisBackend(StorageBackend):
                     bad += 1
                     continue
                 try:
-                    payload = check_object(layout, res)
+                    payload = check_object(layout, res, hashes[i])
                 except PageFormatError as exc:
                     log.warning("%s: corrupt page %s deleted: %s", self.name, hashes[i], exc)
                     corrupt.append(hashes[i])
@@ -436,7 +436,7 @@ class RedisBackend(StorageBackend):
         ttl = self.settings.ttl_s
 
         def send(pipe: Any, i: int) -> None:
-            pipe.set(self._key(hashes[i]), PageValue(encode_header(layout, views[i]), views[i]), ex=ttl)
+            pipe.set(self._key(hashes[i]), PageValue(encode_header(layout, views[i], hashes[i]), views[i]), ex=ttl)
 
         written = 0
         errors: list[int] = []

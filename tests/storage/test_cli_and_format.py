@@ -10,7 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 
 from hicache.cli import main
@@ -156,11 +156,13 @@ def test_storage_cli_uses_the_settings_module() -> None:
 
 def test_header_round_trip_and_fields() -> None:
     payload = random_pages(1)[0]
-    obj = encode_header(LAYOUT, payload) + payload
+    (key,) = random_hashes(1)
+    obj = encode_header(LAYOUT, payload, key) + payload
     assert len(obj) == LAYOUT.object_size
-    assert bytes(check_object(LAYOUT, obj)) == payload
-    hdr = verify_object(obj)
+    assert bytes(check_object(LAYOUT, obj, key)) == payload
+    hdr = verify_object(obj, key)
     assert (hdr.layout_id, hdr.dtype, hdr.shape, hdr.payload_size) == (7, "bfloat16", (2, 4, 16, 64), 16384)
+    assert hdr.version == 2 and hdr.name == bytes.fromhex(key)[:16] and hdr.names(key)
     assert PageLayout(7, "torch.bfloat16", [2, 4, 16, 64]) == LAYOUT  # type: ignore[arg-type]
 
 
@@ -183,18 +185,18 @@ def test_bad_layouts_are_refused(bad: dict) -> None:
 def test_random_bytes_never_verify(blob: bytes, layout_id: int) -> None:
     layout = PageLayout(layout_id, "uint8", (64,))
     with pytest.raises(PageFormatError):
-        check_object(layout, blob)
+        check_object(layout, blob, "ab" * 32)
 
 
 @given(st.integers(0, HEADER_SIZE + 63), st.integers(1, 255))
 def test_any_single_byte_change_is_detected(pos: int, xor: int) -> None:
-    assume(not 80 <= pos < HEADER_SIZE)  # reserved bytes after the checksum carry nothing
     layout = PageLayout(3, "uint8", (64,))
     payload = bytes(range(64))
-    obj = bytearray(encode_header(layout, payload) + payload)
+    key = "5e" * 32
+    obj = bytearray(encode_header(layout, payload, key) + payload)
     obj[pos] ^= xor
     with pytest.raises(PageFormatError):
-        check_object(layout, obj)
+        check_object(layout, obj, key)
 
 
 # -- resilience -------------------------------------------------------------------------------

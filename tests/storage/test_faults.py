@@ -235,9 +235,9 @@ def test_file_damage_is_a_counted_miss_and_deleted(tmp_path: Path) -> None:
     p[1].write_bytes(bytes(data))
     # a header from another dtype, same size, valid checksum
     other = PageLayout(LAYOUT.layout_id, "float16", LAYOUT.shape)
-    p[2].write_bytes(encode_header(other, pages[2]) + pages[2])
+    p[2].write_bytes(encode_header(other, pages[2], h[2]) + pages[2])
     # a header from another layout id
-    p[3].write_bytes(encode_header(PageLayout(99, LAYOUT.dtype, LAYOUT.shape), pages[3]) + pages[3])
+    p[3].write_bytes(encode_header(PageLayout(99, LAYOUT.dtype, LAYOUT.shape), pages[3], h[3]) + pages[3])
     # one byte appended
     p[4].write_bytes(p[4].read_bytes() + b"x")
     into = buffers(6)
