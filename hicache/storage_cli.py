@@ -5,7 +5,8 @@ command without a config, from ``--backend file --dir PATH`` / ``--backend redis
 (flags win over the config); a plug-in backend's store comes from the config's
 ``cache.l3.options``. Subcommands:
 
-- ``stats``  pages and bytes in the store (a scan), plus server memory settings for Redis;
+- ``stats``  pages and bytes in the store (a scan: for the file store, the bytes of pages and
+  temporary files, and how many of those there are), plus server memory settings for Redis;
 - ``verify`` re-check every object's header and checksum; ``--delete`` removes bad ones;
 - ``clear``  remove every page of this store (``--yes`` required);
 - ``gc``     file store only: evict least recently used pages down to ``--to-gb``.
@@ -122,8 +123,8 @@ def _stats(be: StorageBackend, args: argparse.Namespace) -> int:
     out: dict[str, Any] = {"backend": be.kind, "pages": usage.pages, "bytes": usage.bytes}
     if be.kind == "file":
         store = _file_store(be)
+        out["temp_files"] = usage.temp_files
         out["dir"] = store.root
-        out["max_size_gb"] = store.settings.max_size_gb
     elif be.kind == "redis":
         redis = _redis_store(be)
         out["url"] = redis.name

@@ -269,6 +269,23 @@ def verify_object(obj: bytes | bytearray | memoryview, key: str) -> ObjectHeader
     return hdr
 
 
+def complete_object(header: bytes | bytearray | memoryview, size: int, key: str,
+                    layout: PageLayout | None = None) -> bool:
+    """Whether an object of ``size`` bytes beginning with ``header`` is whole and belongs
+    under ``key``: a header of this format naming ``key`` and the size it declares (of
+    ``layout`` when its prefix is ``layout``'s, else whatever layout the header declares).
+    What "stored" means for existence checks; the payload is not read (readers check it)."""
+    hv = memoryview(header)
+    if hv.nbytes < HEADER_SIZE or hv[NAME_OFFSET:HEADER_SIZE] != page_name(key):
+        return False
+    if layout is not None and hv[:PREFIX_SIZE] == layout.header_prefix:
+        return size == layout.object_size
+    try:
+        return size == parse_header(hv).object_size
+    except PageFormatError:
+        return False
+
+
 def describe_name_mismatch(header: bytes | bytearray | memoryview, key: str) -> str:
     """Why an object read under ``key`` whose name field differs is refused."""
     got = bytes(memoryview(header)[NAME_OFFSET:HEADER_SIZE]).hex()

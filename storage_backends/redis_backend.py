@@ -67,7 +67,7 @@ from storage_backends.errors import (
     StorageUnavailable,
 )
 from storage_backends.keys import check_hashes, is_page_hash
-from storage_backends.page_format import PageLayout, check_object, encode_header
+from storage_backends.page_format import HEADER_SIZE, PageLayout, check_object, complete_object, encode_header
 from storage_backends.redis_evictions import KeyEventListener
 from storage_backends.redis_wire import PageValue, connection_class_for
 from storage_backends.resilience import CircuitBreaker, ExponentialJitterBackoff
@@ -345,15 +345,9 @@ class RedisBackend(StorageBackend):
         n = len(hashes)
         present = [False] * n
         count = 0
-
-        def consume(idx: list[int], results: list[Any]) -> int:
-            for i, res in zip(idx, results, strict=True):
-                present[i] = not isinstance(res, Exception) and bool(res)
-            return sum(isinstance(res, Exception) for res in results)
-
         # Windows in order, so that a miss early in a long batch ends the call early.
         for lo, hi in self._chunks(n, 1024):
-            self._run_groups("EXISTS", hashes, 0, lambda p, i: p.exists(self._key(hashes[i])), consume, (lo, hi))
+            self._look(hashes, present, (lo, hi))
             while count < hi and present[count]:
                 count += 1
             if count < hi:
@@ -365,14 +359,28 @@ class RedisBackend(StorageBackend):
         present = [False] * len(hashes)
         if not hashes or self._closed or not self._breaker.up:
             return present
+        self._look(hashes, present, (0, len(hashes)))
+        return present
+
+    def _look(self, hashes: list[str], present: list[bool], span: tuple[int, int]) -> None:
+        """Set ``present[i]`` for the span: whether key ``i`` holds a whole object naming its
+        page (``page_format.complete_object``: its header and length, one ``GETRANGE`` and
+        one ``STRLEN`` each, no payload)."""
+        layout = self.layout
+
+        def send(pipe: Any, i: int) -> None:
+            key = self._key(hashes[i])
+            pipe.getrange(key, 0, HEADER_SIZE - 1)
+            pipe.strlen(key)
 
         def consume(idx: list[int], results: list[Any]) -> int:
-            for i, res in zip(idx, results, strict=True):
-                present[i] = not isinstance(res, Exception) and bool(res)
+            for j, i in enumerate(idx):
+                header, size = results[2 * j], results[2 * j + 1]
+                present[i] = (not isinstance(header, Exception) and not isinstance(size, Exception)
+                              and complete_object(header, int(size), hashes[i], layout))
             return sum(isinstance(res, Exception) for res in results)
 
-        self._run_groups("EXISTS", hashes, 0, lambda p, i: p.exists(self._key(hashes[i])), consume)
-        return present
+        self._run_groups("EXISTS", hashes, 0, send, consume, span)
 
     def batch_get(self, hashes: Sequence[str], into: Sequence[memoryview],
                   layout: PageLayout | None = None) -> list[bool]:

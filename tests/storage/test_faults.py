@@ -368,7 +368,8 @@ def test_file_store_restart_finds_pages_and_cleans_temp_files(tmp_path: Path) ->
 
     be2 = _file_backend(tmp_path, stale_tmp_s=600)
     assert be2.wait_scan(10)
-    assert be2.page_count == 30 and be2.used_bytes == 30 * LAYOUT.object_size
+    # a temporary file of an older build (no writer token) counts until it is stale
+    assert be2.page_count == 30 and be2.used_bytes == 30 * LAYOUT.object_size + len(b"partial")
     assert not stale.exists() and fresh.exists()
     into = buffers(30)
     assert be2.batch_get(h, into) == [True] * 30
