@@ -15,7 +15,10 @@ timeouts are not retried. Failures feed the circuit breaker.
 Cluster: each batch is split by the node that owns each key's slot, one pipeline per node,
 and every node has its own circuit breaker (and health probe). A node that is lost makes
 only its own pages misses and its writes dropped; the other nodes keep serving, and the
-lost node is skipped (no connection attempts on the data path) until its probe answers.
+lost node is skipped (no connection attempts on the data path) until its probe answers,
+or finds, asking the cluster for its slot map, that the node owns no slot any more (a
+replica promoted in its place after a failover): its slots then route to their new owner.
+Slots moving (resharding: ``MOVED`` / ``ASK``) are followed by redis-py's cluster client.
 ``stats().up`` is False while the store, or any node of it, is marked down.
 
 Attach: the constructor connects (``PING``) and raises when the store cannot be used:
@@ -620,16 +623,24 @@ class RedisBackend(StorageBackend):
             return False
 
     def _probe_node(self, name: str) -> bool:
-        """``PING`` cluster node ``name``; True also if it has left the topology (its slots
-        now route elsewhere). Never raises."""
+        """``PING`` cluster node ``name``. When it does not answer, ask the cluster where its
+        slots are now (``CLUSTER SLOTS`` through any node): True also once it owns none (a
+        replica was promoted in its place, its slots moved, it left). Never raises."""
         try:
             client = self._conn()
+        except (*_STORE_ERRORS, StorageConfigError):
+            return False
+        try:
             node = client.get_node(node_name=name)
-            return node is None or bool(client.get_redis_connection(node).ping())
+            if node is None or client.get_redis_connection(node).ping():
+                return True
         except _STORE_ERRORS as exc:
             log.debug("%s: probe of node %s failed: %r", self.name, name, exc)
-            return False
-        except StorageConfigError:
+        try:
+            client.nodes_manager.initialize()
+            return name not in {n.name for n in client.get_primaries()}
+        except _STORE_ERRORS as exc:
+            log.debug("%s: cannot refresh the cluster's slots: %r", self.name, exc)
             return False
 
     def _on_breaker_change(self, up: bool) -> None:
