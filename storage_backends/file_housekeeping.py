@@ -7,9 +7,11 @@ index too small (``want_scan``; then at most once per ten scan durations).
 
 A scan (``scan``) walks the directory (``file_layout.walk``): removes the temporary files
 of dead writers (and, without a writer token, those older than ``stale_tmp_s``), measures
-pages and temporary files into the shared record (``UsageRecord.measured``: what this
-process removed meanwhile taken off, what anyone reserved meanwhile added), rebuilds the
-index, and evicts if the store is above its cap.
+pages and temporary files into the shared record (``UsageRecord.measured``: the pages this
+process removed or published meanwhile left out, what anyone reserved meanwhile added),
+rebuilds the index, and evicts if the store is above its cap. The record is then exact but
+for other processes' writes and removals during the walk, which it counts once too many
+(the safe side: the store then holds a little less than its cap until the next scan).
 
 Threads: ``scan`` runs on the housekeeping thread only; the other methods may be called
 from any thread. The thread lives in the process that made the store (a forked child
@@ -99,15 +101,15 @@ class Housekeeper:
             result = walk(self.root, self._leftover(time.time() - self.settings.stale_tmp_s),
                           stop=lambda: self._closed() or self._stop.is_set())
         finally:
-            gone = self._index.scan_found(result.pages if result is not None and result.complete else None)
+            counted = self._index.scan_found(result.pages if result is not None and result.complete else None)
             self._writers.release_dead()
         if not result.complete:
             self.failed_scans += 1
             log.warning("file store %s: the scan did not finish; the store is measured again later", self.root)
             return
-        # What this process removed after the walk saw it is gone, and counted out, already.
-        seen_gone = [size for _atime, h, size in result.pages if h in gone]
-        usage = self._usage.measured(result.bytes - sum(seen_gone), len(result.pages) - len(seen_gone), since)
+        # What this process removed or published while the walk ran, the record counted already.
+        seen = [size for _atime, h, size in result.pages if h in counted]
+        usage = self._usage.measured(result.bytes - sum(seen), len(result.pages) - len(seen), since)
         took = time.monotonic() - started
         self._last_scan = (time.monotonic(), took)
         self._scan_wanted = False

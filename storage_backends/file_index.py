@@ -15,7 +15,9 @@ eviction chose a page            taken out and ``doomed`` until its unlink is do
                                  finishing meanwhile does not bring it back
 an unlink that failed            put back (the file is still there)
 a page removed by this process   taken out; while a scan runs, remembered, so that the scan's
-                                 merge does not bring it back
+                                 merge does not bring it back (and its measurement leaves out
+                                 what this process removed or published meanwhile: the shared
+                                 record counted those already)
 a scan's merge                   what it found (oldest first), less what was removed while it
                                  ran, then what this process touched since (more recent)
 ===============================  ==============================================================
@@ -40,6 +42,7 @@ class PageIndex:
         self._pages: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self._doomed: set[str] = set()
         self._removed_in_scan: set[str] | None = None  # while a scan runs
+        self._published_in_scan: set[str] = set()
 
     def after_fork(self) -> None:
         """In a forked child: a fresh lock (the parent's may have been held at the fork)."""
@@ -56,6 +59,8 @@ class PageIndex:
         with self._lock:
             self._pages[h] = (size, now)
             self._pages.move_to_end(h)
+            if self._removed_in_scan is not None:
+                self._published_in_scan.add(h)
 
     def read(self, h: str, now: float) -> bool:
         """A verified read of ``h``: mark it most recent. True when the caller should look
@@ -115,22 +120,24 @@ class PageIndex:
     def scan_started(self) -> None:
         with self._lock:
             self._removed_in_scan = set()
+            self._published_in_scan = set()
 
     def scan_found(self, found: list[tuple[float, str, int]] | None) -> set[str]:
         """Merge what a scan found (``(atime, hash, bytes)``, oldest first; None: the scan
-        failed, keep the index as it is) and stop remembering removals. Returns the pages
-        this process removed while the scan ran."""
+        failed, keep the index as it is) and stop remembering. Returns the pages this
+        process removed or published while the scan ran (the record counted them already)."""
         with self._lock:
             gone, self._removed_in_scan = self._removed_in_scan or set(), None
+            touched, self._published_in_scan = gone | self._published_in_scan, set()
             if found is None:
-                return gone
+                return touched
             merged: OrderedDict[str, tuple[int, float]] = OrderedDict(
                 (h, (size, atime)) for atime, h, size in found if h not in gone and h not in self._doomed)
             for h, known in self._pages.items():  # touched since the scan began: more recent
                 merged.pop(h, None)
                 merged[h] = known
             self._pages = merged
-        return gone
+        return touched
 
     def clear(self) -> None:
         with self._lock:

@@ -70,6 +70,7 @@ import os, sys
 from storage_backends import FileSettings, PageLayout, create_backend
 layout = PageLayout(4, "uint8", (256 * 1024,))
 be = create_backend(FileSettings(dir=sys.argv[1], max_size_gb=float(sys.argv[2])), layout)
+assert be.wait_scan(30)  # a scan while the other writes counts its pages twice (the safe side)
 print("ready", flush=True)
 sys.stdin.readline()
 for _ in range(15):
@@ -395,4 +396,34 @@ def test_the_scan_does_not_bring_back_pages_deleted_while_it_runs(tmp_path: Path
     assert be.page_count == 3
     size = be.size()
     assert size is not None and (size.pages, size.bytes) == (3, 3 * LAYOUT.object_size)
+    be.close()
+
+
+def test_the_scan_counts_pages_written_while_it_runs_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon serves while its start-up scan runs: the pages it writes meanwhile (which the
+    walk then finds) are counted once."""
+    import threading
+
+    root = tmp_path / "l3"
+    first = _backend(root)
+    assert first.batch_set(random_hashes(4), random_pages(4)) == [True] * 4
+    first.close()
+    reached, gate = threading.Event(), threading.Event()
+    real_scandir = os.scandir
+
+    def scandir_held_at_the_first_shard(path, *a, **kw):
+        if str(path).endswith("/00"):
+            reached.set()
+            gate.wait(10)
+        return real_scandir(path, *a, **kw)
+
+    monkeypatch.setattr(os, "scandir", scandir_held_at_the_first_shard)
+    be = _backend(root)
+    assert reached.wait(10)
+    assert be.batch_set(random_hashes(5), random_pages(5)) == [True] * 5
+    gate.set()
+    assert be.wait_scan(10)
+    monkeypatch.undo()
+    size = be.size()
+    assert size is not None and (size.pages, size.bytes) == (9, 9 * LAYOUT.object_size) == _on_disk(root)[::2]
     be.close()
