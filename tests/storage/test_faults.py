@@ -18,18 +18,9 @@ from hicache.local_redis import RedisProcess, wait_cluster_ok
 from storage_backends import FileSettings, PageLayout, RedisSettings, ResilienceSettings, create_backend
 from storage_backends.file_backend import FileBackend
 from storage_backends.page_format import HEADER_SIZE, encode_header
-from tests.storage.conftest import LAYOUT, buffers, random_hashes, random_pages
+from tests.storage.conftest import LAYOUT, buffers, random_hashes, random_pages, wait_until
 
 QUICK = ResilienceSettings(timeout_s=0.5, failure_threshold=2, probe_base_s=0.05, probe_cap_s=0.3)
-
-
-def wait_until(cond, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 # -- Redis ----------------------------------------------------------------------------------

@@ -27,18 +27,10 @@ from tests.storage.conftest import (
     buffers,
     random_hashes,
     random_pages,
+    wait_until,
 )
 
 QUICK = ResilienceSettings(timeout_s=1.0, failure_threshold=2, probe_base_s=0.05, probe_cap_s=0.5)
-
-
-def _wait(cond, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return bool(cond())
 
 
 def _node_id(node: RedisProcess) -> str:
@@ -133,14 +125,14 @@ def test_redis_cluster_failover_while_pages_flow(cluster_with_replicas: list[Red
         time.sleep(0.2)
         victim.kill()
         survivors = [n for n in nodes if n is not victim]
-        assert _wait(lambda: sum(_role(n) == "master" for n in survivors) == 3, 30), "no replica was promoted"
+        assert wait_until(lambda: sum(_role(n) == "master" for n in survivors) == 3, 30), "no replica was promoted"
         wait_cluster_ok(survivors, 30)
         # the store serves every page again, and takes writes on every slot, while traffic goes on
-        assert _wait(lambda: _serves_all(be, hashes, pages), 30), "pages of the failed master not served again"
-        assert _wait(lambda: be.batch_set(random_hashes(30), random_pages(30)) == [True] * 30, 30)
+        assert wait_until(lambda: _serves_all(be, hashes, pages), 30), "pages of the failed master not served again"
+        assert wait_until(lambda: be.batch_set(random_hashes(30), random_pages(30)) == [True] * 30, 30)
     assert not traffic.problems, traffic.problems[:3]
     assert traffic.hits > 0 and traffic.writes > 0
-    assert _wait(lambda: be.stats().up, 10)
+    assert wait_until(lambda: be.stats().up, 10)
     assert be.stats().corrupt == 0
     be.close()
 
@@ -161,7 +153,7 @@ def test_redis_cluster_resharding_while_pages_flow(redis_cluster_nodes: list[Red
             capture_output=True, timeout=300, check=False)  # MIGRATE a few keys at a time: ASK meanwhile
         assert moved.returncode == 0, moved.stdout.decode()[-1500:] + moved.stderr.decode()[-1500:]
         wait_cluster_ok(nodes, 30)
-        assert _wait(lambda: _serves_all(be, hashes, pages), 30), "resharded pages not served"
+        assert wait_until(lambda: _serves_all(be, hashes, pages), 30), "resharded pages not served"
     assert not traffic.problems, traffic.problems[:3]
     assert traffic.hits > 0 and traffic.writes > 0
     assert _slots_of(nodes[1]) == slots_before + 3000  # the slots did move

@@ -14,14 +14,16 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from storage_backends import FileSettings, PageLayout, ResilienceSettings, create_backend
 from storage_backends.file_backend import FileBackend
-from tests.storage.conftest import LAYOUT, buffers, random_hashes, random_pages
+from tests.storage.conftest import LAYOUT, buffers, random_hashes, random_pages, wait_until
 
 REPO = str(Path(__file__).resolve().parents[2])
 QUICK = ResilienceSettings(timeout_s=2.0, failure_threshold=3, probe_base_s=0.05, probe_cap_s=0.3)
@@ -52,15 +54,6 @@ def _on_disk(root: Path) -> tuple[int, int, int]:
                 continue
             total += f.stat().st_size
     return pages, tmps, total
-
-
-def _wait(cond, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return bool(cond())
 
 
 # -- 2. one cap for every process on the directory -------------------------------------------
@@ -204,7 +197,7 @@ def test_a_running_store_reclaims_a_killed_writers_leftovers(tmp_path: Path) -> 
     assert be.wait_scan(10)
     left = _kill_a_writer_mid_write(root)
     assert left > 0
-    assert _wait(lambda: _on_disk(root)[1] == 0), "the dead writer's temporary file is still there"
+    assert wait_until(lambda: _on_disk(root)[1] == 0, 15), "the dead writer's temporary file is still there"
     size = be.size()
     assert size is not None and size.bytes == 0
     be.close()
@@ -368,6 +361,26 @@ def test_a_failed_delete_keeps_the_page_counted(tmp_path: Path, monkeypatch: pyt
     be.close()
 
 
+@contextmanager
+def _scan_held_at(monkeypatch: pytest.MonkeyPatch, shard: str) -> Iterator[threading.Event]:
+    """A fault point: a scan that comes to list ``shard`` waits there until the ``with``
+    block ends; yields an event set once it waits."""
+    reached, gate = threading.Event(), threading.Event()
+    real_scandir = os.scandir
+
+    def held(path, *a, **kw):
+        if str(path).endswith(f"/{shard}"):
+            reached.set()
+            gate.wait(10)
+        return real_scandir(path, *a, **kw)
+
+    monkeypatch.setattr(os, "scandir", held)
+    try:
+        yield reached
+    finally:
+        gate.set()
+
+
 def test_the_scan_does_not_bring_back_pages_deleted_while_it_runs(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     root = tmp_path / "l3"
@@ -375,22 +388,10 @@ def test_the_scan_does_not_bring_back_pages_deleted_while_it_runs(tmp_path: Path
     h = random_hashes(6)
     assert first.batch_set(h, random_pages(6)) == [True] * 6
     first.close()
-    import threading
-
-    reached, gate = threading.Event(), threading.Event()
-    real_scandir = os.scandir
-
-    def scandir_held_at_the_last_shard(path, *a, **kw):
-        if str(path).endswith("/ff"):  # every page is listed by now; hold the merge
-            reached.set()
-            gate.wait(10)
-        return real_scandir(path, *a, **kw)
-
-    monkeypatch.setattr(os, "scandir", scandir_held_at_the_last_shard)
-    be = _backend(root)
-    assert reached.wait(10)
-    assert be.delete(h[:3]) == 3
-    gate.set()
+    with _scan_held_at(monkeypatch, "ff") as reached:  # every page is listed by then
+        be = _backend(root)
+        assert reached.wait(10)
+        assert be.delete(h[:3]) == 3
     assert be.wait_scan(10)
     monkeypatch.undo()
     assert be.page_count == 3
@@ -402,26 +403,14 @@ def test_the_scan_does_not_bring_back_pages_deleted_while_it_runs(tmp_path: Path
 def test_the_scan_counts_pages_written_while_it_runs_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A daemon serves while its start-up scan runs: the pages it writes meanwhile (which the
     walk then finds) are counted once."""
-    import threading
-
     root = tmp_path / "l3"
     first = _backend(root)
     assert first.batch_set(random_hashes(4), random_pages(4)) == [True] * 4
     first.close()
-    reached, gate = threading.Event(), threading.Event()
-    real_scandir = os.scandir
-
-    def scandir_held_at_the_first_shard(path, *a, **kw):
-        if str(path).endswith("/00"):
-            reached.set()
-            gate.wait(10)
-        return real_scandir(path, *a, **kw)
-
-    monkeypatch.setattr(os, "scandir", scandir_held_at_the_first_shard)
-    be = _backend(root)
-    assert reached.wait(10)
-    assert be.batch_set(random_hashes(5), random_pages(5)) == [True] * 5
-    gate.set()
+    with _scan_held_at(monkeypatch, "00") as reached:  # before the walk lists anything
+        be = _backend(root)
+        assert reached.wait(10)
+        assert be.batch_set(random_hashes(5), random_pages(5)) == [True] * 5
     assert be.wait_scan(10)
     monkeypatch.undo()
     size = be.size()
