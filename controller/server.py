@@ -246,8 +246,10 @@ class ControllerServer:
     def _start_l3(self, msg: protos.BackupToStorage | protos.PrefetchFetch | protos.PrefetchQuery) -> None:
         try:
             pages = None if isinstance(msg, protos.PrefetchQuery) else msg.host_pages
-            self.storage.check(msg.component, pages, msg.hashes)
-            self.storage.check_aux(msg.aux_keys, None if isinstance(msg, protos.PrefetchQuery) else msg.aux_pages)
+            into_l2 = isinstance(msg, protos.PrefetchFetch)  # writes its pages: none twice
+            self.storage.check(msg.component, pages, msg.hashes, into_l2)
+            self.storage.check_aux(msg.aux_keys, None if isinstance(msg, protos.PrefetchQuery) else msg.aux_pages,
+                                   into_l2)
         except ValueError as exc:
             self._reject(msg.op_id, str(exc))
             return

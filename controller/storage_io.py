@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from controller.transfer import repeated_destination
 from hicache.memory.pools import SharedPools
 from storage_backends import PageLayout, StorageBackend, StoreUsage, create_backend
 from storage_backends.keys import is_page_hash
@@ -126,8 +127,10 @@ class StorageIO:
             out.append(memoryview(seg.buffer)[unit * size:(unit + 1) * size])
         return out
 
-    def check_aux(self, aux_keys: dict[str, list[str]], aux_pages: dict[str, list[int]] | None) -> None:
-        """Raise ValueError if an op's auxiliary components, keys, units or lengths are wrong."""
+    def check_aux(self, aux_keys: dict[str, list[str]], aux_pages: dict[str, list[int]] | None,
+                  into_l2: bool = False) -> None:
+        """Raise ValueError if an op's auxiliary components, keys, units or lengths are wrong
+        (``into_l2``: the op writes the units, so none may appear twice)."""
         if aux_pages is not None and aux_pages.keys() != aux_keys.keys():
             raise ValueError(f"auxiliary components differ: keys {sorted(aux_keys)} vs pages {sorted(aux_pages)}")
         for name, keys in aux_keys.items():
@@ -142,12 +145,14 @@ class StorageIO:
                 units = aux_pages[name]
                 if len(units) != len(keys):
                     raise ValueError(f"{name}: {len(keys)} keys but {len(units)} host pages")
-                problem = self.pools[name].pages_problem("l2", units)
+                problem = self.pools[name].pages_problem("l2", units) or (
+                    repeated_destination(name, units) if into_l2 else None)
                 if problem:
                     raise ValueError(problem)
 
-    def check(self, component: str, host_pages: list[int] | None, hashes: list[str]) -> None:
-        """Raise ValueError if the op's component, pages, hashes or lengths are wrong."""
+    def check(self, component: str, host_pages: list[int] | None, hashes: list[str], into_l2: bool = False) -> None:
+        """Raise ValueError if the op's component, pages, hashes or lengths are wrong
+        (``into_l2``: the op writes ``host_pages``, so none may appear twice)."""
         if component not in self.pools.components:
             raise ValueError(f"unknown component {component!r}")
         if self.pools[component].layout.kind != "paged":
@@ -158,7 +163,8 @@ class StorageIO:
         if host_pages is not None:
             if len(host_pages) != len(hashes):
                 raise ValueError(f"{len(hashes)} hashes but {len(host_pages)} host pages")
-            problem = self.pools[component].pages_problem("l2", host_pages)
+            problem = self.pools[component].pages_problem("l2", host_pages) or (
+                repeated_destination(component, host_pages) if into_l2 else None)
             if problem:
                 raise ValueError(problem)
 

@@ -30,6 +30,15 @@ class TransferRefused(ValueError):
     """An op that cannot be executed as given (bad component, lengths or indices)."""
 
 
+def repeated_destination(component: str, pages: list[int]) -> str | None:
+    """Why an op that writes ``pages`` of ``component`` cannot run (a page twice: two
+    sources racing into one page), or None. For every op that writes pages: copies and
+    L3 fetches."""
+    if len(pages) > 1 and len(set(pages)) != len(pages):
+        return f"{component}: a destination page appears twice"
+    return None
+
+
 @dataclass(frozen=True)
 class CopyResult:
     pages: int
@@ -76,9 +85,9 @@ class CpuTransferEngine:
             problem = comp.pages_problem("l1", dev) or comp.pages_problem("l2", host)
             if problem:
                 raise TransferRefused(problem)
-            dst = host if to_host else dev
-            if len(dst) > 1 and len(set(dst)) != len(dst):  # one page cannot repeat: no set needed
-                raise TransferRefused(f"{name}: a destination page appears twice")
+            repeated = repeated_destination(name, host if to_host else dev)
+            if repeated:
+                raise TransferRefused(repeated)
         pairs: list[CopyPair] = []
         pages = nbytes = 0
         for name, dev in device_pages.items():

@@ -148,10 +148,11 @@ def started(workdir: Path, extra: Sequence[str] | None = None) -> Iterator[Redis
 
 
 def start_cluster(
-    base_dir: Path, masters: int = 3, node_args: Sequence[str] = CLUSTER_NODE_ARGS
+    base_dir: Path, masters: int = 3, node_args: Sequence[str] = CLUSTER_NODE_ARGS, replicas: int = 0
 ) -> list[RedisProcess]:
-    """Start ``masters`` cluster-enabled servers in ``base_dir/node{i}``, join them into one
-    cluster (no replicas) and wait until every node reports ``cluster_state:ok``.
+    """Start ``masters * (1 + replicas)`` cluster-enabled servers in ``base_dir/node{i}``,
+    join them into one cluster (``replicas`` replicas per master, placed by ``redis-cli``)
+    and wait until every node reports ``cluster_state:ok`` and every replica is in sync.
 
     The caller kills the nodes returned; on failure this kills what it started and raises.
     """
@@ -162,19 +163,21 @@ def start_cluster(
         raise RuntimeError("redis-cli not installed")
     nodes: list[RedisProcess] = []
     try:
-        for i in range(masters):
+        for i in range(masters * (1 + replicas)):
             node = RedisProcess(base_dir / f"node{i}", free_port(also=CLUSTER_BUS_OFFSET), node_args)
             node.start()
             nodes.append(node)
         created = subprocess.run(
             [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes),
-             "--cluster-replicas", "0", "--cluster-yes"],
+             "--cluster-replicas", str(replicas), "--cluster-yes"],
             capture_output=True, timeout=60, check=False,
         )  # fmt: skip
         if created.returncode != 0:
             out = (created.stdout + created.stderr).decode(errors="replace")[-LOG_TAIL_CHARS:]
             raise RuntimeError(f"redis-cli --cluster create failed ({created.returncode}):\n{out}")
         wait_cluster_ok(nodes, 30)
+        if replicas:
+            wait_replicas_in_sync(nodes, 30)
     except BaseException:
         for n in nodes:
             n.kill()
@@ -203,10 +206,33 @@ def wait_cluster_ok(nodes: Sequence[RedisProcess], timeout: float) -> None:
         time.sleep(0.05)
 
 
+def wait_replicas_in_sync(nodes: Sequence[RedisProcess], timeout: float) -> None:
+    """Wait until every replica among ``nodes`` reports its link to its master up; raise
+    after ``timeout``."""
+    import redis
+
+    deadline = time.monotonic() + timeout
+    while True:
+        links: list[str | None] = []
+        for n in nodes:
+            try:
+                with n.client() as c:
+                    info = c.info("replication")
+            except redis.RedisError:
+                info = {}
+            if info.get("role") == "slave":
+                links.append(info.get("master_link_status"))
+        if all(link == "up" for link in links):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"redis replicas did not sync: {links}")
+        time.sleep(0.05)
+
+
 @contextmanager
-def started_cluster(base_dir: Path, masters: int = 3) -> Iterator[list[RedisProcess]]:
+def started_cluster(base_dir: Path, masters: int = 3, replicas: int = 0) -> Iterator[list[RedisProcess]]:
     """``start_cluster`` on entry; every node killed on exit."""
-    nodes = start_cluster(base_dir, masters)
+    nodes = start_cluster(base_dir, masters, replicas=replicas)
     try:
         yield nodes
     finally:

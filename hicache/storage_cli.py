@@ -5,10 +5,17 @@ command without a config, from ``--backend file --dir PATH`` / ``--backend redis
 (flags win over the config); a plug-in backend's store comes from the config's
 ``cache.l3.options``. Subcommands:
 
-- ``stats``  pages and bytes in the store (a scan), plus server memory settings for Redis;
+- ``stats``  pages and bytes in the store (a scan: for the file store, the bytes of pages and
+  temporary files, and how many of those there are), plus server memory settings for Redis;
 - ``verify`` re-check every object's header and checksum; ``--delete`` removes bad ones;
 - ``clear``  remove every page of this store (``--yes`` required);
 - ``gc``     file store only: evict least recently used pages down to ``--to-gb``.
+
+A file store is opened without the config's ``max_size_gb``: only ``gc`` evicts (to its own
+target), and only it runs the store's background scan (which reclaims what dead writers
+left). ``stats`` and ``verify`` change nothing but the objects ``verify --delete`` proves
+corrupt, whatever the store's size against the config's cap (another daemon's store, a
+``--set`` override, a cap lowered since), so what they print is what the files hold.
 
 Exit codes: 0 success, 1 store trouble or (``verify``) bad objects found, 2 bad usage or
 config.
@@ -69,9 +76,9 @@ def _settings(args: argparse.Namespace) -> Any:
         b = base if isinstance(base, FileSettings) else None
         return FileSettings(
             dir=args.dir or (b.dir if b else ""),
-            max_size_gb=b.max_size_gb if b else 0.0,
+            max_size_gb=0.0,  # no command evicts to the config's cap (module doc)
             fsync=b.fsync if b else False,
-            scan_on_start=True,
+            scan_on_start=args.storage_command == "gc",
             resilience=res or ResilienceSettings(),
         )
     if kind == "redis":
@@ -116,8 +123,8 @@ def _stats(be: StorageBackend, args: argparse.Namespace) -> int:
     out: dict[str, Any] = {"backend": be.kind, "pages": usage.pages, "bytes": usage.bytes}
     if be.kind == "file":
         store = _file_store(be)
+        out["temp_files"] = usage.temp_files
         out["dir"] = store.root
-        out["max_size_gb"] = store.settings.max_size_gb
     elif be.kind == "redis":
         redis = _redis_store(be)
         out["url"] = redis.name
@@ -155,7 +162,7 @@ def _verify(be: StorageBackend, args: argparse.Namespace) -> int:
             gone += 1  # removed since the scan listed it
             continue
         try:
-            hdr = verify_object(obj)
+            hdr = verify_object(obj, h)
         except PageFormatError as exc:
             bad += 1
             print(f"{h}: {exc}")

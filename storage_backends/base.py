@@ -37,10 +37,13 @@ Buffer = bytes | bytearray | memoryview
 
 @dataclass(frozen=True)
 class StoreUsage:
-    """What a full scan of the store found (administration only)."""
+    """What a store holds: its pages, and the bytes of its objects and of its temporary
+    files (a file store's writes in progress and leftovers not yet reclaimed), of which
+    ``temp_files`` files (0 where a backend has none or does not tell)."""
 
     pages: int
     bytes: int
+    temp_files: int = 0
 
 
 class StorageBackend(ABC):

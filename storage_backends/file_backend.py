@@ -1,124 +1,89 @@
 """The embedded file store (docs/architecture.md §7, ``backend: file``).
 
-Layout on disk: ``{dir}/{h[0:2]}/{h}.page``, one object (header + payload, see
-``page_format``) per file, 256 shard directories created on first use. Paths are built
-only from validated page hashes.
+Layout on disk: ``file_layout`` (``{dir}/{h[0:2]}/{h}.page``, one object per file, see
+``page_format``). Several processes may use one directory at once.
 
-Writes go to a temporary file ``.{h}.{pid}.{n}.tmp`` in the page's shard directory and
-are renamed into place (with ``fsync`` of file and directory when configured), so a
-reader -- in this or any other process -- sees a whole page or none; several processes
-may write the same page at once and the last rename wins with a whole file. A page that
-already exists is not rewritten. Temporary files older than ``stale_tmp_s`` are left
-over from a crash and removed by the start-up scan.
+Writes: a page is written to a temporary file named with this process's writer token
+(``file_usage.WriterRegistry``) in the page's shard directory, then published under its
+name with ``link`` (so a page that another writer published first is left alone, and this
+process knows it did not add it); the temporary name is then removed. With ``fsync`` the
+file is fsynced before it is published, its directory after, and every directory made on
+the way is followed by an fsync of its parent (``file_layout.make_dirs``; the store root
+once per shard this process first writes into), before the write is reported stored.
 
-Capacity: an in-memory LRU index (hash -> object bytes, oldest first) is rebuilt on start
-by a background scan of the directory (ordered by file access time) while the store is
-already serving; reads and existence checks go to the file system, so pages are usable
-before the scan reaches them. When the bytes in the index exceed ``max_size_gb``, the
-least recently used pages are deleted down to ``low_water`` of the cap. A full disk
-(``ENOSPC``) drops the write, counts it, and evicts a little to make room. The evicted
-hashes wait for ``take_evicted`` (the controller announces them as KV events).
+"Stored" means a whole object: ``batch_exists``, ``exists_each`` and the check before a
+write take a page as present only if its file has the size and header of a complete
+object that names it (``page_format.complete_object``). An incomplete one (a torn or
+zero-length file left by a power loss with ``fsync: false``) is absent, and a write
+replaces it.
 
-Threads: page I/O runs on a pool of ``io_threads`` workers; a call waits at most
-``timeout_s`` for pages that have not started. A page read or write already in progress
-is always finished before the call returns, so no worker touches a caller's buffer after
-the call. ``_index_lock`` guards the index, ``_used`` and the evicted hashes; it is never
-held across I/O.
+Capacity: ``max_size_gb`` bounds the whole directory, whatever number of processes share
+it: every process counts what it adds and removes in the shared ``file_usage.UsageRecord``
+and evicts when the record is above the cap, down to ``low_water`` of it; the victims are
+the least recently used pages of its own ``file_index.PageIndex``. A full disk
+(``ENOSPC``) drops the writes that failed, counts them, and evicts what they needed, at most
+``1 - low_water`` of the cap (of the store, without a cap) per batch, so that one full
+disk never empties the store. The evicted hashes wait for ``take_evicted``.
+
+Housekeeping (``scan_on_start``): a background thread scans the directory at start (the
+index, the record measured again, the leftovers of dead writers removed), then every
+``maintenance_s`` looks for writers that died (their leftovers are removed and the store
+measured again at once, not after ``stale_tmp_s``), and scans again when an eviction found
+its index too small. Temporary files of older builds are removed once older than
+``stale_tmp_s``; until removed, every temporary file is counted.
+
+Threads: page I/O runs on a ``file_batch.BatchRunner``; a call waits at most
+``timeout_s`` for pages that have not started. No lock of this module is held across
+I/O (the index, record and registry have their own, module docs).
 """
 
 from __future__ import annotations
 
-import enum
 import errno
 import itertools
 import logging
 import os
 import threading
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
+from collections import deque
+from collections.abc import Iterator, Sequence
 
 from storage_backends.base import Buffer, StorageBackend, StoreUsage
 from storage_backends.errors import StorageUnavailable
-from storage_backends.keys import check_hashes, is_page_hash
-from storage_backends.page_format import (
-    HEADER_SIZE,
-    PREFIX_SIZE,
-    PageLayout,
-    checksum,
-    describe_mismatch,
-    encode_header,
+from storage_backends.file_batch import Batch, BatchRunner, Outcome
+from storage_backends.file_housekeeping import Housekeeper
+from storage_backends.file_index import ATIME_REFRESH_S, PageIndex
+from storage_backends.file_layout import (
+    PAGE_SUFFIX,
+    SHARDS,
+    fsync_dir,
+    make_dirs,
+    page_path,
+    tmp_path,
+    walk,
 )
+from storage_backends.file_page_io import (
+    examine,
+    new_scratch,
+    publish,
+    read_verified,
+    remove_quietly,
+    write_file,
+)
+from storage_backends.file_usage import UsageRecord, WriterRegistry
+from storage_backends.keys import check_hashes, is_page_hash
+from storage_backends.page_format import PageLayout, encode_header
 from storage_backends.resilience import CircuitBreaker, ExponentialJitterBackoff
 from storage_backends.settings import FileSettings
 from storage_backends.stats import StatsCounter, StorageStats
 
 log = logging.getLogger(__name__)
 
-PAGE_SUFFIX = ".page"
-TMP_SUFFIX = ".tmp"
-_SHARDS = [f"{i:02x}" for i in range(256)]
-_ATIME_REFRESH_S = 3600.0
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-_CHECKSUM_END = PREFIX_SIZE + 8
 INLINE_MAX_OBJECT_BYTES = 192 * 1024
+"""Batches of objects up to this size run on the calling thread (see ``FileBackend._inline``)."""
 MAX_EVICTED_KEPT = 100_000
 """Evicted hashes kept for ``take_evicted`` at most (older ones are dropped untold)."""
-"""Batches of objects up to this size run on the calling thread (see ``FileBackend._run``)."""
-
-
-class _Outcome(enum.Enum):
-    HIT = "hit"  # read verified / page stored
-    EXISTED = "existed"  # write skipped: page already there
-    MISS = "miss"  # not present
-    CORRUPT = "corrupt"  # present but failed verification (deleted)
-    FULL = "full"  # write failed for lack of space
-    ERROR = "error"  # I/O error (counts toward the breaker)
-    TIMEOUT = "timeout"  # not started before the deadline
-
-
-class _Batch:
-    """Results of one batch call, filled in by workers; ``cancelled`` stops unstarted pages."""
-
-    __slots__ = ("outcomes", "cancelled")
-
-    def __init__(self, n: int) -> None:
-        self.outcomes: list[_Outcome] = [_Outcome.TIMEOUT] * n
-        self.cancelled = False
-
-
-def _readv_full(fd: int, views: list[memoryview]) -> int:
-    """``readv`` until every view is full or EOF; return bytes read."""
-    total = 0
-    while views:
-        n = os.readv(fd, views)
-        if n == 0:
-            break
-        total += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-    return total
-
-
-def _skip(hdr: memoryview, into: memoryview, got: int) -> list[memoryview]:
-    """The parts of ``[hdr, into]`` not yet filled after ``got`` bytes, plus a probe byte."""
-    views = [hdr[got:], into] if got < hdr.nbytes else [into[got - hdr.nbytes :]]
-    return [*views, memoryview(bytearray(1))]
-
-
-def _writev_full(fd: int, views: list[memoryview]) -> None:
-    while views:
-        n = os.writev(fd, views)
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
 
 
 class FileBackend(StorageBackend):
@@ -137,9 +102,14 @@ class FileBackend(StorageBackend):
         self._counters = StatsCounter()
         self._tmp_seq = itertools.count()
         self._closed = False
+        self._hard_links = True
+        self._index = PageIndex()
+        self._evicted: deque[str] = deque(maxlen=MAX_EVICTED_KEPT)  # not yet taken; under _evicted_lock
         self._init_process_state()
         try:
-            os.makedirs(self.root, exist_ok=True)
+            make_dirs(self.root, settings.fsync)
+            if settings.fsync:
+                fsync_dir(os.path.dirname(self.root))  # the root's own entry, whoever made it
         except OSError as exc:
             raise StorageUnavailable(f"file store: cannot create {self.root}: {exc}") from exc
         if not self._probe():
@@ -152,49 +122,46 @@ class FileBackend(StorageBackend):
             ExponentialJitterBackoff(res.probe_base_s, res.probe_cap_s),
             on_change=self._on_breaker_change,
         )
-        # hash -> (object bytes, last access time we know of), least recently used first.
-        self._index: OrderedDict[str, tuple[int, float]] = OrderedDict()
-        # pages evicted and not yet taken (``take_evicted``); under the index lock
-        self._evicted: deque[str] = deque(maxlen=MAX_EVICTED_KEPT)
-        self._used = 0
-        self._scan_done = threading.Event()
+        self._housekeeper = Housekeeper(self.root, settings, self._index, self._usage, self._writers,
+                                        self._evict, lambda: self._closed)
         if settings.scan_on_start:
-            self._scan_thread: threading.Thread | None = threading.Thread(
-                target=self._scan, name="l3-file-scan", daemon=True
-            )
-            self._scan_thread.start()
+            self._housekeeper.start()
         else:
-            self._scan_thread = None
-            self._scan_done.set()
+            self._housekeeper.scan_done.set()
 
     # -- process-local state ---------------------------------------------------------
 
     def _init_process_state(self) -> None:
         self._pid = os.getpid()
-        self._index_lock = threading.Lock()
-        self._pool_lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        self._runner = BatchRunner(self.settings.io_threads, self._timeout)
+        self._evicted_lock = threading.Lock()
         self._tls = threading.local()
+        self._usage = UsageRecord(self.root)
+        self._writers = WriterRegistry(self.root)
+        self._durable_shards: set[str] = set()
+        self._index.after_fork()
 
     def _ensure_process(self) -> None:
         if self._pid != os.getpid():
-            # Threads and locks do not survive fork: start over in this process.
+            # Threads, locks and flock'd descriptors do not survive fork: start over here.
+            self._usage.forget_inherited()
+            self._writers.forget_inherited()
             self._init_process_state()
-            self._scan_done.set()
+            self._housekeeper.scan_done.set()
 
-    def _executor(self) -> ThreadPoolExecutor:
-        pool = self._pool
-        if pool is None:
-            with self._pool_lock:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self.settings.io_threads, thread_name_prefix="l3-file-io")
-                pool = self._pool
-        return pool
+    def _inline(self, layout: PageLayout, n: int) -> bool:
+        """Whether a batch of ``n`` pages runs on the calling thread instead of the pool.
 
-    # -- paths -------------------------------------------------------------------------
+        Small objects cost mostly Python work under the GIL (open, checksum, bookkeeping),
+        which worker threads cannot run in parallel: handing them to the pool only adds
+        thread hand-offs and GIL contention. Large objects spend their time in ``readv`` /
+        ``writev`` with the GIL released, where the pool overlaps the copies and keeps
+        several requests in flight for the device.
+        """
+        return n == 1 or self.settings.io_threads == 1 or layout.object_size <= INLINE_MAX_OBJECT_BYTES
 
     def _path(self, h: str) -> str:
-        return f"{self._root_slash}{h[:2]}/{h}{PAGE_SUFFIX}"
+        return page_path(self._root_slash, h)
 
     # -- data path ---------------------------------------------------------------------
 
@@ -203,30 +170,29 @@ class FileBackend(StorageBackend):
         self._ensure_process()
         if not hashes or self._closed or not self._breaker.up:
             return 0
-        fut = self._executor().submit(self._exists_prefix, hashes)
-        done, _ = wait_futures([fut], timeout=self._timeout)
-        if not done:
-            # No caller buffer is involved, so the stat calls may finish in the background.
+        finished, result = self._runner.call(lambda: self._exists_prefix(hashes))
+        if not finished:
+            # No caller buffer is involved, so the look-ups may finish in the background.
             self._counters.add(errors=1, timeouts=1)
             self._breaker.record_failure()
             return 0
-        count, failed = fut.result()
+        count, failed = result if isinstance(result, tuple) else (0, True)
         if failed:
             self._counters.add(errors=1)
             self._breaker.record_failure()
         else:
             self._breaker.record_success()
-        return count
+        return int(count)
 
     def _exists_prefix(self, hashes: list[str]) -> tuple[int, bool]:
         for i, h in enumerate(hashes):
             try:
-                os.stat(self._path(h))
-            except FileNotFoundError:
-                return i, False
+                whole, _st = self._examine(h, self.layout)
             except OSError as exc:
-                log.debug("file store: stat %s failed: %s", h, exc)
+                log.debug("file store: looking at %s failed: %s", h, exc)
                 return i, True
+            if not whole:
+                return i, False
         return len(hashes), False
 
     def exists_each(self, hashes: Sequence[str]) -> list[bool]:
@@ -237,11 +203,13 @@ class FileBackend(StorageBackend):
         out = []
         for h in hashes:
             try:
-                os.stat(self._path(h))
-                out.append(True)
+                out.append(self._examine(h, self.layout)[0])
             except OSError:
                 out.append(False)
         return out
+
+    def _examine(self, h: str, layout: PageLayout | None) -> tuple[bool, os.stat_result | None]:
+        return examine(self._path(h), h, layout)
 
     def batch_get(self, hashes: Sequence[str], into: Sequence[memoryview],
                   layout: PageLayout | None = None) -> list[bool]:
@@ -253,7 +221,8 @@ class FileBackend(StorageBackend):
         if self._closed or not self._breaker.up:
             self._counters.add(misses=len(hashes))
             return [False] * len(hashes)
-        batch = self._run(layout, hashes, lambda i, h: self._read_one(layout, h, views[i]))
+        batch = self._runner.run(hashes, lambda i, h: self._read_one(layout, h, views[i]),
+                                 self._inline(layout, len(hashes)))
         return self._account_reads(batch, layout)
 
     def batch_set(self, hashes: Sequence[str], pages: Sequence[Buffer],
@@ -266,7 +235,9 @@ class FileBackend(StorageBackend):
         if self._closed or not self._breaker.up:
             self._counters.add(dropped_writes=len(hashes))
             return [False] * len(hashes)
-        batch = self._run(layout, hashes, lambda i, h: self._write_one(layout, h, views[i]))
+        self._usage.reserve(len(hashes) * layout.object_size)  # before any file (file_usage)
+        batch = self._runner.run(hashes, lambda i, h: self._write_one(layout, h, views[i]),
+                                 self._inline(layout, len(hashes)))
         return self._account_writes(batch, layout)
 
     def delete(self, hashes: Sequence[str]) -> int:
@@ -274,38 +245,47 @@ class FileBackend(StorageBackend):
         self._ensure_process()
         if self._closed or not self._breaker.up:
             return 0
-        removed = 0
+        removed = freed = 0
         for h in hashes:
+            path = self._path(h)
             try:
-                os.unlink(self._path(h))
-                removed += 1
+                size = os.stat(path).st_size
+                os.unlink(path)
             except FileNotFoundError:
-                pass
-            except OSError as exc:
+                self._index.removed(h)
+            except OSError as exc:  # still there: still indexed and counted
                 self._counters.add(errors=1)
                 log.warning("file store: cannot delete page %s: %s", h, exc)
-            self._forget(h)
+            else:
+                removed += 1
+                freed += size
+                self._index.removed(h)
+        self._usage.adjust(-freed, -removed)
         return removed
 
     def clear(self) -> int:
+        """Remove every page file (temporary files are their writers', or reclaimed as a
+        dead writer's)."""
         self._ensure_process()
         if self._closed:
             return 0
-        removed = 0
-        for shard in _SHARDS:
+        removed = freed = 0
+        for shard in SHARDS:
             for name, path in self._list_shard(shard):
-                if name.endswith(PAGE_SUFFIX) or name.endswith(TMP_SUFFIX):
+                if name.endswith(PAGE_SUFFIX):
                     try:
+                        size = os.stat(path).st_size
                         os.unlink(path)
-                        removed += name.endswith(PAGE_SUFFIX)
                     except FileNotFoundError:
-                        pass
+                        continue
                     except OSError as exc:
                         self._counters.add(errors=1)
                         log.warning("file store: cannot delete %s: %s", path, exc)
-        with self._index_lock:
-            self._index.clear()
-            self._used = 0
+                        continue
+                    removed += 1
+                    freed += size
+        self._index.clear()
+        self._usage.adjust(-freed, -removed)
         return removed
 
     def stats(self) -> StorageStats:
@@ -315,52 +295,56 @@ class FileBackend(StorageBackend):
         self._ensure_process()
         if self._closed:
             return False
-        fut = self._executor().submit(self._probe)
-        done, _ = wait_futures([fut], timeout=self._timeout)
-        return bool(done) and fut.result()
+        finished, ok = self._runner.call(self._probe)
+        return finished and bool(ok)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._breaker.close()
-        with self._pool_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None and self._pid == os.getpid():
-            pool.shutdown(wait=True)
+        if self._pid != os.getpid():
+            return  # the parent's threads and files are the parent's
+        self._housekeeper.stop()
+        self._runner.shutdown()
+        self._writers.close()
+        self._usage.close()
 
     # -- extras for the daemon and the CLI --------------------------------------------
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of page objects in the index (complete once the start-up scan is done)."""
-        return self._used
+        """Bytes the whole store holds, as the shared record counts them."""
+        self._ensure_process()
+        return self._usage.read().bytes
 
     @property
     def page_count(self) -> int:
+        """Pages in this process's index (the victims it can choose)."""
         return len(self._index)
 
     def size(self) -> StoreUsage:
-        """Pages and object bytes in the index: every page this process wrote or found, and,
-        once the start-up scan is done, every page in the directory (pages another daemon
-        sharing the directory wrote since are counted when this one first sees them)."""
-        with self._index_lock:
-            return StoreUsage(len(self._index), self._used)
+        """Pages and bytes of the whole store (every process sharing the directory), as the
+        shared record counts them: pages, and bytes of pages and temporary files."""
+        self._ensure_process()
+        usage = self._usage.read()
+        return StoreUsage(usage.pages, usage.bytes)
 
     def wait_scan(self, timeout: float | None = None) -> bool:
         """Wait for the start-up scan; True once it is complete."""
-        return self._scan_done.wait(timeout)
+        return self._housekeeper.scan_done.wait(timeout)
 
     def gc(self, target_bytes: int) -> tuple[int, int]:
-        """Evict least recently used pages until at most ``target_bytes`` remain.
+        """Evict least recently used pages until the store holds at most ``target_bytes``.
 
-        Waits for the start-up scan first. Returns (pages removed, bytes removed).
-        """
-        self._scan_done.wait()
-        return self._evict_to(target_bytes)
+        Waits for the start-up scan first. Returns (pages removed, bytes removed)."""
+        self._housekeeper.scan_done.wait()
+        self._ensure_process()
+        claim = self._usage.claim_above(target_bytes)
+        return self._evict(claim) if claim else (0, 0)
 
     def iter_hashes(self) -> Iterator[str]:
-        for shard in _SHARDS:
+        for shard in SHARDS:
             for name, _path in self._list_shard(shard):
                 if name.endswith(PAGE_SUFFIX) and is_page_hash(name[: -len(PAGE_SUFFIX)]):
                     yield name[: -len(PAGE_SUFFIX)]
@@ -376,103 +360,37 @@ class FileBackend(StorageBackend):
             raise StorageUnavailable(f"file store: cannot read page {h}: {exc}") from exc
 
     def usage(self) -> StoreUsage:
-        pages = total = 0
-        for shard in _SHARDS:
-            try:
-                it = os.scandir(os.path.join(self.root, shard))
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                raise StorageUnavailable(f"file store: cannot list {shard}: {exc}") from exc
-            with it:
-                for entry in it:
-                    if entry.name.endswith(PAGE_SUFFIX):
-                        try:
-                            total += entry.stat(follow_symlinks=False).st_size
-                            pages += 1
-                        except FileNotFoundError:
-                            continue
-        return StoreUsage(pages, total)
+        """A walk of the files: pages, bytes of pages and temporary files, temporary files.
+        Removes nothing."""
+        found = walk(self.root)
+        if not found.complete:
+            raise StorageUnavailable(f"file store: cannot list every shard of {self.root} (see the log)")
+        return StoreUsage(len(found.pages), found.bytes, found.temp_files)
 
-    # -- batch machinery ---------------------------------------------------------------
+    # -- accounting -------------------------------------------------------------------
 
-    def _inline(self, layout: PageLayout, n: int) -> bool:
-        """Whether a batch of ``n`` pages runs on the calling thread instead of the pool.
-
-        Small objects cost mostly Python work under the GIL (open, checksum, bookkeeping),
-        which worker threads cannot run in parallel: handing them to the pool only adds
-        thread hand-offs and GIL contention. Large objects spend their time in ``readv`` /
-        ``writev`` with the GIL released, where the pool overlaps the copies and keeps
-        several requests in flight for the device.
-        """
-        return n == 1 or self.settings.io_threads == 1 or layout.object_size <= INLINE_MAX_OBJECT_BYTES
-
-    def _run(self, layout: PageLayout, hashes: list[str], op: Callable[[int, str], _Outcome]) -> _Batch:
-        """Run ``op(i, hashes[i])`` for every page, honouring the timeout.
-
-        Either on the calling thread (see ``_inline``), checking the deadline before each
-        page, or on the pool: pages are split into at most ``io_threads`` contiguous chunks;
-        after the deadline, chunks not yet started are cancelled and running chunks stop
-        before their next page; the call then waits for pages in progress, so no worker
-        outlives it. Either way a page that has not started by the deadline is ``TIMEOUT``
-        and no page is in progress after the call returns.
-        """
-        batch = _Batch(len(hashes))
-        n = len(hashes)
-        if self._inline(layout, n):
-            outcomes = batch.outcomes
-            deadline = time.monotonic() + self._timeout
-            for i, h in enumerate(hashes):
-                if time.monotonic() > deadline:
-                    break
-                outcomes[i] = op(i, h)
-            return batch
-        chunks = min(self.settings.io_threads, n)
-        step = -(-n // chunks)
-
-        def work(lo: int, hi: int) -> None:
-            for i in range(lo, hi):
-                if batch.cancelled:
-                    return
-                batch.outcomes[i] = op(i, hashes[i])
-
-        pool = self._executor()
-        futures: list[Future[None]] = [pool.submit(work, lo, min(lo + step, n)) for lo in range(0, n, step)]
-        _, not_done = wait_futures(futures, timeout=self._timeout)
-        if not_done:
-            batch.cancelled = True
-            for fut in not_done:
-                fut.cancel()
-            wait_futures([f for f in not_done if not f.cancelled()])
-        for fut in futures:
-            if not fut.cancelled() and fut.exception() is not None:
-                # A bug in the page code, not store trouble: surface it in the log, count it.
-                log.error("file store: page worker failed", exc_info=fut.exception())
-        return batch
-
-    def _account_reads(self, batch: _Batch, layout: PageLayout) -> list[bool]:
-        out = [o is _Outcome.HIT for o in batch.outcomes]
+    def _account_reads(self, batch: Batch, layout: PageLayout) -> list[bool]:
+        out = [o is Outcome.HIT for o in batch.outcomes]
         hits = sum(out)
-        corrupt = batch.outcomes.count(_Outcome.CORRUPT)
-        errors = batch.outcomes.count(_Outcome.ERROR)
-        timeouts = batch.outcomes.count(_Outcome.TIMEOUT)
+        errors = batch.count(Outcome.ERROR)
+        timeouts = batch.count(Outcome.TIMEOUT)
         self._counters.add(
             hits=hits,
             misses=len(out) - hits,
             bytes_read=hits * layout.payload_size,
-            corrupt=corrupt,
+            corrupt=batch.count(Outcome.CORRUPT),
             errors=errors + timeouts,
             timeouts=timeouts,
         )
         self._record(errors + timeouts)
         return out
 
-    def _account_writes(self, batch: _Batch, layout: PageLayout) -> list[bool]:
-        out = [o in (_Outcome.HIT, _Outcome.EXISTED) for o in batch.outcomes]
-        written = batch.outcomes.count(_Outcome.HIT)
-        full = batch.outcomes.count(_Outcome.FULL)
-        errors = batch.outcomes.count(_Outcome.ERROR)
-        timeouts = batch.outcomes.count(_Outcome.TIMEOUT)
+    def _account_writes(self, batch: Batch, layout: PageLayout) -> list[bool]:
+        out = [o in (Outcome.HIT, Outcome.EXISTED) for o in batch.outcomes]
+        written = batch.count(Outcome.HIT)
+        full = batch.count(Outcome.FULL)
+        errors = batch.count(Outcome.ERROR)
+        timeouts = batch.count(Outcome.TIMEOUT)
         self._counters.add(
             writes=written,
             bytes_written=written * layout.payload_size,
@@ -481,12 +399,21 @@ class FileBackend(StorageBackend):
             timeouts=timeouts,
         )
         self._record(errors + timeouts)
-        if full:
-            # Out of space below our cap: give back roughly what this batch needed.
-            self._evict_to(max(0, self._used - (full + 1) * layout.object_size * 4))
-        elif self._max_bytes and self._used > self._max_bytes:
-            self._evict_to(self._low_bytes)
+        unused = (len(out) - written) * layout.object_size
+        claim = self._usage.settle(unused, written, self._max_bytes, self._low_bytes,
+                                   self._full_disk_need(full, layout))
+        if claim:
+            self._evict(claim)
         return out
+
+    def _full_disk_need(self, failed: int, layout: PageLayout) -> int:
+        """What ``failed`` writes that found no space need evicted: their bytes, at most
+        ``1 - low_water`` of the cap (of the store without one), at least one page."""
+        if not failed:
+            return 0
+        base = self._max_bytes or self._usage.read().bytes
+        step = max(layout.object_size, int((1 - self.settings.low_water) * base))
+        return min(failed * layout.object_size, step)
 
     def _record(self, failures: int) -> None:
         if failures:
@@ -494,208 +421,170 @@ class FileBackend(StorageBackend):
         else:
             self._breaker.record_success()
 
-    # -- one page ----------------------------------------------------------------------
-
-    def _scratch(self) -> tuple[bytearray, list[memoryview]]:
-        """This thread's header buffer, and views of it plus a 1-byte overflow probe."""
-        scratch = getattr(self._tls, "scratch", None)
-        if scratch is None:
-            hdr = bytearray(HEADER_SIZE + 1)
-            mv = memoryview(hdr)
-            scratch = self._tls.scratch = (hdr, [mv[:HEADER_SIZE], mv[HEADER_SIZE:]])
-        return scratch
-
-    def _read_one(self, layout: PageLayout, h: str, into: memoryview) -> _Outcome:
-        """Read and verify one page into ``into``; never raises for store trouble.
-
-        One ``open``, one ``readv`` of header + payload + one probe byte (so a long or short
-        file shows in the byte count without an ``fstat``), ``close``. The header is
-        verified by comparing its first ``PREFIX_SIZE`` bytes with the layout's constant
-        prefix, then the checksum. ``fstat`` runs only for a page whose access time is not
-        known to be recent (to refresh it, see ``_touch_read``) and for a corrupt page (to
-        delete exactly the file that was read).
-        """
-        path = f"{self._root_slash}{h[:2]}/{h}{PAGE_SUFFIX}"
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            return _Outcome.MISS
-        except OSError as exc:
-            log.debug("file store: open %s failed: %s", path, exc)
-            return _Outcome.ERROR
-        size = layout.object_size
-        try:
-            hdr, (hdr_mv, probe) = self._scratch()
-            got = os.readv(fd, [hdr_mv, into, probe])
-            if 0 < got < size:
-                # A short read without EOF (rare on local file systems): finish it.
-                got += _readv_full(fd, _skip(hdr_mv, into, got))
-            if got != size:
-                reason = f"object is {'more than ' if got > size else ''}{min(got, size)} bytes, expected {size}"
-            elif not hdr.startswith(layout.header_prefix):
-                reason = describe_mismatch(layout, hdr_mv)
-            elif int.from_bytes(hdr[PREFIX_SIZE:_CHECKSUM_END], "little") != checksum(into):
-                reason = "payload checksum mismatch"
-            else:
-                self._touch_read(h, size, fd)
-                return _Outcome.HIT
-            st = os.fstat(fd)
-        except OSError as exc:
-            log.debug("file store: read %s failed: %s", path, exc)
-            return _Outcome.ERROR
-        finally:
-            os.close(fd)
-        log.warning("file store: corrupt page %s deleted: %s", h, reason)
-        self._discard(h, path, st)
-        return _Outcome.CORRUPT
-
-    def _discard(self, h: str, path: str, st: os.stat_result) -> None:
-        """Delete the object we read, unless another writer has replaced it meanwhile."""
-        try:
-            now = os.stat(path)
-            if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
-                os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("file store: cannot delete corrupt page %s: %s", h, exc)
-        self._forget(h)
-
-    def _write_one(self, layout: PageLayout, h: str, page: memoryview) -> _Outcome:
-        path = self._path(h)
-        try:
-            os.stat(path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.debug("file store: stat %s failed: %s", path, exc)
-            return _Outcome.ERROR
-        else:
-            return _Outcome.EXISTED
-        header = encode_header(layout, page)
-        shard = f"{self._root_slash}{h[:2]}"
-        tmp = f"{shard}/.{h}.{self._pid}.{next(self._tmp_seq)}{TMP_SUFFIX}"
-        try:
-            try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileNotFoundError:
-                os.makedirs(shard, exist_ok=True)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                _writev_full(fd, [memoryview(header), page])
-                if self.settings.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-            if self.settings.fsync:
-                self._fsync_dir(shard)
-        except OSError as exc:
-            self._remove_tmp(tmp)
-            if exc.errno in _FULL_ERRNOS:
-                log.debug("file store: no space for page %s: %s", h, exc)
-                return _Outcome.FULL
-            log.debug("file store: write %s failed: %s", path, exc)
-            return _Outcome.ERROR
-        self._touch(h, layout.object_size)
-        return _Outcome.HIT
-
-    @staticmethod
-    def _remove_tmp(tmp: str) -> None:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("file store: cannot remove temporary file %s: %s", tmp, exc)
-
-    @staticmethod
-    def _fsync_dir(path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    # -- index and eviction ------------------------------------------------------------
-
-    def _touch(self, h: str, size: int, atime: float | None = None) -> None:
-        """Mark ``h`` most recently used (adding it with ``size`` bytes if new)."""
-        now = time.time() if atime is None else atime
-        with self._index_lock:
-            old = self._index.get(h)
-            if old is None:
-                self._index[h] = (size, now)
-                self._used += size
-            else:
-                self._index.move_to_end(h)
-
-    def _touch_read(self, h: str, size: int, fd: int) -> None:
-        """After a verified read of ``h`` on ``fd``: LRU bookkeeping, and keep the file's
-        access time within ``_ATIME_REFRESH_S`` of the truth so LRU order survives a restart
-        on relatime / noatime mounts. Costs no syscall for a page whose atime is recent."""
-        now = time.time()
-        with self._index_lock:
-            old = self._index.get(h)
-            if old is not None:
-                self._index.move_to_end(h)
-                if now - old[1] <= _ATIME_REFRESH_S:
-                    return
-                self._index[h] = (old[0], now)
-        try:
-            st = os.fstat(fd)
-            if now - st.st_atime > _ATIME_REFRESH_S:
-                os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
-        except OSError as exc:  # not our file (a shared store), or read-only: LRU only
-            log.debug("file store: cannot refresh the access time of page %s: %s", h, exc)
-        if old is None:
-            self._touch(h, size, now)
-
-    def _forget(self, h: str) -> None:
-        with self._index_lock:
-            old = self._index.pop(h, None)
-            if old is not None:
-                self._used -= old[0]
-
-    def _evict_to(self, target_bytes: int) -> tuple[int, int]:
-        victims: list[str] = []
-        freed = 0
-        with self._index_lock:
-            while self._used > target_bytes and self._index:
-                h, (size, _atime) = self._index.popitem(last=False)
-                self._used -= size
-                freed += size
-                victims.append(h)
-        removed = 0
+    def _evict(self, claim: int) -> tuple[int, int]:
+        """Unlink least recently used pages for the ``claim`` taken off the record; give the
+        record back what was not freed. Returns (pages, bytes) this process removed."""
+        victims = self._index.take_victims(claim)
+        freed = pages = 0
         gone: list[str] = []
-        for h in victims:
+        kept: list[tuple[str, int]] = []
+        for h, size in victims:
             try:
                 os.unlink(self._path(h))
-                removed += 1
-                gone.append(h)
             except FileNotFoundError:
-                gone.append(h)  # another process sharing the store removed it: gone all the same
+                gone.append(h)  # another process removed it (and counted it out): gone all the same
             except OSError as exc:
+                kept.append((h, size))
                 self._counters.add(errors=1)
                 log.warning("file store: cannot evict page %s: %s", h, exc)
+            else:
+                gone.append(h)
+                pages += 1
+                freed += size
+        self._index.victims_done(victims, kept)
+        self._usage.adjust(claim - freed, -pages)
+        if freed < claim and len(self._index) == 0:
+            self._housekeeper.want_scan()
         if victims:
-            self._counters.add(evictions=removed)
-            log.debug("file store: evicted %d pages (%d bytes)", removed, freed)
+            self._counters.add(evictions=pages)
+            log.debug("file store: evicted %d pages (%d bytes)", pages, freed)
         if gone:
-            with self._index_lock:
+            with self._evicted_lock:
                 self._evicted.extend(gone)
-        return removed, freed
+        return pages, freed
 
     def take_evicted(self) -> list[str]:
         """The pages this instance's capacity eviction removed since the last call (at most
         the last ``MAX_EVICTED_KEPT``; another process's evictions in a shared store are
         not seen)."""
-        with self._index_lock:
+        with self._evicted_lock:
             out = list(self._evicted)
             self._evicted.clear()
         return out
 
-    # -- start-up scan -----------------------------------------------------------------
+    # -- one page ----------------------------------------------------------------------
+
+    def _read_one(self, layout: PageLayout, h: str, into: memoryview) -> Outcome:
+        """Read and verify one page into ``into`` (``file_page_io.read_verified``); never
+        raises for store trouble. ``fstat`` runs only for a page not indexed or whose access
+        time is not known to be recent (``_touch_read``) and for a corrupt page (to delete
+        exactly the file that was read)."""
+        path = self._path(h)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return Outcome.MISS
+        except OSError as exc:
+            log.debug("file store: open %s failed: %s", path, exc)
+            return Outcome.ERROR
+        try:
+            scratch = getattr(self._tls, "scratch", None)
+            if scratch is None:
+                scratch = self._tls.scratch = new_scratch()
+            reason = read_verified(fd, scratch, into, layout, h)
+            if reason is None:
+                self._touch_read(h, layout.object_size, fd)
+                return Outcome.HIT
+            st = os.fstat(fd)
+        except OSError as exc:
+            log.debug("file store: read %s failed: %s", path, exc)
+            return Outcome.ERROR
+        finally:
+            os.close(fd)
+        self._discard(h, path, st, f"corrupt page {h} deleted: {reason}")
+        return Outcome.CORRUPT
+
+    def _touch_read(self, h: str, size: int, fd: int) -> None:
+        """After a verified read of ``h`` on ``fd``: LRU bookkeeping, and keep the file's
+        access time within ``ATIME_REFRESH_S`` of the truth so LRU order survives a restart
+        on relatime / noatime mounts. Costs no syscall for an indexed page whose atime is
+        recent; a page not indexed is added only if the file read is still linked (an
+        eviction or delete may have removed it meanwhile: ``file_index``)."""
+        now = time.time()
+        if not self._index.read(h, now):
+            return
+        try:
+            st = os.fstat(fd)
+            if st.st_nlink == 0:
+                return
+            if now - st.st_atime > ATIME_REFRESH_S:
+                os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
+        except OSError as exc:  # not our file (a shared store), or read-only: LRU only
+            log.debug("file store: cannot refresh the access time of page %s: %s", h, exc)
+        self._index.read_unknown(h, size, now)
+
+    def _discard(self, h: str, path: str, st: os.stat_result, why: str) -> None:
+        """Delete the object examined as ``st``, unless another writer has replaced it meanwhile."""
+        log.warning("file store: %s", why)
+        try:
+            now = os.stat(path)
+            if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
+                os.unlink(path)
+                self._usage.adjust(-st.st_size, -1)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("file store: cannot delete page %s: %s", h, exc)
+            return
+        self._index.removed(h)
+
+    def _write_one(self, layout: PageLayout, h: str, page: memoryview) -> Outcome:
+        path = self._path(h)
+        try:
+            whole, st = self._examine(h, layout)
+            token = self._writers.token()
+        except OSError as exc:
+            log.debug("file store: cannot write %s: %s", path, exc)
+            return Outcome.ERROR
+        if whole:
+            return Outcome.EXISTED
+        if st is not None:
+            self._counters.add(corrupt=1)
+            self._discard(h, path, st, f"incomplete object of page {h} ({st.st_size} bytes) written again")
+        header = encode_header(layout, page, h)
+        shard = f"{self._root_slash}{h[:2]}"
+        tmp = tmp_path(shard, h, token, next(self._tmp_seq))
+        try:
+            fd = self._create(shard, tmp)
+            try:
+                write_file(fd, header, page, self.settings.fsync)
+            finally:
+                os.close(fd)
+            published, self._hard_links = publish(tmp, path, self._hard_links)
+            if self.settings.fsync:
+                fsync_dir(shard)
+        except OSError as exc:
+            remove_quietly(tmp)
+            if exc.errno in _FULL_ERRNOS:
+                log.debug("file store: no space for page %s: %s", h, exc)
+                return Outcome.FULL
+            log.debug("file store: write %s failed: %s", path, exc)
+            return Outcome.ERROR
+        if not published:
+            return Outcome.EXISTED
+        self._index.published(h, layout.object_size, time.time())
+        return Outcome.HIT
+
+    def _create(self, shard: str, tmp: str) -> int:
+        """Open a new temporary file in ``shard``, making the shard (durably with ``fsync``)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        try:
+            fd = os.open(tmp, flags, 0o644)
+        except FileNotFoundError:
+            make_dirs(shard, self.settings.fsync)
+            self._durable_shards.add(shard)
+            fd = os.open(tmp, flags, 0o644)
+        if self.settings.fsync and shard not in self._durable_shards:
+            # Made by another process, which may not have made its entry durable.
+            try:
+                fsync_dir(self.root)
+            except OSError:
+                os.close(fd)
+                raise
+            self._durable_shards.add(shard)
+        return fd
+
+    # -- housekeeping ------------------------------------------------------------------
 
     def _list_shard(self, shard: str) -> list[tuple[str, str]]:
         try:
@@ -707,59 +596,6 @@ class FileBackend(StorageBackend):
             self._counters.add(errors=1)
             log.warning("file store: cannot list shard %s: %s", shard, exc)
             return []
-
-    def _scan(self) -> None:
-        """Rebuild the LRU index from the directory; remove stale temporary files."""
-        started = time.monotonic()
-        found: list[tuple[float, str, int]] = []
-        stale_before = time.time() - self.settings.stale_tmp_s
-        try:
-            for shard in _SHARDS:
-                if self._closed:
-                    return
-                try:
-                    it = os.scandir(os.path.join(self.root, shard))
-                except (FileNotFoundError, NotADirectoryError):
-                    continue
-                with it:
-                    for entry in it:
-                        name = entry.name
-                        try:
-                            if name.endswith(PAGE_SUFFIX) and is_page_hash(name[: -len(PAGE_SUFFIX)]):
-                                st = entry.stat(follow_symlinks=False)
-                                found.append((max(st.st_atime, st.st_mtime), name[: -len(PAGE_SUFFIX)], st.st_size))
-                            elif name.endswith(TMP_SUFFIX):
-                                if entry.stat(follow_symlinks=False).st_mtime < stale_before:
-                                    os.unlink(entry.path)
-                        except FileNotFoundError:
-                            continue
-            found.sort()
-            with self._index_lock:
-                # Pages touched since start are more recent than anything the scan found.
-                merged: OrderedDict[str, tuple[int, float]] = OrderedDict(
-                    (h, (size, atime)) for atime, h, size in found
-                )
-                for h, known in self._index.items():
-                    merged.pop(h, None)
-                    merged[h] = known
-                self._index = merged
-                self._used = sum(size for size, _atime in merged.values())
-            log.info(
-                "file store %s: %d pages, %.1f MiB found in %.2fs",
-                self.root,
-                len(found),
-                self._used / 2**20,
-                time.monotonic() - started,
-            )
-            if self._max_bytes and self._used > self._max_bytes:
-                self._evict_to(self._low_bytes)
-        except OSError as exc:
-            self._counters.add(errors=1)
-            log.warning("file store %s: start-up scan failed: %s", self.root, exc)
-        finally:
-            self._scan_done.set()
-
-    # -- health ------------------------------------------------------------------------
 
     def _probe(self) -> bool:
         """Write, read back and remove a small file in the store root; never raises."""
@@ -777,9 +613,10 @@ class FileBackend(StorageBackend):
             return ok
         except OSError as exc:
             log.debug("file store %s: probe failed: %s", self.root, exc)
-            self._remove_tmp(path)
+            remove_quietly(path)
             return False
 
     def _on_breaker_change(self, up: bool) -> None:
         if not up:
             self._counters.add(trips=1)
+

@@ -15,7 +15,10 @@ timeouts are not retried. Failures feed the circuit breaker.
 Cluster: each batch is split by the node that owns each key's slot, one pipeline per node,
 and every node has its own circuit breaker (and health probe). A node that is lost makes
 only its own pages misses and its writes dropped; the other nodes keep serving, and the
-lost node is skipped (no connection attempts on the data path) until its probe answers.
+lost node is skipped (no connection attempts on the data path) until its probe answers,
+or finds, asking the cluster for its slot map, that the node owns no slot any more (a
+replica promoted in its place after a failover): its slots then route to their new owner.
+Slots moving (resharding: ``MOVED`` / ``ASK``) are followed by redis-py's cluster client.
 ``stats().up`` is False while the store, or any node of it, is marked down.
 
 Attach: the constructor connects (``PING``) and raises when the store cannot be used:
@@ -67,7 +70,7 @@ from storage_backends.errors import (
     StorageUnavailable,
 )
 from storage_backends.keys import check_hashes, is_page_hash
-from storage_backends.page_format import PageLayout, check_object, encode_header
+from storage_backends.page_format import HEADER_SIZE, PageLayout, check_object, complete_object, encode_header
 from storage_backends.redis_evictions import KeyEventListener
 from storage_backends.redis_wire import PageValue, connection_class_for
 from storage_backends.resilience import CircuitBreaker, ExponentialJitterBackoff
@@ -345,15 +348,9 @@ class RedisBackend(StorageBackend):
         n = len(hashes)
         present = [False] * n
         count = 0
-
-        def consume(idx: list[int], results: list[Any]) -> int:
-            for i, res in zip(idx, results, strict=True):
-                present[i] = not isinstance(res, Exception) and bool(res)
-            return sum(isinstance(res, Exception) for res in results)
-
         # Windows in order, so that a miss early in a long batch ends the call early.
         for lo, hi in self._chunks(n, 1024):
-            self._run_groups("EXISTS", hashes, 0, lambda p, i: p.exists(self._key(hashes[i])), consume, (lo, hi))
+            self._look(hashes, present, (lo, hi))
             while count < hi and present[count]:
                 count += 1
             if count < hi:
@@ -365,14 +362,28 @@ class RedisBackend(StorageBackend):
         present = [False] * len(hashes)
         if not hashes or self._closed or not self._breaker.up:
             return present
+        self._look(hashes, present, (0, len(hashes)))
+        return present
+
+    def _look(self, hashes: list[str], present: list[bool], span: tuple[int, int]) -> None:
+        """Set ``present[i]`` for the span: whether key ``i`` holds a whole object naming its
+        page (``page_format.complete_object``: its header and length, one ``GETRANGE`` and
+        one ``STRLEN`` each, no payload)."""
+        layout = self.layout
+
+        def send(pipe: Any, i: int) -> None:
+            key = self._key(hashes[i])
+            pipe.getrange(key, 0, HEADER_SIZE - 1)
+            pipe.strlen(key)
 
         def consume(idx: list[int], results: list[Any]) -> int:
-            for i, res in zip(idx, results, strict=True):
-                present[i] = not isinstance(res, Exception) and bool(res)
+            for j, i in enumerate(idx):
+                header, size = results[2 * j], results[2 * j + 1]
+                present[i] = (not isinstance(header, Exception) and not isinstance(size, Exception)
+                              and complete_object(header, int(size), hashes[i], layout))
             return sum(isinstance(res, Exception) for res in results)
 
-        self._run_groups("EXISTS", hashes, 0, lambda p, i: p.exists(self._key(hashes[i])), consume)
-        return present
+        self._run_groups("EXISTS", hashes, 0, send, consume, span)
 
     def batch_get(self, hashes: Sequence[str], into: Sequence[memoryview],
                   layout: PageLayout | None = None) -> list[bool]:
@@ -399,7 +410,7 @@ class RedisBackend(StorageBackend):
                     bad += 1
                     continue
                 try:
-                    payload = check_object(layout, res)
+                    payload = check_object(layout, res, hashes[i])
                 except PageFormatError as exc:
                     log.warning("%s: corrupt page %s deleted: %s", self.name, hashes[i], exc)
                     corrupt.append(hashes[i])
@@ -436,7 +447,7 @@ class RedisBackend(StorageBackend):
         ttl = self.settings.ttl_s
 
         def send(pipe: Any, i: int) -> None:
-            pipe.set(self._key(hashes[i]), PageValue(encode_header(layout, views[i]), views[i]), ex=ttl)
+            pipe.set(self._key(hashes[i]), PageValue(encode_header(layout, views[i], hashes[i]), views[i]), ex=ttl)
 
         written = 0
         errors: list[int] = []
@@ -612,16 +623,24 @@ class RedisBackend(StorageBackend):
             return False
 
     def _probe_node(self, name: str) -> bool:
-        """``PING`` cluster node ``name``; True also if it has left the topology (its slots
-        now route elsewhere). Never raises."""
+        """``PING`` cluster node ``name``. When it does not answer, ask the cluster where its
+        slots are now (``CLUSTER SLOTS`` through any node): True also once it owns none (a
+        replica was promoted in its place, its slots moved, it left). Never raises."""
         try:
             client = self._conn()
+        except (*_STORE_ERRORS, StorageConfigError):
+            return False
+        try:
             node = client.get_node(node_name=name)
-            return node is None or bool(client.get_redis_connection(node).ping())
+            if node is None or client.get_redis_connection(node).ping():
+                return True
         except _STORE_ERRORS as exc:
             log.debug("%s: probe of node %s failed: %r", self.name, name, exc)
-            return False
-        except StorageConfigError:
+        try:
+            client.nodes_manager.initialize()
+            return name not in {n.name for n in client.get_primaries()}
+        except _STORE_ERRORS as exc:
+            log.debug("%s: cannot refresh the cluster's slots: %r", self.name, exc)
             return False
 
     def _on_breaker_change(self, up: bool) -> None:

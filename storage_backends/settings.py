@@ -51,10 +51,14 @@ class ResilienceSettings:
 class FileSettings:
     """The embedded file store.
 
-    ``max_size_gb`` caps the bytes of page objects under ``dir`` (0 = no cap); once above
-    it, least recently accessed pages are evicted down to ``low_water`` x the cap.
-    ``fsync`` makes each write durable before it becomes visible (slower). ``io_threads``
-    is the size of the worker pool that runs file I/O in parallel.
+    ``max_size_gb`` caps the bytes of page objects (and temporary files) under ``dir``,
+    whatever number of processes share it (0 = no cap); once above it, least recently
+    accessed pages are evicted down to ``low_water`` x the cap. ``fsync`` makes each write
+    durable, directories included, before it is reported stored (slower). ``io_threads``
+    is the size of the worker pool that runs file I/O in parallel. ``scan_on_start`` runs
+    the housekeeping thread (start-up scan, then every ``maintenance_s`` a look for dead
+    writers' leftovers); temporary files without a writer token (older builds) are
+    removed once older than ``stale_tmp_s``.
     """
 
     dir: str = field(default_factory=default_cache_dir)
@@ -64,6 +68,7 @@ class FileSettings:
     io_threads: int = 4
     scan_on_start: bool = True
     stale_tmp_s: float = 300.0
+    maintenance_s: float = 5.0
     resilience: ResilienceSettings = field(default_factory=ResilienceSettings)
 
     kind = "file"
@@ -79,6 +84,8 @@ class FileSettings:
             raise StorageConfigError(f"file.io_threads must be in [1, 256], got {self.io_threads}")
         if self.stale_tmp_s < 0:
             raise StorageConfigError(f"file.stale_tmp_s must be >= 0, got {self.stale_tmp_s}")
+        if not self.maintenance_s > 0:
+            raise StorageConfigError(f"file.maintenance_s must be > 0, got {self.maintenance_s}")
 
     @property
     def max_bytes(self) -> int:

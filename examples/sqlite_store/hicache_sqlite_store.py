@@ -163,7 +163,7 @@ class SqliteBackend(StorageBackend):
                 out.append(False)
                 continue
             try:
-                payload = check_object(layout, obj)
+                payload = check_object(layout, obj, h)
             except PageFormatError:
                 bad.append(h)
                 out.append(False)
@@ -185,7 +185,7 @@ class SqliteBackend(StorageBackend):
         if self._closed:
             self._stats.add(dropped_writes=len(checked))
             return [False] * len(checked)
-        rows = [(h, encode_header(layout, view) + view.tobytes()) for h, view in zip(checked, views, strict=True)]
+        rows = [(h, encode_header(layout, view, h) + view.tobytes()) for h, view in zip(checked, views, strict=True)]
         try:
             db = self._db()
             with db:  # one transaction: every row or none

@@ -95,6 +95,9 @@ def test_mamba_state_slots_round_trip(harness: ControllerHarness) -> None:
     (protos.WriteToHost(905, {"full": [0, 1]}, {"full": [3, 3]}), "twice"),
     (protos.PrefetchFetch(906, ["a" * 64], [500]), "out of range"),
     (protos.BackupToStorage(907, [1, 2], ["a" * 64]), "1 hashes but 2 host pages"),
+    (protos.PrefetchFetch(908, ["a" * 64, "b" * 64], [7, 7]), "twice"),
+    (protos.PrefetchFetch(909, ["a" * 64], [7], aux_keys={"mamba": ["c" * 64, "d" * 64]},
+                          aux_pages={"mamba": [3, 3]}), "twice"),
 ])
 def test_bad_ops_are_rejected_without_touching_memory(harness: ControllerHarness, msg: protos.Message,
                                                       needle: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -138,6 +139,16 @@ def make_backend(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> I
         finally:
             for b in made:
                 b.close()
+
+
+def wait_until(cond: Callable[[], object], timeout: float = 10.0) -> bool:
+    """Poll ``cond`` until it is true or ``timeout`` seconds passed; its last answer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return bool(cond())
 
 
 def random_hashes(n: int) -> list[str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 
 from hicache.cli import main
@@ -156,11 +156,13 @@ def test_storage_cli_uses_the_settings_module() -> None:
 
 def test_header_round_trip_and_fields() -> None:
     payload = random_pages(1)[0]
-    obj = encode_header(LAYOUT, payload) + payload
+    (key,) = random_hashes(1)
+    obj = encode_header(LAYOUT, payload, key) + payload
     assert len(obj) == LAYOUT.object_size
-    assert bytes(check_object(LAYOUT, obj)) == payload
-    hdr = verify_object(obj)
+    assert bytes(check_object(LAYOUT, obj, key)) == payload
+    hdr = verify_object(obj, key)
     assert (hdr.layout_id, hdr.dtype, hdr.shape, hdr.payload_size) == (7, "bfloat16", (2, 4, 16, 64), 16384)
+    assert hdr.version == 2 and hdr.name == bytes.fromhex(key)[:16] and hdr.names(key)
     assert PageLayout(7, "torch.bfloat16", [2, 4, 16, 64]) == LAYOUT  # type: ignore[arg-type]
 
 
@@ -183,18 +185,18 @@ def test_bad_layouts_are_refused(bad: dict) -> None:
 def test_random_bytes_never_verify(blob: bytes, layout_id: int) -> None:
     layout = PageLayout(layout_id, "uint8", (64,))
     with pytest.raises(PageFormatError):
-        check_object(layout, blob)
+        check_object(layout, blob, "ab" * 32)
 
 
 @given(st.integers(0, HEADER_SIZE + 63), st.integers(1, 255))
 def test_any_single_byte_change_is_detected(pos: int, xor: int) -> None:
-    assume(not 80 <= pos < HEADER_SIZE)  # reserved bytes after the checksum carry nothing
     layout = PageLayout(3, "uint8", (64,))
     payload = bytes(range(64))
-    obj = bytearray(encode_header(layout, payload) + payload)
+    key = "5e" * 32
+    obj = bytearray(encode_header(layout, payload, key) + payload)
     obj[pos] ^= xor
     with pytest.raises(PageFormatError):
-        check_object(layout, obj)
+        check_object(layout, obj, key)
 
 
 # -- resilience -------------------------------------------------------------------------------
@@ -228,3 +230,51 @@ def test_breaker_trips_at_threshold_and_probe_reattaches() -> None:
         time.sleep(0.01)
     assert br.up and changes == [False, True]
     br.close()
+
+
+def _files(store: Path, pattern: str = "*/*.page") -> list[Path]:
+    return sorted(store.glob(pattern))
+
+
+def test_cli_read_only_commands_keep_a_store_over_the_configs_cap(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``stats`` and ``verify`` open a store far above the config's ``max_size_gb`` (another
+    daemon's, a lowered cap) and delete nothing: every page stays, and the counts they print
+    are those of the files."""
+    store = tmp_path / "l3"
+    big = PageLayout(7, "uint8", (1 << 20,))  # 1 MiB pages
+    from storage_backends import create_backend
+
+    be = create_backend(FileSettings(dir=str(store)), big)
+    hashes = random_hashes(40)
+    assert be.batch_set(hashes, random_pages(40, big)) == [True] * 40
+    be.close()
+    before = {p.name: p.stat().st_size for p in _files(store)}
+    assert len(before) == 40
+    config = tmp_path / "hicache.yaml"
+    config.write_text(f"cache:\n  l3:\n    backend: file\n    file:\n      dir: {store}\n      max_size_gb: 0.01\n")
+
+    assert main(["storage", "--config", str(config), "verify"]) == 0
+    out = capsys.readouterr().out
+    assert "40 ok, 0 bad" in out, out
+    assert main(["storage", "--config", str(config), "stats", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert main(["storage", "--config", str(config), "--set", "cache.l3.file.max_size_gb=0.001", "verify"]) == 0
+    capsys.readouterr()
+    after = {p.name: p.stat().st_size for p in _files(store)}
+    assert after == before, f"{len(before) - len(after)} of 40 pages deleted by read-only commands"
+    assert stats["pages"] == len(after) and stats["bytes"] == sum(after.values())
+
+
+def test_cli_verify_deletes_only_what_it_proves_corrupt_and_says_so(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    store = tmp_path / "l3"
+    h = _fill(store, 8)
+    bad = store / h[3][:2] / f"{h[3]}.page"
+    bad.write_bytes(bad.read_bytes()[:-1])
+    config = tmp_path / "hicache.yaml"
+    config.write_text(f"cache:\n  l3:\n    backend: file\n    file:\n      dir: {store}\n      max_size_gb: 0.00001\n")
+    assert main(["storage", "--config", str(config), "verify", "--delete"]) == 1
+    out = capsys.readouterr().out
+    assert h[3] in out and "7 ok, 1 bad, 1 deleted" in out, out
+    assert {p.name for p in _files(store)} == {f"{x}.page" for x in h if x != h[3]}

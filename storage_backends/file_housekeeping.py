@@ -1,0 +1,123 @@
+"""The file store's housekeeping thread (docs/architecture.md §7).
+
+``Housekeeper`` runs one thread per store (``FileSettings.scan_on_start``): a scan at
+start, then every ``maintenance_s`` a look for writers that died (``WriterRegistry``),
+and a scan again at once when it finds one, or when an eviction found this process's
+index too small (``want_scan``; then at most once per ten scan durations).
+
+A scan (``scan``) walks the directory (``file_layout.walk``): removes the temporary files
+of dead writers (and, without a writer token, those older than ``stale_tmp_s``), measures
+pages and temporary files into the shared record (``UsageRecord.measured``: the pages this
+process removed or published meanwhile left out, what anyone reserved meanwhile added),
+rebuilds the index, and evicts if the store is above its cap. The record is then exact but
+for other processes' writes and removals during the walk, which it counts once too many
+(the safe side: the store then holds a little less than its cap until the next scan).
+
+Threads: ``scan`` runs on the housekeeping thread only; the other methods may be called
+from any thread. The thread lives in the process that made the store (a forked child
+has none).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from storage_backends.file_index import PageIndex
+from storage_backends.file_layout import tmp_token, walk
+from storage_backends.file_usage import UsageRecord, WriterRegistry
+from storage_backends.settings import FileSettings
+
+log = logging.getLogger(__name__)
+
+
+class Housekeeper:
+    def __init__(self, root: str, settings: FileSettings, index: PageIndex, usage: UsageRecord,
+                 writers: WriterRegistry, evict: Callable[[int], object], closed: Callable[[], bool]) -> None:
+        self.root = root
+        self.settings = settings
+        self._index = index
+        self._usage = usage
+        self._writers = writers
+        self._evict = evict
+        self._closed = closed
+        self.scan_done = threading.Event()
+        self.failed_scans = 0
+        self._stop = threading.Event()
+        self._scan_wanted = False
+        self._last_scan = (0.0, 0.0)  # (monotonic end, seconds it took)
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="l3-file-maint", daemon=True)
+        self._thread.start()
+
+    def want_scan(self) -> None:
+        """An eviction could not free what it claimed: pages this process does not know of
+        (other processes') hold the store."""
+        self._scan_wanted = True
+
+    def stop(self) -> None:
+        """Stop the thread (a scan in progress stops at its next shard) and wait for it."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(30)
+
+    def _run(self) -> None:
+        try:
+            self.scan()
+        except Exception:  # a bug; the store serves without its index
+            log.exception("file store %s: start-up scan failed", self.root)
+        finally:
+            self.scan_done.set()
+        interval = self.settings.maintenance_s
+        while not self._stop.wait(interval):
+            try:
+                end, took = self._last_scan
+                due = self._scan_wanted and time.monotonic() - end > max(interval, 10 * took)
+                if self._writers.find_dead() or due:
+                    self.scan()
+            except Exception:
+                log.exception("file store %s: housekeeping failed", self.root)
+
+    def _leftover(self, stale_before: float) -> Callable[[str, os.stat_result], bool]:
+        """Whether a temporary file is a dead writer's (or, without a token, a stale one)."""
+        def leftover(name: str, st: os.stat_result) -> bool:
+            token = tmp_token(name)
+            return self._writers.is_dead(token) if token is not None else st.st_mtime < stale_before
+        return leftover
+
+    def scan(self) -> None:
+        """One scan (module doc)."""
+        started = time.monotonic()
+        since = self._usage.read()
+        self._index.scan_started()
+        result = None
+        try:
+            result = walk(self.root, self._leftover(time.time() - self.settings.stale_tmp_s),
+                          stop=lambda: self._closed() or self._stop.is_set())
+        finally:
+            counted = self._index.scan_found(result.pages if result is not None and result.complete else None)
+            self._writers.release_dead()
+        if not result.complete:
+            self.failed_scans += 1
+            log.warning("file store %s: the scan did not finish; the store is measured again later", self.root)
+            return
+        # What this process removed or published while the walk ran, the record counted already.
+        seen = [size for _atime, h, size in result.pages if h in counted]
+        usage = self._usage.measured(result.bytes - sum(seen), len(result.pages) - len(seen), since)
+        took = time.monotonic() - started
+        self._last_scan = (time.monotonic(), took)
+        self._scan_wanted = False
+        log.info("file store %s: %d pages, %.1f MiB found in %.2fs%s", self.root, len(result.pages),
+                 result.bytes / 2**20, took,
+                 f"; {result.reclaimed} temporary files of dead writers removed" if result.reclaimed else "")
+        cap = self.settings.max_bytes
+        if cap and usage.bytes > cap:
+            claim = self._usage.settle(0, 0, cap, int(cap * self.settings.low_water))
+            if claim:
+                self._evict(claim)
