@@ -1,7 +1,7 @@
 """``KVEventPublisher``: KV event batches on a ZeroMQ PUB socket, as vLLM's
 ``ZmqEventPublisher`` sends them, with vLLM's replay socket.
 
-Wire (identical to vLLM 0.32):
+Wire (identical to vLLM 0.32, but for the run key a decoder ignores):
 
 - PUB, one message per batch, three frames: the topic (UTF-8), the sequence number (8 bytes,
   unsigned big-endian, 0 for the first batch, +1 per batch published), the payload
