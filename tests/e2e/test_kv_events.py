@@ -58,6 +58,9 @@ class Index:
         self.seqs: list[int] = []
         self.cleared = 0
         self.removed: dict[str, int] = {"GPU": 0, "CPU": 0, "STORAGE": 0}
+        self.stored: dict[str, int] = {"GPU": 0, "CPU": 0, "STORAGE": 0}
+        self.stored_again = 0
+        """Pages stored while the index held them already (announced twice, no removal between)."""
         self.lock = threading.Lock()
         self.last = time.monotonic()
         self._stop = threading.Event()
@@ -102,6 +105,8 @@ class Index:
                         pages.clear()
                 elif isinstance(ev, kv_events.BlockStored):
                     assert ev.block_size == PS and len(ev.token_ids) == PS * len(ev.block_hashes)
+                    self.stored_again += len(self.held[ev.medium].intersection(ev.block_hashes))
+                    self.stored[ev.medium] += len(ev.block_hashes)
                     self.held[ev.medium].update(ev.block_hashes)
                     for parent, h in zip([ev.parent_block_hash, *ev.block_hashes], ev.block_hashes, strict=False):
                         self.parent[h] = parent
@@ -296,6 +301,7 @@ def test_the_index_follows_every_tier_through_a_flush_a_restart_and_storage_chan
         index.until("L3 empty after the clear", lambda: index.count("STORAGE") == 0)
         index.quiet()
         assert _store_objects(tmp_path / "l3") == set() and index.count("STORAGE") == 0
+        assert index.stored_again == 0, index.stored  # only changes are announced
         stats = d2.get("/cache/stats")
         assert stats["l1"]["full"]["used_tokens"] == index.count("GPU") * PS > 0
         assert stats["l2"]["full"]["used_tokens"] == index.count("CPU") * PS > 0
