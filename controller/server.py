@@ -18,8 +18,12 @@ PrefetchQuery          an L3 worker thread                       PrefetchHits(n)
 Cancel                 main loop: an op not yet started is       the op's own OpDone
                        answered ``cancelled``; a running one     (never a second one)
                        finishes normally
-StorageAdmin           main loop, once no L3 op is running       StorageStatus
-(the store evicts)     main loop, each round                     StorageEvicted (unprompted)
+StorageAdmin           main loop, once no L3 op is running       StorageStatus (after the
+                                                                 evictions of the store
+                                                                 it replaced or cleared)
+(the store evicts)     main loop, each round; a page a backup    StorageEvicted (unprompted)
+                       names waits for that backup's answer
+                       (``controller.eviction_order``)
 Shutdown / SIGTERM     stop reading, finish queued ops, exit 0   —
 =====================  ========================================  ==========================
 
@@ -58,6 +62,7 @@ import torch
 import zmq
 
 import protos
+from controller.eviction_order import EvictionGate
 from controller.storage_io import StorageIO
 from controller.transfer import CopyPlan, TransferRefused, make_transfer_engine
 from hicache.config import MetricsConfig
@@ -153,6 +158,7 @@ class ControllerServer:
         self.copies_queued = 0
         self.l3_running = 0
         self.pending_admin: list[protos.StorageAdmin] = []
+        self.evictions = EvictionGate()
         self.stopping = False
         self._last_health = 0.0
         self.heartbeat = HeartbeatWriter(None, "controller")  # controller_main sets the real one
@@ -255,6 +261,8 @@ class ControllerServer:
             return
         op = self.ops[msg.op_id] = _Op(msg.op_id, "l3")
         self.l3_running += 1
+        if isinstance(msg, protos.BackupToStorage):
+            self.evictions.backup_started(msg.op_id, msg.hashes)
         self.io_pool.submit(self._run_and_answer, op, lambda: self._l3(op, msg))
 
     def _l3(self, op: _Op, msg: protos.BackupToStorage | protos.PrefetchFetch | protos.PrefetchQuery) -> protos.Message:
@@ -310,10 +318,12 @@ class ControllerServer:
             else:
                 self.l3_running -= 1
         self.outbox.socket.send(frame)
+        self.evictions.backup_answered(int(op_id))
 
     def _run_admin(self) -> None:
         while self.pending_admin and self.l3_running == 0:
             msg = self.pending_admin.pop(0)
+            self._forward_evictions()  # what the store did before the op, told before its answer
             error = None
             try:
                 if msg.op == "attach":
@@ -377,8 +387,9 @@ class ControllerServer:
 
     def _forward_evictions(self) -> None:
         """Tell the scheduler which pages the store evicted on its own (``StorageEvicted``,
-        for its KV events), in frames of at most ``EVICTED_PER_FRAME`` hashes."""
-        evicted = self.storage.take_evicted()
+        for its KV events), in frames of at most ``EVICTED_PER_FRAME`` hashes; a page a
+        backup names only after that backup's answer (``EvictionGate``)."""
+        evicted = self.evictions.release(self.storage.take_evicted(), self.storage.holds_each)
         for start in range(0, len(evicted), EVICTED_PER_FRAME):
             self.outbox.send(protos.StorageEvicted(evicted[start:start + EVICTED_PER_FRAME]))
 

@@ -340,6 +340,18 @@ class StorageIO:
                 log.exception("the L3 backend could not tell what it evicted")
         return out
 
+    def holds_each(self, hashes: list[str]) -> list[bool]:
+        """Per page hash, whether a store (the shared one or a partition) holds it now; all
+        False with no store, or where a store cannot tell (``EvictionGate`` then tells the
+        eviction: the safe way). Never raises."""
+        held = [False] * len(hashes)
+        for backend in self._all():
+            try:
+                held = [was or now for was, now in zip(held, backend.exists_each(hashes), strict=True)]
+            except Exception:  # a check for the events: never let it stop the controller's loop
+                log.exception("the L3 backend could not tell which pages it holds")
+        return held
+
     def _all(self) -> list[StorageBackend]:
         return [] if self.backend is None else [self.backend, *self.partitions.values()]
 

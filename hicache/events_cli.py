@@ -8,6 +8,7 @@ Lines (stdout), the sequence number and timestamp of the batch first::
     seq=14 ts=1712345678.300 AllBlocksCleared
     replayed seq=9 ...                      a batch fetched from the replay socket
     missed 3 batches (seq 10..12)           a gap nothing could fill
+    new run 5f0c2d9e41a7b3e1 (was 9a7b6c5d4e3f2a03) at seq=4: replaying it from seq 0
     warning: seq=15: malformed payload: ...
 
 Gaps: after the first batch received (or from ``--from-seq``), a sequence number past the next
@@ -17,6 +18,13 @@ or every missing batch without a replay socket, is reported as missed. ``--from-
 ``--replay-endpoint`` prints what the replay socket holds from that number at once (an idle
 publisher sends no live batch to show the gap); a live batch printed that way is not printed
 again.
+
+Runs: a hicache daemon names its run in every batch (``hicache_run``). A batch of another
+run than the last one is a restarted daemon, numbering from 0 again: the line ``new run``
+says so, and the new run's batches before it (its ``AllBlocksCleared``, the L3 pages its
+journal announces again) are fetched from the replay socket, printed ``replayed``, as for any
+gap (only that run's batches). A batch of the same run below the number expected was printed
+already and is skipped. A publisher without runs (vLLM) whose numbers go back gets a warning.
 
 Exit status: 0 after ``--count`` events or ``--timeout-s`` seconds without a message; 2 for an
 endpoint that is not ``tcp://HOST:PORT`` or ``ipc://PATH``.
@@ -131,6 +139,8 @@ class _Subscriber:
     topic: bytes
     printer: _Printer
     expected: int | None = None
+    run: str | None = None
+    """The run of the last batch (``hicache_run``), None before one or from a publisher without."""
     replayed_below: int | None = None
     """Batches below this number were printed from the replay socket at start (``catch_up``):
     live copies of them are skipped."""
@@ -156,10 +166,19 @@ class _Subscriber:
                 _, topic, seq_bytes, payload = frames
                 if int.from_bytes(seq_bytes, "big", signed=True) == -1:
                     return
-                if topic.startswith(self.topic):
+                if topic.startswith(self.topic) and self._of_this_run(payload):
                     yield int.from_bytes(seq_bytes, "big"), payload
         finally:
             dealer.close(linger=0)
+
+    def _of_this_run(self, payload: bytes) -> bool:
+        """Whether a replayed batch belongs to the run followed (any, before one is known,
+        which it then becomes)."""
+        run = _run_of(payload)
+        if run is None or self.run is None:
+            self.run = self.run or run
+            return True
+        return run == self.run
 
     def fill(self, first: int, last: int) -> None:
         """Print batches ``first..last`` from the replay socket, or say they were missed."""
@@ -201,6 +220,13 @@ class _Subscriber:
             return
         _topic, seq_bytes, payload = frames
         seq = int.from_bytes(seq_bytes, "big")
+        run = _run_of(payload)
+        if run is not None and run != self.run:
+            if self.run is not None:  # a restarted daemon: its run from the beginning
+                self.printer.line(f"new run {run} (was {self.run})"
+                                  + (f" at seq={seq}: replaying it from seq 0" if seq else ""))
+                self.expected, self.replayed_below = 0, None
+            self.run = run
         if self.replayed_below is not None:
             if seq < self.replayed_below:
                 return  # printed by catch_up already
@@ -210,11 +236,21 @@ class _Subscriber:
                 self.fill(self.expected, seq - 1)
                 if self.printer.done:
                     return
+            elif seq < self.expected and run is not None:
+                return  # this run's, printed already (from the replay socket)
             elif seq < self.expected:
                 self.printer.line(f"warning: sequence went back from {self.expected - 1} to {seq} "
                                   "(publisher restarted?)")
         self.expected = seq + 1
         self.printer.batch(seq, payload, replayed=False)
+
+
+def _run_of(payload: bytes) -> str | None:
+    """The daemon run a batch names (``hicache_run``); None without one or when it does not decode."""
+    try:
+        return decode_batch(payload).run
+    except ValueError:
+        return None
 
 
 def run(args: argparse.Namespace) -> int:

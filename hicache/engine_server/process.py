@@ -146,7 +146,7 @@ class CacheServerProcess(ProcessLoop):
         self.poller = zmq.Poller()
         self.poller.register(engines.socket, zmq.POLLIN)
         self.poller.register(links.inbox.socket, zmq.POLLIN)
-        admin = _Admin(server, links.to_tokenizer.send, links.to_controller.send)
+        admin = _Admin(server, links.to_tokenizer.send, links.to_controller.send, self.storage_status_seen)
         self.handlers.update({
             protos.GenerateRequest: admin.refuse_generate,
             protos.AbortRequest: ignore,  # nothing generates here
@@ -271,12 +271,15 @@ class _Admin:
     controller); generation requests are refused, since the engines generate."""
 
     def __init__(self, server: CacheServer, emit: Callable[[protos.TokenizerMessage], None],
-                 controller_send: Callable[[protos.ControllerMessage], None]) -> None:
+                 controller_send: Callable[[protos.ControllerMessage], None],
+                 status_seen: Callable[[str | None, protos.StorageStatus], None]) -> None:
         self.server = server
         self.emit = emit
         self.controller_send = controller_send
+        self.status_seen = status_seen
+        """Told of each ``StorageStatus`` and the op it answers (``ProcessLoop.storage_status_seen``)."""
         self._ids = count(1)
-        self._waiting: dict[int, str] = {}
+        self._waiting: dict[int, tuple[str, str]] = {}  # storage op id -> (rid, op)
 
     def refuse_generate(self, msg: protos.GenerateRequest) -> None:
         self.emit(protos.TokenOutput(msg.rid, [], True, "error", None, ENGINE_MODE_ERROR))
@@ -285,9 +288,10 @@ class _Admin:
         """The answer to a storage op (or the store's own change, ``op_id`` -1)."""
         if self.server.tier is not None:
             self.server.tier.l3_enabled = msg.backend != "none"
-        rid = self._waiting.pop(msg.op_id, None)
-        if rid is not None:
-            self.emit(protos.AdminReply(rid, msg.error is None,
+        waiting = self._waiting.pop(msg.op_id, None)
+        self.status_seen(None if waiting is None else waiting[1], msg)
+        if waiting is not None:
+            self.emit(protos.AdminReply(waiting[0], msg.error is None,
                                         {"backend": msg.backend, "up": msg.up, "stats": msg.stats}, msg.error))
 
     def admin(self, msg: protos.AdminRequest) -> None:
@@ -305,7 +309,7 @@ class _Admin:
                                                 "busy: leases or transfers are open; retry when idle"))
                     return
                 op_id = next(self._ids)
-                self._waiting[op_id] = msg.rid
+                self._waiting[op_id] = (msg.rid, op)
                 self.controller_send(protos.StorageAdmin(op_id, op, msg.args))
             elif msg.op == "pins":
                 pins = self.server.pins

@@ -20,8 +20,16 @@ a slow reader) is filled from the daemon's replay socket when it has one, waitin
 ``replay_timeout_ms``; without one, or when the replay no longer holds them, the batches are
 lost and counted (``missed``). The constructor asks the replay socket for everything it
 still holds, so an engine that starts after the daemon learns what L2 and L3 hold already
-(as far back as the daemon's replay buffer goes). ``restart`` is for a daemon that restarted
-(a new run numbers its batches from 0 again). Not thread-safe: one caller (vLLM's scheduler).
+(as far back as the daemon's replay buffer goes).
+
+Runs: every batch names the daemon run that sent it (``hicache_run``). A batch of another
+run than the last one is a restarted daemon, numbering from 0 again: what that run sent
+before it (its ``AllBlocksCleared`` and journal pages, which the daemon keeps for replay) is
+fetched from the replay socket first, only that run's batches. A batch of the same run below
+the next number expected was handed on already (a replay and the live socket overlapped)
+and is skipped. A batch without a run (an older daemon) that goes back counts as a new run.
+``restart`` is for a caller that learns of a restart another way. Not thread-safe: one
+caller (vLLM's scheduler).
 """
 
 from __future__ import annotations
@@ -32,7 +40,14 @@ from collections.abc import Iterator
 
 import zmq
 
-from hicache.kv_events.format import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch
+from hicache.kv_events.format import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatchView,
+    KVEvent,
+    decode_batch,
+)
 
 log = logging.getLogger("hicache.kv_events")
 
@@ -62,6 +77,8 @@ class EventFollower:
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.connect(endpoint)
         self._expected = 0
+        self.run: str | None = None
+        """The daemon run whose batches this follower takes (None until one arrived)."""
         self._announced: dict[str, set[bytes]] = {}
         self.missed = 0
         """Batches lost: a gap the replay socket could not fill."""
@@ -108,25 +125,39 @@ class EventFollower:
                 log.warning("hicache: ignoring a malformed KV event message (%d frames)", len(frames))
                 continue
             seq = int.from_bytes(frames[1], "big")
-            if seq < self._expected:  # the daemon restarted and this is its new run
-                self._expected = 0
+            batch = _decode(frames[2])
+            run = batch.run if batch is not None else None
+            if (run is not None and run != self.run) or (run is None and seq < self._expected):
+                self._expected = 0  # a new run of the daemon: from its beginning
+                self.run = run
+            elif seq < self._expected:
+                continue  # handed on already (from the replay socket)
             if seq > self._expected:
                 self._catch_up(self._expected, seq)
                 out.extend(self._pending)
                 self._pending = []
-            self._apply(frames[2], out)
+            if batch is not None:
+                self._apply(batch, out)
             self._expected = seq + 1
 
     def _catch_up(self, start: int, before: int | None) -> None:
-        """Batches ``start`` up to ``before`` (all there are: None) from the replay socket,
-        into ``_pending``; what it cannot give counts as missed."""
+        """Batches ``start`` up to ``before`` (all there are: None) of the current run from
+        the replay socket, into ``_pending``; what it cannot give counts as missed. With no
+        run yet, the replayed batches' run becomes the current one."""
         got = start
         for seq, payload in self._replay(start):
             if before is not None and seq >= before:
                 break
+            batch = _decode(payload)
+            if batch is not None and batch.run is not None:
+                if self.run is None:
+                    self.run = batch.run
+                elif batch.run != self.run:
+                    continue  # another run's (the daemon restarted again meanwhile)
             if seq > got:
                 self.missed += seq - got
-            self._apply(payload, self._pending)
+            if batch is not None:
+                self._apply(batch, self._pending)
             self.replayed += 1
             got = seq + 1
         if before is not None and got < before:
@@ -156,12 +187,7 @@ class EventFollower:
         finally:
             dealer.close(linger=0)
 
-    def _apply(self, payload: bytes, out: list[KVEvent]) -> None:
-        try:
-            batch = decode_batch(payload)
-        except ValueError as exc:
-            log.warning("hicache: ignoring a KV event batch that does not decode: %s", exc)
-            return
+    def _apply(self, batch: EventBatchView, out: list[KVEvent]) -> None:
         for ev in batch.events:
             if isinstance(ev, AllBlocksCleared):
                 for medium, hashes in self._announced.items():
@@ -178,3 +204,11 @@ class EventFollower:
                 if gone:
                     held.difference_update(gone)
                     out.append(BlockRemoved(gone, ev.medium))
+
+
+def _decode(payload: bytes) -> EventBatchView | None:
+    try:
+        return decode_batch(payload)
+    except ValueError as exc:
+        log.warning("hicache: ignoring a KV event batch that does not decode: %s", exc)
+        return None

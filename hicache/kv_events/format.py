@@ -22,6 +22,14 @@ declared without a default are always written, ``nil`` included.
 | ``BlockRemoved``   | type, block_hashes, medium                                              |
 | ``AllBlocksCleared`` | type                                                                  |
 
+The run: hicache adds one key of its own to the *first* event of every batch it publishes,
+``hicache_run`` (``RUN_KEY``), a text naming the daemon run that published it (a new one at
+every start). A consumer that follows the stream across restarts compares it with the
+previous batch's: a different run began numbering from 0 again, with an
+``AllBlocksCleared`` (docs/architecture.md §14). Decoders that do not know the key ignore it
+(msgspec and vLLM's structs, and serde or Go decoders of the tagged maps, skip unknown keys),
+which is why it rides in an event map rather than as a fourth element of the batch array.
+
 vLLM's decoder requires ``lora_id``, ``medium`` and ``lora_name`` in a ``BlockStored``; the
 other fields vLLM 0.32 has on top (``group_idx``, ``kv_cache_spec_*``, ``locality``,
 ``ownership``, ``session_id``) have defaults and are not written.
@@ -35,6 +43,7 @@ Decoding contract (``decode_batch``):
   64-bit value) decodes as its 8-byte big-endian form, so hashes are always ``bytes``;
 - each ``extra_keys`` entry becomes a tuple; what is inside it is left as msgpack gives it
   (nested arrays stay lists), as msgspec's decoder does;
+- ``hicache_run`` is read from the first event (``EventBatchView.run``; None when absent);
 - anything else malformed (not msgpack, wrong types, unknown event type, truncated) raises
   ``ValueError``, and only ``ValueError``.
 """
@@ -61,7 +70,10 @@ __all__ = [
 
 
 NAMESPACE_KEY = "hicache_namespace"
-"""The one key hicache adds to vLLM's ``BlockStored`` (see ``BlockStored.namespace``)."""
+"""The key hicache adds to vLLM's ``BlockStored`` (see ``BlockStored.namespace``)."""
+
+RUN_KEY = "hicache_run"
+"""The key hicache adds to the first event of each batch: the publishing run (module doc)."""
 
 
 class Medium(str, Enum):
@@ -114,6 +126,8 @@ class EventBatchView:
     ts: float
     events: list[KVEvent]
     data_parallel_rank: int | None = None
+    run: str | None = None
+    """The publishing daemon run (``RUN_KEY``), None for a batch without it (vLLM's own)."""
 
 
 # -- encoding ---------------------------------------------------------------------------
@@ -148,11 +162,16 @@ def _encode_event(event: KVEvent) -> dict[str, Any]:
     raise TypeError(f"not a KV event: {type(event).__name__}")
 
 
-def encode_batch(ts: float, events: Sequence[KVEvent], data_parallel_rank: int | None = None) -> bytes:
-    """The bytes vLLM's ``ZmqEventPublisher`` sends for ``EventBatch(ts, events, rank)``.
+def encode_batch(ts: float, events: Sequence[KVEvent], data_parallel_rank: int | None = None,
+                 run: str | None = None) -> bytes:
+    """The bytes vLLM's ``ZmqEventPublisher`` sends for ``EventBatch(ts, events, rank)``,
+    with ``run`` under ``RUN_KEY`` in the first event when given (and ``events`` not empty).
 
     Raises ``TypeError`` for anything in ``events`` that is not a KV event."""
-    doc = [float(ts), [_encode_event(e) for e in events], data_parallel_rank]
+    encoded = [_encode_event(e) for e in events]
+    if run is not None and encoded:
+        encoded[0][RUN_KEY] = run
+    doc = [float(ts), encoded, data_parallel_rank]
     packed: bytes = msgpack.packb(doc, use_bin_type=True)
     return packed
 
@@ -256,6 +275,8 @@ def decode_batch(payload: bytes) -> EventBatchView:
     ts = doc[0]
     if isinstance(ts, bool) or not isinstance(ts, (int, float)):
         raise ValueError(f"batch ts: expected a number, got {type(ts).__name__}")
-    events = [_decode_event(e, f"events[{i}]") for i, e in enumerate(_list(doc[1], "batch events"))]
+    raw = _list(doc[1], "batch events")
+    events = [_decode_event(e, f"events[{i}]") for i, e in enumerate(raw)]
     rank = _opt_int(doc[2], "batch data_parallel_rank") if len(doc) > 2 else None
-    return EventBatchView(ts=float(ts), events=events, data_parallel_rank=rank)
+    run = _opt_str(raw[0].get(RUN_KEY), f"events[0].{RUN_KEY}") if raw else None
+    return EventBatchView(ts=float(ts), events=events, data_parallel_rank=rank, run=run)

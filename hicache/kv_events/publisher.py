@@ -1,7 +1,7 @@
 """``KVEventPublisher``: KV event batches on a ZeroMQ PUB socket, as vLLM's
 ``ZmqEventPublisher`` sends them, with vLLM's replay socket.
 
-Wire (identical to vLLM 0.32):
+Wire (identical to vLLM 0.32, but for the run key a decoder ignores):
 
 - PUB, one message per batch, three frames: the topic (UTF-8), the sequence number (8 bytes,
   unsigned big-endian, 0 for the first batch, +1 per batch published), the payload
@@ -14,6 +14,15 @@ Wire (identical to vLLM 0.32):
   signed big-endian bytes. The buffer holds the last ``buffer_batches`` batches published.
   A malformed request (not three frames, a non-empty delimiter, a start that is not 8
   bytes) is logged and ignored.
+- the run: with ``run`` set, every batch carries it under ``hicache_run`` in its first
+  event (``format.RUN_KEY``), so a subscriber tells a new run from the first batch it gets.
+- kept batches: a batch published with ``keep=True`` (a run's opening: its
+  ``AllBlocksCleared`` and the L3 pages its journal announces again) stays in the replay
+  buffer for the publisher's life, outside the ``buffer_batches`` that the others share, so
+  a subscriber that learns of the run late can still rebuild from sequence 0. Kept batches
+  come first: once an ordinary batch went out, ``keep`` is refused (``ValueError``).
+  ``kept_batches`` says how many there will be at most, so that a whole replay fits in one
+  client's pipe.
 
 Endpoints, as vLLM: the PUB socket binds when the endpoint contains ``*`` or ``::`` or
 starts with ``ipc://`` or ``inproc://``, and connects otherwise; the replay socket always
@@ -25,8 +34,10 @@ Threads: ``publish`` encodes the batch and sends it on the PUB socket in the cal
 non-blocking, so a batch leaves the moment its round publishes it (a hand-off to a thread
 would wait for that thread to be scheduled: milliseconds on a busy host). It never blocks:
 the PUB socket queues at most ``send_hwm`` messages per subscriber and drops the rest *for
-that subscriber alone*; the subscriber sees the gap in the sequence numbers and asks the
-replay socket for it. A batch that cannot be encoded or sent counts as dropped (``stats``).
+that subscriber alone*, silently: ZeroMQ tells the sender nothing, so these losses are not
+counted anywhere here; the subscriber sees the gap in the sequence numbers and asks the
+replay socket for it. A batch that cannot be encoded or sent (for every subscriber) counts
+as dropped (``stats``).
 The replay socket is served by a thread of its own, which reads the replay buffer under a
 lock; the PUB socket is used only by the thread that calls ``publish`` (the process loop).
 
@@ -80,11 +91,15 @@ class KVEventPublisher:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None, topic: str,
                  buffer_batches: int = 10_000, data_parallel_rank: int | None = None,
-                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None, *, send_hwm: int = _SEND_HWM) -> None:
+                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None, *, send_hwm: int = _SEND_HWM,
+                 run: str | None = None, kept_batches: int = 1) -> None:
         if buffer_batches < 1:
             raise ValueError(f"buffer_batches must be at least 1, got {buffer_batches}")
         self._topic = topic.encode("utf-8")
         self._rank = data_parallel_rank
+        self.run = run
+        """The run every batch names (``format.RUN_KEY``); None: no run key (vLLM's bytes)."""
+        self._kept: list[tuple[int, bytes]] = []  # the run's opening batches (``keep``), for good
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
         self._next_seq = 0
 
@@ -116,7 +131,7 @@ class KVEventPublisher:
                 self._replay = ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
                 # a whole replay must fit in one client's pipe, or the ROUTER drops its tail
-                self._replay.setsockopt(zmq.SNDHWM, buffer_batches + 16)
+                self._replay.setsockopt(zmq.SNDHWM, buffer_batches + kept_batches + 16)
                 self._replay.bind(replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except Exception:
@@ -131,15 +146,17 @@ class KVEventPublisher:
 
     # -- the caller's side -----------------------------------------------------------------
 
-    def publish(self, events: Sequence[KVEvent], ts: float | None = None) -> bool:
+    def publish(self, events: Sequence[KVEvent], ts: float | None = None, *, keep: bool = False) -> bool:
         """Encode and send one batch (``ts`` defaults to now); never blocks. False, and the
         batch counted as dropped, when it cannot be encoded or sent or the publisher is
-        closed."""
+        closed. ``keep``: a run's opening batch, kept for replay for good (module doc)."""
+        if keep and self._next_seq > len(self._kept):
+            raise ValueError("only a run's first batches can be kept for replay")
         if self._closing.is_set():
             self._count_dropped(1, len(events))
             return False
         try:
-            payload = encode_batch(time.time() if ts is None else ts, events, self._rank)
+            payload = encode_batch(time.time() if ts is None else ts, events, self._rank, self.run)
         except Exception:
             log.exception("cannot encode a KV event batch of %d events; dropped", len(events))
             self._count_dropped(1, len(events))
@@ -155,7 +172,7 @@ class KVEventPublisher:
             return False
         self._next_seq += 1
         with self._lock:
-            self._buffer.append((seq, payload))
+            (self._kept if keep else self._buffer).append((seq, payload))
             self._published_batches += 1
             self._published_events += len(events)
             self._last_seq = seq
@@ -202,7 +219,8 @@ class KVEventPublisher:
                 start_seq = int.from_bytes(start, "big")
                 with self._lock:
                     self._replay_requests += 1
-                    batches = [(seq, payload) for seq, payload in self._buffer if seq >= start_seq]
+                    batches = [(seq, payload) for seq, payload in (*self._kept, *self._buffer)
+                               if seq >= start_seq]
                 try:
                     for seq, payload in batches:
                         replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload),

@@ -3,9 +3,15 @@ the process owns and a ``KVEventPublisher``. The process loop calls ``flush`` a 
 round (after its inbox, before a model call, at the end), each publishing the changes since
 the last as one batch (none when nothing changed).
 
+A run: each start of the stream is a new run, named by a random id that every batch carries
+(``hicache_run``, ``hicache.kv_events.format``). Its opening (``AllBlocksCleared``, and the
+journal's L3 pages) stays in the replay buffer for the run's life, so a subscriber that sees
+a new run, whenever it does, replays it from sequence 0.
+
 With ``events.journal`` the stream also keeps the L3 journal (``hicache.kv_events.journal``):
 at start it asks the configured L3 which journaled pages survive and publishes them right
-after the run's ``AllBlocksCleared``; each flush appends the batch's L3 events to it.
+after the run's ``AllBlocksCleared``; each flush appends the batch's L3 events to it, the
+removals of ``storage_replaced`` included.
 
 Publishing never waits: the batch is encoded and sent non-blocking on the PUB socket, which
 drops for a subscriber that fell behind (it sees the sequence gap and replays). Who owns
@@ -20,6 +26,7 @@ import dataclasses
 import logging
 import socket
 import time
+import uuid
 from collections.abc import Callable, Collection
 from pathlib import Path
 
@@ -56,31 +63,39 @@ def default_topic(cfg: HicacheConfig) -> str:
 
 
 class KVEventStream:
-    """The events of ``cache``'s tiers ``tiers``, published by the process loop's ``flush``."""
+    """The events of ``cache``'s tiers ``tiers``, published by the process loop's ``flush``.
+
+    The constructor publishes the run's opening, kept for replay for the run's life
+    (``KVEventPublisher`` ``keep``): ``AllBlocksCleared``, then, with a journal, the L3 pages
+    the store still holds. Every batch names the run (``run``, a new random id per start)."""
 
     def __init__(self, cfg: HicacheConfig, cache: UnifiedRadixCache, *, tiers: Collection[Tier],
                  split_salt: Callable[[str], tuple[str | None, str]] = plain_salt) -> None:
         ev = cfg.events
         self.topic = ev.topic if ev.topic is not None else default_topic(cfg)
-        try:
-            self.publisher = KVEventPublisher(ev.endpoint, ev.replay_endpoint, self.topic,
-                                              buffer_batches=ev.replay_batches)
-        except zmq.ZMQError as exc:
-            raise RuntimeError(f"events: cannot open {ev.endpoint} (replay {ev.replay_endpoint}): {exc}") from exc
-        self.tracker = TierEventTracker(cache, tiers=tiers, split_salt=split_salt)
+        self.run = uuid.uuid4().hex[:16]
         self.journal: StorageJournal | None = None
+        restored: list[BlockStored] = []
         if ev.journal is not None and Tier.STORAGE in tiers:
             try:
                 self.journal = StorageJournal(ev.journal)
             except OSError as exc:
-                self.close()
                 raise RuntimeError(f"events.journal: cannot use {ev.journal}: {exc}") from exc
             restored = _surviving_l3_pages(cfg, self.journal)
-            self._publish([*self.tracker.take(), *restored], time.time())  # AllBlocksCleared first
+        try:
+            self.publisher = KVEventPublisher(ev.endpoint, ev.replay_endpoint, self.topic,
+                                              buffer_batches=ev.replay_batches, run=self.run,
+                                              kept_batches=_batches(1 + len(restored)))
+        except zmq.ZMQError as exc:
+            raise RuntimeError(f"events: cannot open {ev.endpoint} (replay {ev.replay_endpoint}): {exc}") from exc
+        self.tracker = TierEventTracker(cache, tiers=tiers, split_salt=split_salt)
+        self.tracker.restored(restored)
+        self._publish([*self.tracker.take(), *restored], time.time(), keep=True)  # AllBlocksCleared first
+        if self.journal is not None:
             log.info("KV events: announced %d pages L3 still holds of the journal %s",
                      sum(len(e.block_hashes) for e in restored), self.journal.path)
-        log.info("KV events: publishing on %s (replay %s), topic %r", self.publisher.endpoint,
-                 self.publisher.replay_endpoint or "off", self.topic)
+        log.info("KV events: publishing on %s (replay %s), topic %r, run %s", self.publisher.endpoint,
+                 self.publisher.replay_endpoint or "off", self.topic, self.run)
 
     @classmethod
     def open(cls, cfg: HicacheConfig, cache: UnifiedRadixCache, *, tiers: Collection[Tier],
@@ -108,11 +123,18 @@ class KVEventStream:
         with the next flush, and in the journal."""
         self.tracker.pages_gone(hashes, Tier.STORAGE)
 
-    def _publish(self, events: list[KVEvent], ts: float) -> bool:
-        """Publish ``events`` in batches of at most ``MAX_BATCH_EVENTS``; True iff all went."""
+    def storage_replaced(self) -> None:
+        """L3 no longer holds what was announced (the store was detached, cleared or replaced,
+        or the controller died): ``BlockRemoved`` of every page announced there, with the
+        next flush, and in the journal."""
+        self.tracker.storage_replaced()
+
+    def _publish(self, events: list[KVEvent], ts: float, keep: bool = False) -> bool:
+        """Publish ``events`` in batches of at most ``MAX_BATCH_EVENTS`` (kept for replay with
+        ``keep``); True iff all went."""
         sent = True
         for start in range(0, len(events), MAX_BATCH_EVENTS):
-            sent = self.publisher.publish(events[start:start + MAX_BATCH_EVENTS], ts=ts) and sent
+            sent = self.publisher.publish(events[start:start + MAX_BATCH_EVENTS], ts=ts, keep=keep) and sent
         return sent
 
     def stats(self) -> PublisherStats:
@@ -123,6 +145,11 @@ class KVEventStream:
         self.flush()
         self.tracker.close()
         self.publisher.close()
+
+
+def _batches(events: int) -> int:
+    """How many batches ``_publish`` makes of ``events`` events."""
+    return -(-events // MAX_BATCH_EVENTS)
 
 
 def _surviving_l3_pages(cfg: HicacheConfig, journal: StorageJournal) -> list[BlockStored]:

@@ -13,6 +13,17 @@ the round's events (``take``) and publishes them as one batch.
 | ``pages_dropped(node, tier)``       | ``BlockRemoved``: the node's page hashes, the medium          |
 | ``pages_gone(hashes, tier)``        | ``BlockRemoved`` of those hashes (not a tree call: the L3     |
 |                                     | store's own evictions, through the process loop)              |
+| ``storage_replaced()``              | ``BlockRemoved`` (``STORAGE``) of every page announced in L3  |
+|                                     | (not a tree call: the store was detached, cleared or replaced,|
+|                                     | or its controller died)                                       |
+
+L3 is announced by difference (the tree does not keep L3 residency, and a backup of pages
+the store already holds is acknowledged like a write): the tracker keeps the set of pages it
+announced as in L3 (``in_storage``, about 100 bytes a page), and a backup's ``BlockStored``
+names only the pages not in it (a run of them per event, each chained to the page before
+it), a ``BlockRemoved`` only the pages in it. ``restored`` adds the pages a restart
+announces from the journal. So a subscriber never sees a page stored twice without a removal
+between, and its ``STORAGE`` set is this set exactly.
 
 Mediums: L1 ``GPU`` (vLLM's name for the engine's own KV blocks, whatever the device), L2
 ``CPU``, L3 ``STORAGE``. The hashes are hicache's page hashes (docs/architecture.md §6: the
@@ -67,6 +78,8 @@ class TierEventTracker:
         self.failed = False
         """An event could not be made; no more are (see ``_fail``)."""
         self._events: list[KVEvent] = [AllBlocksCleared()]
+        self.in_storage: set[bytes] = set()
+        """The pages announced as held in L3 and not removed since (module doc)."""
         self.first_change_at = time.time()
         """Wall-clock time of the oldest event not yet taken (the batch's ``ts``)."""
         cache.core.observer = self
@@ -103,14 +116,29 @@ class TierEventTracker:
 
     def pages_gone(self, hashes: list[str], tier: Tier) -> None:
         """Pages ``tier`` lost without the tree's knowledge (the L3 store's own eviction):
-        ``BlockRemoved``. A hash that was never announced is harmless to a subscriber, which
-        removes what it does not hold as nothing."""
+        ``BlockRemoved`` of those announced there (an auxiliary object's key, or a page never
+        announced, is left out)."""
         if tier not in self._tiers or self.failed or not hashes:
             return
         try:
             self._removed(hashes, tier)
         except Exception:
             self._fail()
+
+    def storage_replaced(self) -> None:
+        """L3 no longer holds what was announced (its store was detached, cleared, replaced,
+        or the controller that reported its evictions died): ``BlockRemoved`` of it all."""
+        if Tier.STORAGE not in self._tiers or self.failed or not self.in_storage:
+            return
+        gone, self.in_storage = sorted(self.in_storage), set()
+        self._add(BlockRemoved(block_hashes=gone, medium=Medium.STORAGE.value))
+
+    def restored(self, events: Collection[KVEvent]) -> None:
+        """``events`` (``BlockStored`` of L3, a restart's journal) were published as they are:
+        their pages are announced in L3 from now on."""
+        for e in events:
+            if isinstance(e, BlockStored) and e.medium == Medium.STORAGE.value:
+                self.in_storage.update(e.block_hashes)
 
     def _fail(self) -> None:
         """An event could not be made (a bug): the stream can no longer say exactly what the
@@ -121,24 +149,49 @@ class TierEventTracker:
         self._add(AllBlocksCleared())
 
     def _removed(self, hashes: list[str], tier: Tier) -> None:
-        self._add(BlockRemoved(block_hashes=[bytes.fromhex(h) for h in hashes], medium=MEDIUM_OF_TIER[tier].value))
+        pages = [bytes.fromhex(h) for h in hashes]
+        if tier is Tier.STORAGE:
+            pages = [h for h in dict.fromkeys(pages) if h in self.in_storage]
+            self.in_storage.difference_update(pages)
+            if not pages:
+                return
+        self._add(BlockRemoved(block_hashes=pages, medium=MEDIUM_OF_TIER[tier].value))
 
     def _stored(self, node: TreeNode, tier: Tier) -> None:
-        hashes = self._cache.tiers.node_hashes(node)
+        hashes = [bytes.fromhex(h) for h in self._cache.tiers.node_hashes(node)]
         parent = node.parent
-        parent_hash = parent.hash_value[-1] if parent is not None and parent.parent is not None \
+        parent_hex = parent.hash_value[-1] if parent is not None and parent.parent is not None \
             and parent.hash_value else None
         namespace, salt = self._split_salt(self._cache.salt_of(node))
-        self._add(BlockStored(
-            block_hashes=[bytes.fromhex(h) for h in hashes],
-            parent_block_hash=bytes.fromhex(parent_hash) if parent_hash else None,
-            token_ids=list(node.key),
-            block_size=self._cache.page_size,
-            medium=MEDIUM_OF_TIER[tier].value,
-            extra_keys=[(salt,)] * len(hashes) if salt else None,
-            namespace=namespace,
-        ))
+        tokens = list(node.key)
+        ps = self._cache.page_size
+        for start, end in self._new_runs(hashes, tier):
+            parent_hash = hashes[start - 1] if start else (bytes.fromhex(parent_hex) if parent_hex else None)
+            self._add(BlockStored(
+                block_hashes=hashes[start:end],
+                parent_block_hash=parent_hash,
+                token_ids=tokens[start * ps:end * ps],
+                block_size=ps,
+                medium=MEDIUM_OF_TIER[tier].value,
+                extra_keys=[(salt,)] * (end - start) if salt else None,
+                namespace=namespace,
+            ))
 
+    def _new_runs(self, hashes: list[bytes], tier: Tier) -> list[tuple[int, int]]:
+        """The ``[start, end)`` runs of ``hashes`` to announce: all of them, but in L3 only the
+        pages not announced there yet (which become announced)."""
+        if tier is not Tier.STORAGE:
+            return [(0, len(hashes))]
+        runs: list[tuple[int, int]] = []
+        for i, h in enumerate(hashes):
+            if h in self.in_storage:
+                continue
+            self.in_storage.add(h)
+            if runs and runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], i + 1)
+            else:
+                runs.append((i, i + 1))
+        return runs
 
     def _add(self, event: KVEvent) -> None:
         if not self._events:

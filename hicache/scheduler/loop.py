@@ -282,6 +282,15 @@ class ProcessLoop(abc.ABC):
         if self.kv_events is not None:
             self.kv_events.storage_evicted(msg.hashes)
 
+    def storage_status_seen(self, op: str | None, msg: protos.StorageStatus) -> None:
+        """The controller's answer to the storage admin op ``op`` (None: unprompted). When L3
+        no longer holds what the events announced -- no store (detached, or refused), a store
+        cleared (also on an error: in part, maybe) or another one attached -- the events
+        remove every L3 page they announced (``KVEventStream.storage_replaced``)."""
+        if self.kv_events is not None and (msg.backend == "none" or op == "clear"
+                                           or (op == "attach" and msg.error is None)):
+            self.kv_events.storage_replaced()
+
     def count_kv_events(self) -> None:
         """Put the events published and dropped since the last call in the metrics."""
         if self.kv_events is None:
@@ -343,6 +352,8 @@ class ProcessLoop(abc.ABC):
         failed = self.tier.on_controller_lost()
         if self.links.to_controller is not None:
             self.links.to_controller.reset()
+        if self.kv_events is not None:  # the evictions it had not reported died with it
+            self.kv_events.storage_replaced()
         self.restart_asked = False
         self.log.warning("controller died (%s): %d in-flight ops failed back", msg.detail, failed)
 

@@ -73,6 +73,7 @@ class SchedulerProcess(ProcessLoop):
         self.sched = sched
         if kv_events is not None:  # the round's changes so far wait for no forward pass
             sched.before_model = self.publish_kv_events
+            sched.storage_status_seen = self.storage_status_seen
         self._was_busy = False
         self.handlers.update({
             protos.GenerateRequest: self.on_generate,

@@ -130,7 +130,9 @@ class Scheduler:
         self.admission = Admission(state, self.aux, self.finisher)
         self.forward_pass = ForwardPass(state, runner, self.aux, self.finisher, eos_token_ids)
         self.forward_s_ewma = 0.0  # recent forward-pass duration (s), for load_join_wait_s
-        self._admin_waiting: dict[int, str] = {}
+        self._admin_waiting: dict[int, tuple[str, str]] = {}  # storage op id -> (rid, op)
+        self.storage_status_seen: Callable[[str | None, protos.StorageStatus], None] | None = None
+        """Told of each ``StorageStatus`` and the admin op it answers (None: unprompted)."""
         self._admin_ids = iter(range(1, 2**62))
         self.pins = PinnedPrefixes(state, self.submit, emit, cfg.cache.pinned_fraction)
 
@@ -251,7 +253,7 @@ class Scheduler:
             self.emit(protos.AdminReply(msg.rid, False, {}, "busy: requests or transfers are in flight; retry when idle"))
             return
         op_id = next(self._admin_ids)
-        self._admin_waiting[op_id] = msg.rid
+        self._admin_waiting[op_id] = (msg.rid, op)
         self.controller_send(protos.StorageAdmin(op_id, op, msg.args))
 
     def on_controller(self, msg: protos.Message) -> None:
@@ -259,8 +261,11 @@ class Scheduler:
         if isinstance(msg, protos.StorageStatus):
             if self.tier is not None:
                 self.tier.l3_enabled = msg.backend != "none"
-            rid = self._admin_waiting.pop(msg.op_id, None)
-            if rid is not None:
+            waiting = self._admin_waiting.pop(msg.op_id, None)
+            if self.storage_status_seen is not None:
+                self.storage_status_seen(None if waiting is None else waiting[1], msg)
+            if waiting is not None:
+                rid = waiting[0]
                 result = {"backend": msg.backend, "up": msg.up, "stats": msg.stats}
                 self.emit(protos.AdminReply(rid, msg.error is None, result, msg.error))
             return

@@ -236,7 +236,7 @@ class TreeCore:
             node.last_access_time = self.tick
         if cd.host_value is None and self._written[i]:
             self.unwritten[node] = None
-        if i == 0 and self.observer is not None:
+        if i == 0 and self.observer is not None and not node.loading:  # a load-back: at its finish
             self.observer.pages_added(node, Tier.DEVICE)
 
     def clear_value(self, node: TreeNode, i: int) -> Any:
@@ -244,7 +244,7 @@ class TreeCore:
         value = cd.value
         if value is None:
             return None
-        if i == 0 and self.observer is not None:
+        if i == 0 and self.observer is not None and not node.loading:  # never announced
             self.observer.pages_dropped(node, Tier.DEVICE)
         u = self.units[i](value)
         self.dev_total[i] -= u

@@ -315,9 +315,9 @@ class TierCalls:
         for x in nodes:
             k = self.tree._npages(x)
             src_all.extend(x.data[0].host_value)
+            x.loading = True  # first: the observer hears of these pages once they land
             core.set_value(x, 0, dev[off:off + k])
             off += k
-            x.loading = True
             x.in_flight += 1
             for c in self.tree.aux:
                 hv = x.data[c.slot].host_value
@@ -349,6 +349,7 @@ class TierCalls:
         loaded = {name: set(dst) for name, (_src, dst) in op.transfers.items() if name != self.tree.full.name}
         dev = op.transfers[self.tree.full.name][1]
         end = len(dev)
+        landed: list[TreeNode] = []  # now readable: the observer is told, upper first, below
         for x in nodes:  # lowest first: its pages are the last ones
             k = self.tree._npages(x)
             mine = dev[end - k:end]
@@ -362,6 +363,8 @@ class TierCalls:
                 cd = x.data[c.slot]
                 if cd.value is not None and c.name in loaded and set(c.as_pages(cd.value)) <= loaded[c.name]:
                     core.unlock(x, c.slot)
+            if ok and x.loading:
+                landed.append(x)
             if not x.loading:
                 # an insert re-filled it with a request's own pages meanwhile: ours are spare
                 self.tree._free(self.tree.full, mine)
@@ -375,6 +378,9 @@ class TierCalls:
                     if cd.value is not None and c.name in loaded and set(c.as_pages(cd.value)) <= loaded[c.name]:
                         v = core.clear_value(x, c.slot)
                         self.tree._free(c, c.as_pages(v))
+        if core.observer is not None:
+            for x in reversed(landed):
+                core.observer.pages_added(x, Tier.DEVICE)
 
     def start_backup(self, node: TreeNode) -> TierOp | None:
         """L3 backup of ``node``'s L2 data: returns its FULL L2 pages and page hashes and,

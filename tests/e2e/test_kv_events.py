@@ -1,10 +1,13 @@
 """End to end: a standalone daemon's KV events, decoded with vLLM's own ``KVEventBatch``,
 keep a router's index equal to what each tier holds: L1 and L2 page counts equal the pools'
 (at rest), L3 page hashes equal the file store's objects one for one; a flush empties L1
-and L2 in the index and leaves L3; a restarted daemon begins with ``AllBlocksCleared`` and
-announces again, from its journal, what L3 still holds (whole chains: pages the store lost
-between the runs, and the pages after them, are not announced). Sequence numbers have no
-gap, and the replay socket serves the batches a late subscriber missed."""
+and L2 in the index and leaves L3; a restarted daemon (SIGTERM, the same endpoints) is told
+by the run every batch names, begins with ``AllBlocksCleared`` and announces again, from its
+journal, what L3 still holds (whole chains: pages the store lost between the runs, and the
+pages after them, are not announced), all fetched from the replay socket by a subscriber
+that missed them; a storage detach and a clear remove every L3 page. In both endpoint
+modes: the daemon binds (ipc) and the subscriber connects, or the subscriber binds (tcp) and
+the daemon connects. The subscriber is what the README tells a consumer to do."""
 
 from __future__ import annotations
 
@@ -15,10 +18,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import msgspec
 import pytest
 import zmq
 from daemon import Daemon
+
+from hicache.loopback_ports import free_port
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 
@@ -26,17 +32,24 @@ PS = 16
 
 
 class Index:
-    """A subscriber thread: every batch applied in sequence order to a per-medium page set."""
+    """A subscriber thread: every batch applied in sequence order to a per-medium page set,
+    run by run (a batch of another run than the last: the daemon restarted, numbering from 0
+    again, and what that run sent before comes from the replay socket)."""
 
-    def __init__(self, endpoint: str, replay_endpoint: str) -> None:
+    def __init__(self, endpoint: str, replay_endpoint: str, *, bind: bool = False) -> None:
         self.replay_endpoint = replay_endpoint
         self.expected = 0
+        self.run: str | None = None
+        self.runs: list[str] = []
         self.replayed = 0
         self.error: BaseException | None = None
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sub.connect(endpoint)
+        if bind:  # the daemon's publisher connects to it
+            self.sub.bind(endpoint)
+        else:
+            self.sub.connect(endpoint)
         self.decoder = msgspec.msgpack.Decoder(kv_events.KVEventBatch)
         self.held: dict[str, set[bytes]] = {"GPU": set(), "CPU": set(), "STORAGE": set()}
         self.parent: dict[bytes, bytes | None] = {}
@@ -45,6 +58,9 @@ class Index:
         self.seqs: list[int] = []
         self.cleared = 0
         self.removed: dict[str, int] = {"GPU": 0, "CPU": 0, "STORAGE": 0}
+        self.stored: dict[str, int] = {"GPU": 0, "CPU": 0, "STORAGE": 0}
+        self.stored_again = 0
+        """Pages stored while the index held them already (announced twice, no removal between)."""
         self.lock = threading.Lock()
         self.last = time.monotonic()
         self._stop = threading.Event()
@@ -63,11 +79,15 @@ class Index:
                 continue
             topic, seq_bytes, payload = self.sub.recv_multipart()
             seq = int.from_bytes(seq_bytes, "big")
-            if seq < self.expected:  # the publisher restarted: its numbers begin at 0 again
-                self.expected = 0
-            if seq > self.expected:  # a gap (e.g. batches sent before this socket was connected)
+            run = run_of(payload)
+            if run != self.run:  # a new run (or the first batch seen): it begins at 0
+                self.run, self.expected = run, 0
+                self.runs.append(run)
+            elif seq < self.expected:
+                continue  # applied already, from the replay socket
+            if seq > self.expected:  # a gap: batches sent before this socket was connected
                 for s, missed in _replay(self.replay_endpoint, self.expected):
-                    if s < seq:
+                    if s < seq and run_of(missed) == run:
                         self.replayed += 1
                         self.apply(topic, s, missed)
             self.apply(topic, seq, payload)
@@ -85,6 +105,8 @@ class Index:
                         pages.clear()
                 elif isinstance(ev, kv_events.BlockStored):
                     assert ev.block_size == PS and len(ev.token_ids) == PS * len(ev.block_hashes)
+                    self.stored_again += len(self.held[ev.medium].intersection(ev.block_hashes))
+                    self.stored[ev.medium] += len(ev.block_hashes)
                     self.held[ev.medium].update(ev.block_hashes)
                     for parent, h in zip([ev.parent_block_hash, *ev.block_hashes], ev.block_hashes, strict=False):
                         self.parent[h] = parent
@@ -126,6 +148,13 @@ class Index:
         self.ctx.term()
 
 
+def run_of(payload: bytes) -> str | None:
+    """The daemon run a batch names: ``hicache_run`` in its first event (vLLM's decoder drops
+    the key, so a consumer reads it from the msgpack document)."""
+    events = msgpack.unpackb(payload, raw=False)[1]
+    return events[0].get("hicache_run") if events else None
+
+
 def _store_objects(root: Path) -> set[bytes]:
     return {bytes.fromhex(p.name.removesuffix(".page")) for p in root.glob("*/*.page")}
 
@@ -139,16 +168,27 @@ def _descends_from(h: bytes, ancestor: bytes, parent: dict[bytes, bytes | None])
     return False
 
 
-def _config(tmp: Path) -> dict[str, Any]:
+def _config(tmp: Path, endpoint: str | None = None) -> dict[str, Any]:
     return {
         "model": {"reference": {"preset": "tiny"}},
         "cache": {"page_size": PS, "l1": {"tokens": 1024}, "l2": {"tokens": 2048},
                   "l3": {"backend": "file", "file": {"dir": str(tmp / "l3")}},
                   "prefetch": {"threshold_tokens": 1, "policy": "wait_complete"}},
-        "events": {"enabled": True, "endpoint": f"ipc://{tmp}/events.sock",
+        "events": {"enabled": True, "endpoint": endpoint or f"ipc://{tmp}/events.sock",
                    "replay_endpoint": f"ipc://{tmp}/events-replay.sock", "journal": str(tmp / "l3.journal")},
         "logging": {"level": "warning"},
     }
+
+
+def _admin(d: Daemon, method: str, path: str, body: Any = None) -> None:
+    """A storage admin call, again while the daemon says it is busy (a transfer in flight)."""
+    deadline = time.monotonic() + 20
+    while True:
+        status, answer = d.request(method, path, body)
+        if status == 200:
+            return
+        assert "busy" in str(answer) and time.monotonic() < deadline, (status, answer)
+        time.sleep(0.2)
 
 
 def _replay(endpoint: str, start: int) -> list[tuple[int, bytes]]:
@@ -171,10 +211,13 @@ def _replay(endpoint: str, start: int) -> list[tuple[int, bytes]]:
         ctx.term()
 
 
-def test_the_index_follows_every_tier_through_a_flush_and_a_restart(tmp_path: Path) -> None:
-    cfg = _config(tmp_path)
+@pytest.mark.parametrize("mode", ["bind", "connect"])
+def test_the_index_follows_every_tier_through_a_flush_a_restart_and_storage_changes(tmp_path: Path,
+                                                                                    mode: str) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}" if mode == "connect" else None
+    cfg = _config(tmp_path, endpoint)
     d = Daemon(tmp_path, cfg, "a")
-    index = Index(cfg["events"]["endpoint"], cfg["events"]["replay_endpoint"])
+    index = Index(cfg["events"]["endpoint"], cfg["events"]["replay_endpoint"], bind=mode == "connect")
     d.start()
     try:
         rng = random.Random(7)
@@ -201,11 +244,16 @@ def test_the_index_follows_every_tier_through_a_flush_and_a_restart(tmp_path: Pa
         assert index.held["STORAGE"] == _store_objects(tmp_path / "l3")
         samples = d.metric_samples()
         assert samples[("hicache_kv_events_total", frozenset({("outcome", "published")}))] > 0
+        for p in prompts[:4]:  # L1 and L2 hold pages again: the restart must clear them
+            d.generate(p, n=4)
+        d.wait_tiers_idle("writes and backups done")
+        index.quiet()
+        assert index.count("GPU") > 0 and index.count("CPU") > 0
     finally:
         assert d.stop() == 0
 
     index.quiet()
-    index.expected = 0  # its publisher is gone: a new run numbers from 0
+    old_run, old_last = index.run, index.expected - 1
     # L3 loses two pages while no daemon runs: the first page of one stem's chain, and a leaf
     # of another; the third stem's chain is the prefix the new run brings back
     stored = set(index.held["STORAGE"])
@@ -222,18 +270,39 @@ def test_the_index_follows_every_tier_through_a_flush_and_a_restart(tmp_path: Pa
     d2 = Daemon(tmp_path, cfg, "b")
     d2.start()
     try:
-        # the new run's first batch (AllBlocksCleared) may go out before the subscriber is
-        # connected again: the next batch shows the gap, and the replay socket fills it
+        # the new run's first batches (AllBlocksCleared, the journal's pages) may go out
+        # before the subscriber is connected again; the first batch it gets names a new run,
+        # and the replay socket gives it the run's beginning
         out = d2.generate(prompts[-1], n=4)
         assert out["meta_info"]["cached_tokens_details"]["storage"] > 0
         stats = d2.wait_tiers_idle("the load-back done", backed_up=False)  # (L3 holds the prefix already)
         index.until("the new run's clear", lambda: index.cleared == 2)
         index.quiet()
-        assert index.cleared == 2  # the new run said it holds nothing of the old run's
+        assert index.cleared == 2 and index.run != old_run and len(index.runs) == 2
+        assert old_last > 0  # (the old run's numbers went past the new run's first ones)
         # ... but announced again what L3 still holds, whole chains only
         announced = index.held["STORAGE"]
         assert announced >= stored - lost and not announced & lost - _store_objects(tmp_path / "l3")
         assert announced == _store_objects(tmp_path / "l3") - (lost - {leaf, root})
+        assert stats["l1"]["full"]["used_tokens"] == index.count("GPU") * PS > 0
+        assert stats["l2"]["full"]["used_tokens"] == index.count("CPU") * PS > 0
+
+        # the store detached: L3 holds nothing the index may keep
+        _admin(d2, "DELETE", "/cache/storage")
+        index.until("L3 empty after the detach", lambda: index.count("STORAGE") == 0)
+        # attached again, backed up into, then cleared: the index follows each
+        _admin(d2, "PUT", "/cache/storage", {"backend": "file", "file": {"dir": str(tmp_path / "l3")}})
+        d2.generate(prompts[1] + [7, 7, 7, 7] * 8, n=4)
+        d2.wait_tiers_idle("the new pages written", backed_up=False)  # (prefetched pages are not backed up)
+        index.until("the new backups", lambda: index.count("STORAGE") > 0)
+        index.quiet()
+        assert index.held["STORAGE"] <= _store_objects(tmp_path / "l3")
+        _admin(d2, "POST", "/cache/storage/clear")
+        index.until("L3 empty after the clear", lambda: index.count("STORAGE") == 0)
+        index.quiet()
+        assert _store_objects(tmp_path / "l3") == set() and index.count("STORAGE") == 0
+        assert index.stored_again == 0, index.stored  # only changes are announced
+        stats = d2.get("/cache/stats")
         assert stats["l1"]["full"]["used_tokens"] == index.count("GPU") * PS > 0
         assert stats["l2"]["full"]["used_tokens"] == index.count("CPU") * PS > 0
     finally:

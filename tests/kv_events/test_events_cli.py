@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -184,3 +185,91 @@ def test_describe_without_parent_or_extra_keys() -> None:
                         medium="GPU", lora_name="adapter")
     assert describe(event) == "BlockStored medium=GPU blocks=1 first=abcd parent=none tokens=2 block_size=2 " \
                               "lora=adapter"
+
+
+class _Lines:
+    """A running ``hicache events``'s stdout lines, read as they come (a thread)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def feed_until(self, publish: Callable[[], object], check: Callable[[list[str]], bool],
+                   timeout_s: float = 30.0) -> list[str]:
+        deadline = time.monotonic() + timeout_s
+        while not check(list(self.lines)):
+            assert self.proc.poll() is None, self.proc.communicate()
+            assert time.monotonic() < deadline, "\n".join(self.lines)
+            publish()
+            time.sleep(0.05)
+        return list(self.lines)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        self.thread.join(5)
+
+
+def _forwarder(ctx: zmq.Context[zmq.Socket[bytes]], publishers: str, subscribers: str) -> threading.Thread:
+    """A ZeroMQ forwarder (XSUB <- publishers that connect, XPUB -> subscribers), as a broker
+    that connect-mode publishers use; it ends when ``ctx`` is destroyed."""
+    def run() -> None:
+        xsub, xpub = ctx.socket(zmq.XSUB), ctx.socket(zmq.XPUB)
+        xsub.bind(publishers)
+        xpub.bind(subscribers)
+        try:
+            zmq.proxy(xsub, xpub)
+        except zmq.ZMQError:  # the context was destroyed: the test is over
+            pass
+        finally:
+            xsub.close(0)
+            xpub.close(0)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("mode", ["bind", "connect"])
+def test_a_restarted_daemon_is_replayed_from_its_beginning(tmp_path: Path, ctx: zmq.Context[zmq.Socket[bytes]],
+                                                           mode: str) -> None:
+    """The publisher restarts (a new run) with fewer batches sent before it than the first one
+    the subscriber then receives: ``hicache events`` sees the new run by its id, says so, and
+    prints the new run's ``AllBlocksCleared`` and kept pages from the replay socket, by itself."""
+    replay = f"ipc://{tmp_path / 'replay'}"
+    if mode == "bind":
+        pub_at = sub_at = f"ipc://{tmp_path / 'pub'}"
+    else:  # the publisher connects to a forwarder the subscriber connects to as well
+        pub_at, sub_at = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+        _forwarder(ctx, pub_at, sub_at)
+    pub = KVEventPublisher(pub_at, replay, TOPIC, ctx=ctx, run="run-one")
+    out = _Lines(_cli("--endpoint", sub_at, "--replay-endpoint", replay))
+    try:
+        out.feed_until(_filler(pub), lambda lines: len(lines) >= 2)
+        pub.close()
+        pub = KVEventPublisher(pub_at, replay, TOPIC, ctx=ctx, run="run-two")
+        pub.publish([AllBlocksCleared()], keep=True)
+        pub.publish([STORED], keep=True)
+        for _ in range(40):  # the new run is far ahead before the subscriber can see it
+            _filler(pub)()
+        lines = out.feed_until(_filler(pub), lambda lines: any(re.match(r"(replayed )?seq=1 ", line)
+                                                                for line in lines))
+    finally:
+        out.stop()
+        pub.close()
+    # bind: the new run's first batches went out before the subscriber reconnected, and are
+    # replayed; connect: the forwarder kept the subscription, and they may come live
+    new = [i for i, line in enumerate(lines) if line.startswith("new run run-two (was run-one)")]
+    assert len(new) == 1, lines
+    after = lines[new[0] + 1:]
+    assert re.match(r"(replayed )?seq=0 .* AllBlocksCleared$", after[0]), lines
+    assert re.match(r"(replayed )?seq=1 .* BlockStored medium=CPU blocks=3 ", after[1]), lines
+    assert not any(line.startswith(("missed", "warning")) for line in lines), lines
+    if mode == "bind":
+        assert lines[new[0]].endswith(": replaying it from seq 0") and after[0].startswith("replayed "), lines

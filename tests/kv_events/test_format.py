@@ -181,3 +181,23 @@ def test_malformed_raises_value_error(payload: Any) -> None:
 def test_encode_refuses_what_is_not_an_event() -> None:
     with pytest.raises(TypeError):
         encode_batch(0.0, ["BlockStored"])  # type: ignore[list-item]
+
+
+def test_the_run_rides_in_the_first_event_and_decoders_that_do_not_know_it_ignore_it() -> None:
+    """``hicache_run`` in the first event's map: ours reads it back; vLLM's decoder, and the
+    two-field ``EventBatch`` of vLLM's example subscriber, decode the same events as without."""
+    events = [ours for ours, _ in _ours_and_vllm()]
+    payload = encode_batch(5.0, events, run="0123abcd")
+    assert decode_batch(payload) == EventBatchView(5.0, events, None, "0123abcd")
+    assert decode_batch(encode_batch(5.0, events)).run is None
+    assert decode_batch(encode_batch(5.0, [], run="x")) == EventBatchView(5.0, [], None, None)
+    vllm = msgspec.msgpack.Decoder(vkv.KVEventBatch)
+    assert vllm.decode(payload) == vllm.decode(encode_batch(5.0, events))
+
+    class ExampleBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+        ts: float
+        events: list[vkv.BlockStored | vkv.BlockRemoved | vkv.AllBlocksCleared]
+
+    assert msgspec.msgpack.Decoder(ExampleBatch).decode(payload).events == vllm.decode(payload).events
+    with pytest.raises(ValueError, match="hicache_run"):
+        decode_batch(msgpack.packb([1.0, [{"type": "AllBlocksCleared", "hicache_run": 7}], None]))

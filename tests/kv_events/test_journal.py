@@ -151,6 +151,44 @@ def test_the_stream_asks_the_configured_store(tmp_path: Path, store: FileBackend
     assert [h for e in _surviving_l3_pages(cfg, journal) for h in e.block_hashes] == held
 
 
+def test_a_replaced_store_is_removed_in_the_stream_and_in_the_journal(tmp_path: Path, store: FileBackend) -> None:
+    """A stream that starts from a journal announces (kept for replay) and counts as in L3
+    what the store still holds; after ``storage_replaced`` it removes them all, once, and the
+    journal says so: the next start announces none of them though the store still has them
+    (the stream cannot know what the store attached next holds)."""
+    from hicache.kv_events.stream import KVEventStream
+    from hicache.memory.allocator import PageAllocator
+    from hicache.tree import FullComponent, Tier, UnifiedRadixCache
+
+    rng = random.Random(8)
+    held = [_h(rng), _h(rng)]
+    journal = tmp_path / "l3.journal"
+    StorageJournal(journal).record([_stored(held, None, rng)])
+    _put(store, held)
+    cfg = config_from_dict({"cache": {"l3": {"backend": "file", "file": {"dir": str(tmp_path / "l3")}}},
+                            "events": {"enabled": True, "endpoint": f"ipc://{tmp_path}/ev.sock",
+                                       "replay_endpoint": f"ipc://{tmp_path}/replay.sock", "journal": str(journal)}})
+
+    def stream() -> KVEventStream:
+        cache = UnifiedRadixCache([FullComponent(PageAllocator(8, "l1"), PageAllocator(8, "l2"))], PS)
+        return KVEventStream(cfg, cache, tiers=tuple(Tier))
+
+    first = stream()
+    try:
+        assert first.tracker.in_storage == set(held) and first.stats().published_batches == 1
+        first.storage_replaced()
+        first.storage_replaced()  # nothing is announced any more: nothing to remove
+        assert first.flush() is not None and first.flush() is None
+        assert first.stats().published_batches == 2
+    finally:
+        first.close()
+    second = stream()
+    try:
+        assert second.tracker.in_storage == set() and second.run != first.run
+    finally:
+        second.close()
+
+
 def test_a_journal_that_cannot_be_written_turns_itself_off(tmp_path: Path) -> None:
     rng = random.Random(6)
     folder = tmp_path / "gone"

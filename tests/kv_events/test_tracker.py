@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from hicache.hashing import HashNamespace
-from hicache.kv_events.format import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
+from hicache.kv_events.format import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, encode_batch
 from hicache.kv_events.tracker import TierEventTracker
 from hicache.memory.allocator import PageAllocator
 from hicache.tree import FullComponent, SWAComponent, Tier, TreeComponent, UnifiedRadixCache
@@ -41,6 +41,8 @@ class Subscriber:
             elif isinstance(ev, kv_events.BlockStored):
                 assert len(ev.token_ids) == len(ev.block_hashes) * ev.block_size
                 for i, h in enumerate(ev.block_hashes):
+                    # announced by difference: never stored again before a removal
+                    assert h not in self.held.get(ev.medium, set()), f"{ev.medium} page stored twice"
                     self.held.setdefault(ev.medium, set()).add(h)
                     self.tokens[h] = tuple(ev.token_ids[i * ev.block_size:(i + 1) * ev.block_size])
                 if ev.parent_block_hash is not None:  # a subscriber can chain it to what it knows
@@ -52,12 +54,15 @@ class Subscriber:
 
 
 def tier_pages(cache: UnifiedRadixCache, slot: str) -> set[bytes]:
-    """The page hashes of every node whose Full ``value`` / ``host_value`` is set."""
+    """The page hashes of every node whose Full ``value`` / ``host_value`` is set (and, for
+    L1, readable: a load-back in flight is not held yet)."""
     out: set[bytes] = set()
     stack = list(cache.core.roots.values())
     while stack:
         n = stack.pop()
         stack.extend(n.children.values())
+        if slot == "value" and n.loading:
+            continue
         if n.parent is not None and getattr(n.data[0], slot) is not None:
             out.update(bytes.fromhex(h) for h in cache.tiers.node_hashes(n))
     return out
@@ -188,3 +193,83 @@ def test_a_failure_to_describe_a_change_stops_the_stream_and_never_the_tree():
     assert tracker.take() == []
     assert cache.match_prefix([1, 2, 3, 4]).device_len == 4
     cache.check_integrity(exact=True)
+
+
+def _written_and_evicted(key: list[int]) -> tuple[UnifiedRadixCache, TierEventTracker]:
+    """A cache (page size 2, write-through) holding ``key`` in L2 only; its tracker's events
+    so far taken."""
+    dev = PageAllocator(64, "l1")
+    cache = UnifiedRadixCache([FullComponent(dev, PageAllocator(64, "l2"))], 2, hasher=HashNamespace("m", "bf16", 2))
+    tracker = TierEventTracker(cache)
+    cache_seq(cache, dev, key)
+    for node in cache.tiers.nodes_to_write_to_host():
+        op = cache.tiers.start_write(node)
+        assert op is not None
+        cache.tiers.finish_write(op, True)
+    cache.evict(cache.total_size() + 1)
+    assert cache.total_size() == 0
+    tracker.take()
+    return cache, tracker
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_a_load_back_is_announced_when_it_lands_and_never_when_it_fails(ok: bool) -> None:
+    """L1 pages of a load-back in flight are not readable: nothing is announced at its start;
+    ``BlockStored`` GPU at a finish that landed, nothing at all at one that failed."""
+    key = list(range(1, 9))
+    cache, tracker = _written_and_evicted(key)
+    op = cache.tiers.start_load_back(cache.match_prefix(key))
+    assert op is not None and cache.total_size() == 8  # the pages are set, not yet readable
+    assert tracker.take() == []
+    cache.tiers.finish_load_back(op, ok)
+    events = tracker.take()
+    if not ok:
+        assert events == []
+        return
+    assert [type(e) for e in events] == [BlockStored] and events[0].medium == "GPU"
+    assert events[0].token_ids == key and events[0].block_hashes == \
+        [bytes.fromhex(h) for h in cache.tiers.hasher_for("").hash_pages(array("I", key), None)]
+
+
+def test_a_load_back_replaced_by_a_request_is_announced_once() -> None:
+    """A request that computes the pages of a node still loading fills it with its own: those
+    are announced (once); the load's finish announces nothing more."""
+    key = list(range(1, 9))
+    cache, tracker = _written_and_evicted(key)
+    op = cache.tiers.start_load_back(cache.match_prefix(key))
+    assert op is not None
+    cache_seq(cache, cache.full.allocator, key)
+    cache.tiers.finish_load_back(op, True)
+    events = tracker.take()
+    assert [(type(e), e.medium) for e in events] == [(BlockStored, "GPU")]
+    assert events[0].token_ids == key
+
+
+def test_l3_is_announced_by_difference() -> None:
+    """A backup acknowledged again, or one of a node split from an announced one, announces
+    only pages not announced in L3 yet, each run chained to the page before it; an eviction
+    names only announced pages; ``storage_replaced`` removes them all, once."""
+    key = list(range(1, 9))
+    cache, tracker = _written_and_evicted(key)
+    node = cache.match_prefix(key).last_host_node
+    hashes = [bytes.fromhex(h) for h in cache.tiers.node_hashes(node)]
+
+    def back_up(n) -> list[KVEvent]:
+        op = cache.tiers.start_backup(n)
+        assert op is not None
+        cache.tiers.finish_backup(op, True)
+        return tracker.take()
+
+    first = back_up(node)
+    assert [(type(e), e.medium, e.block_hashes) for e in first] == [(BlockStored, "STORAGE", hashes)]
+    assert back_up(node) == []  # the store holds them already: nothing changed
+    tracker.pages_gone([hashes[2].hex(), "ab" * 32], Tier.STORAGE)  # one announced, one never
+    assert tracker.take() == [BlockRemoved([hashes[2]], "STORAGE")]
+    again = back_up(node)  # only the page that was gone, chained to the one before it
+    assert len(again) == 1 and again[0].block_hashes == [hashes[2]]
+    assert again[0].parent_block_hash == hashes[1] and again[0].token_ids == key[4:6]
+    tracker.storage_replaced()
+    removed = tracker.take()
+    assert len(removed) == 1 and sorted(removed[0].block_hashes) == sorted(hashes)
+    tracker.storage_replaced()
+    assert tracker.take() == [] and tracker.in_storage == set()
