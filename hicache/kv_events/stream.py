@@ -63,8 +63,7 @@ class KVEventStream:
         ev = cfg.events
         self.topic = ev.topic if ev.topic is not None else default_topic(cfg)
         try:
-            self.publisher = KVEventPublisher(ev.endpoint, ev.replay_endpoint, self.topic,
-                                              buffer_batches=ev.replay_batches)
+            self.publisher = KVEventPublisher.for_daemon(cfg, self.topic)
         except zmq.ZMQError as exc:
             raise RuntimeError(f"events: cannot open {ev.endpoint} (replay {ev.replay_endpoint}): {exc}") from exc
         self.tracker = TierEventTracker(cache, tiers=tiers, split_salt=split_salt)
