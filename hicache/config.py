@@ -253,6 +253,12 @@ class L3Config:
     options: dict[str, Any] = field(default_factory=dict)
 
 
+DEFAULT_STORE = "default"
+"""The name ``PUT /cache/storage`` attaches ``cache.l3`` by (``cache.l3_stores`` names the others)."""
+STORE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+"""A ``cache.l3_stores`` name."""
+
+
 @dataclass(frozen=True)
 class PrefetchConfig:
     """L3 -> L2 prefetch for waiting requests (docs/architecture.md §5).
@@ -303,6 +309,11 @@ class CacheConfig:
     pinned: tuple[PinnedPrefixConfig, ...] = ()
     pinned_fraction: float = 0.5
     """The most of each tier (L1, L2) that pinned prefixes may hold together."""
+    l3_stores: dict[str, L3Config] = field(default_factory=dict)
+    """Other L3 stores the operator may attach at run time, by name (``PUT /cache/storage``
+    with ``{"store": NAME}``); each a ``cache.l3`` section, checked as ``cache.l3`` is.
+    ``DEFAULT_STORE`` names ``cache.l3`` itself. An HTTP caller never names a URL, a host,
+    a path or a secret source: only these names (README "Security")."""
 
 
 # --------------------------------------------------------------------------- the rest
@@ -337,10 +348,16 @@ class TenantQuotaConfig:
     ``l3_gb`` gives the tenant an L3 partition of its own, of that many GB (the file store
     only: ``hicache.storage_settings.tenant_partitions``): its pages go there and are evicted
     only by its own writes; the shared store keeps ``cache.l3.file.max_size_gb`` less the
-    partitions."""
+    partitions.
+
+    ``pinned_tokens`` is the tenant's pin budget: the most its pinned prefixes may hold in
+    each tier (L1, L2) together. A tenant pins with its own key (``PUT /cache/pinned``) only
+    within it; without one it cannot pin. Pins the operator makes for the tenant
+    (``cache.pinned``, or the operator's key) count towards it but are not refused by it."""
 
     l2_tokens: int = 0
     l3_gb: float = 0.0
+    pinned_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -359,6 +376,18 @@ class ApiKeyConfig:
     key_env: str | None = None
     quota: TenantQuotaConfig | None = None
     """The tenant's quota, given on one of its entries (``TenantQuotaConfig``)."""
+
+
+@dataclass(frozen=True)
+class OperatorKeyConfig:
+    """``server.operator``: the operator's bearer key, from exactly one of ``key`` (inline),
+    ``key_file`` or ``key_env`` (read as ``ApiKeyConfig``'s are). Its holder administers the
+    whole daemon (README "Security"): every tenant's pins and stats, flush of everything,
+    L3 attach / detach / clear, ``/metrics``. Never shown, like every key."""
+
+    key: str | None = field(default=None, repr=False, metadata={"secret": True})
+    key_file: str | None = None
+    key_env: str | None = None
 
 
 @dataclass(frozen=True)
@@ -383,12 +412,20 @@ class ServerConfig:
     each request's tenant then namespaces its cached pages (README "Tenants"). Set at most
     one of the two. Tenant names match ``TENANT_NAME_RE``; several entries may name one
     tenant (key rotation), but two tenant names must not differ only in case, and no key
-    may appear twice."""
+    may appear twice.
+
+    Roles (README "Security"): ``operator`` (``OperatorKeyConfig``) is the operator's key;
+    ``api_key``'s holder is the operator too (a daemon without tenants); a tenant's key acts
+    on that tenant's namespaces only. With no key at all, every caller is the operator, so
+    a ``host`` other than a loopback address is refused unless ``allow_unauthenticated``
+    says so explicitly."""
 
     host: str = "127.0.0.1"
     port: int = 30080
     api_key: str | None = field(default=None, repr=False, metadata={"secret": True})
     api_keys: tuple[ApiKeyConfig, ...] = ()
+    operator: OperatorKeyConfig | None = None
+    allow_unauthenticated: bool = False
     served_model_names: tuple[str, ...] | None = None
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
@@ -410,8 +447,9 @@ class IpcConfig:
     """``dir`` None = a fresh private directory (mode 0700) under the runtime dir.
 
     ``transport: tcp`` needs CURVE: ``curve_keys_dir`` names a key directory written by
-    ``hicache keygen --dir DIR``; every socket then encrypts, and only clients whose public
-    key is in ``DIR/authorized_clients`` can connect (CURVE applies on ``ipc`` too when set).
+    ``hicache keygen --dir DIR``; every socket then encrypts, the internal sockets admit only
+    the daemon's own client key and the engine socket the keys in ``DIR/authorized_clients``
+    (``hicache.ipc``'s ZAP domains; CURVE applies on ``ipc`` too when set).
     ``allow_insecure_tcp: true`` instead accepts plain, unauthenticated TCP (logged as a
     warning at start): anyone who can reach ``tcp_host`` can then send to the daemon."""
 
@@ -458,21 +496,35 @@ class EventsConfig:
     """KV events (docs/architecture.md §14): every change of what a tier holds, published in
     vLLM's event format on a ZeroMQ PUB socket for KV-aware routers.
 
-    ``endpoint``: bound when it contains ``*`` or is ``ipc://``, connected to otherwise (as
-    vLLM's publisher does). ``replay_endpoint``: a ROUTER socket from which a subscriber
+    ``endpoint``: bound (``bind``, the default) or connected to. ``replay_endpoint``: a ROUTER socket from which a subscriber
     that missed batches gets them again (the last ``replay_batches``). ``topic``: None gives
     ``kv@<host name>@<model>``. A round's batch is sent without waiting: a subscriber that
     falls behind loses batches at the socket, sees the gap in the sequence numbers and gets
     them from the replay socket. ``journal``: a local file where the daemon keeps what it
     announced as stored in L3, so that after a restart it announces again what L3 still holds
-    (``hicache.kv_events.journal``); None announces L3 only as pages are backed up."""
+    (``hicache.kv_events.journal``); None announces L3 only as pages are backed up.
+
+    Who may subscribe (README "Security"): the endpoint is on loopback by default. When the
+    daemon has CURVE keys (``ipc.curve_keys_dir``), the bound sockets are CURVE servers that
+    admit only the subscriber keys in ``{keys dir}/authorized_subscribers`` (``hicache keygen
+    --subscriber NAME``). An endpoint on another host or interface without CURVE needs
+    ``allow_insecure_tcp: true`` (which also turns CURVE off, for subscribers without it).
+    ``tenant_content``: the tokens and the ``cache_salt`` of pages in a tenant's namespace
+    are published only when true; otherwise their ``BlockStored`` carries the page hashes
+    with no tokens and no ``extra_keys``."""
 
     enabled: bool = False
-    endpoint: str = "tcp://*:5557"
+    endpoint: str = "tcp://127.0.0.1:5557"
+    bind: bool = True
+    """True: the daemon binds ``endpoint`` and subscribers connect to it; false: the daemon
+    connects to ``endpoint``, where a subscriber has bound (vLLM connects to an endpoint that
+    names a host)."""
     replay_endpoint: str | None = None
     topic: str | None = None
     replay_batches: int = 10_000
     journal: str | None = None
+    allow_insecure_tcp: bool = False
+    tenant_content: bool = False
 
 
 @dataclass(frozen=True)
@@ -661,10 +713,12 @@ def _convert(hint: Any, value: Any, path: str, problems: list[ConfigProblem]) ->
             problems.append(ConfigProblem(path, f"must be one of {choices}; got {value!r}"))
             return _MISSING
         return value
-    if origin is dict:  # a free mapping (a plug-in's settings): its owner checks the values
+    if origin is dict:  # a mapping of names: to sections (dataclasses), or free (a plug-in's settings)
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             problems.append(ConfigProblem(path, f"must be a mapping with string keys, got {_type_name(value)}"))
             return _MISSING
+        if len(args) == 2 and isinstance(args[1], type) and dataclasses.is_dataclass(args[1]):
+            return {k: _build(args[1], v, _join(path, k), problems) for k, v in value.items()}
         return dict(value)
     if origin is tuple:
         if not isinstance(value, list | tuple):
@@ -828,6 +882,16 @@ def _check_events(cfg: HicacheConfig, ck: _Checks) -> None:
             ck.bad("events.journal", "keeps what L3 holds across restarts: it needs an L3 (cache.l3.backend)")
         if ev.journal is not None and not ev.journal.strip():
             ck.bad("events.journal", "must be a file path (or null)")
+        curve = bool(cfg.ipc.curve_keys_dir) and not ev.allow_insecure_tcp
+        for key, endpoint in (("events.endpoint", ev.endpoint), ("events.replay_endpoint", ev.replay_endpoint)):
+            host = None if endpoint is None else events_endpoint_host(endpoint)
+            if host is None or is_loopback_host(host) or ev.allow_insecure_tcp:
+                continue
+            if not (curve and (ev.bind or key == "events.replay_endpoint")):
+                ck.bad(key, f"{endpoint!r} reaches beyond this host without CURVE: the events carry page hashes "
+                            "(and, with events.tenant_content, prompts). Bind it to loopback, give the daemon CURVE "
+                            "keys (ipc.curve_keys_dir; subscribers need keys from `hicache keygen --subscriber`), "
+                            "or set events.allow_insecure_tcp: true for a trusted network")
 
 
 def _check_cache(cfg: HicacheConfig, ck: _Checks) -> None:
@@ -918,28 +982,51 @@ def _check_pinned(cfg: HicacheConfig, ck: _Checks) -> None:
 
 
 def _check_l3(cfg: HicacheConfig, ck: _Checks) -> None:
-    """The checks of ``cache.l3``."""
+    """The checks of ``cache.l3`` and of each store ``cache.l3_stores`` names (each as
+    ``cache.l3`` is checked, its password and TLS files read; and, like it, fit for the
+    tenants' L3 quotas)."""
     c = cfg.cache
+    _check_l3_section(c.l3, "cache.l3", ck, in_use=c.l3.backend == "redis")
+    for name, store in c.l3_stores.items():
+        path = f"cache.l3_stores.{name}"
+        if not STORE_NAME_RE.match(name) or name == DEFAULT_STORE:
+            ck.bad(path, f"a store name is 1-64 letters, digits, '.', '_' or '-' (first a letter or digit), and "
+                         f"not {DEFAULT_STORE!r} (the name of cache.l3 itself)")
+            continue
+        if store.backend == "none":
+            ck.bad(f"{path}.backend", "must name a store (DELETE /cache/storage detaches)")
+            continue
+        if not c.l2.enabled:
+            ck.bad(path, "an L3 store needs cache.l2.enabled: true (L3 is read into and written from L2)")
+        _check_l3_section(store, path, ck, in_use=store.backend == "redis")
+        swapped = dataclasses.replace(cfg, cache=dataclasses.replace(c, l3=store))
+        for key, reason in quota_problems(swapped):
+            if key.endswith(".l3_gb") or "l3_gb" in reason:
+                ck.bad(path, f"{key}: {reason}")
+
+
+def _check_l3_section(l3: L3Config, path: str, ck: _Checks, in_use: bool) -> None:
+    """The checks of one ``cache.l3``-shaped section at ``path``."""
     from hicache.storage_settings import l3_problems
 
-    for key, reason in l3_problems(c.l3):
-        ck.bad(f"cache.l3.{key}", reason)
-    if c.l3.backend == "file":
-        ck.positive("cache.l3.file.max_size_gb", c.l3.file.max_size_gb)
-        if not c.l3.file.dir:
-            ck.bad("cache.l3.file.dir", "must not be empty")
-    r = c.l3.redis
-    if c.l3.backend == "redis":
+    for key, reason in l3_problems(l3):
+        ck.bad(f"{path}.{key}", reason)
+    if l3.backend == "file":
+        ck.positive(f"{path}.file.max_size_gb", l3.file.max_size_gb)
+        if not l3.file.dir:
+            ck.bad(f"{path}.file.dir", "must not be empty")
+    r = l3.redis
+    if l3.backend == "redis":
         problem = redis_url_problem(r.url)
         if problem:
-            ck.bad("cache.l3.redis.url", problem)
-    ck.positive("cache.l3.redis.timeout_s", r.timeout_s)
+            ck.bad(f"{path}.redis.url", problem)
+    ck.positive(f"{path}.redis.timeout_s", r.timeout_s)
     if r.ttl_s is not None:
-        ck.positive("cache.l3.redis.ttl_s", r.ttl_s)
+        ck.positive(f"{path}.redis.ttl_s", r.ttl_s)
     if not r.key_prefix or any(ch.isspace() for ch in r.key_prefix):
-        ck.bad("cache.l3.redis.key_prefix", f"must be a non-empty string without spaces, got {r.key_prefix!r}")
-    for key, reason in redis_secret_problems(r, check_files=c.l3.backend == "redis"):
-        ck.bad(f"cache.l3.redis.{key}", reason)
+        ck.bad(f"{path}.redis.key_prefix", f"must be a non-empty string without spaces, got {r.key_prefix!r}")
+    for key, reason in redis_secret_problems(r, check_files=in_use):
+        ck.bad(f"{path}.redis.{key}", reason)
 
 
 def _check_scheduler(cfg: HicacheConfig, ck: _Checks) -> None:
@@ -988,6 +1075,11 @@ def _check_server(cfg: HicacheConfig, ck: _Checks) -> None:
         ck.bad(f"server.{key}", reason)
     for key, reason in quota_problems(cfg):
         ck.bad(key, reason)
+    if not has_keys(cfg.server) and not is_loopback_host(cfg.server.host) and not cfg.server.allow_unauthenticated:
+        ck.bad("server.host", f"{cfg.server.host!r} is not a loopback address and no key is set: anyone who can "
+                              "reach it could act as the operator (flush, attach L3, read every tenant's use). "
+                              "Set server.operator or server.api_keys (a key from a file or a Secret), or "
+                              "server.allow_unauthenticated: true for a trusted network")
     if cfg.ipc.transport == "tcp" and not 0 <= cfg.ipc.tcp_base_port <= 65535 - 8:
         ck.bad("ipc.tcp_base_port", f"must be in 0..65527, got {cfg.ipc.tcp_base_port}")
     if cfg.ipc.curve_keys_dir is not None and not cfg.ipc.curve_keys_dir.strip():
@@ -1027,9 +1119,58 @@ def key_text_problem(key: str) -> str | None:
     return None
 
 
+def has_keys(server: ServerConfig) -> bool:
+    """Whether any bearer key is configured (then every route but ``/health`` needs one)."""
+    return server.api_key is not None or bool(server.api_keys) or server.operator is not None
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (an address to bind or connect, or a name) is this host's loopback:
+    ``localhost``, ``127.0.0.0/8`` or ``::1``. A wildcard (``0.0.0.0``, ``::``, ``*``) or
+    any other name is not."""
+    import ipaddress
+
+    host = host.strip().strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def events_endpoint_host(endpoint: str) -> str | None:
+    """The host of a ``tcp://HOST:PORT`` endpoint (``*`` for a wildcard), None for the
+    ``ipc://`` and ``inproc://`` ones (which stay on this host)."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    rest = endpoint[len("tcp://"):]
+    host, _, _port = rest.rpartition(":")
+    return host or rest
+
+
+def _key_source_problems(where: str, entry: ApiKeyConfig | OperatorKeyConfig) -> list[tuple[str, str]]:
+    """A key entry's source: exactly one of ``key``, ``key_file``, ``key_env``, none empty,
+    an inline key a bearer token (reasons never quote it)."""
+    out: list[tuple[str, str]] = []
+    given = [name for name in ("key", "key_file", "key_env") if getattr(entry, name) is not None]
+    if len(given) != 1:
+        out.append((where, f"give exactly one of key, key_file, key_env; got {' and '.join(given) or 'none'}"))
+    for name in ("key_file", "key_env"):
+        value = getattr(entry, name)
+        if value is not None and not value.strip():
+            out.append((f"{where}.{name}", "must not be empty"))
+    if entry.key is not None:
+        problem = key_text_problem(entry.key)
+        if problem:
+            out.append((f"{where}.key", problem))
+    return out
+
+
 def api_key_problems(server: ServerConfig) -> list[tuple[str, str]]:
-    """Problems of ``server.api_key`` / ``server.api_keys`` that need no file or variable, as
-    ``(key below server, reason)``: an empty ``api_key``; both set; an entry without a valid
+    """Problems of ``server.api_key`` / ``server.api_keys`` / ``server.operator`` that need no
+    file or variable, as ``(key below server, reason)``: an empty ``api_key``; both set; the
+    operator's key beside ``api_key``, or equal to a tenant's inline key; an entry without a valid
     tenant name, with not exactly one of ``key`` / ``key_file`` / ``key_env``, with an empty
     one, or whose inline key is not a bearer token; two tenant names that differ only in
     case; an inline key given twice. What the files and variables hold is checked when the
@@ -1040,6 +1181,16 @@ def api_key_problems(server: ServerConfig) -> list[tuple[str, str]]:
     if server.api_key is not None and server.api_keys:
         out.append(("api_keys", "set server.api_key (one key, no tenant) or server.api_keys (keys with tenants), "
                                 "not both"))
+    op = server.operator
+    if op is not None:
+        if server.api_key is not None:
+            out.append(("operator", "server.api_key is already the operator's key (a daemon without tenants): give "
+                                    "tenants keys in server.api_keys beside server.operator, or drop one"))
+        out.extend(_key_source_problems("operator", op))
+        if op.key is not None and not key_text_problem(op.key):
+            if any(entry.key == op.key for entry in server.api_keys):
+                out.append(("operator.key", "is also a tenant's key in server.api_keys: the operator's key must be "
+                                            "its own"))
     spelled: dict[str, tuple[str, int]] = {}
     inline: dict[str, int] = {}
     for i, entry in enumerate(server.api_keys):
@@ -1057,19 +1208,9 @@ def api_key_problems(server: ServerConfig) -> list[tuple[str, str]]:
             if first != entry.tenant:
                 out.append((f"{where}.tenant", f"{entry.tenant!r} differs only in case from {first!r} "
                                                f"(api_keys[{j}]): spell a tenant the same in every entry"))
-        given = [name for name in ("key", "key_file", "key_env") if getattr(entry, name) is not None]
-        if len(given) != 1:
-            got = " and ".join(given) if given else "none"
-            out.append((where, f"give exactly one of key, key_file, key_env; got {got}"))
-        for name in ("key_file", "key_env"):
-            value = getattr(entry, name)
-            if value is not None and not value.strip():
-                out.append((f"{where}.{name}", "must not be empty"))
-        if entry.key is not None:
-            problem = key_text_problem(entry.key)
-            if problem:
-                out.append((f"{where}.key", problem))
-            elif entry.key in inline:
+        out.extend(_key_source_problems(where, entry))
+        if entry.key is not None and not key_text_problem(entry.key):
+            if entry.key in inline:
                 out.append((f"{where}.key", f"is the same key as api_keys[{inline[entry.key]}].key: "
                                             "each key must be given once"))
             else:
@@ -1100,8 +1241,8 @@ def quota_problems(cfg: HicacheConfig) -> list[tuple[str, str]]:
         if q is None:
             continue
         where = f"server.api_keys[{i}].quota"
-        if not q.l2_tokens and not q.l3_gb:
-            out.append((where, "names no bound: give l2_tokens, l3_gb or both"))
+        if not q.l2_tokens and not q.l3_gb and not q.pinned_tokens:
+            out.append((where, "names no bound: give l2_tokens, l3_gb, pinned_tokens or more"))
             continue
         if cfg.engine.kind != "builtin":
             out.append((where, "quotas apply to the HTTP routes' tenants; engine mode has none"))
@@ -1122,6 +1263,9 @@ def quota_problems(cfg: HicacheConfig) -> list[tuple[str, str]]:
             elif not c.l3.file.max_size_gb > 0:
                 out.append((f"{where}.l3_gb", "needs cache.l3.file.max_size_gb > 0 (partitions are carved from it)"))
             total_l3 += max(q.l3_gb, 0.0)
+        if q.pinned_tokens and (q.pinned_tokens < 0 or (c.page_size > 0 and q.pinned_tokens % c.page_size)):
+            out.append((f"{where}.pinned_tokens", f"must be a positive multiple of cache.page_size ({c.page_size}), "
+                                                  f"got {q.pinned_tokens}"))
     if c.l2.enabled and total > c.l2.tokens:
         out.append(("server.api_keys", f"the quotas' l2_tokens add up to {total}, more than cache.l2.tokens "
                                        f"({c.l2.tokens}): they reserve L2"))
@@ -1215,25 +1359,34 @@ def to_dict(cfg: Any) -> Any:
         return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
     if isinstance(cfg, tuple | list):
         return [to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
     return cfg
 
 
 def dump_yaml(cfg: HicacheConfig) -> str:
-    """The config as YAML, for people: secrets (the Redis password, inline or in the URL,
-    ``server.api_key``, the inline keys of ``server.api_keys`` and a plug-in backend's secret
-    options) show as ``***``."""
-    data = to_dict(cfg)
-    redis_section = data["cache"]["l3"]["redis"]
-    if redis_section.get("password") is not None:
-        redis_section["password"] = "***"
-    if data["server"].get("api_key") is not None:
-        data["server"]["api_key"] = "***"
-    for entry in data["server"].get("api_keys") or []:
-        if entry.get("key") is not None:
-            entry["key"] = "***"
+    """The config as YAML, for people: secrets (the Redis password, inline or in the URL, of
+    ``cache.l3`` and of every ``cache.l3_stores`` entry, ``server.api_key``, the inline keys
+    of ``server.api_keys`` and ``server.operator``, and a plug-in backend's secret options)
+    show as ``***``."""
     from hicache.storage_settings import redacted_options
     from storage_backends.settings import redact_url
 
-    redis_section["url"] = redact_url(redis_section["url"])
-    data["cache"]["l3"]["options"] = redacted_options(cfg.cache.l3)
+    data = to_dict(cfg)
+
+    def redact_l3(section: dict[str, Any], l3: L3Config) -> None:
+        redis_section = section["redis"]
+        if redis_section.get("password") is not None:
+            redis_section["password"] = "***"
+        redis_section["url"] = redact_url(redis_section["url"])
+        section["options"] = redacted_options(l3)
+
+    redact_l3(data["cache"]["l3"], cfg.cache.l3)
+    for name, store in cfg.cache.l3_stores.items():
+        redact_l3(data["cache"]["l3_stores"][name], store)
+    if data["server"].get("api_key") is not None:
+        data["server"]["api_key"] = "***"
+    for entry in [*(data["server"].get("api_keys") or []), data["server"].get("operator") or {}]:
+        if entry.get("key") is not None:
+            entry["key"] = "***"
     return str(yaml.safe_dump(data, sort_keys=False, default_flow_style=None))

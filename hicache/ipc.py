@@ -11,11 +11,24 @@ Addresses: by default ``ipc://`` sockets inside a private runtime directory crea
 CURVE (``ipc.curve_keys_dir``, a directory written by ``hicache keygen``): each process makes
 its context with ``open_context(endpoints)``; the wrappers below then make every socket they
 bind a CURVE server (the server key pair) and every socket they connect a CURVE client (the
-client key pair, the server's public key), and the context runs a ZAP authenticator that
-admits only the client public keys in ``{keys dir}/authorized_clients/``. A peer without
-CURVE, with another server key, or with a key pair not listed there never completes its
-handshake: none of its frames reaches ``recv``. Secret keys are never logged and never
-appear in a ``repr``.
+client key pair, the server's public key), and the context runs a ZAP authenticator. Each
+bound socket names its ZAP domain, and each domain admits its own keys only:
+
+==================  ==========================================  ================================
+ZAP domain          sockets                                     admits the client keys
+==================  ==========================================  ================================
+``ZAP_INTERNAL``    scheduler, tokenizer, controller, launcher  ``client.key`` alone: the
+                                                                daemon's own processes
+``ZAP_ENGINE``      engine (the cache server's ROUTER)          ``authorized_clients/*.key``:
+                                                                engines (``keygen --client``)
+``ZAP_EVENTS``      KV events PUB and replay                    ``authorized_subscribers/*.key``
+                                                                (``keygen --subscriber``)
+==================  ==========================================  ================================
+
+So an engine's key opens the engine socket only, and a router's the event stream only. A
+peer without CURVE, with another server key, or with a key its socket's domain does not
+admit never completes its handshake: none of its frames reaches ``recv``. A socket bound
+without a domain admits no one. Secret keys are never logged and never appear in a ``repr``.
 """
 
 from __future__ import annotations
@@ -103,10 +116,18 @@ SERVER_SECRET_FILE = "server.key_secret"
 CLIENT_PUBLIC_FILE = "client.key"
 CLIENT_SECRET_FILE = "client.key_secret"
 AUTHORIZED_DIR = "authorized_clients"
+SUBSCRIBERS_DIR = "authorized_subscribers"
 """The layout of a CURVE key directory (``hicache keygen --dir DIR`` writes it): the
-daemon's server key pair, the client key pair its own processes (and, by default, engine
-connectors) use, and ``authorized_clients/``, the public keys (``*.key``) the daemon admits.
-Key files use ZeroMQ's certificate format (``zmq.auth.load_certificate`` reads them)."""
+daemon's server key pair; the client key pair its own processes use (engine connectors too,
+by default: give each engine host its own pair instead, since this one opens the internal
+sockets); ``authorized_clients/``, the public keys (``*.key``) the engine socket admits;
+``authorized_subscribers/`` (optional), those the KV events sockets admit. Key files use
+ZeroMQ's certificate format (``zmq.auth.load_certificate`` reads them)."""
+
+ZAP_INTERNAL = "hicache-internal"
+ZAP_ENGINE = "hicache-engine"
+ZAP_EVENTS = "hicache-events"
+"""The ZAP domains of the daemon's bound sockets (the table in the module docstring)."""
 
 _Z85_KEY_LEN = 40
 
@@ -142,7 +163,8 @@ class CurveClientKeys:
 class CurveKeys:
     """The daemon's CURVE keys, loaded from a key directory by ``load_curve_keys``.
 
-    ``authorized_dir``: the directory of client public keys the ZAP authenticator admits.
+    ``engine_clients``: the public keys (Z85) of ``authorized_clients/``; ``subscribers``:
+    those of ``authorized_subscribers/``. ``admitted`` says which keys each ZAP domain takes.
     """
 
     dir: str
@@ -150,10 +172,16 @@ class CurveKeys:
     server_secret: bytes = field(repr=False)
     client_public: bytes = b""
     client_secret: bytes = field(default=b"", repr=False)
-    authorized_dir: str = ""
+    engine_clients: frozenset[bytes] = frozenset()
+    subscribers: frozenset[bytes] = frozenset()
 
     def client(self) -> CurveClientKeys:
         return CurveClientKeys(self.server_public, self.client_public, self.client_secret)
+
+    def admitted(self) -> dict[str, frozenset[bytes]]:
+        """Per ZAP domain, the client public keys it admits (the module docstring's table)."""
+        return {ZAP_INTERNAL: frozenset({self.client_public}), ZAP_ENGINE: self.engine_clients,
+                ZAP_EVENTS: self.subscribers}
 
 
 def _check_private_file(path: Path) -> None:
@@ -218,12 +246,9 @@ def load_curve_keys(keys_dir: str | os.PathLike[str]) -> CurveKeys:
     """The daemon's keys from a directory laid out as ``hicache keygen`` writes it.
 
     Raises CurveKeyError when libzmq lacks CURVE, a file is missing, unreadable, readable by
-    other users (secret files) or malformed, ``authorized_clients/`` is missing, writable by
-    other users or lacks the daemon's own client key (its processes could not reach each
-    other).
+    other users (secret files) or malformed, ``authorized_clients/`` is missing, or it or
+    ``authorized_subscribers/`` (optional) is writable by other users.
     """
-    import zmq.auth
-
     require_curve()
     root = Path(keys_dir)
     if not root.is_dir():
@@ -231,29 +256,35 @@ def load_curve_keys(keys_dir: str | os.PathLike[str]) -> CurveKeys:
     server_public, server_secret = _read_key_file(root / SERVER_SECRET_FILE, secret=True)
     client_public, client_secret = _read_key_file(root / CLIENT_SECRET_FILE, secret=True)
     assert server_secret is not None and client_secret is not None
-    authorized = root / AUTHORIZED_DIR
-    if not authorized.is_dir():
-        raise CurveKeyError(f"{authorized} is not a directory: it holds the client public keys (*.key) the "
-                            "daemon admits")
-    st = authorized.stat()
+    engines = _admitted_keys(root / AUTHORIZED_DIR, "the client public keys (*.key) the engine socket admits")
+    subscribers = (_admitted_keys(root / SUBSCRIBERS_DIR, "the subscriber keys the KV events sockets admit")
+                   if (root / SUBSCRIBERS_DIR).exists() else frozenset())
+    return CurveKeys(str(root), server_public, server_secret, client_public, client_secret, engines, subscribers)
+
+
+def _admitted_keys(directory: Path, holds: str) -> frozenset[bytes]:
+    """The public keys (``*.key``) in ``directory``, which only this user may write."""
+    import zmq.auth
+
+    if not directory.is_dir():
+        raise CurveKeyError(f"{directory} is not a directory: it holds {holds}")
+    st = directory.stat()
     if st.st_mode & 0o022 or st.st_uid != os.getuid():
-        raise CurveKeyError(f"{authorized} must be owned by this user and writable by no one else "
+        raise CurveKeyError(f"{directory} must be owned by this user and writable by no one else "
                             f"(mode {oct(st.st_mode & 0o777)}): anyone who can add a key there can connect")
     try:
-        allowed = zmq.auth.load_certificates(authorized)
+        return frozenset(zmq.auth.load_certificates(directory))
     except (OSError, ValueError) as exc:
-        raise CurveKeyError(f"{authorized}: cannot read the client keys: {exc}") from None
-    if client_public not in allowed:
-        raise CurveKeyError(f"{authorized} does not hold the daemon's own client key ({CLIENT_PUBLIC_FILE}): "
-                            f"copy {root / CLIENT_PUBLIC_FILE} there")
-    return CurveKeys(str(root), server_public, server_secret, client_public, client_secret, str(authorized))
+        raise CurveKeyError(f"{directory}: cannot read the keys: {exc}") from None
 
 
-def curve_server(socket: zmq.SyncSocket, keys: CurveKeys) -> None:
-    """Make ``socket`` a CURVE server with the daemon's key pair (before it binds)."""
+def curve_server(socket: zmq.SyncSocket, keys: CurveKeys, domain: str) -> None:
+    """Make ``socket`` a CURVE server with the daemon's key pair, authenticated in the ZAP
+    ``domain`` (before it binds)."""
     socket.setsockopt(zmq.CURVE_SERVER, 1)
     socket.setsockopt(zmq.CURVE_PUBLICKEY, keys.server_public)
     socket.setsockopt(zmq.CURVE_SECRETKEY, keys.server_secret)
+    socket.setsockopt_string(zmq.ZAP_DOMAIN, domain)
 
 
 def curve_client(socket: zmq.SyncSocket, keys: CurveClientKeys) -> None:
@@ -263,25 +294,44 @@ def curve_client(socket: zmq.SyncSocket, keys: CurveClientKeys) -> None:
     socket.setsockopt(zmq.CURVE_SECRETKEY, keys.client_secret)
 
 
+class _KeySet:
+    """A ZAP credentials provider: admits the Z85 public keys it holds, nothing else."""
+
+    def __init__(self, keys: frozenset[bytes]) -> None:
+        self.keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
+
+
 class SecureContext(zmq.Context[zmq.Socket[bytes]]):
     """A context whose socket wrappers (below) use CURVE with ``curve_keys``.
 
-    ``start`` runs a ZAP authenticator (``zmq.auth.thread.ThreadAuthenticator``) that admits
-    the public keys in ``curve_keys.authorized_dir`` and no other; ``term`` and ``destroy``
-    stop it first. Sockets made with ``ctx.socket`` directly (inproc pipes) are untouched.
+    ``start`` runs a ZAP authenticator (``zmq.auth.thread.ThreadAuthenticator``) that admits,
+    per ZAP domain, the keys ``CurveKeys.admitted`` lists and no other (a socket without a
+    domain: none); ``term`` and ``destroy`` stop it first. ``engine_address``: the address
+    whose bound socket is in ``ZAP_ENGINE``; every other socket the wrappers bind is in
+    ``ZAP_INTERNAL``. Sockets made with ``ctx.socket`` directly (inproc pipes) are untouched.
     """
 
     curve_keys: CurveKeys | None = None
+    engine_address: str | None = None
     _authenticator: Any = None
 
-    def start(self, keys: CurveKeys) -> None:
+    def start(self, keys: CurveKeys, engine_address: str | None = None) -> None:
         from zmq.auth.thread import ThreadAuthenticator
 
         self.curve_keys = keys
+        self.engine_address = engine_address
         auth = ThreadAuthenticator(self, log=logging.getLogger("hicache.ipc.zap"))
         auth.start()
-        auth.configure_curve(domain="*", location=keys.authorized_dir)
+        for domain, admitted in keys.admitted().items():
+            auth.configure_curve_callback(domain=domain, credentials_provider=_KeySet(admitted))
         self._authenticator = auth
+
+    def domain_of(self, address: str) -> str:
+        """The ZAP domain of a socket bound at ``address``."""
+        return ZAP_ENGINE if address == self.engine_address else ZAP_INTERNAL
 
     def _stop_authenticator(self) -> None:
         auth, self._authenticator = self._authenticator, None
@@ -307,11 +357,18 @@ def open_context(endpoints: Endpoints | None = None, *, keys: CurveKeys | None =
         return zmq.Context()
     ctx = SecureContext()
     try:
-        ctx.start(keys)
+        ctx.start(keys, _engine_address(endpoints))
     except BaseException:
         ctx.destroy(linger=0)
         raise
     return ctx
+
+
+def _engine_address(endpoints: Endpoints | None) -> str | None:
+    try:
+        return None if endpoints is None else endpoints.address("engine")
+    except ValueError:  # ipc endpoints without a directory: no sockets to bind at all
+        return None
 
 
 def _curve_of(ctx: zmq.SyncContext) -> CurveKeys | None:
@@ -323,7 +380,8 @@ def _bind_or_connect(ctx: zmq.SyncContext, socket: zmq.SyncSocket, address: str,
     keys = _curve_of(ctx)
     if keys is not None:
         if bind:
-            curve_server(socket, keys)
+            assert isinstance(ctx, SecureContext)
+            curve_server(socket, keys, ctx.domain_of(address))
         else:
             curve_client(socket, keys.client())
     (socket.bind if bind else socket.connect)(address)

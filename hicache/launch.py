@@ -197,6 +197,7 @@ class Launcher:
         endpoints = Endpoints(cfg.ipc.transport, str(runtime), cfg.ipc.tcp_host, cfg.ipc.tcp_base_port,
                               cfg.ipc.curve_keys_dir or None)
         _log_transport(cfg.ipc)
+        _log_exposure(cfg)
         from hicache.metrics import init_process_metrics, prepare_multiprocess_dir
 
         prepare_multiprocess_dir(runtime / "metrics")
@@ -460,11 +461,28 @@ class Launcher:
                 child.proc.join(5)
 
 
+def _log_exposure(cfg: HicacheConfig) -> None:
+    """Warn at start about what the config opened beyond this host on purpose (README
+    "Security"): HTTP without a key, events without CURVE."""
+    from hicache.config import events_endpoint_host, has_keys, is_loopback_host
+
+    if not has_keys(cfg.server) and not is_loopback_host(cfg.server.host):
+        log.warning("HTTP on %s:%d WITHOUT A KEY (server.allow_unauthenticated: true): anyone who can reach it acts "
+                    "as the operator", cfg.server.host, cfg.server.port)
+    ev = cfg.events
+    if ev.enabled and ev.allow_insecure_tcp:
+        hosts = [events_endpoint_host(e) for e in (ev.endpoint, ev.replay_endpoint) if e is not None]
+        if any(h is not None and not is_loopback_host(h) for h in hosts):
+            log.warning("KV events on %s WITHOUT CURVE (events.allow_insecure_tcp: true): anyone who can reach it "
+                        "reads what the cache holds", ev.endpoint)
+
+
 def _log_transport(ipc: IpcConfig) -> None:
     """Say at start how the daemon's processes reach each other (never any key material)."""
     if ipc.curve_keys_dir:
-        log.info("ZeroMQ sockets use CURVE: keys in %s, admitting the client keys in %s/authorized_clients",
-                 ipc.curve_keys_dir, ipc.curve_keys_dir.rstrip("/"))
+        log.info("ZeroMQ sockets use CURVE: keys in %s; the internal sockets admit the daemon's own client key, "
+                 "the engine socket the keys in %s/authorized_clients", ipc.curve_keys_dir,
+                 ipc.curve_keys_dir.rstrip("/"))
     elif ipc.transport == "tcp":
         log.warning("ipc.transport is tcp WITHOUT CURVE (ipc.allow_insecure_tcp: true): anyone who can reach "
                     "%s ports %d-%d can send messages to the daemon's processes; set ipc.curve_keys_dir (see "

@@ -28,10 +28,11 @@ engines cannot share through L2) and ``cache.l2.tokens`` (L2 over the available 
 
 Both modes: ``ipc.curve_keys_dir`` (CURVE on) must be a key directory that loads
 (``hicache.ipc.load_curve_keys``: libzmq with CURVE, both key pairs present, private (0600)
-and well-formed, ``authorized_clients/`` holding the daemon's own client key). That
+and well-formed, ``authorized_clients/`` (and ``authorized_subscribers/``, when present)
+writable by this user alone). That
 ``ipc.transport: tcp`` has keys or ``ipc.allow_insecure_tcp: true`` is ``validate``'s check.
 
-Both modes: ``server.api_keys`` (``load_api_keys``): each ``key_file`` must be readable
+Both modes: ``server.api_keys`` and ``server.operator`` (``load_api_keys``): each ``key_file`` must be readable
 UTF-8 text holding one key (one trailing newline dropped), each ``key_env`` a set, non-empty
 variable, every key printable ASCII without spaces, and no key may appear twice (across
 entries of any tenants). The tokenizer process loads the keys with the same function at
@@ -168,41 +169,46 @@ def _check_tokenizer(cfg: HicacheConfig, out: list[ConfigProblem]) -> None:
 
 @dataclass(frozen=True)
 class BearerKey:
-    """One loaded API key: the ``tenant`` it authenticates (None for ``server.api_key``,
-    which has no tenant) and the SHA-256 ``digest`` of the key. The key itself is not kept."""
+    """One loaded API key: the ``tenant`` it authenticates, or None for the operator's key
+    (``server.operator``, or ``server.api_key`` of a daemon without tenants), and the SHA-256
+    ``digest`` of the key. The key itself is not kept."""
 
     tenant: str | None
     digest: bytes = field(repr=False)
 
 
 def load_api_keys(server: ServerConfig) -> tuple[tuple[BearerKey, ...], list[ConfigProblem]]:
-    """The bearer keys of ``server`` (``api_key``, or every ``api_keys`` entry), with the
-    problems that stop the daemon from using them; the keys are only meaningful when the
-    problems are empty.
+    """The bearer keys of ``server`` (``api_key``, every ``api_keys`` entry, ``operator``),
+    with the problems that stop the daemon from using them; the keys are only meaningful
+    when the problems are empty.
 
     ``server`` passed ``load_config`` (``hicache.config.api_key_problems``). Reads each
     ``key_file`` (UTF-8 text, one trailing ``\\n`` or ``\\r\\n`` dropped) and each ``key_env``
     variable now. Problems: a file that cannot be read, is not UTF-8, is empty or holds more
     than one line; an unset or empty variable; a key that is not printable ASCII without
-    spaces; a key given twice (in any two entries, whatever their tenants). Reasons name the
-    entry, file or variable, never a key."""
+    spaces; a key given twice (in any two entries, the operator's included). Reasons name
+    the entry, file or variable, never a key."""
     if server.api_key is not None:
         return (BearerKey(None, _digest(server.api_key)),), []
     keys: list[BearerKey] = []
     problems: list[ConfigProblem] = []
-    seen: dict[bytes, int] = {}
-    for i, entry in enumerate(server.api_keys):
-        where = f"server.api_keys[{i}]"
+    seen: dict[bytes, str] = {}
+    sources: list[tuple[str, str | None, str | None, str | None, str | None]] = [
+        (f"server.api_keys[{i}]", e.tenant, e.key, e.key_file, e.key_env) for i, e in enumerate(server.api_keys)]
+    if server.operator is not None:
+        op = server.operator
+        sources.append(("server.operator", None, op.key, op.key_file, op.key_env))
+    for where, tenant, inline, key_file, key_env in sources:
         try:
-            if entry.key_file is not None:
+            if key_file is not None:
                 where += ".key_file"
-                key = load_secret_file(entry.key_file, "key")
-            elif entry.key_env is not None:
+                key = load_secret_file(key_file, "key")
+            elif key_env is not None:
                 where += ".key_env"
-                key = load_secret_env(entry.key_env)
+                key = load_secret_env(key_env)
             else:
                 where += ".key"
-                key = entry.key or ""
+                key = inline or ""
         except ValueError as exc:
             problems.append(ConfigProblem(where, str(exc)))
             continue
@@ -212,11 +218,10 @@ def load_api_keys(server: ServerConfig) -> tuple[tuple[BearerKey, ...], list[Con
             continue
         digest = _digest(key)
         if digest in seen:
-            problems.append(ConfigProblem(where, f"gives the same key as server.api_keys[{seen[digest]}]: "
-                                                 "each key must be given once"))
+            problems.append(ConfigProblem(where, f"gives the same key as {seen[digest]}: each key must be given once"))
             continue
-        seen[digest] = i
-        keys.append(BearerKey(entry.tenant, digest))
+        seen[digest] = where.rsplit(".", 1)[0]
+        keys.append(BearerKey(tenant, digest))
     return tuple(keys), problems
 
 

@@ -6,7 +6,7 @@ scheduler (whose per-tenant L2 quotas read a namespace's tenant back from its sa
 
 from __future__ import annotations
 
-__all__ = ["TENANT_SALT_TAG", "split_tenant_salt", "tenant_salt"]
+__all__ = ["TENANT_SALT_TAG", "split_tenant_salt", "tenant_of_salt", "tenant_salt"]
 
 TENANT_SALT_TAG = "\x00tenant:"
 """How the effective ``cache_salt`` of a tenant's request starts (``tenant_salt``)."""
@@ -45,3 +45,9 @@ def split_tenant_salt(effective: str) -> tuple[str, str] | None:
     if len(rest) < n + 1 or rest[n] != ":":
         return None
     return rest[:n], rest[n + 1:]
+
+
+def tenant_of_salt(salt: str) -> str | None:
+    """The tenant of a namespace's effective ``cache_salt`` (None: no tenant's)."""
+    pair = split_tenant_salt(salt)
+    return None if pair is None else pair[0]

@@ -50,6 +50,7 @@ Decoding contract (``decode_batch``):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -66,6 +67,7 @@ __all__ = [
     "Medium",
     "decode_batch",
     "encode_batch",
+    "without_content",
 ]
 
 
@@ -117,6 +119,12 @@ class AllBlocksCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def without_content(event: BlockStored) -> BlockStored:
+    """``event`` without what it says of the prompt: no tokens, no ``extra_keys`` (the
+    salt); the hashes, the parent hash, the sizes and the medium stay."""
+    return dataclasses.replace(event, token_ids=[], extra_keys=None)
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,19 @@ Wire (identical to vLLM 0.32, but for the run key a decoder ignores):
   ``kept_batches`` says how many there will be at most, so that a whole replay fits in one
   client's pipe.
 
-Endpoints, as vLLM: the PUB socket binds when the endpoint contains ``*`` or ``::`` or
-starts with ``ipc://`` or ``inproc://``, and connects otherwise; the replay socket always
-binds. ``endpoint`` / ``replay_endpoint`` hold the address actually bound (``LAST_ENDPOINT``,
+Endpoints: ``bind`` True or False binds or connects the PUB socket; None follows vLLM (bind
+when the endpoint contains ``*`` or ``::`` or starts with ``ipc://`` or ``inproc://``, connect
+otherwise). The replay socket always binds. The daemon's publisher (``for_daemon``) binds
+``events.endpoint`` unless ``events.bind`` is false.
+
+Who receives what (README "Security"): with ``curve`` (the daemon's CURVE keys), every
+socket it binds is a CURVE server in ZAP domain ``hicache.ipc.ZAP_EVENTS``, served by a
+context of its own whose authenticator admits the subscriber keys
+(``authorized_subscribers/``) only. Unless ``tenant_content``, a ``BlockStored`` of a
+tenant's namespace (its ``extra_keys`` carry a tenant's effective salt,
+``hicache.tenants``) goes out with its page hashes and parent hash but no tokens and no
+``extra_keys`` (``format.without_content``): neither the tenant's prompt nor its salt leaves
+the process. ``endpoint`` / ``replay_endpoint`` hold the address actually bound (``LAST_ENDPOINT``,
 so ``tcp://*:0`` reads back as ``tcp://0.0.0.0:PORT``), or the one connected to. Unlike
 vLLM, the data-parallel rank does not shift the port: give each rank its own endpoint.
 
@@ -54,10 +64,16 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 
-from hicache.kv_events.format import KVEvent, encode_batch
+from hicache.kv_events.format import BlockStored, KVEvent, encode_batch, without_content
+from hicache.tenants import split_tenant_salt
+
+if TYPE_CHECKING:
+    from hicache.config import HicacheConfig
+    from hicache.ipc import CurveKeys
 
 __all__ = ["END_SEQ", "KVEventPublisher", "PublisherStats", "is_bind_endpoint"]
 
@@ -92,9 +108,16 @@ class KVEventPublisher:
     def __init__(self, endpoint: str, replay_endpoint: str | None, topic: str,
                  buffer_batches: int = 10_000, data_parallel_rank: int | None = None,
                  ctx: zmq.Context[zmq.Socket[bytes]] | None = None, *, send_hwm: int = _SEND_HWM,
-                 run: str | None = None, kept_batches: int = 1) -> None:
+                 run: str | None = None, kept_batches: int = 1, bind: bool | None = None,
+                 curve: CurveKeys | None = None, tenant_content: bool = False) -> None:
         if buffer_batches < 1:
             raise ValueError(f"buffer_batches must be at least 1, got {buffer_batches}")
+        self._tenant_content = tenant_content
+        self._own_ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        if curve is not None:
+            from hicache.ipc import open_context
+
+            ctx = self._own_ctx = open_context(keys=curve)
         self._topic = topic.encode("utf-8")
         self._rank = data_parallel_rank
         self.run = run
@@ -120,7 +143,8 @@ class KVEventPublisher:
         try:
             self._pub.set_hwm(send_hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
-            if is_bind_endpoint(endpoint):
+            if bind if bind is not None else is_bind_endpoint(endpoint):
+                self._curve_server(self._pub, curve)
                 self._pub.bind(endpoint)
                 self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
             else:
@@ -132,17 +156,57 @@ class KVEventPublisher:
                 self._replay.setsockopt(zmq.LINGER, 0)
                 # a whole replay must fit in one client's pipe, or the ROUTER drops its tail
                 self._replay.setsockopt(zmq.SNDHWM, buffer_batches + kept_batches + 16)
+                self._curve_server(self._replay, curve)
                 self._replay.bind(replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except Exception:
             self._pub.close(linger=0)
             if self._replay is not None:
                 self._replay.close(linger=0)
+            if self._own_ctx is not None:
+                self._own_ctx.destroy(linger=0)
             raise
         self._thread: threading.Thread | None = None
         if self._replay is not None:
             self._thread = threading.Thread(target=self._serve_replays, name="kv-event-replay", daemon=True)
             self._thread.start()
+
+    @classmethod
+    def for_daemon(cls, cfg: HicacheConfig, topic: str, *, run: str | None = None,
+                   kept_batches: int = 1) -> KVEventPublisher:
+        """The daemon's publisher, as ``cfg.events`` says: bound (``bind``), CURVE when the
+        daemon has keys (``ipc.curve_keys_dir``) unless ``allow_insecure_tcp``, tenants'
+        tokens and salts only with ``tenant_content``; ``run`` and ``kept_batches`` as the
+        constructor's."""
+        ev = cfg.events
+        curve = None
+        if cfg.ipc.curve_keys_dir and not ev.allow_insecure_tcp:
+            from hicache.ipc import load_curve_keys
+
+            curve = load_curve_keys(cfg.ipc.curve_keys_dir)
+            if not curve.subscribers:
+                log.warning("KV events use CURVE but %s/authorized_subscribers admits no key: no one can subscribe "
+                            "(`hicache keygen --subscriber NAME`)", cfg.ipc.curve_keys_dir.rstrip("/"))
+        return cls(ev.endpoint, ev.replay_endpoint, topic, buffer_batches=ev.replay_batches, run=run,
+                   kept_batches=kept_batches, bind=ev.bind, curve=curve, tenant_content=ev.tenant_content)
+
+    @staticmethod
+    def _curve_server(sock: zmq.Socket[bytes], curve: CurveKeys | None) -> None:
+        if curve is not None:
+            from hicache.ipc import ZAP_EVENTS, curve_server
+
+            curve_server(sock, curve, ZAP_EVENTS)
+
+    def _shown(self, event: KVEvent) -> KVEvent:
+        """``event`` as published: a tenant's ``BlockStored`` without its tokens and salt
+        unless ``tenant_content`` (the module docstring)."""
+        if self._tenant_content or not isinstance(event, BlockStored) or not event.extra_keys:
+            return event
+        first = event.extra_keys[0]
+        salt = first[0] if first else None
+        if isinstance(salt, str) and split_tenant_salt(salt) is not None:
+            return without_content(event)
+        return event
 
     # -- the caller's side -----------------------------------------------------------------
 
@@ -156,7 +220,8 @@ class KVEventPublisher:
             self._count_dropped(1, len(events))
             return False
         try:
-            payload = encode_batch(time.time() if ts is None else ts, events, self._rank, self.run)
+            payload = encode_batch(time.time() if ts is None else ts, [self._shown(e) for e in events], self._rank,
+                                   self.run)
         except Exception:
             log.exception("cannot encode a KV event batch of %d events; dropped", len(events))
             self._count_dropped(1, len(events))
@@ -194,6 +259,8 @@ class KVEventPublisher:
             self._thread.join(max(0.0, timeout_s))
             if self._thread.is_alive():
                 log.warning("KV event replay thread still running %.1fs after close", timeout_s)
+        if self._own_ctx is not None and (self._thread is None or not self._thread.is_alive()):
+            self._own_ctx.destroy(linger=0)
 
     def __enter__(self) -> KVEventPublisher:
         return self

@@ -83,9 +83,8 @@ class KVEventStream:
                 raise RuntimeError(f"events.journal: cannot use {ev.journal}: {exc}") from exc
             restored = _surviving_l3_pages(cfg, self.journal)
         try:
-            self.publisher = KVEventPublisher(ev.endpoint, ev.replay_endpoint, self.topic,
-                                              buffer_batches=ev.replay_batches, run=self.run,
-                                              kept_batches=_batches(1 + len(restored)))
+            self.publisher = KVEventPublisher.for_daemon(cfg, self.topic, run=self.run,
+                                                         kept_batches=_batches(1 + len(restored)))
         except zmq.ZMQError as exc:
             raise RuntimeError(f"events: cannot open {ev.endpoint} (replay {ev.replay_endpoint}): {exc}") from exc
         self.tracker = TierEventTracker(cache, tiers=tiers, split_salt=split_salt)

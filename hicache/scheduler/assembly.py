@@ -41,7 +41,7 @@ from hicache.model.geometry import unsupported_reason
 from hicache.model.loader import LoadedModel
 from hicache.model.pools import KVPools
 from hicache.storage_settings import l3_quotas_gb
-from hicache.tenants import split_tenant_salt
+from hicache.tenants import tenant_of_salt
 from hicache.tree.cache import UnifiedRadixCache
 from hicache.tree.components import FullComponent, MambaComponent, SWAComponent, TreeComponent
 from hicache.tree.quotas import TenantQuotas
@@ -134,12 +134,6 @@ def l3_partition_of(cfg: HicacheConfig) -> Callable[[str], str] | None:
         return tenant if tenant in parts else ""
 
     return partition
-
-
-def tenant_of_salt(salt: str) -> str | None:
-    """The tenant of a namespace's ``cache_salt`` (None: no tenant)."""
-    pair = split_tenant_salt(salt)
-    return None if pair is None else pair[0]
 
 
 def kv_pools_over(full_kv: torch.Tensor, page_size: int, *, swa_kv: torch.Tensor | None = None,

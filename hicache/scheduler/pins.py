@@ -36,6 +36,15 @@ for any cached prefix. Sizes: each tier's pins together may take at most
 the pins that hold it. Two pins that share pages count them twice (never too little). The
 internal requests' outputs never reach the tokenizer (``owns`` / ``on_output``).
 
+Tenants: a pin belongs to the tenant of its ``cache_salt`` (``Pin.tenant``; None: no
+tenant's) and is named within that tenant: ``(tenant, name)`` is its key, so two tenants'
+pins of one name are two pins. An op whose ``args`` carry ``"tenant"`` is that tenant's own
+call (the tokenizer sets it from the caller's key): it sees, replaces and unpins only that
+tenant's pins, may pin only in that tenant's namespace and within its budget
+(``server.api_keys[].quota.pinned_tokens`` per tier; none: it cannot pin), and a refusal
+names none of another tenant's pins. An op without it is the operator's: every pin, the
+shares only (``unpin`` then names the pin's tenant in ``"owner"``).
+
 Tiers: L1 and L2. L3 is where a pinned prefix comes back from after a restart (its pages are
 backed up like any others); L3 stores evict on their own terms (the file store's size bound,
 Redis's ``maxmemory``), so a pin does not hold pages there.
@@ -52,13 +61,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import protos
-from hicache.config import PIN_NAME_RE
+from hicache.config import PIN_NAME_RE, HicacheConfig
 from hicache.scheduler.state import SchedulerState
-from hicache.tenants import split_tenant_salt
+from hicache.tenants import split_tenant_salt, tenant_of_salt
 from hicache.tree.base import MatchResult
 from hicache.tree.node import KEY_TYPECODE, LockToken, TreeNode
 
 log = logging.getLogger("hicache.scheduler.pins")
+
+PinKey = tuple[str | None, str]
+"""A pin's key: (its tenant, its name)."""
 
 PIN_RID_PREFIX = "pin:"
 """Internal request ids; the tokenizer's ids are hex, so they never collide."""
@@ -98,6 +110,14 @@ class Pin:
     outcome: protos.TokenOutput | None = None
     """The internal request's final output, until ``poll`` takes it up."""
 
+    @property
+    def tenant(self) -> str | None:
+        return tenant_of_salt(self.salt)
+
+    @property
+    def key(self) -> PinKey:
+        return self.tenant, self.name
+
     def describe(self, page_size: int) -> dict[str, Any]:
         u = self.usage
         tenant, salt = split_tenant_salt(self.salt) or (None, self.salt)
@@ -105,6 +125,11 @@ class Pin:
                 "prompt_tokens": len(self.tokens), "tiers": list(self.tiers), "tenant": tenant, "cache_salt": salt,
                 "loaded": None if u is None else {"device": u.cached_device, "host": u.cached_host,
                                                   "storage": u.cached_storage}}
+
+
+def pin_budgets(cfg: HicacheConfig) -> dict[str, int]:
+    """Per tenant, its pin budget in tokens (``server.api_keys[].quota.pinned_tokens``)."""
+    return {k.tenant: k.quota.pinned_tokens for k in cfg.server.api_keys if k.quota is not None and k.quota.pinned_tokens}
 
 
 def parse_pin_args(args: dict[str, Any]) -> tuple[str, list[int], str, tuple[str, ...]]:
@@ -135,12 +160,15 @@ class PinnedPrefixes:
     request as the tokenizer's are queued; ``reply`` answers an admin rid."""
 
     def __init__(self, state: SchedulerState, submit: Callable[[protos.GenerateRequest], None],
-                 reply: Callable[[protos.AdminReply], None], fraction: float) -> None:
+                 reply: Callable[[protos.AdminReply], None], fraction: float,
+                 budgets: dict[str, int] | None = None) -> None:
+        """``budgets``: per tenant, the tokens its own pins may hold in each tier."""
         self.s = state
         self.submit = submit
         self.reply = reply
         self.fraction = fraction
-        self.pins: dict[str, Pin] = {}
+        self.budgets = dict(budgets or {})
+        self.pins: dict[PinKey, Pin] = {}
         self._by_rid: dict[str, Pin] = {}
         self._seq = itertools.count(1)
 
@@ -151,30 +179,56 @@ class PinnedPrefixes:
         a = c.allocator if tier == "l1" else c.host_allocator
         return 0 if a is None else a.capacity
 
-    def pinned_pages(self, tier: str, but: str | None = None) -> int:
-        return sum(p.pages for p in self.pins.values() if tier in p.tiers and p.name != but)
+    def pinned_pages(self, tier: str, but: PinKey | None = None) -> int:
+        """The pages pins hold in ``tier`` (but the pin ``but``)."""
+        return sum(p.pages for p in self._pins_in(tier, but))
 
-    def _check_share(self, name: str, pages: int, tiers: tuple[str, ...]) -> None:
+    def own_pinned_pages(self, tier: str, tenant: str | None, but: PinKey | None = None) -> int:
+        """The pages ``tenant``'s pins hold in ``tier`` (but the pin ``but``)."""
+        return sum(p.pages for p in self._pins_in(tier, but) if p.tenant == tenant)
+
+    def _pins_in(self, tier: str, but: PinKey | None) -> list[Pin]:
+        return [p for p in self.pins.values() if tier in p.tiers and p.key != but]
+
+    def _check_share(self, key: PinKey, pages: int, tiers: tuple[str, ...], caller: str | None) -> None:
+        """Refuse a pin past a tier's share, or past the budget of ``caller`` (a tenant
+        pinning for itself; None: the operator); a tenant's refusal names only its own pins."""
         ps = self.s.page_size
+        tenant, name = key
         for tier in tiers:
             cap = self.capacity_pages(tier)
             if cap == 0:
                 raise PinRefused(f"pinned prefix {name!r} names {tier}, which is off")
             share = int(cap * self.fraction)
-            held = self.pinned_pages(tier, but=name)
+            if caller is not None:
+                budget = self.budgets.get(caller, 0) // ps
+                own = self.own_pinned_pages(tier, tenant, but=key)
+                if own + pages > budget:
+                    raise PinRefused(
+                        f"pinned prefix {name!r} ({pages * ps} tokens) does not fit tenant {caller!r}'s pin budget "
+                        f"in {tier.upper()}: {budget * ps} tokens (server.api_keys[].quota.pinned_tokens), "
+                        f"{own * ps} pinned by its other pins")
+            held = self.pinned_pages(tier, but=key)
             if held + pages > share:
-                others = ", ".join(sorted(p.name for p in self.pins.values() if tier in p.tiers and p.name != name))
+                if caller is None:
+                    named = sorted(p.name for p in self._pins_in(tier, key))
+                    held_by = f"{held * ps} already pinned" + (f" by {', '.join(named)}" if named else "")
+                else:  # a tenant learns nothing of other tenants' pins
+                    held_by = f"too little of it is left ({self.own_pinned_pages(tier, tenant, but=key) * ps} by your pins)"
                 raise PinRefused(
                     f"pinned prefix {name!r} ({pages * ps} tokens) does not fit {tier.upper()}'s share for pinned "
-                    f"prefixes: {share * ps} of {cap * ps} tokens (cache.pinned_fraction {self.fraction:g}), "
-                    f"{held * ps} already pinned" + (f" by {others}" if others else ""))
+                    f"prefixes: {share * ps} of {cap * ps} tokens (cache.pinned_fraction {self.fraction:g}), {held_by}")
 
     # ---------------------------------------------------------------- admin ops
     def pin(self, admin_rid: str, args: dict[str, Any]) -> None:
         """Start pinning (the reply comes once it is pinned); a pin of the same name is
         replaced once the new one is taken. Refusals are answered at once."""
+        caller = args.get("tenant")
         try:
             name, ids, salt, tiers = parse_pin_args(args)
+            if caller is not None and tenant_of_salt(salt) != caller:
+                raise PinRefused(f"pinned prefix {name!r}: a tenant pins in its own namespace only")
+            key: PinKey = (tenant_of_salt(salt), name)
             tiers = tiers or tuple(t for t in PIN_TIERS if self.capacity_pages(t))
             if self.s.cache.aux and "l1" not in tiers:
                 raise PinRefused(f"pinned prefix {name!r}: this model's windows and states are held in L1, "
@@ -183,10 +237,10 @@ class PinnedPrefixes:
             if pages == 0:
                 raise PinRefused(f"pinned prefix {name!r} has {len(ids)} tokens, less than one page "
                                  f"({self.s.page_size}): nothing to pin")
-            old = self.pins.get(name)
+            old = self.pins.get(key)
             if old is not None and old.state is not PinState.PINNED:
                 raise PinRefused(f"pinned prefix {name!r} is still being pinned; retry when it is")
-            self._check_share(name, pages, tiers)
+            self._check_share(key, pages, tiers, caller)
         except PinRefused as exc:
             self.reply(protos.AdminReply(admin_rid, False, {"refused": True}, str(exc)))
             return
@@ -194,14 +248,17 @@ class PinnedPrefixes:
         pin = Pin(name, array(KEY_TYPECODE, ids), salt, tiers, pages, rid, waiters=[admin_rid])
         if old is not None:
             self._release(old)
-            del self.pins[name]
-        self.pins[name] = pin
+            del self.pins[key]
+        self.pins[key] = pin
         self._by_rid[rid] = pin
         self.submit(protos.GenerateRequest(rid, ids, protos.SamplingParams(max_new_tokens=1), False, salt))
 
     def unpin(self, admin_rid: str, args: dict[str, Any]) -> None:
+        """Let the pin ``args["name"]`` of the caller (``"tenant"``) go, or the operator's
+        choice of tenant (``"owner"``; absent: the pin of no tenant)."""
         name = args.get("name")
-        pin = self.pins.get(name) if isinstance(name, str) else None
+        owner = args["tenant"] if args.get("tenant") is not None else args.get("owner")
+        pin = self.pins.get((owner, name)) if isinstance(name, str) else None
         if pin is None:
             self.reply(protos.AdminReply(admin_rid, False, {"missing": True}, f"no pinned prefix named {name!r}"))
             return
@@ -210,14 +267,21 @@ class PinnedPrefixes:
                                          f"pinned prefix {name!r} is still being pinned; retry when it is"))
             return
         self._release(pin)
-        del self.pins[pin.name]
+        del self.pins[pin.key]
         self.reply(protos.AdminReply(admin_rid, True, {"unpinned": pin.name, "tokens": pin.pages * self.s.page_size}))
 
-    def listing(self) -> dict[str, Any]:
+    def listing(self, tenant: str | None = None) -> dict[str, Any]:
+        """Every pin and each tier's share; for ``tenant`` (a tenant's own call), its pins
+        only, what they hold and its budget."""
         ps = self.s.page_size
-        tiers = {t: {"pinned_tokens": self.pinned_pages(t) * ps,
-                     "share_tokens": int(self.capacity_pages(t) * self.fraction) * ps} for t in PIN_TIERS}
-        return {"pinned": [p.describe(ps) for p in self.pins.values()], "tiers": tiers}
+        if tenant is None:
+            tiers = {t: {"pinned_tokens": self.pinned_pages(t) * ps,
+                         "share_tokens": int(self.capacity_pages(t) * self.fraction) * ps} for t in PIN_TIERS}
+            return {"pinned": [p.describe(ps) for p in self.pins.values()], "tiers": tiers}
+        budget = self.budgets.get(tenant, 0) // ps * ps
+        tiers = {t: {"pinned_tokens": self.own_pinned_pages(t, tenant) * ps, "budget_tokens": budget}
+                 for t in PIN_TIERS}
+        return {"pinned": [p.describe(ps) for p in self.pins.values() if p.tenant == tenant], "tiers": tiers}
 
     # ---------------------------------------------------------------- the internal requests
     def owns(self, rid: str) -> bool:
@@ -297,7 +361,7 @@ class PinnedPrefixes:
         (the request of it was refused or failed), not the scheduler."""
         log.warning("pinned prefix %s not pinned: %s", pin.name, error)
         self._release(pin)
-        self.pins.pop(pin.name, None)
+        self.pins.pop(pin.key, None)
         self._by_rid.pop(pin.rid, None)
         for rid in pin.waiters:
             self.reply(protos.AdminReply(rid, False, {"refused": refused}, f"pinned prefix {pin.name!r}: {error}"))

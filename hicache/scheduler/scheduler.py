@@ -63,9 +63,10 @@ from hicache.scheduler.admission import Admission
 from hicache.scheduler.aux_memory import AuxMemory
 from hicache.scheduler.finishing import Finisher, internal_error
 from hicache.scheduler.forward_pass import ForwardPass
-from hicache.scheduler.pins import PinnedPrefixes
+from hicache.scheduler.pins import PinnedPrefixes, pin_budgets
 from hicache.scheduler.request import LOADING, Request
 from hicache.scheduler.state import SchedulerCounters, SchedulerState
+from hicache.tenants import tenant_of_salt
 from hicache.tier_manager import TierManager
 from hicache.tree.cache import UnifiedRadixCache
 from hicache.tree.node import KEY_TYPECODE
@@ -134,7 +135,7 @@ class Scheduler:
         self.storage_status_seen: Callable[[str | None, protos.StorageStatus], None] | None = None
         """Told of each ``StorageStatus`` and the admin op it answers (None: unprompted)."""
         self._admin_ids = iter(range(1, 2**62))
-        self.pins = PinnedPrefixes(state, self.submit, emit, cfg.cache.pinned_fraction)
+        self.pins = PinnedPrefixes(state, self.submit, emit, cfg.cache.pinned_fraction, pin_budgets(cfg))
 
     def _route_output(self, msg: protos.TokenizerMessage) -> None:
         """What the phases emit: a pinned prefix's internal request's outputs go to ``pins``,
@@ -222,22 +223,30 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admin
     def admin(self, msg: protos.AdminRequest) -> None:
+        """An admin op. ``args["tenant"]`` marks a tenant's own call (the tokenizer sets it
+        from the caller's key, README "Security"): ``flush``, ``stats`` and the pin ops act
+        on that tenant's namespaces and pins only, and storage ops are refused (the
+        operator's alone)."""
         op = msg.op
+        tenant = msg.args.get("tenant")
         try:
             if op == "flush":
                 before = self.cache.total_size()
-                self.cache.flush()
+                self.cache.flush(None if tenant is None else (lambda node: tenant_of_salt(node.root.salt or "") == tenant))
                 self.emit(protos.AdminReply(msg.rid, True, {"flushed_tokens": before - self.cache.total_size()}))
             elif op == "stats":
-                self.emit(protos.AdminReply(msg.rid, True, self.stats()))
+                self.emit(protos.AdminReply(msg.rid, True, self.stats() if tenant is None else self.tenant_stats(tenant)))
             elif op in ("storage_status", "storage_attach", "storage_detach", "storage_clear"):
+                if tenant is not None:
+                    self.emit(protos.AdminReply(msg.rid, False, {"refused": True}, "storage ops are the operator's"))
+                    return
                 self._storage_admin(msg)
             elif op == "pin":
                 self.pins.pin(msg.rid, msg.args)
             elif op == "unpin":
                 self.pins.unpin(msg.rid, msg.args)
             elif op == "pins":
-                self.emit(protos.AdminReply(msg.rid, True, self.pins.listing()))
+                self.emit(protos.AdminReply(msg.rid, True, self.pins.listing(tenant)))
             else:
                 self.emit(protos.AdminReply(msg.rid, False, {}, f"unknown admin op {op!r}"))
         except Exception as exc:  # an admin call must never take the scheduler down
@@ -309,6 +318,16 @@ class Scheduler:
             out["tiers"] = {**vars(self.tier.counters), "in_flight": self.tier.in_flight,
                             "writes_due": len(self.cache.tiers.nodes_to_write_to_host())}
         return out
+
+    def tenant_stats(self, tenant: str) -> dict[str, Any]:
+        """``GET /cache/stats`` of a tenant: its own use only (its L2 pages and quota, its
+        pins), nothing of the daemon's totals or of other tenants."""
+        ps = self.page_size
+        host = sum(n for root, n in self.cache.core.host_by_root.items() if tenant_of_salt(root.salt or "") == tenant)
+        quota = next((k.quota.l2_tokens for k in self.cfg.server.api_keys
+                      if k.tenant == tenant and k.quota is not None and k.quota.l2_tokens), None)
+        return {"tenant": tenant, "l2": {"used_tokens": host * ps, "quota_tokens": quota},
+                "pinned": self.pins.listing(tenant)["tiers"]}
 
     # ------------------------------------------------------------------ the step
     @property

@@ -9,14 +9,22 @@ Routes::
     GET  /v1/models/{id}            one of them; 404 for any other id
     GET  /health                    readiness: {"status", "processes", "dead", "stale"}; 503 unless "ok"
     GET  /health?live=1             liveness: the same body, always 200
-    GET  /metrics                   Prometheus exposition of all processes; 404 when disabled
+    GET  /metrics                   Prometheus exposition of all processes (the operator's); 404 when disabled
     GET  /openapi.json              the OpenAPI 3.1 document of these routes (hicache.tokenizer.openapi)
     GET  /cache/stats               AdminRequest op "stats"
     POST /cache/flush               AdminRequest op "flush" (L1 and L2; L3 is kept)
     GET  /cache/storage             AdminRequest op "storage_status"
-    PUT  /cache/storage             AdminRequest op "storage_attach", args {"l3": <resolved cache.l3>}
+    PUT  /cache/storage             {"store": NAME}: AdminRequest op "storage_attach", args {"l3": <that
+                                    store's resolved section>} (a store the config names)
     DELETE /cache/storage           AdminRequest op "storage_detach"
     POST /cache/storage/clear       AdminRequest op "storage_clear"
+    GET  /cache/pinned              AdminRequest op "pins"
+    PUT  /cache/pinned              AdminRequest op "pin" (hicache.tokenizer.pinning)
+    DELETE /cache/pinned/{name}     AdminRequest op "unpin"
+
+Who may call which (the operator, a tenant): ``hicache.tokenizer.access``'s table. A tenant's
+``/cache`` calls carry ``args["tenant"]``, which confines them to its namespaces; the
+operator's routes answer a tenant 403.
 
 Admin routes answer the ``AdminReply.result`` as JSON; ``ok=false`` becomes an error with
 the reply's ``error`` text: 409 when it says "busy", else 500. No reply within
@@ -28,7 +36,8 @@ invalid body (bad JSON, text that is not valid Unicode, unknown fields, out-of-v
 ids, bad limits or sampling parameters, a prompt too long for the context, a field this
 server does not implement set to a value that would change the result), 404 for an OpenAI
 ``model`` that is not served, 401 without a valid bearer key when keys are configured
-(``server.api_key`` or ``server.api_keys``; every route but ``/health`` and ``/metrics``),
+(``server.api_key``, ``server.api_keys`` or ``server.operator``; every route but ``/health``),
+403 for a tenant's key on the operator's routes,
 413 for a body over the size limit (refused from its Content-Length, or as soon as a
 chunked body passes the limit), 503 while
 shutting down or when the scheduler's queue is full, 500 when the scheduler fails a
@@ -51,7 +60,8 @@ Keys (``_auth``): the bearer token is hashed (SHA-256) and compared with the dig
 every configured key with ``hmac.compare_digest``, all of them each time, so neither the
 time taken nor anything else tells which key, or how much of one, matched. With
 ``server.api_keys`` the matching key's tenant namespaces the request's cache
-(``PreparedRequest.for_tenant``); keys never reach a log or an error message.
+(``PreparedRequest.for_tenant``); a key without a tenant is the operator's. Keys never
+reach a log or an error message.
 """
 
 from __future__ import annotations
@@ -78,6 +88,7 @@ from hicache.config import HicacheConfig
 from hicache.metrics import CONTENT_TYPE, Metrics, RequestTracker, render_metrics
 from hicache.startup_checks import BearerKey, load_api_keys
 from hicache.text import Tokenizer
+from hicache.tokenizer.access import OPEN_PATHS, operator_only, scoped_args
 from hicache.tokenizer.formats import (
     SSE_DONE,
     ChatFormat,
@@ -103,13 +114,10 @@ from hicache.tokenizer.validation import (
     parse_completion,
     parse_generate,
     parse_json,
-    parse_storage_config,
+    parse_storage_choice,
 )
 
 log = logging.getLogger("hicache.tokenizer.http")
-
-OPEN_PATHS = frozenset({"/health", "/metrics"})
-"""Routes served without the API key."""
 
 TENANT: Any = web.RequestKey("hicache_tenant", str) if hasattr(web, "RequestKey") else "hicache_tenant"
 """Where ``_auth`` leaves the authenticated tenant on the request (absent: no tenant)."""
@@ -176,6 +184,7 @@ class HttpApi:
             if problems:
                 raise ValueError("; ".join(str(p) for p in problems))
         self._keys = api_keys
+        self._tenants = frozenset(k.tenant for k in api_keys if k.tenant is not None)
         self.request_log = (RequestLog(config.server.request_log, config.cache.page_size)
                             if config.server.request_log else None)
         self._active = 0
@@ -194,10 +203,10 @@ class HttpApi:
         r.add_get("/openapi.json", self.openapi)
         r.add_get("/cache/stats", self._admin_route("stats"))
         r.add_post("/cache/flush", self._admin_route("flush"))
-        r.add_get("/cache/storage", self._admin_route("storage_status"))
+        r.add_get("/cache/storage", self._admin_route("storage_status", operator=True))
         r.add_put("/cache/storage", self.storage_attach)
-        r.add_delete("/cache/storage", self._admin_route("storage_detach"))
-        r.add_post("/cache/storage/clear", self._admin_route("storage_clear"))
+        r.add_delete("/cache/storage", self._admin_route("storage_detach", operator=True))
+        r.add_post("/cache/storage/clear", self._admin_route("storage_clear", operator=True))
         r.add_get("/cache/pinned", self._admin_route("pins"))
         r.add_put("/cache/pinned", self.pin)
         r.add_delete("/cache/pinned/{name}", self.unpin)
@@ -462,9 +471,10 @@ class HttpApi:
     async def metrics_route(self, request: web.Request) -> web.Response:
         """``GET /metrics``: every process's metrics, with the scheduler's and controller's
         health read now from the pids and heartbeat files ``/health`` reads
-        (``Metrics.set_process_health``)."""
+        (``Metrics.set_process_health``). The operator's (``hicache.tokenizer.access``)."""
         from hicache.heartbeat import HEARTBEAT_PROCESSES, heartbeat_ages
 
+        operator_only(request.get(TENANT), "GET /metrics (every tenant's series)")
         procs: Mapping[str, int] = dict(self.pids)
         names = tuple(n for n in HEARTBEAT_PROCESSES if n in procs)
         self.metrics.set_process_health(heartbeat_ages(self.heartbeat_dir, names),
@@ -501,29 +511,52 @@ class HttpApi:
                                "conflict" if "busy" in error.lower() else "server_error")
         return _json(reply.result)
 
+    @property
+    def engine_mode(self) -> bool:
+        return self.config.engine.kind != "builtin"
+
     async def pin(self, request: web.Request) -> web.Response:
         """``PUT /cache/pinned``: pin a prefix (or replace the pin of that name); answered once
-        it is pinned (``hicache.tokenizer.pinning``)."""
-        args = body_args(await self._read_json(request), self.tokenizer, request.get(TENANT))
+        it is pinned (``hicache.tokenizer.pinning``). A tenant pins in its own namespace; the
+        operator in any tenant's (``tenant`` in the body)."""
+        tenant = request.get(TENANT)
+        scoped_args(tenant, self.engine_mode, "PUT /cache/pinned")
+        args = body_args(await self._read_json(request), self.tokenizer, tenant, self._tenants)
         return await self._admin("pin", args, max(self.admin_timeout_s, PIN_TIMEOUT_S))
 
     async def unpin(self, request: web.Request) -> web.Response:
-        """``DELETE /cache/pinned/{name}``: let a pinned prefix go (its pages stay cached, evictable)."""
-        return await self._admin("unpin", {"name": request.match_info["name"]})
+        """``DELETE /cache/pinned/{name}``: let a pinned prefix go (its pages stay cached,
+        evictable). A tenant's own pin; the operator's choice (``?tenant=NAME``: that tenant's)."""
+        tenant = request.get(TENANT)
+        args = scoped_args(tenant, self.engine_mode, "DELETE /cache/pinned", {"name": request.match_info["name"]})
+        owner = request.query.get("tenant")
+        if owner is not None:
+            if tenant is not None and owner != tenant:
+                raise RequestError("a tenant unpins only its own pins", 403, "permission_error", "tenant")
+            args["owner"] = owner
+        return await self._admin("unpin", args)
 
-    def _admin_route(self, op: str) -> Handler:
+    def _admin_route(self, op: str, *, operator: bool = False) -> Handler:
+        """An admin route without a body: the operator's alone (``operator``), or scoped to
+        the calling tenant's namespaces (``hicache.tokenizer.access``)."""
         async def handler(request: web.Request) -> web.StreamResponse:
+            tenant = request.get(TENANT)
+            what = f"{request.method} {request.path}"
+            if operator:
+                operator_only(tenant, what)
+            args = scoped_args(tenant, self.engine_mode, what)
             if request.method != "GET":
                 data = await self._read_json(request, optional=True)
                 if data:
-                    raise RequestError(f"{request.method} {request.path} takes no body fields, got "
-                                       f"{', '.join(sorted(data))}")
-            return await self._admin(op)
+                    raise RequestError(f"{what} takes no body fields, got {', '.join(sorted(data))}")
+            return await self._admin(op, args)
 
         return handler
 
     async def storage_attach(self, request: web.Request) -> web.Response:
-        args = parse_storage_config(await self._read_json(request), self.config)
+        """``PUT /cache/storage`` ``{"store": NAME}``: attach a store the config names (the operator's)."""
+        operator_only(request.get(TENANT), "PUT /cache/storage")
+        args = parse_storage_choice(await self._read_json(request), self.config)
         return await self._admin("storage_attach", args)
 
 

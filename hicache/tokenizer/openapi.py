@@ -45,7 +45,8 @@ OPENAPI_VERSION = "3.1.0"
 
 _ERROR_TEXT = {
     400: "invalid request body or parameter",
-    401: "missing or wrong API key (only when server.api_key or server.api_keys is set)",
+    401: "missing or wrong API key (only when server.api_key, server.api_keys or server.operator is set)",
+    403: "the operator's route or object, and the key is a tenant's (README \"Security\")",
     404: "not found (an unknown path, or a model that is not served)",
     405: "method not allowed",
     408: "the request body did not arrive within server.body_timeout_s",
@@ -79,15 +80,6 @@ def _neutral(*values: Any, description: str) -> Schema:
 def _never(description: str) -> Schema:
     """A field that must be null or absent."""
     return {"type": "null", "description": f"not supported: {description}"}
-
-
-ON_ATTACH = "x-hicache-checked-on-attach"
-"""Marks a field whose valid values depend on the machine (a file that exists, a variable
-that is set): the server checks it when the store is attached, beyond what the schema says."""
-
-
-def _on_attach(description: str) -> Schema:
-    return _nullable({"type": "string", "minLength": 1, "description": description, ON_ATTACH: True})
 
 
 def _empty_or_null() -> Schema:
@@ -270,35 +262,12 @@ def chat_body(limits: ModelLimits) -> Schema:
 
 
 def storage_body() -> Schema:
-    """The ``PUT /cache/storage`` body: a ``cache.l3`` config section (unset keys: defaults)."""
-    positive = {"type": "number", "exclusiveMinimum": 0}
-    file = _object({"dir": {"type": "string", "minLength": 1}, "max_size_gb": positive, "fsync": {"type": "boolean"}},
-                   ("dir", "max_size_gb", "fsync"))
-    redis = _object({
-        "url": {"type": "string", "pattern": "^(redis|rediss|unix)://", "description": "a redis, rediss or unix URL",
-                "examples": ["redis://127.0.0.1:6379/0"]},
-        "cluster": {"type": "boolean"},
-        "password": _nullable({"type": "string", "minLength": 1, "description": "at most one of password, "
-                               "password_file, password_env and a password in the URL"}),
-        "password_file": _on_attach("a file holding the password (it must exist and be readable)"),
-        "password_env": _on_attach("the environment variable holding the password (it must be set)"),
-        "tls_ca_file": _on_attach("PEM CA bundle (rediss:// only; it must exist)"),
-        "tls_cert_file": _on_attach("client certificate (PEM; rediss:// only; it must exist)"),
-        "tls_key_file": _on_attach("its key (PEM, unencrypted; with tls_cert_file; it must exist)"),
-        "tls_verify_hostname": {"type": "boolean"},
-        "ttl_s": _nullable({"type": "integer", "exclusiveMinimum": 0}),
-        "key_prefix": {"type": "string", "minLength": 1, "pattern": r"^\S+$"},
-        "timeout_s": positive,
-    }, ("url", "cluster", "password", "password_file", "password_env", "tls_ca_file", "tls_cert_file",
-        "tls_key_file", "tls_verify_hostname", "ttl_s", "key_prefix", "timeout_s"))
-    from hicache.storage_settings import l3_backends
-
-    kinds = [k for k in l3_backends() if k != "none"]
-    options = {"type": "object", "description": "the settings of a plug-in backend (its own keys); "
-               "file and redis do not read it"}
-    return _object({"backend": {"enum": kinds, "description": "file, redis or an installed plug-in's kind"},
-                    "file": file, "redis": redis, "options": options},
-                   ("backend", "file", "redis", "options"), required=("backend",))
+    """The ``PUT /cache/storage`` body: the name of a store the config names
+    (``validation.parse_storage_choice``)."""
+    return _object({"store": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+                              "description": "default (cache.l3) or a name of cache.l3_stores; an HTTP caller "
+                                             "never names a URL, a path or a secret source"}},
+                   ("store",), required=("store",))
 
 
 # --------------------------------------------------------------------------- responses
@@ -427,7 +396,7 @@ def _admin(method: str, summary: str, *errors: int, body: Schema | None = None) 
     op: dict[str, Any] = {"summary": summary,
                           "responses": _responses({"description": "the scheduler's answer",
                                                    "content": _json_content("AdminResult")},
-                                                  401, 409, 500, 503, 504, *errors)}
+                                                  401, 403, 409, 500, 503, 504, *errors)}
     if body is not None:
         op["requestBody"] = {"required": method == "put", "content": {"application/json": {"schema": body}}}
     return {method: op}
@@ -449,7 +418,9 @@ def pin_body(limits: ModelLimits) -> Schema:
         "cache_salt": {"type": "string"},
         "tiers": {"type": "array", "minItems": 1, "uniqueItems": True, "items": {"enum": ["l1", "l2"]},
                   "description": "default: every tier that is on"},
-    }, ("name", "text", "input_ids", "cache_salt", "tiers"), required=("name",),
+        "tenant": {"type": "string", "description": "the operator's: pin in this tenant's namespace (a tenant "
+                                                    "pins in its own)"},
+    }, ("name", "text", "input_ids", "cache_salt", "tiers", "tenant"), required=("name",),
         oneOf=[{"required": ["text"], "not": {"required": ["input_ids"]}},
                {"required": ["input_ids"], "not": {"required": ["text"]}}])
 
@@ -481,6 +452,8 @@ def openapi_document(limits: ModelLimits) -> dict[str, Any]:
             "summary": "Prometheus exposition of all processes",
             "responses": {
                 "200": {"description": "the metrics", "content": {"text/plain": {"schema": {"type": "string"}}}},
+                "401": {"description": _ERROR_TEXT[401], "content": _json_content("Error")},
+                "403": {"description": _ERROR_TEXT[403], "content": _json_content("Error")},
                 "404": {"description": "metrics are disabled", "content": {"text/plain": {"schema": {"type": "string"}}}},
                 "405": {"description": _ERROR_TEXT[405], "content": _json_content("Error")},
             }}},
@@ -492,7 +465,7 @@ def openapi_document(limits: ModelLimits) -> dict[str, Any]:
         "/cache/flush": _admin("post", "flush L1 and L2 (L3 is kept)", 400, 408, 413, body=_no_body()),
         "/cache/storage": {
             **_admin("get", "the L3 backend's status"),
-            **_admin("put", "attach an L3 backend", 400, 408, 413, body=storage_body()),
+            **_admin("put", "attach an L3 store the config names", 400, 408, 413, body=storage_body()),
             **_admin("delete", "detach the L3 backend", 400, 408, 413, body=_no_body()),
         },
         "/cache/storage/clear": _admin("post", "clear the L3 backend", 400, 408, 413, body=_no_body()),
@@ -503,7 +476,9 @@ def openapi_document(limits: ModelLimits) -> dict[str, Any]:
         },
         "/cache/pinned/{name}": {"delete": {
             **_admin("delete", "unpin a prefix (its pages stay cached, evictable)", 404)["delete"],
-            "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}]}},
+            "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}},
+                           {"name": "tenant", "in": "query", "required": False, "schema": {"type": "string"},
+                            "description": "the operator's: the pin of this tenant"}]}},
     }
     return {
         "openapi": OPENAPI_VERSION,
@@ -515,9 +490,11 @@ def openapi_document(limits: ModelLimits) -> dict[str, Any]:
             "schemas": copy.deepcopy(_COMPONENTS),
             "securitySchemes": {"bearer": {
                 "type": "http", "scheme": "bearer",
-                "description": "One of the configured keys, when any is (server.api_key, or server.api_keys: "
-                               "each key belongs to a tenant, and a tenant's requests only hit its own cached "
-                               "pages, whatever cache_salt they send). Not needed for /health and /metrics."}},
+                "description": "One of the configured keys, when any is: the operator's (server.operator, or "
+                               "server.api_key) or a tenant's (server.api_keys: a tenant's requests only hit its "
+                               "own cached pages, whatever cache_salt they send, and its /cache calls act on its "
+                               "own namespaces; /metrics and /cache/storage are the operator's). Not needed for "
+                               "/health."}},
         },
         "security": [{}, {"bearer": []}],
     }

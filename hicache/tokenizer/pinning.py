@@ -28,7 +28,7 @@ PIN_TIMEOUT_S = 600.0
 CONFIGURED_PINS_TIMEOUT_S = 150.0
 """How long the whole ``cache.pinned`` set may take at start: within the launcher's wait for
 the tokenizer's ``Ready`` (``hicache.launch.START_TIMEOUT_S``, 180 s), which comes after it."""
-PIN_FIELDS = ("name", "text", "input_ids", "cache_salt", "tiers")
+PIN_FIELDS = ("name", "text", "input_ids", "cache_salt", "tiers", "tenant")
 
 
 class PinStartError(RuntimeError):
@@ -45,9 +45,15 @@ def configured_args(p: PinnedPrefixConfig, tokenizer: Tokenizer) -> dict[str, An
     return pin_args(p.name, ids, tenant_salt(p.tenant, p.cache_salt), None if p.tiers is None else list(p.tiers))
 
 
-def body_args(body: Any, tokenizer: Tokenizer, tenant: str | None) -> dict[str, Any]:
+def body_args(body: Any, tokenizer: Tokenizer, tenant: str | None,
+              tenants: frozenset[str] = frozenset()) -> dict[str, Any]:
     """``PUT /cache/pinned``'s body as the ``pin`` op's arguments; ``RequestError`` (400)
-    naming the first bad field. The scheduler checks the rest (name, ids, tiers, size)."""
+    naming the first bad field. The scheduler checks the rest (name, ids, tiers, size).
+
+    ``tenant``: the caller's (None: the operator). A tenant pins in its own namespace, as
+    its own call (``args["tenant"]``: within its pin budget; a ``tenant`` field naming
+    another is 403). The operator may name any of ``tenants`` in ``tenant``: the pin is
+    then in that tenant's namespace, not refused by its budget."""
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
     unknown = sorted(set(body) - set(PIN_FIELDS))
@@ -68,7 +74,15 @@ def body_args(body: Any, tokenizer: Tokenizer, tenant: str | None) -> dict[str, 
     if not isinstance(salt, str):
         raise RequestError("cache_salt must be a string", param="cache_salt")
     tiers = body.get("tiers")
-    return pin_args(body.get("name"), ids, tenant_salt(tenant, salt), tiers)  # type: ignore[arg-type]
+    owner = body.get("tenant", tenant)
+    if tenant is not None and owner != tenant:
+        raise RequestError("a tenant pins in its own namespace only", 403, "permission_error", "tenant")
+    if tenant is None and owner is not None and owner not in tenants:
+        raise RequestError("tenant must name a tenant of server.api_keys", param="tenant")
+    args = pin_args(body.get("name"), ids, tenant_salt(owner, salt), tiers)  # type: ignore[arg-type]
+    if tenant is not None:
+        args["tenant"] = tenant
+    return args
 
 
 async def pin_configured(link: SchedulerLink, tokenizer: Tokenizer, cfg: HicacheConfig,

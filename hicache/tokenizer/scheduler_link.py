@@ -46,8 +46,10 @@ What the scheduler must do (its side of the contract):
   with an ``error`` containing "busy" becomes 409, other errors 500. Ops: ``flush`` (empty
   L1 and L2, keep L3), ``stats`` (per tier and component: used, capacity, hit tokens),
   ``storage_status``, ``storage_attach`` (``args={"l3": <a resolved cache.l3 section>}``,
-  see ``validation.parse_storage_config``), ``storage_detach`` (only when idle, else a busy
-  error), ``storage_clear``; all with empty ``args`` except ``storage_attach``.
+  see ``validation.parse_storage_choice``), ``storage_detach`` (only when idle, else a busy
+  error), ``storage_clear``, ``pins`` / ``pin`` / ``unpin`` (``hicache.tokenizer.pinning``).
+  A tenant's call carries ``args["tenant"]`` and acts on that tenant's namespaces and pins
+  only (``hicache.tokenizer.access``); the operator's carries none.
 """
 
 from __future__ import annotations

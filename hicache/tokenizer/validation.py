@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import protos
-from hicache.config import ConfigError, HicacheConfig, config_from_dict, quota_problems, to_dict
+from hicache.config import DEFAULT_STORE, HicacheConfig, to_dict
 from hicache.model.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParamError, shown, to_wire
 from hicache.model.sampling_params import SamplingParams as CheckedSampling
 from hicache.model.spec import spec_for
@@ -688,27 +688,37 @@ def parse_chat(data: dict[str, Any], rid: str, tokenizer: Tokenizer, limits: Mod
 # --------------------------------------------------------------------------- PUT /cache/storage
 
 
-def parse_storage_config(data: dict[str, Any], config: HicacheConfig) -> dict[str, Any]:
-    """A ``cache.l3`` section (the YAML keys: ``backend``, ``file``, ``redis``) -> the resolved
-    section as a plain dict, every unset key filled with its default.
+STORAGE_FIELDS = ("store",)
 
-    The scheduler receives it as ``AdminRequest(op="storage_attach", args={"l3": <this>})``
-    and can rebuild the ``L3Config`` with ``config_from_dict({"cache": {"l3": args["l3"]}})``.
-    A section the daemon's tenant L3 quotas cannot live with (``quota_problems``) is refused.
-    """
-    if data.get("backend") in (None, "none"):
-        raise RequestError("backend must name a storage backend (file or redis); DELETE /cache/storage detaches")
+
+def parse_storage_choice(data: dict[str, Any], config: HicacheConfig) -> dict[str, Any]:
+    """``PUT /cache/storage``'s body ``{"store": NAME}`` -> the ``storage_attach`` op's args
+    ``{"l3": <that store's resolved cache.l3 section>}``.
+
+    ``NAME`` is one the operator's config names: ``default`` (``cache.l3`` itself, when it
+    names a store) or a key of ``cache.l3_stores``, checked with the rest of the config at
+    start (its keys, files, and the tenants' L3 quotas). A body naming anything else (a
+    backend, a URL, a directory, a password source) is refused: what the daemon reaches and
+    which secrets it sends are the config's alone (README "Security"). The scheduler can
+    rebuild the ``L3Config`` with ``config_from_dict({"cache": {"l3": args["l3"]}})``."""
+    stores = attachable_stores(config)
+    named = ", ".join(stores) or "none: cache.l3_stores is empty"
+    unknown = sorted(set(data) - set(STORAGE_FIELDS))
+    if unknown:
+        raise RequestError(f"PUT /cache/storage takes {{\"store\": NAME}}, a store the config names "
+                           f"({named}); got {', '.join(unknown)}", param=unknown[0])
     if not config.cache.l2.enabled:
         raise RequestError("an L3 backend needs cache.l2.enabled: true, and this daemon runs without L2", 409)
-    try:
-        resolved = config_from_dict({"cache": {"l3": data}})
-    except ConfigError as exc:
-        mine = [p for p in exc.problems if p.path.startswith("cache.l3")] or exc.problems
-        raise RequestError("invalid storage config: " + "; ".join(str(p) for p in mine)) from None
-    # the tenants' L3 quotas must hold on the new store as on the configured one
-    swapped = dataclasses.replace(config, cache=dataclasses.replace(config.cache, l3=resolved.cache.l3))
-    problems = quota_problems(swapped)
-    if problems:
-        raise RequestError("invalid storage config for this daemon's tenant quotas: "
-                           + "; ".join(f"{path}: {reason}" for path, reason in problems))
-    return {"l3": to_dict(resolved.cache.l3)}
+    name = data.get("store")
+    if not isinstance(name, str) or name not in stores:
+        raise RequestError(f"store must name a store of the config ({named}), got {name!r}", param="store")
+    return {"l3": to_dict(stores[name])}
+
+
+def attachable_stores(config: HicacheConfig) -> dict[str, Any]:
+    """The stores ``PUT /cache/storage`` may attach, by name (``parse_storage_choice``)."""
+    stores: dict[str, Any] = {}
+    if config.cache.l3.backend != "none":
+        stores[DEFAULT_STORE] = config.cache.l3
+    stores.update(config.cache.l3_stores)
+    return stores

@@ -34,7 +34,7 @@ with ``array_indices=True``); all allocators of one cache must agree.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -52,6 +52,9 @@ from hicache.tree.components import (
 from hicache.tree.node import ComponentData, ComponentType, LockToken, TreeNode
 from hicache.tree.request_state import RequestState
 from hicache.tree.tiering import TierCalls, TierOp
+
+NodeFilter = Callable[[TreeNode], bool]
+"""Which nodes an eviction or a flush may take (``may_evict``)."""
 
 __all__ = [
     "WRITE_POLICIES", "EvictResult", "InsertParams", "InsertResult", "LockToken", "MatchResult", "RequestState",
@@ -424,11 +427,11 @@ class UnifiedRadixCache(CacheBase):
         return self.core.host_prot[0] * self.page_size
 
     # ================================================================== eviction (L1; L2: ``evict_host``)
-    def evict(self, full_tokens: int) -> EvictResult:
+    def evict(self, full_tokens: int, may_evict: NodeFilter | None = None) -> EvictResult:
         """``evict_units`` of FULL alone (the primary component every cache has)."""
-        return self.evict_units({self.full.name: full_tokens})
+        return self.evict_units({self.full.name: full_tokens}, may_evict)
 
-    def evict_units(self, amounts: Mapping[str, int]) -> EvictResult:
+    def evict_units(self, amounts: Mapping[str, int], may_evict: NodeFilter | None = None) -> EvictResult:
         """Free at least the requested L1 amounts (per component name: tokens for a paged
         component, states otherwise) if unlocked data allows, LRU first.
 
@@ -438,27 +441,29 @@ class UnifiedRadixCache(CacheBase):
         queued for writing instead, whichever component's eviction reached it.
         Auxiliary components: internal nodes become tombstones (cascading to the other
         components of lower-or-equal priority there); a leaf whose FULL data can go goes
-        wholly, by the same rules as a FULL eviction.
+        wholly, by the same rules as a FULL eviction. ``may_evict``: only nodes it accepts
+        (a node's ancestors are in its namespace, so it judges them alike: a flush of one
+        tenant's namespaces).
         """
         res = EvictResult()
         ps = self.page_size
         if not self.aux:  # FULL only: the common case, without the per-component loop
             want = amounts.get("full", 0)
             if want > 0:
-                res.freed["full"] = self._evict_full(-(-want // ps)) * ps
+                res.freed["full"] = self._evict_full(-(-want // ps), may_evict) * ps
                 self.evicted_device_tokens += res.freed["full"]
             return res
         for c in self.components:
             want = amounts.get(c.name, 0)
             if want > 0:
                 unit = c.unit_tokens(ps)
-                got = self._evict_component(c, -(-want // unit))
+                got = self._evict_component(c, -(-want // unit), may_evict)
                 res.freed[c.name] = got * unit
         self.evicted_device_tokens += res.full_tokens
         return res
 
-    def _evict_component(self, c: TreeComponent, need: int) -> int:
-        return self._evict_full(need) if c is self.full else self._evict_aux(c, need)
+    def _evict_component(self, c: TreeComponent, need: int, may_evict: NodeFilter | None = None) -> int:
+        return self._evict_full(need, may_evict) if c is self.full else self._evict_aux(c, need, may_evict)
 
     def _full_evictable(self, node: TreeNode) -> bool:
         """No lock (of any component) and no child with L1 data. Transfers in flight hold
@@ -474,11 +479,13 @@ class UnifiedRadixCache(CacheBase):
                 return False
         return True
 
-    def _evict_full(self, need: int) -> int:
+    def _evict_full(self, need: int, may_evict: NodeFilter | None = None) -> int:
         freed = 0
         for node in self.core.dev_lru[0].candidates():
             if freed >= need:
                 break
+            if may_evict is not None and not may_evict(node):
+                continue
             while freed < need and node.parent is not None and self._full_evictable(node):
                 if not self._can_drop_device(node):
                     break
@@ -538,13 +545,15 @@ class UnifiedRadixCache(CacheBase):
         self.evicted_host_tokens += len(hv) * self.page_size if hv is not None else 0
         self._delete(node, cascade=False)
 
-    def _evict_aux(self, c: TreeComponent, need: int) -> int:
+    def _evict_aux(self, c: TreeComponent, need: int, may_evict: NodeFilter | None = None) -> int:
         core = self.core
         i = c.slot
         freed = 0
         for node in core.dev_lru[i].candidates():
             if freed >= need:
                 break
+            if may_evict is not None and not may_evict(node):
+                continue
             cd = node.data[i]
             if cd.lock_ref or node.loading or cd.value is None:
                 continue
@@ -652,16 +661,17 @@ class UnifiedRadixCache(CacheBase):
         return min(n, len(req.token_ids), len(req.kv_pages) * self.page_size)
 
     # ================================================================== misc
-    def flush(self) -> None:
+    def flush(self, may_evict: NodeFilter | None = None) -> None:
         """Drop every unlocked node with no transfer in flight (L1 and L2), under
-        ``write_back`` too (a flush discards; it does not write first)."""
+        ``write_back`` too (a flush discards; it does not write first). ``may_evict``: only
+        the nodes it accepts (one tenant's namespaces)."""
         write_back, self._write_back = self._write_back, False
         try:
             while True:
                 before = (self.core.node_count, self.core.dev_total[0], self.core.host_total[0])
-                self.evict(full_tokens=(self.core.dev_total[0] + 1) * self.page_size)
+                self.evict((self.core.dev_total[0] + 1) * self.page_size, may_evict)
                 if self.hicache:
-                    self.tiers.evict_host((self.core.host_total[0] + 1) * self.page_size)
+                    self.tiers.evict_host((self.core.host_total[0] + 1) * self.page_size, may_evict)
                 if (self.core.node_count, self.core.dev_total[0], self.core.host_total[0]) == before:
                     return
         finally:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from deploy_helpers import (
+    OPERATOR_KEY,
     PROMPT,
     CheckConfig,
     Daemon,
@@ -44,12 +45,15 @@ def config_checks(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactor
 def live_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveDaemon]:
     """A running daemon that has answered the same prompt twice (the second from L1)."""
     base = Path(tempfile.mkdtemp(prefix="hcd", dir="/tmp"))  # short: unix socket paths
-    d = Daemon(base, live_daemon_config(base / "l3"), name="d")
+    key_file = base / "operator.key"
+    key_file.write_text(OPERATOR_KEY + "\n")
+    d = Daemon(base, live_daemon_config(base / "l3", key_file), name="d")
+    d.bearer = OPERATOR_KEY
     try:
         d.start(timeout_s=120.0)
         first = d.generate(PROMPT, n=4)
         second = d.generate(PROMPT, n=4)
-        yield LiveDaemon(d, first, second)
+        yield LiveDaemon(d, first, second, key_file)
         code = d.stop(timeout_s=60.0)
         assert code == 0, f"the daemon exited with {code}:\n{d.log()}"
     finally:

@@ -181,19 +181,21 @@ class LiveDaemon:
     daemon: Daemon
     first: dict[str, Any]
     second: dict[str, Any]
+    operator_key_file: Path
 
     def metrics_text(self) -> str:
         return self.daemon.get_text("/metrics")
 
 
-def live_daemon_config(l3_dir: Path) -> dict[str, Any]:
-    """The tiny reference model with L1, L2 and a file L3: every hicache series exists."""
+def live_daemon_config(l3_dir: Path, operator_key_file: Path) -> dict[str, Any]:
+    """The tiny reference model with L1, L2 and a file L3: every hicache series exists. With
+    the operator's key (``operator_key_file``), as shipped: ``/metrics`` needs it."""
     return {
         "model": {"kind": "reference", "reference": {"preset": "tiny"}},
         "cache": {"page_size": 16, "l1": {"tokens": 4096}, "l2": {"tokens": 8192},
                   "l3": {"backend": "file", "file": {"dir": str(l3_dir), "max_size_gb": 1}}},
         "scheduler": {"max_running_requests": 4, "chunked_prefill_tokens": 512},
-        "server": {"host": "127.0.0.1"},
+        "server": {"host": "127.0.0.1", "operator": {"key_file": str(operator_key_file)}},
         "logging": {"level": "info"},
     }
 
@@ -425,6 +427,31 @@ MODEL_KEY: dict[str, str | None] = {
 }
 """Every config of deploy/config and the checkpoint key it needs supplied (None: none)."""
 
+OPERATOR_KEY = "deploy-test-operator-key-3c5e7a9b"
+"""The operator's key the check-config runs supply, as the deployment's Secret would."""
+
+OPERATOR_SECRET: dict[str, tuple[str, str]] = {
+    "cluster.yaml": ("env", "HICACHE_OPERATOR_KEY"),
+    "compose-redis.yaml": ("file", "/run/secrets/hicache_operator"),
+    "vllm-sidecar.yaml": ("file", "/run/secrets/hicache_operator"),
+}
+"""The configs that bind beyond loopback, and where their operator key comes from (a
+variable, or a file a secret mounts): the check-config runs supply it, as the deployment does."""
+
+
+def with_operator_key(name: str, args: list[str], tmp: Path) -> CheckRun:
+    """The check-config run of deploy/config ``name`` (``args``) with its operator key
+    supplied where the deployment supplies it: the variable set, or the file's path pointed
+    at a copy in ``tmp`` (``server.operator.key_file``, the one key the run overrides)."""
+    kind, where = OPERATOR_SECRET.get(name, ("", ""))
+    if kind == "env":
+        return CheckRun(tuple(args), {where: OPERATOR_KEY})
+    if kind == "file":
+        key_file = tmp / f"{name}.operator.key"
+        key_file.write_text(OPERATOR_KEY + "\n")
+        return CheckRun((*args, f"--set=server.operator.key_file={key_file}"))
+    return CheckRun(tuple(args))
+
 
 def all_check_config_runs(checkpoint: Path, tmp: Path) -> dict[str, list[str] | CheckRun]:
     """Every check-config run of the deploy tests, by name: each config of deploy/config (with
@@ -435,9 +462,11 @@ def all_check_config_runs(checkpoint: Path, tmp: Path) -> dict[str, list[str] | 
     todo: dict[str, list[str] | CheckRun] = {}
     for name, key in MODEL_KEY.items():
         path = str(CONFIG_DIR / name)
-        todo[name] = [path] + ([f"--set={key}={checkpoint}"] if key else [])
+        todo[name] = with_operator_key(name, [path] + ([f"--set={key}={checkpoint}"] if key else []), tmp)
         if key:
-            todo[f"{name} (no checkpoint)"] = [path]
+            todo[f"{name} (no checkpoint)"] = with_operator_key(name, [path], tmp)
+        if name in OPERATOR_SECRET:
+            todo[f"{name} (no operator key)"] = [path] + ([f"--set={key}={checkpoint}"] if key else [])
     todo["hybrid.yaml with full+swa+mamba"] = [str(CONFIG_DIR / "hybrid.yaml"),
                                               "--set=model.reference.layers=[full, swa, mamba]"]
     for name in K8S_DEPLOYMENTS:
@@ -451,4 +480,6 @@ def all_check_config_runs(checkpoint: Path, tmp: Path) -> dict[str, list[str] | 
         todo[f"k8s:{name}"] = CheckRun(args, env)
         todo[f"k8s:{name} without the Secret"] = CheckRun(
             args, {k: v for k, v in env.items() if k not in secret}, unset=secret)
+        todo[f"k8s:{name} without the operator key"] = CheckRun(
+            args, {k: v for k, v in env.items() if k != "HICACHE_OPERATOR_KEY"}, unset=("HICACHE_OPERATOR_KEY",))
     return todo

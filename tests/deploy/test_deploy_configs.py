@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_helpers import CONFIG_DIR, MODEL_KEY, CheckConfig
+from deploy_helpers import CONFIG_DIR, MODEL_KEY, OPERATOR_SECRET, CheckConfig
+
+from hicache.config import is_loopback_host
 
 
 def test_every_config_is_covered() -> None:
@@ -27,13 +29,14 @@ def test_check_config_accepts(name: str, config_checks: dict[str, CheckConfig]) 
     resolved = config_checks[name].resolved()
     written = yaml.safe_load((CONFIG_DIR / name).read_text())
     key = MODEL_KEY[name]
+    supplied = "server.operator.key_file" if OPERATOR_SECRET.get(name, ("",))[0] == "file" else None
 
     def compare(w: Any, r: Any, path: str) -> None:
         if isinstance(w, dict):
             assert isinstance(r, dict), path
             for k, v in w.items():
                 compare(v, r[k], f"{path}.{k}" if path else k)
-        elif path != key:
+        elif path not in (key, supplied):
             assert r == w or (isinstance(w, int) and r == float(w)), f"{name}: {path} resolved to {r!r}, wrote {w!r}"
 
     compare(written, resolved, "")
@@ -79,3 +82,27 @@ def test_no_cuda_config() -> None:
     """No config asks for a CUDA L1 (refused by this build): none sets device to cuda."""
     for path in CONFIG_DIR.glob("*.yaml"):
         assert "cuda" not in str(yaml.safe_load(path.read_text()).get("device", "")), path
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_KEY))
+def test_safe_as_shipped(name: str, config_checks: dict[str, CheckConfig]) -> None:
+    """A config that listens beyond loopback names the operator's key, from a variable or a
+    file a secret provides (never inline), and without that secret check-config refuses it
+    naming the key's source (the daemon does not start without its key); KV events, where a
+    config names them, stay on loopback."""
+    cfg = yaml.safe_load((CONFIG_DIR / name).read_text())
+    server = cfg.get("server", {})
+    events = cfg.get("events") or {}
+    if "endpoint" in events:
+        host = events["endpoint"].removeprefix("tcp://").rpartition(":")[0]
+        assert is_loopback_host(host), f"{name}: events on {events['endpoint']}"
+    if is_loopback_host(server.get("host", "127.0.0.1")):
+        assert name not in OPERATOR_SECRET
+        return
+    kind, where = OPERATOR_SECRET[name]
+    operator = server.get("operator") or {}
+    assert "key" not in operator and operator.get(f"key_{kind}") == where, (name, operator)
+    assert not server.get("allow_unauthenticated"), name
+    refused = config_checks[f"{name} (no operator key)"]
+    assert refused.returncode == 2, refused.stdout
+    assert ("server.operator.key_" + kind) in refused.stderr, refused.stderr

@@ -255,3 +255,25 @@ def test_vllm_service_loads_the_connector() -> None:
     assert vllm_mounts[cfg["ipc"]["dir"]] == hc_mounts[cfg["ipc"]["dir"]]
     assert vllm["ipc"] == "service:hicache" and hc["ipc"] == "shareable"
     assert vllm["depends_on"]["hicache"]["condition"] == "service_healthy"
+
+
+@pytest.mark.parametrize("name", COMPOSE_FILES)
+def test_compose_operator_key_is_a_secret(name: str) -> None:
+    """Safe as shipped: the daemon listens on its container's interfaces, so its config names
+    the operator's key as a file, the compose secret hicache_operator (from the shell's
+    HICACHE_OPERATOR_KEY, never in a file of the repository), mounted in the hicache service
+    and in Prometheus, whose scrape config sends it from the same path."""
+    data = compose(name)
+    services = data["services"]
+    assert data["secrets"]["hicache_operator"] == {"environment": "HICACHE_OPERATOR_KEY"}
+    hc = services["hicache"]
+    config = (DOCKER / dict(_volume_source(v)[::-1] for v in hc["volumes"])["/etc/hicache/hicache.yaml"]).resolve()
+    cfg = yaml.safe_load(config.read_text())
+    assert cfg["server"]["host"] == "0.0.0.0" and cfg["server"]["operator"] == {
+        "key_file": "/run/secrets/hicache_operator"}
+    assert "hicache_operator" in hc["secrets"] and "hicache_operator" in services["prometheus"]["secrets"]
+    assert not any("hicache_operator" in (s.get("secrets") or []) for n, s in services.items()
+                   if n not in ("hicache", "prometheus")), "a service gets the operator's key it does not need"
+    prom = dict(_volume_source(v)[::-1] for v in services["prometheus"]["volumes"])
+    scrape = yaml.safe_load((DOCKER / prom["/etc/prometheus/prometheus.yml"]).read_text())
+    assert scrape["scrape_configs"][0]["authorization"]["credentials_file"] == "/run/secrets/hicache_operator"

@@ -35,6 +35,8 @@ from deploy_helpers import (
 )
 
 CRD_KINDS = {"PodMonitor"}
+OPERATOR_SECRET = "hicache-operator"
+OPERATOR_VAR = "HICACHE_OPERATOR_KEY"
 K8S_VERSIONS = ("1.29.0", "1.37.0")
 
 
@@ -88,10 +90,13 @@ def test_podmonitor() -> None:
     selector = spec["selector"]["matchLabels"]
     endpoints = spec["podMetricsEndpoints"]
     assert endpoints, "no podMetricsEndpoints"
-    allowed = {"port", "path", "interval", "scrapeTimeout", "relabelings", "metricRelabelings", "scheme"}
+    allowed = {"port", "path", "interval", "scrapeTimeout", "relabelings", "metricRelabelings", "scheme",
+               "authorization"}
     for ep in endpoints:
         assert set(ep) <= allowed, set(ep) - allowed
         assert ep["path"] == "/metrics"
+        auth = ep["authorization"]  # /metrics needs the operator's key: the hicache containers' Secret
+        assert auth["type"] == "Bearer" and auth["credentials"] == {"name": OPERATOR_SECRET, "key": "key"}
         for key in ("interval", "scrapeTimeout"):
             assert re.fullmatch(r"\d+(ms|s|m|h)", ep[key]), ep[key]
         for r in ep.get("relabelings", []):
@@ -191,7 +196,7 @@ def test_redis_password_from_secret(name: str) -> None:
     secret = k8s_find("Secret", ref["name"])
     password = secret["stringData"][ref["key"]]
     assert password and "://" not in password, "the Secret holds the password alone, not a URL"
-    assert secret_env_names(c) == {var}
+    assert secret_env_names(c) == {var, OPERATOR_VAR}
     text = deployment_config(dep)[1]
     assert password not in text
     for container in dep["spec"]["template"]["spec"]["containers"]:
@@ -284,6 +289,34 @@ def test_every_manifest_is_covered() -> None:
     """Every file of deploy/kubernetes is one of those checked here, and every Deployment
     that runs hicache is in K8S_DEPLOYMENTS."""
     assert {p.name for p in K8S_DIR.glob("*")} == {"hicache.yaml", "vllm-hicache.yaml", "redis-secret.yaml",
-                                                   "models-pvc.yaml", "podmonitor.yaml"}
+                                                   "operator-secret.yaml", "models-pvc.yaml", "podmonitor.yaml"}
     deps = {d["metadata"]["name"] for _p, d in k8s_docs() if d["kind"] == "Deployment"}
     assert deps == set(K8S_DEPLOYMENTS)
+
+
+@pytest.mark.parametrize("name", K8S_DEPLOYMENTS)
+def test_operator_key_from_secret(name: str, config_checks: dict[str, CheckConfig]) -> None:
+    """Safe as shipped: the pod's IP is reachable, so the config names the operator's key
+    (``server.operator.key_env``), which only the hicache container gets, from the Secret
+    hicache-operator (what the PodMonitor scrapes with); the config has no tenant-less
+    ``api_key`` and does not allow unauthenticated access; without the operator's variable
+    check-config refuses it naming the variable; KV events, if named, stay on loopback."""
+    dep = k8s_find("Deployment", name)
+    cfg = yaml.safe_load(deployment_config(dep)[1])
+    server = cfg["server"]
+    assert server["host"] == "0.0.0.0"
+    assert server["operator"] == {"key_env": OPERATOR_VAR}, server
+    assert "api_key" not in server and not server.get("allow_unauthenticated")
+    c = hicache_container(dep)
+    ref = next(e for e in c["env"] if e["name"] == OPERATOR_VAR)["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": OPERATOR_SECRET, "key": "key"}
+    for other in dep["spec"]["template"]["spec"]["containers"]:
+        if other is not c:
+            assert OPERATOR_VAR not in {e["name"] for e in other.get("env", [])}, other["name"]
+    key = k8s_find("Secret", OPERATOR_SECRET)["stringData"]["key"]
+    assert key not in config_checks[f"k8s:{name}"].stdout
+    refused = config_checks[f"k8s:{name} without the operator key"]
+    assert refused.returncode == 2, refused.stdout
+    assert "server.operator.key_env" in refused.stderr and OPERATOR_VAR in refused.stderr, refused.stderr
+    assert key not in refused.stderr
+    assert "endpoint" not in (cfg.get("events") or {}) or "127.0.0.1" in cfg["events"]["endpoint"]

@@ -3,7 +3,8 @@
 * Every metric name any dashboard query or rule uses is a series of the live daemon's
   ``/metrics`` (the test run's daemon: tiny reference model, L1, L2 and a file L3).
 * A real ``prometheus`` (temporary data dir, free port, 1 s scrape and evaluation) runs
-  deploy/prometheus/prometheus.yml with only its target and intervals changed, loads the
+  deploy/prometheus/prometheus.yml with only its target, intervals and the operator key's
+  file changed (it scrapes with the operator's key, as shipped), loads the
   real alerts.yml, scrapes the daemon and returns ``hicache_cached_tokens_total`` equal to
   what ``/metrics`` says (non-zero: the second request was served from L1); every dashboard
   query and every rule then evaluates without error, and every dashboard query returns data.
@@ -166,6 +167,7 @@ def prometheus(live_daemon: LiveDaemon, tmp_path: Path) -> Any:
     job = cfg["scrape_configs"][0]
     assert job["job_name"] == "hicache" and job["metrics_path"] == "/metrics"
     job["static_configs"][0]["targets"] = [f"127.0.0.1:{live_daemon.daemon.port}"]
+    job["authorization"]["credentials_file"] = str(live_daemon.operator_key_file)
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
     p = Prometheus(tmp_path / "prometheus.yml", tmp_path / "data", tmp_path / "prometheus.log")
     try:

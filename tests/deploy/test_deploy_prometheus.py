@@ -46,9 +46,18 @@ def promtool_test(rules_text: str, tmp_path: Path) -> tuple[int, str]:
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def test_check_config() -> None:
-    """``promtool check config`` accepts prometheus.yml and the rule file it loads."""
-    proc = run([tool("promtool"), "check", "config", "prometheus.yml"], cwd=PROM)
+def test_check_config(tmp_path: Path) -> None:
+    """``promtool check config`` accepts prometheus.yml and the rule file it loads; its scrape
+    of hicache sends the operator's key from the file the compose secret mounts (promtool
+    needs the file: here a copy of the config names one in ``tmp_path``)."""
+    cfg = yaml.safe_load((PROM / "prometheus.yml").read_text())
+    [job] = cfg["scrape_configs"]
+    assert job["authorization"] == {"type": "Bearer", "credentials_file": "/run/secrets/hicache_operator"}
+    (tmp_path / "operator.key").write_text("a-key\n")
+    job["authorization"]["credentials_file"] = str(tmp_path / "operator.key")
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    (tmp_path / "alerts.yml").write_text(ALERTS.read_text())
+    proc = run([tool("promtool"), "check", "config", "prometheus.yml"], cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "SUCCESS" in out and "alerts.yml" in out, out
 

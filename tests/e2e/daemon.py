@@ -39,6 +39,9 @@ class Daemon:
         self.log_path = self.dir / "daemon.log"
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
+        self.bearer: str | None = None
+        """A key sent with every request that names no ``Authorization`` of its own (the
+        operator's, for a daemon with keys: ``/metrics``, ``/cache/stats`` ...)."""
 
     def start(self, timeout_s: float = 180.0) -> None:
         self.launch()
@@ -77,7 +80,7 @@ class Daemon:
                 headers: dict[str, str] | None = None) -> tuple[int, Any]:
         data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
         req = urllib.request.Request(self.url(path), data=data, method=method,
-                                     headers={"Content-Type": "application/json", **(headers or {})})
+                                     headers={"Content-Type": "application/json", **self._auth(), **(headers or {})})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 raw = resp.read()
@@ -95,8 +98,11 @@ class Daemon:
             raise ValueError(f"GET {path}: {status} {body}")
         return body
 
+    def _auth(self) -> dict[str, str]:
+        return {} if self.bearer is None else {"Authorization": f"Bearer {self.bearer}"}
+
     def get_text(self, path: str) -> str:
-        with urllib.request.urlopen(self.url(path), timeout=30) as resp:
+        with urllib.request.urlopen(urllib.request.Request(self.url(path), headers=self._auth()), timeout=30) as resp:
             return resp.read().decode()
 
     def metric_samples(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

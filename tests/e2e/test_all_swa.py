@@ -65,7 +65,8 @@ def _stop(d: Daemon) -> None:
 
 def test_all_swa_reference_model_reuses_its_prefix_from_l1_and_l2(tmp_path: Path) -> None:
     cfg = {"model": {"reference": {"preset": "tiny", "layers": ["swa", "swa"], "sliding_window": WINDOW}},
-           "cache": _cache(), "scheduler": {"chunked_prefill_tokens": 256, "max_prefill_tokens": 512},
+           "cache": {**_cache(), "l3_stores": {"run-time": {"backend": "file", "file": {"dir": str(tmp_path / "l3")}}}},
+           "scheduler": {"chunked_prefill_tokens": 256, "max_prefill_tokens": 512},
            "logging": {"level": "warning"}}
     d = Daemon(tmp_path, cfg)
     d.start()
@@ -76,7 +77,7 @@ def test_all_swa_reference_model_reuses_its_prefix_from_l1_and_l2(tmp_path: Path
         assert {"full", "swa"} <= set(stats["l1"]), stats["l1"]
         _check_reuse(d, prompt, [[rng.randrange(1, 250) for _ in range(99)] for _ in range(4)])
         # an L3 store attached at run time is taken (its Full pages are index markers)
-        status, body = d.request("PUT", "/cache/storage", {"backend": "file", "file": {"dir": str(tmp_path / "l3")}})
+        status, body = d.request("PUT", "/cache/storage", {"store": "run-time"})
         assert status == 200, (status, body)
         status, body = d.request("GET", "/cache/storage")
         assert status == 200 and body["backend"] == "file", body

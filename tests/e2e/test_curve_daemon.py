@@ -27,7 +27,7 @@ import protos
 from hicache.config import config_from_dict
 from hicache.connectors.engine_client import CacheSession, EngineClient, curve_keys_for
 from hicache.engine_server.geometry import geometry_from_config
-from hicache.ipc import CurveClientKeys, Endpoints, load_curve_keys
+from hicache.ipc import CurveClientKeys, Endpoints, load_curve_client, load_curve_keys
 from hicache.keygen_cli import write_key_dir, write_key_pair
 from hicache.loopback_ports import free_port
 
@@ -97,9 +97,13 @@ def test_insecure_tcp_when_asked_for_serves_and_warns(daemons: DaemonFactory) ->
 
 
 def test_curve_daemon_serves_and_ignores_unauthorised_clients(tmp_path: Path, daemons: DaemonFactory) -> None:
+    """Also an engine's admitted key (``hicache keygen --client engine1``): it opens the engine
+    socket only (``hicache.ipc``'s ZAP domains), never the scheduler's or the controller's."""
     keys_dir = tmp_path / "keys"
     write_key_dir(keys_dir)
+    write_key_pair(keys_dir, "engine1")
     keys = load_curve_keys(keys_dir)
+    engine1 = load_curve_client(keys_dir / "server.key", keys_dir / "engine1.key_secret")
     base = _free_base_port()
     d = daemons(_builtin_config(keys_dir, base))
     pids = d.pids()
@@ -118,7 +122,7 @@ def test_curve_daemon_serves_and_ignores_unauthorised_clients(tmp_path: Path, da
         attacks: list[tuple[str, protos.Message]] = [(scheduler, protos.AdminRequest("attack", "flush")),
                                                      (controller, protos.Shutdown("attack", 0.0))]
         attackers = []
-        for curve in (None, unknown):
+        for curve in (None, unknown, engine1):
             for address, msg in attacks:
                 sock = _push(ctx, address, curve)
                 with contextlib.suppress(zmq.Again):  # not even queued: then nothing can act either
@@ -165,6 +169,7 @@ def test_engine_client_talks_to_a_curve_cache_server_only_with_admitted_keys(
     keys_dir = tmp_path / "keys"
     write_key_dir(keys_dir)
     write_key_pair(tmp_path, "stranger")  # a valid pair the daemon does not admit
+    write_key_pair(keys_dir, "engine1")  # an engine's own pair (keygen --client): admitted here
     base = _free_base_port()
     cfg = {"engine": {"kind": "vllm", "model": str(_engine_model(tmp_path / "model")), "lookup_timeout_ms": 3000},
            "cache": {"page_size": 32, "l2": {"tokens": 1024}, "l3": {"backend": "none"}},
@@ -187,14 +192,16 @@ def test_engine_client_talks_to_a_curve_cache_server_only_with_admitted_keys(
         finally:
             client.close()
 
-    session = CacheSession(address, 3000, register, curve=curve_keys_for({}, str(keys_dir)))
-    try:
-        reg = session.ensure()
-        assert isinstance(reg, protos.EngineRegistered), reg
-        answer = session.call(lambda req, r: protos.Lookup(req, r.session, r.run, "r", protos.pack_tokens(range(64))))
-        assert isinstance(answer, protos.LookupResult) and answer.host_pages == []
-    finally:
-        session.close()
+    for extra in ({}, {"curve_client_secret_file": str(keys_dir / "engine1.key_secret")}):
+        session = CacheSession(address, 3000, register, curve=curve_keys_for(extra, str(keys_dir)))
+        try:
+            reg = session.ensure()
+            assert isinstance(reg, protos.EngineRegistered), (extra, reg)
+            answer = session.call(lambda req, r: protos.Lookup(req, r.session, r.run, "r",
+                                                               protos.pack_tokens(range(64))))
+            assert isinstance(answer, protos.LookupResult) and answer.host_pages == []
+        finally:
+            session.close()
 
 
 def replace_req(msg: protos.EngineRegister, req: int) -> protos.EngineRegister:

@@ -1,4 +1,5 @@
-"""End to end: the storage admin API attaches another L3 at run time, and pages go there."""
+"""End to end: the storage admin API attaches another L3 the config names at run time, and
+pages go there; a body naming a store the config does not is refused."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ def test_put_cache_storage_attaches_a_new_file_store(tmp_path: Path) -> None:
     d = Daemon(tmp_path, {
         "model": {"reference": {"preset": "tiny"}},
         "cache": {"page_size": 4, "l1": {"tokens": 1024}, "l2": {"tokens": 4096},
-                  "l3": {"backend": "file", "file": {"dir": str(first)}}},
+                  "l3": {"backend": "file", "file": {"dir": str(first)}},
+                  "l3_stores": {"second": {"backend": "file", "file": {"dir": str(second)}}}},
         "logging": {"level": "warning"},
     })
     d.start()
     try:
-        status, body = d.request("PUT", "/cache/storage", {"backend": "file", "file": {"dir": str(second)}})
+        status, body = d.request("PUT", "/cache/storage", {"store": "second"})
         assert status == 200, body
         status, body = d.request("GET", "/cache/storage")
         assert status == 200 and body["backend"] == "file" and body["up"], body
@@ -29,7 +31,9 @@ def test_put_cache_storage_attaches_a_new_file_store(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "no page reached the newly attached store"
             time.sleep(0.2)
         assert d.generate(prompt)["output_ids"] == first_answer
-        status, body = d.request("PUT", "/cache/storage", {"backend": "file", "file": {"dir": ""}})
-        assert status == 400 and "cache.l3.file.dir" in body["error"]["message"]
+        for body in ({"backend": "file", "file": {"dir": str(tmp_path / "third")}}, {"store": "third"}):
+            status, answer = d.request("PUT", "/cache/storage", body)
+            assert status == 400 and "(default, second)" in answer["error"]["message"], answer
+        assert not (tmp_path / "third").exists()
     finally:
         assert d.stop() == 0, d.log()

@@ -18,6 +18,8 @@ from daemon import Daemon
 
 KEY_A = "quota-alpha-key-0f3b9c2d71e84a56"
 KEY_B = "quota-beta-key-5e7a1d9c3b2f4680"
+KEY_OP = "quota-operator-key-8c1e4b7d2a9f3605"
+"""The operator's key: ``/cache/stats`` of every tenant, a flush of everything, ``/metrics``."""
 QUOTA = 256
 
 
@@ -31,7 +33,7 @@ def _config(quotas: bool) -> dict[str, Any]:
         "cache": {"page_size": 16, "l1": {"tokens": 512}, "l2": {"tokens": 1024}, "l3": {"backend": "none"},
                   "load_back_threshold": 0},
         "scheduler": {"chunked_prefill_tokens": 256, "max_prefill_tokens": 256},
-        "server": {"api_keys": keys},
+        "server": {"api_keys": keys, "operator": {"key": KEY_OP}},
         "logging": {"level": "warning"},
     }
 
@@ -54,10 +56,11 @@ def _flood_then_b(d: Daemon) -> dict[str, Any]:
 
 def test_a_flooding_tenant_cannot_evict_another_tenants_pages_below_its_quota(daemons: DaemonFactory) -> None:
     d = daemons(_config(quotas=True), "quotas")
+    d.bearer = KEY_OP
     again = _flood_then_b(d)
     assert again["cached_tokens"] == 96, again  # every whole page, from L2 (L1 was flooded)
     assert again["cached_tokens_details"]["host"] == 96
-    status, stats = d.request("GET", "/cache/stats", headers={"Authorization": f"Bearer {KEY_B}"})
+    status, stats = d.request("GET", "/cache/stats", headers={"Authorization": f"Bearer {KEY_OP}"})
     assert status == 200
     assert stats["tenants"]["a"]["l2_used_tokens"] <= QUOTA and stats["tenants"]["a"]["l2_quota_tokens"] == QUOTA
     assert stats["tenants"]["b"]["l2_used_tokens"] >= 96
@@ -97,7 +100,7 @@ def _l3_config(tmp: Path, partitions: bool) -> dict[str, Any]:
 
 
 def _stats(d: Daemon) -> dict[str, Any]:
-    status, stats = d.request("GET", "/cache/stats", headers={"Authorization": f"Bearer {KEY_A}"})
+    status, stats = d.request("GET", "/cache/stats", headers={"Authorization": f"Bearer {KEY_OP}"})
     assert status == 200, (status, stats)
     return stats  # type: ignore[no-any-return]
 
@@ -115,7 +118,7 @@ def _backed_up(d: Daemon) -> None:
 
 
 def _flush(d: Daemon) -> None:
-    status, body = d.request("POST", "/cache/flush", headers={"Authorization": f"Bearer {KEY_A}"})
+    status, body = d.request("POST", "/cache/flush", headers={"Authorization": f"Bearer {KEY_OP}"})
     assert status == 200, (status, body)
 
 
@@ -145,6 +148,7 @@ def _l3_gauge(d: Daemon, name: str, tenant: str) -> float:
 def test_a_tenants_l3_partition_survives_another_tenants_flood_and_holds_at_most_its_quota(
         daemons: DaemonFactory, tmp_path: Path) -> None:
     d = daemons(_l3_config(tmp_path, partitions=True), "l3-partitions")
+    d.bearer = KEY_OP
     rng = random.Random(5)
     again = _flood_l3_then_a(d, rng)
     assert again["cached_tokens"] == 96, again  # every whole page, from a's partition (L1, L2 flushed)
@@ -167,5 +171,6 @@ def test_a_tenants_l3_partition_survives_another_tenants_flood_and_holds_at_most
 def test_without_an_l3_partition_the_same_flood_evicts_the_tenants_l3_pages(
         daemons: DaemonFactory, tmp_path: Path) -> None:
     d = daemons(_l3_config(tmp_path, partitions=False), "l3-shared")
+    d.bearer = KEY_OP
     again = _flood_l3_then_a(d, random.Random(5))
     assert again["cached_tokens"] == 0, again

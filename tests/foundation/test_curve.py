@@ -20,6 +20,8 @@ from hicache.config import ConfigError, config_from_dict
 from hicache.connectors.engine_client import CLIENT_SECRET_KEY, SERVER_PUBLIC_KEY, curve_keys_for
 from hicache.ipc import (
     AUTHORIZED_DIR,
+    SUBSCRIBERS_DIR,
+    ZAP_EVENTS,
     CurveKeyError,
     DealerSocket,
     Endpoints,
@@ -27,6 +29,7 @@ from hicache.ipc import (
     PushSocket,
     RouterSocket,
     SecureContext,
+    curve_server,
     load_curve_client,
     load_curve_keys,
     open_context,
@@ -103,14 +106,15 @@ def test_bad_key_directories_are_refused_naming_the_file_and_the_fix(keys_dir: P
     with pytest.raises(CurveKeyError, match=r"client.key_secret .*chmod 600"):
         load_curve_keys(keys_dir)
     os.chmod(keys_dir / "client.key_secret", 0o600)
-    (keys_dir / AUTHORIZED_DIR / "client.key").unlink()
-    with pytest.raises(CurveKeyError, match="own client key"):
-        load_curve_keys(keys_dir)
+    (keys_dir / AUTHORIZED_DIR / "client.key").unlink()  # engines may not use the daemon's pair: fine
+    assert load_curve_keys(keys_dir).engine_clients == frozenset()
     shutil.copy(keys_dir / "client.key", keys_dir / AUTHORIZED_DIR / "client.key")
-    os.chmod(keys_dir / AUTHORIZED_DIR, 0o777)
-    with pytest.raises(CurveKeyError, match="writable by no one else"):
-        load_curve_keys(keys_dir)
-    os.chmod(keys_dir / AUTHORIZED_DIR, 0o700)
+    for directory in (AUTHORIZED_DIR, SUBSCRIBERS_DIR):
+        (keys_dir / directory).mkdir(mode=0o700, exist_ok=True)
+        os.chmod(keys_dir / directory, 0o777)
+        with pytest.raises(CurveKeyError, match=f"{directory} must be .*writable by no one else"):
+            load_curve_keys(keys_dir)
+        os.chmod(keys_dir / directory, 0o700)
     load_curve_keys(keys_dir)
     # a secret file whose secret key is not the one of its public key
     text = (keys_dir / "server.key_secret").read_text()
@@ -204,6 +208,56 @@ def test_only_authorised_clients_get_messages_through(keys_dir: Path) -> None:
         pull.close()
         plain.term()
         client.term()
+        server.term()
+
+
+def test_each_socket_admits_only_the_keys_of_its_zap_domain(tmp_path: Path, keys_dir: Path) -> None:
+    """An engine's key (``keygen --client``) opens the engine socket and no internal socket; a
+    subscriber's key (``keygen --subscriber``) opens the events socket only; the daemon's own
+    client key opens the internal sockets. Each socket's refusals are real handshakes failing."""
+    assert _cli("keygen", "--dir", str(keys_dir), "--client", "engine1").returncode == 0
+    out = _cli("keygen", "--dir", str(keys_dir), "--subscriber", "router1")
+    assert out.returncode == 0, out.stderr
+    assert (keys_dir / SUBSCRIBERS_DIR / "router1.key").is_file() and not (keys_dir / AUTHORIZED_DIR / "router1.key").exists()
+    keys = load_curve_keys(keys_dir)
+    engine = load_curve_client(keys_dir / "server.key", keys_dir / "engine1.key_secret")
+    router = load_curve_client(keys_dir / "server.key", keys_dir / "router1.key_secret")
+    own = keys.client()
+    endpoints = Endpoints("tcp", tcp_host="127.0.0.1", tcp_base_port=free_port(span=5), curve_keys_dir=str(keys_dir))
+    server = open_context(endpoints)
+    plain = zmq.Context()
+    internal: PullSocket[protos.Message] = PullSocket(server, endpoints.address("scheduler"), (protos.AdminRequest,))
+    engine_sock: PullSocket[protos.Message] = PullSocket(server, endpoints.address("engine"), (protos.AdminRequest,))
+    events = server.socket(zmq.PULL)
+    events.setsockopt(zmq.LINGER, 0)
+    curve_server(events, keys, ZAP_EVENTS)
+    events_address = _tcp_address()
+    events.bind(events_address)
+    admitted = {"internal": own, "engine": engine, "events": router}
+    socks = {"internal": (internal.socket, endpoints.address("scheduler")),
+             "engine": (engine_sock.socket, endpoints.address("engine")), "events": (events, events_address)}
+    pushes = []
+    try:
+        for name, (sock, address) in socks.items():
+            for who, curve in admitted.items():
+                push = _raw_push(plain, address, (curve.server_public, curve.client_public, curve.client_secret))
+                pushes.append(push)
+                with contextlib.suppress(zmq.Again):
+                    push.send(protos.encode(protos.AdminRequest(f"{who}->{name}", "flush")))
+            got = set()
+            while sock.poll(1500):
+                got.add(protos.decode(sock.recv()).rid)  # type: ignore[attr-defined]
+            # the engine socket also admits the daemon's own pair: keygen lists client.key in
+            # authorized_clients, for engines that use it (delete it there to stop that)
+            expected = {f"{name}->{name}"} | ({"internal->engine"} if name == "engine" else set())
+            assert got == expected, (name, got)
+    finally:
+        for push in pushes:
+            push.close(0)
+        internal.close()
+        engine_sock.close()
+        events.close(0)
+        plain.term()
         server.term()
 
 

@@ -135,6 +135,47 @@ def test_sizes_past_the_share_are_refused_by_name() -> None:
     assert rig.admin("pins", {}).result["tiers"]["l1"]["pinned_tokens"] == 64
 
 
+def test_pins_are_named_per_tenant_and_a_tenant_pins_within_its_budget() -> None:
+    """Two tenants' pins of one name are two pins; a tenant's own call (``args["tenant"]``)
+    lists, unpins and replaces its own only, within its budget, and its refusals name none of
+    another tenant's pins; the operator (no ``tenant``) is bound by the share alone."""
+    from hicache.tenants import tenant_salt
+
+    cfg = config_from_dict({
+        "model": {"reference": {"preset": "tiny"}},
+        "cache": {"page_size": 4, "l1": {"tokens": 256}, "l2": {"enabled": False}, "l3": {"backend": "none"},
+                  "pinned_fraction": 0.25},
+        "scheduler": {"chunked_prefill_tokens": 64, "max_prefill_tokens": 128},
+        "server": {"api_keys": [{"tenant": "a", "key": "key-a-0123456789", "quota": {"pinned_tokens": 32}},
+                                {"tenant": "b", "key": "key-b-0123456789", "quota": {"pinned_tokens": 64}}]},
+    })
+    rig = PinRig(cfg)
+
+    def pin(tenant: str | None, name: str, ids: list[int], owner: str | None = None) -> protos.AdminReply:
+        args: dict[str, Any] = {"name": name, "input_ids": ids, "tiers": ["l1"],
+                                "cache_salt": tenant_salt(owner or tenant, "")}
+        if tenant is not None:
+            args["tenant"] = tenant
+        return rig.admin("pin", args)
+
+    assert pin("a", "sys", list(range(3, 27))).ok  # 24 tokens of a's 32
+    assert pin("b", "sys", list(range(40, 72))).ok  # another pin of the same name: b's
+    assert [(p["tenant"], p["name"]) for p in rig.admin("pins", {"tenant": "b"}).result["pinned"]] == [("b", "sys")]
+    over = pin("a", "more", list(range(100, 112)))
+    assert not over.ok and "pin budget" in over.error and "24 pinned by its other pins" in over.error
+    # the share (64 tokens) is full: b's refusal says so without naming a's pin
+    full = pin("b", "x", list(range(120, 132)))
+    assert not full.ok and "too little of it is left (32 by your pins)" in full.error and "sys" not in full.error
+    op = pin(None, "x", list(range(120, 132)), owner="a")  # the operator: the share alone, naming every pin
+    assert not op.ok and "56 already pinned by sys, sys" in op.error
+    assert not pin("a", "bad", list(range(1, 9)), owner="b").ok  # a tenant pins in its own namespace only
+    missing = rig.admin("unpin", {"name": "sys", "tenant": "a"})
+    assert missing.ok and missing.result["unpinned"] == "sys"
+    assert rig.admin("unpin", {"name": "sys", "tenant": "a"}).result.get("missing")
+    assert [p["tenant"] for p in rig.admin("pins", {}).result["pinned"]] == ["b"]  # b's pin stayed
+    assert rig.admin("unpin", {"name": "sys", "owner": "b"}).ok  # the operator unpins b's
+
+
 @pytest.mark.parametrize("args, error", [
     ({"name": "", "input_ids": [1]}, "name must be"),
     ({"name": "a b", "input_ids": [1]}, "name must be"),

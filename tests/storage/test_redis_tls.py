@@ -11,7 +11,7 @@ the CA does not vouch for is a ``StorageTLSError`` saying "certificate verify fa
 password from a file or an environment variable works; ``check-config`` refuses two
 password sources and missing files, naming the key; no secret appears in a message, a log
 line, ``stats()`` or ``check-config``'s output; and a real daemon refused by the store at
-``PUT /cache/storage`` says why and goes on serving.
+``PUT /cache/storage`` (a store the config names) says why and goes on serving.
 """
 
 from __future__ import annotations
@@ -538,10 +538,12 @@ def test_check_config_accepts_a_tls_config_and_never_prints_the_password(pki: Pk
 # --------------------------------------------------------------------------- a real daemon
 
 
-def _daemon_config(l3: dict[str, Any]) -> dict[str, Any]:
+def _daemon_config(l3: dict[str, Any], stores: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``stores``: ``cache.l3_stores``, what ``PUT /cache/storage`` may attach by name."""
     return {
         "model": {"reference": {"preset": "tiny"}},
         "cache": {"page_size": 4, "l1": {"tokens": 1024}, "l2": {"tokens": 4096}, "l3": l3,
+                  "l3_stores": stores or {},
                   "prefetch": {"policy": "wait_complete", "threshold_tokens": 4}},
         "scheduler": {"chunked_prefill_tokens": 256, "max_prefill_tokens": 512},
         "logging": {"level": "debug"},  # the most a log says: still no secret
@@ -556,25 +558,28 @@ def test_daemon_refused_by_the_store_at_attach_says_why_and_keeps_serving(tls_se
     secret.write_text(PASSWORD + "\n")
     prefix = f"d{os.urandom(4).hex()}"
     base = {"url": tls_server.url(), "key_prefix": prefix, "timeout_s": 1.0}
-    d = Daemon(tmp_path, _daemon_config({"backend": "none"}), env={"HICACHE_TEST_REDIS_PW": PASSWORD})
+    stores = {
+        "wrong-password": {"backend": "redis", "redis": {**base, "password": WRONG, "tls_ca_file": str(pki.ca)}},
+        "other-ca": {"backend": "redis", "redis": {**base, "password_file": str(secret),
+                                                   "tls_ca_file": str(pki.other_ca)}},
+        "good": {"backend": "redis", "redis": {**base, "password_env": "HICACHE_TEST_REDIS_PW",
+                                               "tls_ca_file": str(pki.ca)}},
+    }
+    d = Daemon(tmp_path, _daemon_config({"backend": "none"}, stores), env={"HICACHE_TEST_REDIS_PW": PASSWORD})
     d.start()
     try:
         prompt = [(i * 7) % 250 + 1 for i in range(130)]
         cold = d.generate(prompt, 6)["output_ids"]
-        refusals = [
-            ({**base, "password": WRONG, "tls_ca_file": str(pki.ca)}, "authentication failed"),
-            ({**base, "password_file": str(secret), "tls_ca_file": str(pki.other_ca)}, "certificate verify failed"),
-        ]
-        for section, needle in refusals:
-            status, body = d.request("PUT", "/cache/storage", {"backend": "redis", "redis": section})
+        refusals = [("wrong-password", "authentication failed"), ("other-ca", "certificate verify failed")]
+        for store, needle in refusals:
+            status, body = d.request("PUT", "/cache/storage", {"store": store})
             assert status == 500 and needle in body["error"]["message"], (status, body)
             assert WRONG not in str(body) and PASSWORD not in str(body)
             status, body = d.request("GET", "/cache/storage")
             assert status == 200 and body["backend"] == "none", body  # still without L3
             assert d.generate(prompt, 6)["output_ids"] == cold  # and serving
 
-        good = {**base, "password_env": "HICACHE_TEST_REDIS_PW", "tls_ca_file": str(pki.ca)}
-        status, body = d.request("PUT", "/cache/storage", {"backend": "redis", "redis": good})
+        status, body = d.request("PUT", "/cache/storage", {"store": "good"})
         assert status == 200, body
         fresh = [(i * 11) % 250 + 1 for i in range(130)]
         first = d.generate(fresh, 6)
@@ -610,7 +615,9 @@ def test_daemon_started_with_refused_credentials_serves_without_l3_and_says_why(
     if refusal == "untrusted certificate":
         section = {**section, "password": PASSWORD, "tls_ca_file": str(pki.other_ca)}
         needle = "certificate verify failed"
-    d = Daemon(tmp_path, _daemon_config({"backend": "redis", "redis": section}))
+    good = {**section, "password": PASSWORD, "tls_ca_file": str(pki.ca)}
+    d = Daemon(tmp_path, _daemon_config({"backend": "redis", "redis": section},
+                                        {"good": {"backend": "redis", "redis": good}}))
     d.start()
     try:
         prompt = [(i * 5) % 250 + 1 for i in range(130)]
@@ -621,8 +628,7 @@ def test_daemon_started_with_refused_credentials_serves_without_l3_and_says_why(
         assert again["meta_info"]["cached_tokens_details"]["storage"] == 0  # no L3
         status, body = d.request("GET", "/cache/storage")
         assert status == 200 and body["backend"] == "none" and needle in body["stats"]["attach_error"], body
-        good = {**section, "password": PASSWORD, "tls_ca_file": str(pki.ca)}
-        status, body = d.request("PUT", "/cache/storage", {"backend": "redis", "redis": good})
+        status, body = d.request("PUT", "/cache/storage", {"store": "good"})
         assert status == 200 and body["backend"] == "redis" and "attach_error" not in body["stats"], body
     finally:
         assert d.stop() == 0, d.log()

@@ -167,6 +167,7 @@ class FakeScheduler:
             "storage_attach": {"attached": True, "args": msg.args},
             "storage_detach": {"detached": True},
             "storage_clear": {"cleared": 42},
+            "pins": {"pinned": []}, "pin": {"pinned": True}, "unpin": {"unpinned": True},
         }
         if self.admin_mode == "silent":
             return
@@ -175,6 +176,6 @@ class FakeScheduler:
         elif msg.op == "storage_detach" and self.busy:
             self.push.send(protos.AdminReply(msg.rid, False, {}, "storage is busy: 2 operations in flight"))
         elif msg.op in results:
-            self.push.send(protos.AdminReply(msg.rid, True, results[msg.op]))
+            self.push.send(protos.AdminReply(msg.rid, True, {**results[msg.op], "args": msg.args}))
         else:
             self.push.send(protos.AdminReply(msg.rid, False, {}, f"unknown op {msg.op!r}"))

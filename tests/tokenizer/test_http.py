@@ -13,7 +13,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 import protos
-from hicache.config import MetricsConfig
+from hicache.config import MetricsConfig, to_dict
 from hicache.metrics import SPECS, mark_process_dead
 
 from .fake_scheduler import OUTPUT, expected_cached
@@ -218,27 +218,24 @@ def test_launcher_updates_health_pids(tok: TokenizerProcess) -> None:
 def test_admin_routes(tok: TokenizerProcess, fake) -> None:
     r = tok.get("/cache/stats")
     assert r.status == 200 and r.json()["device"]["full"]["capacity"] == 100
-    assert tok.post("/cache/flush").json() == {"flushed": True}
-    assert tok.get("/cache/storage").json() == {"backend": "file", "up": True}
-    assert tok.request("DELETE", "/cache/storage").json() == {"detached": True}
-    assert tok.post("/cache/storage/clear").json() == {"cleared": 42}
+    assert tok.post("/cache/flush").json() == {"flushed": True, "args": {}}  # no key: the operator's, unscoped
+    assert tok.get("/cache/storage").json() == {"backend": "file", "up": True, "args": {}}
+    assert tok.request("DELETE", "/cache/storage").json() == {"detached": True, "args": {}}
+    assert tok.post("/cache/storage/clear").json() == {"cleared": 42, "args": {}}
     ops = [m.op for m in fake.received if isinstance(m, protos.AdminRequest)]
     for op in ("stats", "flush", "storage_status", "storage_detach", "storage_clear"):
         assert op in ops
 
 
-def test_storage_attach_validates_and_resolves(tok: TokenizerProcess, fake) -> None:
-    r = tok.request("PUT", "/cache/storage", {"backend": "redis", "redis": {"url": "redis://10.0.0.5:6380/2"}})
+def test_storage_attach_takes_a_store_the_config_names(tok: TokenizerProcess, fake) -> None:
+    r = tok.request("PUT", "/cache/storage", {"store": "default"})
     assert r.status == 200, r.body
     l3 = r.json()["args"]["l3"]
-    assert l3["backend"] == "redis" and l3["redis"]["url"] == "redis://10.0.0.5:6380/2"
-    assert l3["redis"]["timeout_s"] == 2.0  # defaults filled in
-    bad = tok.request("PUT", "/cache/storage", {"backend": "redis", "redis": {"url": "http://nope"}})
-    assert bad.status == 400 and "cache.l3.redis.url" in bad.json()["error"]["message"]
-    bad = tok.request("PUT", "/cache/storage", {"backend": "tape"})
-    assert bad.status == 400 and "cache.l3.backend" in bad.json()["error"]["message"]
-    bad = tok.request("PUT", "/cache/storage", {"backend": "file", "colour": 1})
-    assert bad.status == 400 and "colour" in bad.json()["error"]["message"]
+    assert l3 == to_dict(tok.config.cache.l3)  # the config's own section, defaults filled in
+    for body in ({"backend": "redis", "redis": {"url": "redis://10.0.0.5:6380/2"}}, {"store": "elsewhere"},
+                 {"store": "default", "file": {"dir": "/tmp/x"}}):
+        bad = tok.request("PUT", "/cache/storage", body)
+        assert bad.status == 400 and "(default)" in bad.json()["error"]["message"], bad.body
 
 
 def test_detach_when_busy_is_409(tok: TokenizerProcess, fake) -> None:

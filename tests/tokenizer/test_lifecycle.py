@@ -42,11 +42,13 @@ def test_api_key_metrics_disabled_and_degraded_health(tmp_path: Path) -> None:
         ok = tp.post("/generate", {"text": "hi"}, headers={"Authorization": "Bearer s3cret"})
         assert ok.status == 200, ok.body
         assert tp.get("/v1/models", headers={"Authorization": "bearer s3cret"}).status == 200
-        # open routes
+        # the open route
         health = tp.get("/health")
         assert health.status == 503
         assert health.json()["status"] == "degraded" and health.json()["dead"] == ["scheduler"]
-        metrics = tp.get("/metrics")
+        # /metrics needs the key (server.api_key's holder is the operator)
+        assert tp.get("/metrics").status == 401
+        metrics = tp.get("/metrics", headers={"Authorization": "Bearer s3cret"})
         assert metrics.status == 404 and b"disabled" in metrics.body
     finally:
         code = tp.stop()

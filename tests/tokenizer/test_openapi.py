@@ -17,14 +17,13 @@ from hicache.config import config_from_dict
 from hicache.metrics import Metrics
 from hicache.text import ByteTokenizer
 from hicache.tokenizer.http_api import HttpApi
-from hicache.tokenizer.openapi import ON_ATTACH, openapi_document
+from hicache.tokenizer.openapi import openapi_document
 from hicache.tokenizer.validation import (
     ModelLimits,
     RequestError,
     parse_chat,
     parse_completion,
     parse_generate,
-    parse_storage_config,
 )
 
 from .fake_scheduler import FakeScheduler
@@ -187,8 +186,6 @@ def _cases() -> Iterator[tuple[str, dict[str, Any], Callable[[Any], dict[str, An
     gen = lambda d: parse_generate(d, "r", TOKENIZER, LIMITS)  # noqa: E731
     comp = lambda d: parse_completion(d, "r", TOKENIZER, LIMITS)  # noqa: E731
     chat = lambda d: parse_chat(d, "r", TOKENIZER, LIMITS)  # noqa: E731
-    l2 = config_from_dict({"model": {"reference": {"preset": "tiny"}}, "cache": {"l1": {"tokens": 1024}, "l2": {"tokens": 2048}}})
-    store = lambda d: parse_storage_config(d, l2)  # noqa: E731
     prompts = {"text": "hi", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
 
     companions = {"top_logprobs": {"logprobs": True}}  # the body's dependentSchemas: sent beside the field
@@ -209,7 +206,6 @@ def _cases() -> Iterator[tuple[str, dict[str, Any], Callable[[Any], dict[str, An
         ("/generate", _body("/generate"), {"text": "hi"}, gen, ("text", "input_ids")),
         ("/v1/completions", _body("/v1/completions"), {"prompt": "hi"}, comp, ()),
         ("/v1/chat/completions", _body("/v1/chat/completions"), {"messages": prompts["messages"]}, chat, ()),
-        ("PUT /cache/storage", _body("/cache/storage", "put"), {"backend": "file"}, store, ()),
     ]
     for route, schema, base, parse, exclusive in routes:
         for name, field in schema["properties"].items():
@@ -242,9 +238,7 @@ def test_field_agrees_with_the_validator(name: str, schema: dict[str, Any],
     check = jsonschema.Draft202012Validator(schema).is_valid
     samples = list(_valid_samples(schema))
     assert samples, name
-    # a path or variable name valid by shape is accepted only if it exists here (checked on attach)
-    on_attach = any(o.get(ON_ATTACH) for o in schema.get("anyOf", [schema]))
-    for value in () if on_attach else itertools.chain(samples, POOL):
+    for value in itertools.chain(samples, POOL):
         if check(value) and not (isinstance(value, bool) and value in (0, 1) and any(
                 s is not value and s == value and not isinstance(s, bool) for s in samples)):
             assert _verdict(parse, make(value)) == "accepted", (name, value)

@@ -34,7 +34,8 @@ REPO = Path(__file__).resolve().parents[2]
 KEY_A = "alpha-key-0123456789abcdef"
 KEY_A2 = "alpha-rotated-key-fedcba9876543210"
 KEY_B = "beta-key-00112233445566778899"
-SECRETS = (KEY_A, KEY_A2, KEY_B)
+KEY_OP = "operator-key-5a6b7c8d9e0f1a2b"
+SECRETS = (KEY_A, KEY_A2, KEY_B, KEY_OP)
 TOK = ByteTokenizer()
 LIMITS = ModelLimits("m", 512, 512, 256, 16)
 
@@ -275,7 +276,8 @@ def tenants(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, metrics_dir: Path) 
     monkeypatch.setenv("HC_TEST_TENANT_KEY_B", KEY_B)  # the spawned process inherits it
     tp = TokenizerProcess(tmp_path, {"server.api_keys": [
         {"tenant": "alpha", "key": KEY_A}, {"tenant": "alpha", "key_file": str(tmp_path / "a2.key")},
-        {"tenant": "beta", "key_env": "HC_TEST_TENANT_KEY_B"}], "logging.level": "debug"})
+        {"tenant": "beta", "key_env": "HC_TEST_TENANT_KEY_B"}], "server.operator": {"key": KEY_OP},
+        "logging.level": "debug"})
     fake = FakeScheduler(tp.endpoints)
     try:
         tp.start()
@@ -308,7 +310,8 @@ def test_tokenizer_authenticates_and_namespaces_by_tenant(tenants: Any) -> None:
         assert r.json()["error"]["type"] == "authentication_error" and r.headers["www-authenticate"] == "Bearer"
         _assert_no_secret(r.body.decode())
     assert tp.get("/health").status == 200
-    assert tp.get("/metrics").status == 200
+    assert tp.get("/metrics").status == 401  # per-tenant series: behind the operator's key
+    assert tp.get("/metrics", headers=_bearer(KEY_OP)).status == 200
     assert fake.generate_requests() == []
 
     sent: list[tuple[str, str, dict[str, Any]]] = [
@@ -333,5 +336,68 @@ def test_tokenizer_authenticates_and_namespaces_by_tenant(tenants: Any) -> None:
     assert salts[len(sent):] == [tenant_salt("alpha", "")] * 2  # both samples of the chat request
     assert tenant_salt("alpha", "") not in salts[2:len(sent)]
     log = tp.log()
-    assert "2 tenant(s): alpha, beta" in log, log
+    assert "for 2 tenant(s): alpha, beta" in log, log
     _assert_no_secret(log)
+
+
+def test_a_tenant_acts_on_its_own_namespace_and_the_operator_on_everything(tenants: Any) -> None:
+    """The role table of ``hicache.tokenizer.access``: a tenant's ``/cache`` calls reach the
+    scheduler scoped to it (``args["tenant"]``), the operator-only routes answer it 403 before
+    any reaches the scheduler, and the operator's calls go unscoped."""
+    tp, fake = tenants
+    admin = [("GET", "/cache/stats", None), ("POST", "/cache/flush", None), ("GET", "/cache/pinned", None),
+             ("DELETE", "/cache/pinned/sys", None), ("PUT", "/cache/pinned", {"name": "sys", "input_ids": [1] * 8})]
+    for method, path, body in admin:
+        r = tp.request(method, path, body, headers=_bearer(KEY_B))
+        assert r.status == 200, (path, r.body)
+        assert r.json()["args"].get("tenant") == "beta", (path, r.json())
+        r = tp.request(method, path, body, headers=_bearer(KEY_OP))
+        assert r.status == 200 and "tenant" not in r.json()["args"], (path, r.json())
+    pinned = tp.request("PUT", "/cache/pinned", {"name": "sys", "input_ids": [1] * 8}, headers=_bearer(KEY_B)).json()
+    assert pinned["args"]["cache_salt"] == tenant_salt("beta", "")
+    for_alpha = tp.request("PUT", "/cache/pinned", {"name": "sys", "input_ids": [1] * 8, "tenant": "alpha"},
+                           headers=_bearer(KEY_OP)).json()
+    assert for_alpha["args"]["cache_salt"] == tenant_salt("alpha", "") and "tenant" not in for_alpha["args"]
+    gone = tp.request("DELETE", "/cache/pinned/sys?tenant=alpha", headers=_bearer(KEY_OP)).json()
+    assert gone["args"] == {"name": "sys", "owner": "alpha"}
+
+    before = len(fake.received)
+    forbidden = [("GET", "/metrics", None), ("GET", "/cache/storage", None), ("DELETE", "/cache/storage", None),
+                 ("PUT", "/cache/storage", {"store": "default"}), ("POST", "/cache/storage/clear", None),
+                 ("PUT", "/cache/pinned", {"name": "x", "input_ids": [1] * 8, "tenant": "beta"}),
+                 ("DELETE", "/cache/pinned/sys?tenant=beta", None)]
+    for method, path, body in forbidden:
+        r = tp.request(method, path, body, headers=_bearer(KEY_A))
+        assert r.status == 403 and r.json()["error"]["type"] == "permission_error", (path, r.status, r.body)
+    assert len(fake.received) == before, "a refused call reached the scheduler"
+    for method, path, body in forbidden[:5]:
+        assert tp.request(method, path, body, headers=_bearer(KEY_OP)).status == 200, path
+
+
+def test_the_operators_key_is_checked_and_loaded_like_the_tenants(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``server.operator``: one source, never beside ``server.api_key``, never a tenant's key;
+    loaded as a key without a tenant (the operator's), from a file or a variable."""
+    def problems(server: dict[str, Any]) -> dict[str, str]:
+        with pytest.raises(ConfigError) as exc:
+            config_from_dict({"server": server})
+        return {p.path: p.reason for p in exc.value.problems}
+
+    assert "already the operator's key" in problems({"api_key": KEY_A, "operator": {"key": KEY_OP}})["server.operator"]
+    assert "its own" in problems({"api_keys": [{"tenant": "a", "key": KEY_A}], "operator": {"key": KEY_A}})[
+        "server.operator.key"]
+    assert "exactly one" in problems({"operator": {"key": KEY_OP, "key_env": "X"}})["server.operator"]
+    assert problems({"operator": {"key_file": " "}})["server.operator.key_file"] == "must not be empty"
+    key_file = tmp_path / "op.key"
+    key_file.write_text(KEY_OP + "\n")
+    monkeypatch.setenv("HC_TEST_OP", KEY_A)
+    cfg = config_from_dict({"server": {"api_keys": [{"tenant": "a", "key": KEY_A}],
+                                       "operator": {"key_file": str(key_file)}}})
+    keys, errors = load_api_keys(cfg.server)
+    assert errors == [] and keys == (BearerKey("a", hashlib.sha256(KEY_A.encode()).digest()),
+                                     BearerKey(None, hashlib.sha256(KEY_OP.encode()).digest()))
+    same = config_from_dict({"server": {"api_keys": [{"tenant": "a", "key": KEY_A}], "operator": {"key_env": "HC_TEST_OP"}}})
+    _keys, errors = load_api_keys(same.server)
+    assert [(p.path, p.reason) for p in errors] == [
+        ("server.operator.key_env", "gives the same key as server.api_keys[0]: each key must be given once")]
+    assert KEY_OP not in dump_yaml(config_from_dict({"server": {"operator": {"key": KEY_OP}}}))

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 import protos
-from hicache.config import config_from_dict
+from hicache.config import ConfigError, config_from_dict
 from hicache.metrics import MULTIPROC_ENV, Metrics, TokenCounts, prepare_multiprocess_dir
 from hicache.text import ByteTokenizer
 from hicache.tokenizer.formats import (
@@ -27,7 +27,7 @@ from hicache.tokenizer.validation import (
     parse_completion,
     parse_generate,
     parse_json,
-    parse_storage_config,
+    parse_storage_choice,
 )
 
 TOK = ByteTokenizer()
@@ -108,23 +108,46 @@ def test_parse_generate_checks_salt_length() -> None:
         parse_generate({"input_ids": [1], "cache_salt": "s" * 1000}, "r", TOK, LIMITS)
 
 
-def test_storage_config_is_resolved_or_refused() -> None:
-    cfg = config_from_dict({})
-    assert parse_storage_config({"backend": "file", "file": {"dir": "/tmp/x"}}, cfg)["l3"]["file"]["dir"] == "/tmp/x"
-    with pytest.raises(RequestError, match="DELETE"):
-        parse_storage_config({"backend": "none"}, cfg)
+def test_storage_is_chosen_by_a_name_the_config_gives() -> None:
+    """``PUT /cache/storage`` names a store of the config; a body naming a backend, a URL, a
+    directory or a password source is refused, whatever it holds."""
+    cfg = config_from_dict({"cache": {"l3": {"file": {"dir": "/tmp/a"}},
+                                      "l3_stores": {"backup": {"backend": "file", "file": {"dir": "/tmp/b"}}}}})
+    assert parse_storage_choice({"store": "backup"}, cfg)["l3"]["file"]["dir"] == "/tmp/b"
+    assert parse_storage_choice({"store": "default"}, cfg)["l3"]["file"]["dir"] == "/tmp/a"
+    for body in ({"backend": "file", "file": {"dir": "/tmp/x"}}, {"store": "backup", "file": {"dir": "/x"}},
+                 {"backend": "redis", "redis": {"url": "redis://evil:6379", "password_env": "HOME"}},
+                 {"store": "nope"}, {"store": 3}, {}):
+        with pytest.raises(RequestError) as exc:
+            parse_storage_choice(body, cfg)
+        assert exc.value.status == 400 and "(default, backup)" in exc.value.message, exc.value.message
+    no_l3 = config_from_dict({"cache": {"l3": {"backend": "none"}}})
+    with pytest.raises(RequestError, match="cache.l3_stores is empty"):
+        parse_storage_choice({"store": "default"}, no_l3)
     no_l2 = config_from_dict({"cache": {"l2": {"enabled": False}, "l3": {"backend": "none"}}})
     with pytest.raises(RequestError) as exc:
-        parse_storage_config({"backend": "file"}, no_l2)
+        parse_storage_choice({"store": "default"}, no_l2)
     assert exc.value.status == 409
-    quotas = config_from_dict({"cache": {"l3": {"file": {"max_size_gb": 2}}},
-                               "server": {"api_keys": [{"tenant": "a", "key": "k" * 32, "quota": {"l3_gb": 1}}]}})
-    with pytest.raises(RequestError, match="blind to tenants") as exc:
-        parse_storage_config({"backend": "redis"}, quotas)
-    assert exc.value.status == 400
-    with pytest.raises(RequestError, match="they reserve L3"):
-        parse_storage_config({"backend": "file", "file": {"max_size_gb": 1}}, quotas)
-    assert parse_storage_config({"backend": "file", "file": {"max_size_gb": 3}}, quotas)["l3"]["file"]["max_size_gb"] == 3
+
+
+def test_named_stores_are_checked_with_the_config() -> None:
+    """``cache.l3_stores`` entries are checked as ``cache.l3`` is, and against the tenants' L3 quotas."""
+    keys = {"api_keys": [{"tenant": "a", "key": "k" * 32, "quota": {"l3_gb": 1}}]}
+    with pytest.raises(ConfigError) as exc:
+        config_from_dict({"cache": {"l3": {"file": {"max_size_gb": 2}}, "l3_stores": {
+            "r": {"backend": "redis"}, "small": {"backend": "file", "file": {"max_size_gb": 1}},
+            "default": {"backend": "file"}, "empty": {"backend": "file", "file": {"dir": ""}},
+            "none": {"backend": "none"}}}, "server": keys})
+    problems = {p.path: p.reason for p in exc.value.problems}
+    assert "blind to tenants" in problems["cache.l3_stores.r"]
+    assert "they reserve L3" in problems["cache.l3_stores.small"]
+    assert "not 'default'" in problems["cache.l3_stores.default"]
+    assert problems["cache.l3_stores.empty.file.dir"] == "must not be empty"
+    assert "DELETE" in problems["cache.l3_stores.none.backend"]
+    ok = config_from_dict({"cache": {"l3": {"file": {"max_size_gb": 2}},
+                                     "l3_stores": {"big": {"backend": "file", "file": {"max_size_gb": 3}}}},
+                           "server": keys})
+    assert ok.cache.l3_stores["big"].file.max_size_gb == 3
 
 
 # --------------------------------------------------------------------------- formats
