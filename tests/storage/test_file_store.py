@@ -361,6 +361,34 @@ def test_a_failed_delete_keeps_the_page_counted(tmp_path: Path, monkeypatch: pyt
     be.close()
 
 
+def test_a_read_during_an_eviction_does_not_bring_the_page_back(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """An eviction has chosen a page; a read of it finishes before the unlink: the index
+    (the page count, the next eviction's victims) must not take it back."""
+    root = tmp_path / "l3"
+    be = _backend(root, max_size_gb=4 * LAYOUT.object_size / 1024**3, low_water=0.5)
+    assert be.wait_scan(10)
+    h = random_hashes(4)
+    assert be.batch_set(h, random_pages(4)) == [True] * 4
+    real_unlink = os.unlink
+    read_while_chosen: list[bool] = []
+
+    def read_then_unlink(path, *a, **kw):
+        name = os.path.basename(str(path))
+        if name.endswith(".page") and name[:-5] in h:  # an eviction victim, its file still there
+            read_while_chosen.extend(be.batch_get([name[:-5]], buffers(1)))
+        return real_unlink(path, *a, **kw)
+
+    monkeypatch.setattr(os, "unlink", read_then_unlink)
+    assert be.batch_set(random_hashes(1), random_pages(1)) == [True]
+    monkeypatch.undo()
+    assert read_while_chosen and all(read_while_chosen), "no eviction, or its victims were not readable"
+    files = _on_disk(root)[0]
+    assert files == 5 - len(read_while_chosen)
+    assert be.page_count == files, f"the index holds {be.page_count} pages, the store {files}"
+    be.close()
+
+
 @contextmanager
 def _scan_held_at(monkeypatch: pytest.MonkeyPatch, shard: str) -> Iterator[threading.Event]:
     """A fault point: a scan that comes to list ``shard`` waits there until the ``with``
