@@ -23,7 +23,7 @@ import pytest
 
 from storage_backends import FileSettings, PageLayout, ResilienceSettings, create_backend
 from storage_backends.file_backend import FileBackend
-from tests.storage.conftest import LAYOUT, buffers, random_hashes, random_pages, wait_until
+from tests.storage.conftest import LAYOUT, buffers, mounted_tmpfs, random_hashes, random_pages, wait_until
 
 REPO = str(Path(__file__).resolve().parents[2])
 QUICK = ResilienceSettings(timeout_s=2.0, failure_threshold=3, probe_base_s=0.05, probe_cap_s=0.3)
@@ -122,16 +122,9 @@ def test_an_opened_store_counts_pages_another_process_wrote(tmp_path: Path) -> N
 
 
 @pytest.fixture
-def tmpfs_64m(tmp_path: Path):
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()})")
-    try:
+def tmpfs_64m(tmp_path: Path) -> Iterator[Path]:
+    with mounted_tmpfs(tmp_path / "tmpfs", "64m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_full_disk_evicts_only_what_the_failed_writes_need(tmpfs_64m: Path) -> None:
@@ -178,16 +171,18 @@ be.batch_set([os.urandom(32).hex()], [os.urandom(layout.payload_size)])
 
 
 def _kill_a_writer_mid_write(root: Path) -> int:
-    """Start a writer, SIGKILL it by pid halfway through a page; returns the bytes it left."""
+    """Start a writer, SIGKILL it by pid halfway through a page; returns the bytes it left
+    (one temporary file, no page)."""
+    pages, tmps, total = _on_disk(root) if root.exists() else (0, 0, 0)
     proc = subprocess.Popen([sys.executable, "-c", _STUCK_WRITER, str(root)], cwd=REPO, stdout=subprocess.PIPE)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"mid-write"
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
-    pages, tmps, total = _on_disk(root)
-    assert (pages, tmps) == (0, 1), "the killed writer should have left one temporary file"
-    return total
+    pages_after, tmps_after, total_after = _on_disk(root)
+    assert (pages_after, tmps_after) == (pages, tmps + 1), "the killed writer should have left one temporary file"
+    return total_after - total
 
 
 def test_a_running_store_reclaims_a_killed_writers_leftovers(tmp_path: Path) -> None:
@@ -219,22 +214,11 @@ def test_leftovers_count_until_reclaimed(tmp_path: Path) -> None:
     be = _backend(root, layout, scan_on_start=False)
     h = random_hashes(3)
     assert be.batch_set(h, random_pages(3, layout)) == [True] * 3
-    left = _kill_a_writer_mid_write_with_pages(root)
+    left = _kill_a_writer_mid_write(root)
     usage = be.usage()
     pages, tmps, total = _on_disk(root)
     assert (usage.pages, usage.temp_files, usage.bytes) == (pages, tmps, total) == (3, 1, 3 * layout.object_size + left)
     be.close()
-
-
-def _kill_a_writer_mid_write_with_pages(root: Path) -> int:
-    before = _on_disk(root)[2]
-    proc = subprocess.Popen([sys.executable, "-c", _STUCK_WRITER, str(root)], cwd=REPO, stdout=subprocess.PIPE)
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == b"mid-write"
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-    return _on_disk(root)[2] - before
 
 
 # -- 5. durability with fsync: true ----------------------------------------------------------
