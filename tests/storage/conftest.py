@@ -8,10 +8,12 @@ the fixture that started it. Tests that need Redis are skipped, with the reason,
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -149,6 +151,20 @@ def wait_until(cond: Callable[[], object], timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.02)
     return bool(cond())
+
+
+@contextmanager
+def mounted_tmpfs(mnt: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (``mount -o size=``) at ``mnt``, unmounted afterwards; the test is
+    skipped where it cannot be mounted (not root, no ``mount``)."""
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()})")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def random_hashes(n: int) -> list[str]:

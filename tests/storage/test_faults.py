@@ -18,7 +18,7 @@ from hicache.local_redis import RedisProcess, wait_cluster_ok
 from storage_backends import FileSettings, PageLayout, RedisSettings, ResilienceSettings, create_backend
 from storage_backends.file_backend import FileBackend
 from storage_backends.page_format import HEADER_SIZE, encode_header
-from tests.storage.conftest import LAYOUT, buffers, random_hashes, random_pages, wait_until
+from tests.storage.conftest import LAYOUT, buffers, mounted_tmpfs, random_hashes, random_pages, wait_until
 
 QUICK = ResilienceSettings(timeout_s=0.5, failure_threshold=2, probe_base_s=0.05, probe_cap_s=0.3)
 
@@ -266,12 +266,7 @@ def test_file_size_cap_evicts_least_recently_used(tmp_path: Path) -> None:
 
 
 def test_file_full_disk(tmp_path: Path) -> None:
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()}); the size cap test covers capacity")
-    try:
+    with mounted_tmpfs(tmp_path / "tiny", "1m") as mnt:
         big = PageLayout(3, "uint8", (200 * 1024,))
         be = _file_backend(mnt / "l3", big)
         h = random_hashes(8)
@@ -292,8 +287,6 @@ def test_file_full_disk(tmp_path: Path) -> None:
         assert be.batch_set(h2, pages[:1]) == [True]
         assert be.stats().up
         be.close()
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def _make_unwritable(path: Path) -> tuple[str, list[str]] | None:

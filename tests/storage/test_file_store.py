@@ -23,7 +23,7 @@ import pytest
 
 from storage_backends import FileSettings, PageLayout, ResilienceSettings, create_backend
 from storage_backends.file_backend import FileBackend
-from tests.storage.conftest import LAYOUT, buffers, random_hashes, random_pages, wait_until
+from tests.storage.conftest import LAYOUT, buffers, mounted_tmpfs, random_hashes, random_pages, wait_until
 
 REPO = str(Path(__file__).resolve().parents[2])
 QUICK = ResilienceSettings(timeout_s=2.0, failure_threshold=3, probe_base_s=0.05, probe_cap_s=0.3)
@@ -122,16 +122,9 @@ def test_an_opened_store_counts_pages_another_process_wrote(tmp_path: Path) -> N
 
 
 @pytest.fixture
-def tmpfs_64m(tmp_path: Path):
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()})")
-    try:
+def tmpfs_64m(tmp_path: Path) -> Iterator[Path]:
+    with mounted_tmpfs(tmp_path / "tmpfs", "64m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_full_disk_evicts_only_what_the_failed_writes_need(tmpfs_64m: Path) -> None:
@@ -178,16 +171,18 @@ be.batch_set([os.urandom(32).hex()], [os.urandom(layout.payload_size)])
 
 
 def _kill_a_writer_mid_write(root: Path) -> int:
-    """Start a writer, SIGKILL it by pid halfway through a page; returns the bytes it left."""
+    """Start a writer, SIGKILL it by pid halfway through a page; returns the bytes it left
+    (one temporary file, no page)."""
+    pages, tmps, total = _on_disk(root) if root.exists() else (0, 0, 0)
     proc = subprocess.Popen([sys.executable, "-c", _STUCK_WRITER, str(root)], cwd=REPO, stdout=subprocess.PIPE)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"mid-write"
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
-    pages, tmps, total = _on_disk(root)
-    assert (pages, tmps) == (0, 1), "the killed writer should have left one temporary file"
-    return total
+    pages_after, tmps_after, total_after = _on_disk(root)
+    assert (pages_after, tmps_after) == (pages, tmps + 1), "the killed writer should have left one temporary file"
+    return total_after - total
 
 
 def test_a_running_store_reclaims_a_killed_writers_leftovers(tmp_path: Path) -> None:
@@ -219,22 +214,11 @@ def test_leftovers_count_until_reclaimed(tmp_path: Path) -> None:
     be = _backend(root, layout, scan_on_start=False)
     h = random_hashes(3)
     assert be.batch_set(h, random_pages(3, layout)) == [True] * 3
-    left = _kill_a_writer_mid_write_with_pages(root)
+    left = _kill_a_writer_mid_write(root)
     usage = be.usage()
     pages, tmps, total = _on_disk(root)
     assert (usage.pages, usage.temp_files, usage.bytes) == (pages, tmps, total) == (3, 1, 3 * layout.object_size + left)
     be.close()
-
-
-def _kill_a_writer_mid_write_with_pages(root: Path) -> int:
-    before = _on_disk(root)[2]
-    proc = subprocess.Popen([sys.executable, "-c", _STUCK_WRITER, str(root)], cwd=REPO, stdout=subprocess.PIPE)
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == b"mid-write"
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-    return _on_disk(root)[2] - before
 
 
 # -- 5. durability with fsync: true ----------------------------------------------------------
@@ -358,6 +342,34 @@ def test_a_failed_delete_keeps_the_page_counted(tmp_path: Path, monkeypatch: pyt
     size = be.size()
     assert size is not None and (size.pages, size.bytes) == (1, LAYOUT.object_size)
     assert be.page_count == 1
+    be.close()
+
+
+def test_a_read_during_an_eviction_does_not_bring_the_page_back(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """An eviction has chosen a page; a read of it finishes before the unlink: the index
+    (the page count, the next eviction's victims) must not take it back."""
+    root = tmp_path / "l3"
+    be = _backend(root, max_size_gb=4 * LAYOUT.object_size / 1024**3, low_water=0.5)
+    assert be.wait_scan(10)
+    h = random_hashes(4)
+    assert be.batch_set(h, random_pages(4)) == [True] * 4
+    real_unlink = os.unlink
+    read_while_chosen: list[bool] = []
+
+    def read_then_unlink(path, *a, **kw):
+        name = os.path.basename(str(path))
+        if name.endswith(".page") and name[:-5] in h:  # an eviction victim, its file still there
+            read_while_chosen.extend(be.batch_get([name[:-5]], buffers(1)))
+        return real_unlink(path, *a, **kw)
+
+    monkeypatch.setattr(os, "unlink", read_then_unlink)
+    assert be.batch_set(random_hashes(1), random_pages(1)) == [True]
+    monkeypatch.undo()
+    assert read_while_chosen and all(read_while_chosen), "no eviction, or its victims were not readable"
+    files = _on_disk(root)[0]
+    assert files == 5 - len(read_while_chosen)
+    assert be.page_count == files, f"the index holds {be.page_count} pages, the store {files}"
     be.close()
 
 
