@@ -26,11 +26,14 @@ one slot; the tree's own calls are in ``hicache.tree.cache``'s table):
 | ``start_write`` -> write ``TierOp``    | L2 evicted if needed          | new L2 pages reserved         | node L1-locked (path), in flight|
 | ``finish_write(op, ok=True)``          | -                             | L2 pages become ``host_value``| released                        |
 | ``finish_write(op, ok=False)``         | the reserved L2 pages         | node exactly as before        | released                        |
-| ``start_load_back`` -> load ``TierOp`` | L1 evicted if needed          | new L1 pages set as ``value``,| path L1-locked, nodes host-     |
-|                                        |                               | nodes marked ``loading``      | locked, in flight               |
-| ``finish_load_back(op, ok=True)``      | -                             | L1 pages now readable         | released                        |
-| ``finish_load_back(op, ok=False)``     | the new L1 pages              | nodes L2-only as before       | released                        |
-| ``insert`` through a loading node      | the op's pages, at its finish | the request's own pages       | (the op's locks stay)           |
+| ``start_load_back`` -> load ``TierOp`` | L1 evicted if needed          | new FULL pages set as         | path L1-locked, nodes host-     |
+|                                        |                               | ``value``, nodes ``loading``; | locked, in flight               |
+|                                        |                               | aux units held by the op only |                                 |
+| ``finish_load_back(op, ok=True)``      | aux units of re-filled nodes  | loading nodes readable, their | released                        |
+|                                        |                               | aux units placed now          |                                 |
+| ``finish_load_back(op, ok=False)``     | the new pages and aux units   | nodes L2-only as before       | released                        |
+| ``insert`` through a loading node      | the op's pages, at its finish | the request's own data (every | (the op's locks stay)           |
+|                                        |                               | component): never the op's    |                                 |
 | ``start_backup`` -> backup ``TierOp``  | -                             | -                             | node host-locked, in flight     |
 | ``finish_backup(op, ok)``              | -                             | - (L3 residency is not stored)| released                        |
 | ``insert_host`` (prefetched pages)     | duplicate L2 pages and units  | the rest, as L2-only nodes;   | -                               |
@@ -102,6 +105,10 @@ class TierOp:
     done: bool = False
     aux_keys: dict[str, list[str]] = field(default_factory=dict)
     quota_tenant: str | None = None
+    pending: dict[str, dict[int, int]] = field(default_factory=dict)
+    """A load's auxiliary L1 units, held by the op (not by the nodes, so nothing reads them)
+    until ``finish_load_back`` places or frees them: per component name, the op's page
+    offset (counted from its first page; a state at its node's last page) -> unit."""
 
     @property
     def src_pages(self) -> list[int]:
@@ -271,11 +278,13 @@ class TierCalls:
     def start_load_back(self, match: MatchResult) -> TierOp | None:
         """Allocate L1 pages for the L2-only tail of ``match`` (evicting L1 if needed) and
         return what to copy (``src_pages`` = L2, ``dst_pages`` = L1, in key order). The
-        nodes get their L1 ``value`` (FULL, and each auxiliary component's that has L2
-        data and finds room) now but stay unreadable (``loading``) until
-        ``finish_load_back``; meanwhile the path is L1-locked, the new auxiliary data
-        locked, and the nodes host-locked. None (nothing changed) when there is nothing to
-        load or no room."""
+        nodes get their FULL L1 ``value`` now but stay unreadable (``loading``) until
+        ``finish_load_back``; each auxiliary component that has L2 data there and finds
+        room gets fresh units that the op holds (``TierOp.pending``), not the nodes, so
+        that no node shows data whose copy has not landed, whatever happens to it meanwhile
+        (a request's insert re-filling it, a failed load). Meanwhile the path is L1-locked
+        and the nodes host-locked. None (nothing changed) when there is nothing to load or
+        no room. ``load_back_cost`` says beforehand what it takes from L1."""
         core = self.tree.core
         if match.host_hit_length <= 0:
             return None
@@ -312,11 +321,11 @@ class TierCalls:
         off = 0
         aux_src: dict[str, list[int]] = {}
         aux_dst: dict[str, list[int]] = {}
+        pending: dict[str, dict[int, int]] = {}
         for x in nodes:
             k = self.tree._npages(x)
             src_all.extend(x.data[0].host_value)
             core.set_value(x, 0, dev[off:off + k])
-            off += k
             x.loading = True
             x.in_flight += 1
             for c in self.tree.aux:
@@ -327,54 +336,61 @@ class TierCalls:
                 d = c.allocator.alloc(len(pages))
                 if d is None:
                     continue
-                core.set_value(x, c.slot, c.from_pages(d))
-                core.lock(x, c.slot)  # not evictable until the load finishes
                 aux_src.setdefault(c.name, []).extend(pages)
                 aux_dst.setdefault(c.name, []).extend(d)
+                at = range(off, off + k) if c.paged else (off + k - 1,)  # a state belongs to the node's end
+                pending.setdefault(c.name, {}).update(zip(at, d, strict=True))
+            off += k
         transfers = {self.tree.full.name: (src_all, dev)}
         for name in aux_src:
             transfers[name] = (aux_src[name], aux_dst[name])
-        op = TierOp("load", match.last_host_node, need, transfers)
+        op = TierOp("load", match.last_host_node, need, transfers, pending=pending)
         self.tree.full.lock(core, op.node)
         self._open_transfers += 1
         return op
 
     def finish_load_back(self, op: TierOp, ok: bool) -> None:
-        """Apply the acknowledgement of a ``start_load_back``; on failure the nodes are
-        L2-only again and their new L1 pages are freed."""
+        """Apply the acknowledgement of a ``start_load_back``. On success the nodes still
+        loading become readable, each auxiliary component's units placed on them now;
+        on failure they are L2-only again. Units a node no longer wants (its own pages
+        came from a request's insert meanwhile) and every unit of a failed load are freed
+        here: none was ever readable, so nothing else refers to them."""
         self._close(op, "load")
         core = self.tree.core
         nodes = self.tree._op_nodes(op.node, op.npages)
         self.tree.full.unlock(core, op.node)
-        loaded = {name: set(dst) for name, (_src, dst) in op.transfers.items() if name != self.tree.full.name}
         dev = op.transfers[self.tree.full.name][1]
         end = len(dev)
         for x in nodes:  # lowest first: its pages are the last ones
             k = self.tree._npages(x)
-            mine = dev[end - k:end]
-            end -= k
+            lo = end - k
             x.in_flight -= 1
             for c in self.tree.components:
                 cd = x.data[c.slot]
                 if cd.host_value is not None and cd.host_lock_ref > 0:
                     core.host_unlock(x, c.slot)
-            for c in self.tree.aux:  # the lock start_load_back took on the data it placed here
-                cd = x.data[c.slot]
-                if cd.value is not None and c.name in loaded and set(c.as_pages(cd.value)) <= loaded[c.name]:
-                    core.unlock(x, c.slot)
+            place = ok and x.loading  # else an insert re-filled it with a request's own data, or the load failed
+            for c in self.tree.aux:
+                units = op.pending.get(c.name)
+                if not units:
+                    continue
+                at = range(lo, end) if c.paged else (end - 1,)
+                got = [units.pop(j) for j in at if j in units]
+                if not got:
+                    continue
+                if place and len(got) == len(at) and x.data[c.slot].value is None:
+                    core.set_value(x, c.slot, c.from_pages(got))
+                else:
+                    self.tree._free(c, got)
             if not x.loading:
-                # an insert re-filled it with a request's own pages meanwhile: ours are spare
-                self.tree._free(self.tree.full, mine)
+                self.tree._free(self.tree.full, dev[lo:end])  # the request's pages replaced ours
             elif not ok:
-                pages = core.clear_value(x, 0)
-                self.tree._free(self.tree.full, pages)
+                self.tree._free(self.tree.full, core.clear_value(x, 0))
             x.loading = False
-            if not ok:
-                for c in self.tree.aux:  # what the failed load put there is not valid data
-                    cd = x.data[c.slot]
-                    if cd.value is not None and c.name in loaded and set(c.as_pages(cd.value)) <= loaded[c.name]:
-                        v = core.clear_value(x, c.slot)
-                        self.tree._free(c, c.as_pages(v))
+            end = lo
+        for name, units in op.pending.items():  # none is left unless the span changed shape
+            self.tree._free(self.tree._by_name[name], list(units.values()))
+            units.clear()
 
     def start_backup(self, node: TreeNode) -> TierOp | None:
         """L3 backup of ``node``'s L2 data: returns its FULL L2 pages and page hashes and,
