@@ -95,15 +95,22 @@ def test_mamba_state_slots_round_trip(harness: ControllerHarness) -> None:
     (protos.WriteToHost(905, {"full": [0, 1]}, {"full": [3, 3]}), "twice"),
     (protos.PrefetchFetch(906, ["a" * 64], [500]), "out of range"),
     (protos.BackupToStorage(907, [1, 2], ["a" * 64]), "1 hashes but 2 host pages"),
+    # queued for a controller run that died: its pages may belong to someone else by now
+    (protos.WriteToHost(908, {"full": [0]}, {"full": [0]}, run=7), "controller run 7"),
+    (protos.LoadToDevice(909, {"full": [0]}, {"full": [0]}, run=7), "sent before a restart"),
+    (protos.PrefetchFetch(910, ["a" * 64], [0], run=7), "controller run 7"),
+    (protos.BackupToStorage(911, [0], ["a" * 64], run=7), "controller run 7"),
+    (protos.PrefetchQuery(912, ["a" * 64], run=7), "controller run 7"),
 ])
 def test_bad_ops_are_rejected_without_touching_memory(harness: ControllerHarness, msg: protos.Message,
                                                       needle: str) -> None:
     h = harness
-    before = [t.clone() for t in h.pools["full"].l2]
+    before = [t.clone() for t in (*h.pools["full"].l2, *h.pools["full"].l1_paged)]
     answer = h.call(msg)
     assert isinstance(answer, protos.OpDone) and answer.status == "rejected"
     assert answer.op_id == msg.op_id and answer.error and needle in answer.error
-    assert all(torch.equal(a, b) for a, b in zip(before, h.pools["full"].l2, strict=True))
+    after = (*h.pools["full"].l2, *h.pools["full"].l1_paged)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
 def test_garbage_and_wrong_messages_get_error_replies_and_serving_goes_on(harness: ControllerHarness) -> None:

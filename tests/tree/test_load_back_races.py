@@ -9,7 +9,14 @@ no L1 unit is freed while a node or a request still refers to it.
 from __future__ import annotations
 
 from hicache.memory.allocator import PageAllocator
-from hicache.tree import FullComponent, InsertParams, MambaComponent, PagedInsert, SWAComponent, UnifiedRadixCache
+from hicache.tree import (
+    FullComponent,
+    InsertParams,
+    MambaComponent,
+    PagedInsert,
+    SWAComponent,
+    UnifiedRadixCache,
+)
 
 from .helpers import toks
 
