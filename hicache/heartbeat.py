@@ -5,6 +5,12 @@ The scheduler (or the engine-mode cache server) and the controller each stamp a 
 ``HEARTBEAT_INTERVAL_S`` (``HeartbeatWriter``); the launcher and the tokenizer read the ages
 (``heartbeat_ages``). A frozen process (SIGSTOP, a deadlock, a loop stuck in one call) stops
 stamping while it is still alive, which a pid check cannot see.
+
+A loop can also turn while its work does not move: the scheduler with requests that no
+forward pass serves (a wedge). A second stamp in the same file, at ``STALL_OFFSET``, says
+since when the process has had work and made no progress on it (0: it progresses, or has
+nothing to do); ``HeartbeatWriter.stalled`` writes it, ``heartbeat_stalls`` reads it, and
+``/health`` and ``/metrics`` show it as they show a stale heartbeat.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ HEARTBEAT_PROCESSES = ("scheduler", "controller")
 """The processes that write heartbeats (the tokenizer is the one that answers ``/health``)."""
 
 _STAMP = struct.Struct("<d")
+STALL_OFFSET = _STAMP.size
+"""Where the stall stamp lies in a heartbeat file (after the beat)."""
 
 
 def heartbeat_path(runtime_dir: str | os.PathLike[str], process: str) -> Path:
@@ -43,12 +51,14 @@ class HeartbeatWriter:
         self.interval_s = interval_s
         self._fd: int | None = None
         self._last = 0.0
+        self._stall = -1.0
         if runtime_dir is None:
             return
         path = heartbeat_path(runtime_dir, process)
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         self.beat(force=True)
+        self.stalled(None)  # a restarted process takes the file over: no stall of its predecessor
 
     def beat(self, force: bool = False) -> None:
         """Stamp the file with now (at most every ``interval_s`` unless ``force``)."""
@@ -58,6 +68,15 @@ class HeartbeatWriter:
         if force or now - self._last >= self.interval_s:
             self._last = now
             os.pwrite(self._fd, _STAMP.pack(now), 0)
+
+    def stalled(self, since: float | None) -> None:
+        """Record since when (``time.monotonic()``) the process has had work without making
+        progress on it; None: it progresses. Written only when it changes."""
+        stamp = 0.0 if since is None else since
+        if self._fd is None or stamp == self._stall:
+            return
+        self._stall = stamp
+        os.pwrite(self._fd, _STAMP.pack(stamp), STALL_OFFSET)
 
     def close(self) -> None:
         """Stop writing (the file stays; its stamp ages). Idempotent."""
@@ -83,3 +102,26 @@ def heartbeat_ages(runtime_dir: str | os.PathLike[str] | None,
         if len(raw) == _STAMP.size:
             ages[name] = max(0.0, now - _STAMP.unpack(raw)[0])
     return ages
+
+
+def heartbeat_stalls(runtime_dir: str | os.PathLike[str] | None,
+                     processes: tuple[str, ...] = HEARTBEAT_PROCESSES) -> dict[str, float]:
+    """Seconds each of ``processes`` has had work without progress, for those stalled now
+    (``HeartbeatWriter.stalled``); a process that progresses, or has no readable stamp, is
+    left out."""
+    if runtime_dir is None:
+        return {}
+    now = time.monotonic()
+    stalls: dict[str, float] = {}
+    for name in processes:
+        try:
+            with open(heartbeat_path(runtime_dir, name), "rb") as fh:
+                fh.seek(STALL_OFFSET)
+                raw = fh.read(_STAMP.size)
+        except OSError:
+            continue
+        if len(raw) == _STAMP.size:
+            since = _STAMP.unpack(raw)[0]
+            if since > 0:
+                stalls[name] = max(0.0, now - since)
+    return stalls

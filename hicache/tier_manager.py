@@ -73,6 +73,11 @@ from hicache.tree.node import TreeNode
 
 log = logging.getLogger(__name__)
 
+COPY_PATIENCE_S = 2.0
+"""Seconds an op may go unanswered before this class takes its controller for slow or
+frozen: no new L2 write starts then (a write locks its node's path in L1 until answered,
+so writes to a frozen controller would lock L1 away from requests that need no tier)."""
+
 
 @dataclass
 class TierCounters:
@@ -221,6 +226,9 @@ class TierManager:
         self._ids = itertools.count(1)
         self._prefetch_reserved = 0
         self._aux_reserved: dict[str, int] = {}
+        self.write_gate: Callable[[TreeNode], bool] | None = None
+        """Whether L1 can spare what a write of a node locks while it copies (the scheduler's
+        budget, ``L1Budget.fits`` of ``write_cost``); None: always."""
 
     # ------------------------------------------------------------------ queries
     @property
@@ -255,14 +263,26 @@ class TierManager:
 
     def write_nodes(self, nodes: list[TreeNode]) -> int:
         """Start the L2 writes of ``nodes`` (parents first; a node the tree will not write
-        now, e.g. one in flight, is skipped); returns how many were sent."""
+        now, e.g. one in flight, is skipped); returns how many were sent. A writable node
+        whose write does not start (no controller, one unanswered past ``COPY_PATIENCE_S``,
+        ``write_gate`` refuses, or L2 has no room) is released from ``write_back``'s keeping
+        (``TierCalls.release_write_back``)."""
         sent = 0
-        if self.run is None:
-            return 0
+        tiers = self.cache.tiers
+        frozen = self.run is None or self.oldest_op_age() > COPY_PATIENCE_S
         for node in nodes:
-            op = self.cache.tiers.start_write(node)
-            if op is None:
+            if not tiers.writable(node):
                 continue
+            op = None
+            if not frozen and (self.write_gate is None or self.write_gate(node)):
+                op = tiers.start_write(node)
+            if op is None:
+                # no controller to answer, no L1 room to lock it, or no L2 room (or quota)
+                # for it: under write_back its data must not wait for a write that may
+                # never start (``release_write_back``)
+                tiers.release_write_back(node)
+                continue
+            assert self.run is not None  # started only when not frozen
             op_id = next(self._ids)
             self._register(op_id, OpKind.WRITE, transfer=op)
             dev = {name: list(src) for name, (src, _dst) in op.transfers.items()}

@@ -6,6 +6,7 @@
 1. stamp the heartbeat (``hicache.heartbeat``): a round lasts at most one forward pass (builtin)
    plus one poll (``IDLE_POLL_MS`` builtin, ``hicache.engine_server.process.POLL_MS`` engine),
    so a heartbeat older than ``server.health_stale_s`` means the process is stopped or stuck;
+   after the round, the mode's ``stalled_since`` (work without progress) goes next to it;
 2. after SIGTERM, start draining with ``SchedulerArgs.grace_s``;
 3. ``round()``: the mode's own work (read the sockets, compute, answer); then, with
    ``events.enabled``, publish the round's tier changes as one KV event batch
@@ -230,6 +231,11 @@ class ProcessLoop(abc.ABC):
         """Whether the idle integrity check may run this round."""
         return True
 
+    def stalled_since(self) -> float | None:
+        """Since when the mode has had work without progress (``HeartbeatWriter.stalled``);
+        None: it progresses."""
+        return None
+
     @abc.abstractmethod
     def check_idle(self) -> None:
         """The idle integrity check (every ``IDLE_CHECK_INTERVAL_S`` while ``idle()``)."""
@@ -258,6 +264,7 @@ class ProcessLoop(abc.ABC):
                 if self.stop.requested:
                     self.begin_drain(self.args.grace_s)
                 self.round()
+                self.heartbeat.stalled(self.stalled_since())
                 self.publish_kv_events()
                 self.housekeeping()
                 if self.drain_over():

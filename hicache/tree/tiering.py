@@ -273,7 +273,80 @@ class TierCalls:
             return []
         for n in nodes:
             self.tree._write_back_queue.pop(n, None)
+            self.tree._write_back_released.pop(n, None)
         return list(reversed(nodes))
+
+    def _load_nodes(self, match: MatchResult) -> list[TreeNode]:
+        """The L2-only nodes ``start_load_back(match)`` would load, root side first; empty
+        when there is nothing it can load."""
+        if match.host_hit_length <= 0:
+            return []
+        nodes = []
+        n: TreeNode | None = match.last_host_node
+        while n is not match.last_device_node:
+            if n is None or n.parent is None or n.data[0].value is not None or n.in_flight or n.loading:
+                return []
+            nodes.append(n)
+            n = n.parent
+        nodes.reverse()
+        return nodes
+
+    def _unlocked_path_pages(self, node: TreeNode) -> int:
+        """FULL L1 pages from ``node`` up to its root that no lock protects (what a FULL
+        path lock on ``node`` makes unevictable)."""
+        pages = 0
+        while node.parent is not None:
+            cd = node.data[0]
+            if cd.lock_ref == 0 and cd.value is not None:
+                pages += len(cd.value)
+            node = node.parent
+        return pages
+
+    def load_back_cost(self, match: MatchResult) -> dict[str, int]:
+        """What ``start_load_back(match)`` takes out of L1's free and evictable units, per
+        component name, in the component's units: the fresh FULL pages of the L2-only tail
+        and the pages of the L1 prefix its lock makes unevictable, and each auxiliary
+        component's units for the data it has in L2 there. Empty when it would load nothing.
+        Changes nothing (the scheduler checks it against its L1 budget first)."""
+        nodes = self._load_nodes(match)
+        if not nodes:
+            return {}
+        cost = {self.tree.full.name: sum(self.tree._npages(x) for x in nodes)
+                + self._unlocked_path_pages(match.last_device_node)}
+        for c in self.tree.aux:
+            units = sum(self.tree.core.units[c.slot](x.data[c.slot].host_value)
+                        for x in nodes if x.data[c.slot].host_value is not None)
+            if units:
+                cost[c.name] = units
+        return cost
+
+    def write_cost(self, node: TreeNode) -> dict[str, int]:
+        """What ``start_write(node)`` makes unevictable in L1 until it finishes, per
+        component name, in the component's units: the FULL pages of its path that no lock
+        protects yet, and the node's own auxiliary data not locked yet. Changes nothing."""
+        cost = {self.tree.full.name: self._unlocked_path_pages(node)}
+        for c in self.tree.aux:
+            cd = node.data[c.slot]
+            if cd.value is not None and cd.lock_ref == 0:
+                cost[c.name] = self.tree.core.units[c.slot](cd.value)
+        return cost
+
+    def writable(self, node: TreeNode) -> bool:
+        """Whether ``start_write(node)`` has something to write and nothing in its way but
+        room: L1 data without an L2 copy, no transfer in flight."""
+        return (node.parent is not None and not node.in_flight and not node.loading
+                and node.data[0].value is not None and node in self.tree.core.unwritten)
+
+    def release_write_back(self, node: TreeNode) -> None:
+        """Under ``write_back``: the L2 write that L1 eviction queued for ``node`` cannot
+        start (no L2 room, past its tenant's quota, or no L1 room to lock it while it
+        copies). Its L1 data is no longer kept for it: the next eviction that reaches the
+        node drops what L2 lacks, as ``write_through`` would, so that no request waits for a
+        write that may never start."""
+        if not self.tree._write_back:
+            return
+        self.tree._write_back_queue.pop(node, None)
+        self.tree._write_back_released[node] = None
 
     def start_load_back(self, match: MatchResult) -> TierOp | None:
         """Allocate L1 pages for the L2-only tail of ``match`` (evicting L1 if needed) and
@@ -286,17 +359,10 @@ class TierCalls:
         and the nodes host-locked. None (nothing changed) when there is nothing to load or
         no room. ``load_back_cost`` says beforehand what it takes from L1."""
         core = self.tree.core
-        if match.host_hit_length <= 0:
+        nodes = self._load_nodes(match)
+        if not nodes:
             return None
         top = match.last_device_node
-        nodes = []
-        n: TreeNode | None = match.last_host_node
-        while n is not top:
-            if n is None or n.parent is None or n.data[0].value is not None or n.in_flight or n.loading:
-                return None
-            nodes.append(n)
-            n = n.parent
-        nodes.reverse()
         need = sum(self.tree._npages(x) for x in nodes)
         for x in nodes:
             for c in self.tree.components:
