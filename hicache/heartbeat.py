@@ -85,23 +85,30 @@ class HeartbeatWriter:
             self._fd = None
 
 
-def heartbeat_ages(runtime_dir: str | os.PathLike[str] | None,
-                   processes: tuple[str, ...] = HEARTBEAT_PROCESSES) -> dict[str, float]:
-    """Seconds since each of ``processes`` last beat. A process without a readable heartbeat
-    (not started yet, no runtime directory) is left out: absent means unknown, not stale."""
+def _read_stamps(runtime_dir: str | os.PathLike[str] | None, processes: tuple[str, ...],
+                 offset: int) -> dict[str, float]:
+    """The stamp at ``offset`` of each of ``processes``' heartbeat files, for those readable."""
     if runtime_dir is None:
         return {}
-    now = time.monotonic()
-    ages: dict[str, float] = {}
+    stamps: dict[str, float] = {}
     for name in processes:
         try:
             with open(heartbeat_path(runtime_dir, name), "rb") as fh:
+                fh.seek(offset)
                 raw = fh.read(_STAMP.size)
         except OSError:
             continue
         if len(raw) == _STAMP.size:
-            ages[name] = max(0.0, now - _STAMP.unpack(raw)[0])
-    return ages
+            stamps[name] = _STAMP.unpack(raw)[0]
+    return stamps
+
+
+def heartbeat_ages(runtime_dir: str | os.PathLike[str] | None,
+                   processes: tuple[str, ...] = HEARTBEAT_PROCESSES) -> dict[str, float]:
+    """Seconds since each of ``processes`` last beat. A process without a readable heartbeat
+    (not started yet, no runtime directory) is left out: absent means unknown, not stale."""
+    now = time.monotonic()
+    return {name: max(0.0, now - beat) for name, beat in _read_stamps(runtime_dir, processes, 0).items()}
 
 
 def heartbeat_stalls(runtime_dir: str | os.PathLike[str] | None,
@@ -109,19 +116,6 @@ def heartbeat_stalls(runtime_dir: str | os.PathLike[str] | None,
     """Seconds each of ``processes`` has had work without progress, for those stalled now
     (``HeartbeatWriter.stalled``); a process that progresses, or has no readable stamp, is
     left out."""
-    if runtime_dir is None:
-        return {}
     now = time.monotonic()
-    stalls: dict[str, float] = {}
-    for name in processes:
-        try:
-            with open(heartbeat_path(runtime_dir, name), "rb") as fh:
-                fh.seek(STALL_OFFSET)
-                raw = fh.read(_STAMP.size)
-        except OSError:
-            continue
-        if len(raw) == _STAMP.size:
-            since = _STAMP.unpack(raw)[0]
-            if since > 0:
-                stalls[name] = max(0.0, now - since)
-    return stalls
+    return {name: max(0.0, now - since)
+            for name, since in _read_stamps(runtime_dir, processes, STALL_OFFSET).items() if since > 0}
