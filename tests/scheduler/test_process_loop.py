@@ -108,6 +108,7 @@ class Sched:
         self.controller: list[protos.Message] = []
         self.forwards = 0
         self.idle_checks = 0
+        self.stalled_since: float | None = None
         self.counters = SimpleNamespace(load_join_wait_s=0.0)
         self.model = SimpleNamespace(geometry=SimpleNamespace(components=("full",)))
 
