@@ -34,10 +34,10 @@ the controller runs without L3, logs the cause, sends an unprompted ``StorageSta
 ops, and reports the cause in every status until a store attaches. A store that cannot be
 reached at all still fails the start.
 
-Every op gets exactly one answer. A message that is refused (bad indices, unknown
-component, a duplicate ``op_id`` of an op still running) is answered ``OpDone(status=
-"rejected")`` without touching memory; if an op with that id is running it goes on and
-answers for itself. A frame that does not decode is answered with ``ErrorReply``.
+Every op gets exactly one answer. A message that is refused (an op of another controller
+run, bad indices, unknown component, a duplicate ``op_id`` of an op still running) is
+answered ``OpDone(status="rejected")`` without touching memory; if an op with that id is
+running it goes on and answers for itself. A frame that does not decode is answered with ``ErrorReply``.
 
 Each round of the loop (a poll of at most 100 ms) writes the controller's heartbeat
 (``hicache.heartbeat.HeartbeatWriter``); the launcher restarts a controller whose heartbeat
@@ -119,6 +119,9 @@ class ControllerArgs:
     copy_threads: int = COPY_THREADS  # torch intra-op threads of the controller process
     l3_quotas_gb: dict[str, float] = field(default_factory=dict)
     """Per tenant, its L3 partition's size (``server.api_keys[].quota.l3_gb``)."""
+    run: int = 0
+    """This controller's run: the launcher draws a fresh one for every start, and ops
+    naming another run are refused (``protos.to_controller``)."""
 
 
 @dataclass(slots=True)
@@ -190,6 +193,10 @@ class ControllerServer:
     def handle(self, msg: protos.Message) -> None:
         if isinstance(msg, _OP_MESSAGES):
             op_id = msg.op_id
+            if msg.run != self.args.run:  # queued for a controller that died: its pages may be reused
+                self._reject(op_id, f"op {op_id} is for controller run {msg.run}, this is run {self.args.run} "
+                                    "(sent before a restart)")
+                return
             if op_id in self.ops:
                 self._reject(op_id, f"duplicate op id {op_id}: an op with this id is still running")
                 return

@@ -436,6 +436,9 @@ class ServerConfig:
     # ``controller_freeze_restart_s`` (0 = never); a frozen scheduler is never restarted.
     health_stale_s: float = 5.0
     controller_freeze_restart_s: float = 30.0
+    controller_op_timeout_s: float = 60.0
+    """A controller op unanswered for this long makes the scheduler ask the launcher to
+    restart the controller (a controller that still beats but hangs on a copy or an L3 call)."""
     request_log: str | None = None
     """A file the tokenizer process appends one line per finished request to: the page
     hashes of its prompt (no text), its lengths and cached tokens, as a Mooncake-format
@@ -1057,6 +1060,9 @@ def _check_server(cfg: HicacheConfig, ck: _Checks) -> None:
     if freeze != 0 and freeze < cfg.server.health_stale_s:
         ck.bad("server.controller_freeze_restart_s",
                f"must be 0 (never) or >= server.health_stale_s ({cfg.server.health_stale_s}), got {freeze}")
+    if cfg.server.controller_op_timeout_s < 1.0:
+        ck.bad("server.controller_op_timeout_s",
+               f"must be >= 1.0 (a slow L3 call is not a hang), got {cfg.server.controller_op_timeout_s}")
     ck.positive("server.header_timeout_s", cfg.server.header_timeout_s)
     ck.positive("server.body_timeout_s", cfg.server.body_timeout_s)
     if not 1 <= cfg.server.max_samples <= 128:

@@ -17,7 +17,9 @@ event                         what the launcher does
 ============================  =========================================================
 controller exits / is killed  tell the scheduler (``ProcessEvent died``: it fails the
                               in-flight ops back and drops undelivered messages), count
-                              the restart, spawn a new controller on the same pools
+                              the restart, spawn a new controller on the same pools with a
+                              fresh run, then tell the scheduler that run
+                              (``ControllerStarted``: only ops naming it run there)
 scheduler asks ``restart``    SIGKILL the hung controller (then as above)
 controller frozen             no heartbeat for ``server.controller_freeze_restart_s``
                               (default 30 s; 0 = never): SIGKILL it (then as above)
@@ -98,6 +100,14 @@ INBOX_POLL_MS = 200
 
 KILL_JOIN_S = 10.0
 """How long the launcher waits for a SIGKILLed controller to be reaped."""
+
+
+def new_controller_run() -> int:
+    """A fresh controller run (``ControllerArgs.run``): random, never 0 (0 is the run of a
+    controller started outside a daemon, e.g. by a benchmark)."""
+    import secrets
+
+    return secrets.randbelow(2**62 - 1) + 1
 
 
 class Liveness(enum.Enum):
@@ -314,11 +324,13 @@ class Launcher:
 
         cfg = self.cfg
         ready = endpoints.address("launcher")
+        run = 0
         if cfg.cache.l2.enabled:
             storage = storage_settings_from_config(cfg.cache.l3)
+            run = new_controller_run()
             self.children["controller"] = _Child("controller", controller_main, ControllerArgs(
                 layout, endpoints, storage, ready, "cpu", log_level=cfg.logging.level, log_json=cfg.logging.json,
-                metrics_enabled=cfg.metrics.enabled, l3_quotas_gb=l3_quotas_gb(cfg)))
+                metrics_enabled=cfg.metrics.enabled, l3_quotas_gb=l3_quotas_gb(cfg), run=run))
         target: Callable[[SchedulerArgs], None]
         if cfg.engine.kind == "builtin":
             target = scheduler_main
@@ -326,7 +338,8 @@ class Launcher:
             from hicache.engine_server.process import cache_server_main
 
             target = cache_server_main
-        self.children["scheduler"] = _Child("scheduler", target, SchedulerArgs(cfg, layout, endpoints, ready))
+        self.children["scheduler"] = _Child("scheduler", target, SchedulerArgs(cfg, layout, endpoints, ready,
+                                                                               controller_run=run))
         self.children["tokenizer"] = _Child("tokenizer", tokenizer_main, TokenizerArgs(cfg, endpoints, ready))
 
     def _spawn(self, child: _Child) -> None:
@@ -396,6 +409,7 @@ class Launcher:
                     to_scheduler.send(protos.ProcessEvent("controller", "died", child.pid, f"exit code {dead.exitcode}"))
                     child.restarts += 1
                     get_metrics().process_restarted("controller")
+                    child.args = dataclasses.replace(child.args, run=new_controller_run())  # type: ignore[arg-type]
                     try:
                         self._start(child, inbox)
                     except StartError as exc:
@@ -403,6 +417,7 @@ class Launcher:
                             break  # asked to stop while restarting: an orderly stop
                         print(f"hicache: {exc}", file=sys.stderr)
                         return 1
+                    to_scheduler.send(protos.ControllerStarted(child.pid, child.args.run))  # type: ignore[union-attr]
                     to_tokenizer.send(protos.Ready("controller", child.pid))
             log.info("signal %d: stopping", self.stop_signal)
             return 0

@@ -167,11 +167,15 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("hicache_pinned_tokens", "gauge",
                "Tokens pinned prefixes hold in a tier (cache.pinned, PUT /cache/pinned)", ("tier",)),
     MetricSpec("hicache_process_up", "gauge",
-               "1 while a process is alive and its heartbeat is at most server.health_stale_s old "
-               "(what /health calls ok), else 0", ("process",)),
+               "1 while a process is alive, its heartbeat is at most server.health_stale_s old and it "
+               "has not had work without progress for longer (what /health calls ok), else 0", ("process",)),
     MetricSpec("hicache_process_heartbeat_age_seconds", "gauge",
                "Seconds since a process last wrote its heartbeat, read when /metrics is scraped "
                "(NaN while it has none)", ("process",)),
+    MetricSpec("hicache_process_stalled_seconds", "gauge",
+               "Seconds a process has had work without making progress on it (the scheduler: requests "
+               "that no forward pass serves), read when /metrics is scraped; 0 while it progresses",
+               ("process",)),
 )
 
 KV_EVENT_OUTCOMES = ("published", "dropped")
@@ -505,19 +509,24 @@ class Metrics:
 
     # ---- tokenizer, when /metrics is scraped
 
-    def set_process_health(self, ages: Mapping[str, float], alive: Mapping[str, bool], stale_s: float) -> None:
+    def set_process_health(self, ages: Mapping[str, float], alive: Mapping[str, bool], stale_s: float,
+                           stalls: Mapping[str, float] | None = None) -> None:
         """Publish the health of the heartbeat processes the daemon runs, as ``/health`` judges
         it: for each name of ``alive`` (each one of ``HEARTBEAT_PROCESSES``; False = its pid is
         gone), ``hicache_process_heartbeat_age_seconds`` = ``ages[name]`` (seconds since its
         last heartbeat, ``hicache.heartbeat.heartbeat_ages``; NaN when absent: no readable
         heartbeat, unknown) and ``hicache_process_up`` = 1 when it is alive and its age is
-        not over ``stale_s`` (an unknown age is not stale), else 0. Processes not in
-        ``alive`` (a daemon without a controller) get no series."""
+        not over ``stale_s`` (an unknown age is not stale) and it has not been stalled
+        (``stalls[name]``: seconds with work and no progress, ``heartbeat_stalls``) for
+        longer, else 0; ``hicache_process_stalled_seconds`` = that stall (0 for none).
+        Processes not in ``alive`` (a daemon without a controller) get no series."""
         for name, is_alive in alive.items():
             _check("process", name, HEARTBEAT_PROCESSES)
             age = ages.get(name)
+            stall = (stalls or {}).get(name, 0.0)
             self._child("hicache_process_heartbeat_age_seconds", name).set(math.nan if age is None else age)
-            stale = age is not None and age > stale_s
+            self._child("hicache_process_stalled_seconds", name).set(stall)
+            stale = (age is not None and age > stale_s) or stall > stale_s
             self._child("hicache_process_up", name).set(1 if is_alive and not stale else 0)
 
     # ---- launcher

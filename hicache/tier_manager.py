@@ -49,9 +49,11 @@ that arrived verified; the rest are freed at the fetch's end.
 
 ``on_controller_lost`` ends every entry at once, each exactly once (locks released, fresh
 pages freed, nodes as before the op); answers that arrive later for those ids are ignored.
-The caller must also drop messages not yet delivered to the dead controller
-(``ControllerLink.reset``), so no stale copy can ever land in a page that was freed and
-reused.
+Every op carries the controller ``run`` it is meant for (``run``; None while no controller
+is known to serve, and then no op is started): a controller refuses an op of another run,
+so an op queued for a dead controller can never copy into pages freed since, even when
+the scheduler learns of the death after the next controller is up. The caller also drops
+the messages not yet delivered (``ControllerLink.reset``).
 """
 
 from __future__ import annotations
@@ -70,6 +72,11 @@ from hicache.tree.cache import MatchResult, TierOp, UnifiedRadixCache
 from hicache.tree.node import TreeNode
 
 log = logging.getLogger(__name__)
+
+COPY_PATIENCE_S = 2.0
+"""Seconds an op may go unanswered before this class takes its controller for slow or
+frozen: no new L2 write starts then (a write locks its node's path in L1 until answered,
+so writes to a frozen controller would lock L1 away from requests that need no tier)."""
 
 
 @dataclass
@@ -187,6 +194,8 @@ class TierManager:
     ``l3_enabled``: whether backups and prefetches are issued at all.
     ``l3_partition``: the L3 partition of a namespace's ``cache_salt`` (its tenant's name
     where the tenant has one, "" for the shared store; None: no partitions).
+    ``run``: the run of the controller serving now, stamped on every op; None while none
+    is known (after it died, before its successor started): no op is started then.
     Holds the registry of every op in flight (the module's ownership table).
     """
 
@@ -199,6 +208,7 @@ class TierManager:
         prefetch: PrefetchConfig | None = None,
         l3_enabled: bool = False,
         l3_partition: Callable[[str], str] | None = None,
+        run: int | None = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not cache.hicache:
@@ -209,14 +219,23 @@ class TierManager:
         self.prefetch_cfg = prefetch or PrefetchConfig()
         self.l3_enabled = l3_enabled
         self.l3_partition = l3_partition
+        self.run = run
         self.clock = clock
         self.counters = TierCounters()
         self._inflight: dict[int, InFlightOp] = {}
         self._ids = itertools.count(1)
         self._prefetch_reserved = 0
         self._aux_reserved: dict[str, int] = {}
+        self.write_gate: Callable[[TreeNode], bool] | None = None
+        """Whether L1 can spare what a write of a node locks while it copies (the scheduler's
+        budget, ``L1Budget.fits`` of ``write_cost``); None: always."""
 
     # ------------------------------------------------------------------ queries
+    @property
+    def connected(self) -> bool:
+        """Whether a controller is known to serve (ops may be started)."""
+        return self.run is not None
+
     @property
     def in_flight(self) -> int:
         return len(self._inflight)
@@ -244,17 +263,31 @@ class TierManager:
 
     def write_nodes(self, nodes: list[TreeNode]) -> int:
         """Start the L2 writes of ``nodes`` (parents first; a node the tree will not write
-        now, e.g. one in flight, is skipped); returns how many were sent."""
+        now, e.g. one in flight, is skipped); returns how many were sent. A writable node
+        whose write does not start (no controller, one unanswered past ``COPY_PATIENCE_S``,
+        ``write_gate`` refuses, or L2 has no room) is released from ``write_back``'s keeping
+        (``TierCalls.release_write_back``)."""
         sent = 0
+        tiers = self.cache.tiers
+        frozen = self.run is None or self.oldest_op_age() > COPY_PATIENCE_S
         for node in nodes:
-            op = self.cache.tiers.start_write(node)
-            if op is None:
+            if not tiers.writable(node):
                 continue
+            op = None
+            if not frozen and (self.write_gate is None or self.write_gate(node)):
+                op = tiers.start_write(node)
+            if op is None:
+                # no controller to answer, no L1 room to lock it, or no L2 room (or quota)
+                # for it: under write_back its data must not wait for a write that may
+                # never start (``release_write_back``)
+                tiers.release_write_back(node)
+                continue
+            assert self.run is not None  # started only when not frozen
             op_id = next(self._ids)
             self._register(op_id, OpKind.WRITE, transfer=op)
             dev = {name: list(src) for name, (src, _dst) in op.transfers.items()}
             host = {name: list(dst) for name, (_src, dst) in op.transfers.items()}
-            self.send(protos.WriteToHost(op_id, dev, host))
+            self.send(protos.WriteToHost(op_id, dev, host, self.run))
             sent += 1
         return sent
 
@@ -262,7 +295,7 @@ class TierManager:
     def start_load_back(self, match: MatchResult, rid: str = "") -> LoadTicket | None:
         """Load the L2-only tail of ``match`` into L1 for request ``rid``, or None to
         recompute it instead (shorter than ``load_back_threshold``, or no room in L1)."""
-        if match.host_hit_length <= 0 or match.host_hit_length < self.load_back_threshold:
+        if self.run is None or match.host_hit_length <= 0 or match.host_hit_length < self.load_back_threshold:
             return None
         op = self.cache.tiers.start_load_back(match)
         if op is None:
@@ -271,13 +304,13 @@ class TierManager:
         self._register(ticket.op_id, OpKind.LOAD, transfer=op, load=ticket)
         host = {name: list(src) for name, (src, _dst) in op.transfers.items()}
         dev = {name: list(dst) for name, (_src, dst) in op.transfers.items()}
-        self.send(protos.LoadToDevice(ticket.op_id, host, dev))
+        self.send(protos.LoadToDevice(ticket.op_id, host, dev, self.run))
         return ticket
 
     # ------------------------------------------------------------------ L2 -> L3
     def back_up(self, node: TreeNode) -> None:
         """Write ``node``'s L2 pages to L3 (no-op with L3 off or no L2 copy)."""
-        if not self.l3_enabled:
+        if not self.l3_enabled or self.run is None:
             return
         op = self.cache.tiers.start_backup(node)
         if op is None:
@@ -287,7 +320,7 @@ class TierManager:
         aux_pages = {name: list(op.transfers[name][0]) for name in op.aux_keys}
         self.send(protos.BackupToStorage(op_id, list(op.transfers["full"][0]), list(op.hashes), "full",
                                          aux_pages, {name: list(k) for name, k in op.aux_keys.items()},
-                                         self._partition(node.root.salt or "")))
+                                         self._partition(node.root.salt or ""), self.run))
 
     def _partition(self, cache_salt: str) -> str:
         return self.l3_partition(cache_salt) if self.l3_partition is not None else ""
@@ -299,7 +332,7 @@ class TierManager:
 
         None when L3 is off or the rest is shorter than ``prefetch.threshold_tokens``.
         """
-        if not self.l3_enabled:
+        if not self.l3_enabled or self.run is None:
             return None
         ps = self.cache.page_size
         start = match.device_len + match.host_hit_length
@@ -319,13 +352,14 @@ class TierManager:
                            if c.host_allocator is not None}
         self._register(ticket.query_op, OpKind.QUERY, prefetch=ticket)
         self.counters.prefetch_queries += 1
-        self.send(protos.PrefetchQuery(ticket.query_op, hashes, "full", ticket.aux_keys, self._partition(cache_salt)))
+        self.send(protos.PrefetchQuery(ticket.query_op, hashes, "full", ticket.aux_keys, self._partition(cache_salt),
+                                       self.run))
         return ticket
 
     def _on_hits(self, ticket: PrefetchTicket, n: int, aux_present: dict[str, list[int]] | None = None) -> None:
         ps = self.cache.page_size
         self.counters.prefetch_hit_tokens += n * ps
-        if n * ps < max(self.prefetch_cfg.threshold_tokens, 1):
+        if n * ps < max(self.prefetch_cfg.threshold_tokens, 1) or self.run is None:
             ticket.complete = True
             return
         host_alloc = self.cache.full.host_allocator
@@ -356,7 +390,7 @@ class TierManager:
         aux_keys = {name: [ticket.aux_keys[name][i] for i, _u in got] for name, got in ticket.aux_units.items()}
         aux_pages = {name: [u for _i, u in got] for name, got in ticket.aux_units.items()}
         self.send(protos.PrefetchFetch(ticket.fetch_op, ticket.hashes[: len(pages)], ticket.host_pages, "full",
-                                       aux_keys, aux_pages, self._partition(ticket.cache_salt)))
+                                       aux_keys, aux_pages, self._partition(ticket.cache_salt), self.run))
 
     def _reserve_aux(self, ticket: PrefetchTicket, npages: int, aux_present: dict[str, list[int]]) -> None:
         """Reserve an L2 unit for each auxiliary object L3 holds for the first ``npages``

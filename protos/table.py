@@ -41,6 +41,7 @@ from protos.to_engine import EngineError, EngineRegistered, LookupResult, Reserv
 from protos.to_scheduler import (
     AbortRequest,
     AdminRequest,
+    ControllerStarted,
     GenerateRequest,
     OpDone,
     PrefetchHits,
@@ -108,6 +109,8 @@ ROUTES: tuple[Route, ...] = (
     Route(Ready, ("tokenizer", "scheduler", "controller", "launcher"), ("launcher", "tokenizer"), (),
           "a child -> launcher: it is serving; launcher -> tokenizer: a restarted child's new pid"),
     Route(Shutdown, ("launcher",), ("tokenizer", "scheduler", "controller"), (), "drain and exit 0"),
+    Route(ControllerStarted, ("launcher",), ("scheduler",), (),
+          "after the ProcessEvent died of the controller it replaces: the new one's pid and run"),
     Route(ProcessEvent, ("launcher", "scheduler", "controller"), ("launcher", "scheduler"), (),
           "launcher -> scheduler: died; scheduler -> launcher: restart; controller -> launcher: failed"),
     Route(ErrorReply, ("controller", "scheduler"), ("scheduler", "tokenizer"), (),

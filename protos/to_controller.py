@@ -4,6 +4,12 @@ Page lists are keyed by component name (``full``, ``swa``, ``mamba``); the ``i``
 page of a component is copied to its ``i``-th destination page. The controller copies what it
 is told and acknowledges every op with exactly one ``OpDone`` (``PrefetchQuery`` with one
 ``PrefetchHits``); it never decides anything about the tree.
+
+Every op names the controller ``run`` it is meant for (``ControllerArgs.run``, a fresh
+number per controller start, which the scheduler learns from its ``SchedulerArgs`` and
+then from ``ControllerStarted``). A controller refuses an op of another run before it
+touches memory (``OpDone`` ``rejected``): an op queued for a controller that died, whose
+pages the scheduler freed when it learned of the death, can never run in the next one.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class WriteToHost(ControllerMessage):
     op_id: int
     device_pages: dict[str, list[int]]
     host_pages: dict[str, list[int]]
+    run: int = 0
 
 
 @message("load_to_device")
@@ -43,6 +50,7 @@ class LoadToDevice(ControllerMessage):
     op_id: int
     host_pages: dict[str, list[int]]
     device_pages: dict[str, list[int]]
+    run: int = 0
 
 
 @message("backup")
@@ -63,6 +71,7 @@ class BackupToStorage(ControllerMessage):
     aux_pages: dict[str, list[int]] = field(default_factory=dict)
     aux_keys: dict[str, list[str]] = field(default_factory=dict)
     tenant: str = ""
+    run: int = 0
 
 
 @message("prefetch_query")
@@ -79,6 +88,7 @@ class PrefetchQuery(ControllerMessage):
     component: str = "full"
     aux_keys: dict[str, list[str]] = field(default_factory=dict)
     tenant: str = ""
+    run: int = 0
 
 
 @message("prefetch_fetch")
@@ -98,6 +108,7 @@ class PrefetchFetch(ControllerMessage):
     aux_keys: dict[str, list[str]] = field(default_factory=dict)
     aux_pages: dict[str, list[int]] = field(default_factory=dict)
     tenant: str = ""
+    run: int = 0
 
 
 @message("cancel")

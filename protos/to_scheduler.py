@@ -8,7 +8,7 @@ from typing import Any, Literal
 from protos.base import Message, message
 
 __all__ = [
-    "AbortRequest", "AdminRequest", "GenerateRequest", "OpDone", "PrefetchHits", "SamplingParams",
+    "AbortRequest", "AdminRequest", "ControllerStarted", "GenerateRequest", "OpDone", "PrefetchHits", "SamplingParams",
     "SchedulerMessage", "StorageEvicted", "StorageStatus",
 ]
 
@@ -70,6 +70,22 @@ class AdminRequest(SchedulerMessage):
     rid: str
     op: str
     args: dict[str, Any] = field(default_factory=dict)
+
+
+# ---- from the launcher
+
+
+@message("controller_started")
+@dataclass(slots=True)
+class ControllerStarted(SchedulerMessage):
+    """A restarted cache controller is serving: process ``pid``, controller ``run``, the
+    number every op for it must carry (``protos.to_controller``). The launcher sends it
+    after the ``ProcessEvent`` ``died`` of the one it replaces, on the same socket, so the
+    scheduler always learns of the death first. (The first controller's run comes with
+    the scheduler's start arguments.)"""
+
+    pid: int
+    run: int
 
 
 # ---- from the cache controller

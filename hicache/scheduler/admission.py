@@ -98,8 +98,9 @@ class Admission:
                         return False
             if m.host_hit_length and m.host_hit_length >= max(tier.load_back_threshold, 1):
                 load = None
-                # (a load takes L1 pages: never out of what running requests have reserved)
-                if s.budget.room(FULL) >= m.host_hit_length // s.page_size:
+                # a load takes L1 units and locks the L1 prefix above it: never out of what
+                # running requests were promised (docs/architecture.md §5, the budget table)
+                if s.budget.fits(cache.tiers.load_back_cost(m)):
                     load = tier.start_load_back(m, req.rid)
                 if load is not None:
                     req.load = load
@@ -116,14 +117,16 @@ class Admission:
     def load_finished(self, load: LoadTicket) -> None:
         """A controller answer ended ``load`` (``TierManager.on_message`` returned it): when
         it loaded, lock what it loaded until its request is admitted, so that other requests'
-        allocations cannot evict it first (its pages are LRU-old). Nothing for a request that
-        is gone (aborted) or waits for another load."""
+        allocations cannot evict it first (its pages are LRU-old), when L1's budget can spare
+        that lock (``L1Budget.lock_if_room``; else the request matches again at admission and
+        may find it evicted). Nothing for a request that is gone (aborted) or waits for
+        another load."""
         req = self.s.by_rid.get(load.rid)
         if req is None or req.load is not load:
             return
         req.load_done_at = self.s.clock()
-        if load.ok and req.hold is None:
-            req.hold = self.s.cache.inc_lock_ref(load.node)
+        if load.ok and req.hold is None:  # without room for the hold: re-matched at admission
+            req.hold = self.s.budget.lock_if_room(load.node)
 
     def admit(self, req: Request, m: MatchResult) -> bool:
         s = self.s

@@ -18,12 +18,41 @@ The tree's ``evictable`` is exactly what its eviction can free: data that in-fli
 transfers hold (a load-back's new L1 pages and states, a write's source) is locked, so it
 is not counted.
 
+The promise to running requests is ``room >= 0`` for every kind: then whatever a request
+still has reserved, its allocation can be had by evicting. Only two things lower room:
+a reservation (checked by ``can_reserve``) and anything else that allocates L1 units or
+makes evictable data unevictable, for someone who is not a running request. Each of those
+asks ``fits`` first, with its exact cost, and waits (or does without) when it does not fit:
+
+==============================  ============================================  ==========================
+holder                          what it takes out of room                     checked by
+==============================  ============================================  ==========================
+a running request (admission)   its lock on the match (taken before the       ``can_reserve`` after
+                                check), then its reservation                  the lock
+a load-back in flight           the fresh units it copies into, and the L1    ``fits(load_back_cost)``
+                                prefix its path lock protects                 at admission
+the loaded prefix held until    its lock (``lock_if_room``); without room     ``lock_if_room``
+admission (``Request.hold``)    the request re-matches at admission
+an L2 write in flight           its node's path lock until the copy lands     ``fits(write_cost)``
+                                (under write_back a write that does not fit   (``TierManager.
+                                is given up: its data may then be dropped)    write_gate``)
+a pinned prefix (``l1``, or     its lock; the pin waits until it fits         ``lock_if_room``
+the hold while it is written)
+==============================  ============================================  ==========================
+
+A lock shared with a running request costs nothing (that data is protected already), and
+a holder that lets go only gives room back, so these checks keep ``room >= 0`` whenever it
+was. ``fits`` compares against ``max(room, 0)``: nothing that costs units is let in while
+room is short.
+
 Contract (``holder`` is a request id; ``amounts`` maps a ``ComponentType`` to a count):
 
 ==============================  =======================================================
 call                            changes
 ==============================  =======================================================
 ``room(kind)``                  nothing
+``fits(cost)``                  nothing; True when each unit cost is at most ``max(room, 0)``
+``lock_if_room(node)``          the tree's lock on ``node``, only when its cost ``fits``
 ``can_reserve(amounts)``        nothing; True when every amount fits ``room``
 ``reserve(holder, amounts)``    the holder's record and the totals, by ``amounts``
                                 (refused, nothing changed, when it does not fit or the
@@ -52,7 +81,7 @@ from dataclasses import dataclass, field
 
 from hicache.memory.allocator import PageAllocator, PageIndices
 from hicache.tree.cache import UnifiedRadixCache
-from hicache.tree.node import ComponentType
+from hicache.tree.node import ComponentType, LockToken, TreeNode
 
 Amounts = Mapping[ComponentType, int]
 """Units per component kind (pages for FULL and SWA, state slots for MAMBA)."""
@@ -123,6 +152,22 @@ class L1Budget:
         """Units of ``kind`` a new reservation may use: free + evictable - reserved."""
         k = self._kind(kind)
         return k.allocator.free_count + self.cache.evictable_size(kind) // k.unit_tokens - k.reserved
+
+    def fits(self, cost: Mapping[str, int]) -> bool:
+        """Whether taking ``cost`` (units per component name, as the tree's ``lock_cost``,
+        ``load_back_cost`` and ``write_cost`` give them) out of room keeps every promise:
+        each at most ``max(room, 0)``. Changes nothing."""
+        for name, n in cost.items():
+            if n > 0 and n > max(self.room(ComponentType[name.upper()]), 0):
+                return False
+        return True
+
+    def lock_if_room(self, node: TreeNode) -> LockToken | None:
+        """``cache.inc_lock_ref(node)`` for a holder that is not a running request, when what
+        it makes unevictable ``fits``; else None, and nothing is locked."""
+        if not self.fits(self.cache.lock_cost(node)):
+            return None
+        return self.cache.inc_lock_ref(node)
 
     def can_reserve(self, amounts: Amounts) -> bool:
         """Whether ``reserve`` of ``amounts`` would be accepted now; changes nothing."""

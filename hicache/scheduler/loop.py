@@ -6,12 +6,13 @@
 1. stamp the heartbeat (``hicache.heartbeat``): a round lasts at most one forward pass (builtin)
    plus one poll (``IDLE_POLL_MS`` builtin, ``hicache.engine_server.process.POLL_MS`` engine),
    so a heartbeat older than ``server.health_stale_s`` means the process is stopped or stuck;
+   after the round, the mode's ``stalled_since`` (work without progress) goes next to it;
 2. after SIGTERM, start draining with ``SchedulerArgs.grace_s``;
 3. ``round()``: the mode's own work (read the sockets, compute, answer); then, with
    ``events.enabled``, publish the round's tier changes as one KV event batch
    (``hicache.kv_events``, never waiting);
 4. ask the launcher, once, to restart a controller that has left an op unanswered for
-   ``CONTROLLER_OP_TIMEOUT_S``;
+   ``server.controller_op_timeout_s``;
 5. publish telemetry every ``METRICS_INTERVAL_S``; run the idle integrity check every
    ``IDLE_CHECK_INTERVAL_S`` while ``idle()``;
 6. while draining: end once ``drained()``, or at the deadline after ``abort_remaining()``.
@@ -19,8 +20,11 @@
 
 Inbox messages are dispatched by type through ``handlers`` (message type -> bound method;
 each mode adds its own): the base handles ``Shutdown`` (drain within its ``grace_s``),
-``ProcessEvent`` (a dead controller: the in-flight ops fail back and the messages not yet
-delivered to it are dropped) and ``ErrorReply`` (logged). The inbox is read ``INBOX_BATCH``
+``ProcessEvent`` (a dead controller: the in-flight ops fail back, the messages not yet
+delivered to it are dropped, and no op is started until a controller serves again),
+``ControllerStarted`` (the new controller's run, which every op carries from then on; the
+L3 store in force is sent to it: ``hicache.scheduler.controller_link``) and
+``ErrorReply`` (logged). The inbox is read ``INBOX_BATCH``
 messages per round at most, so a flood of messages cannot starve the forward pass or the
 engines' socket. A frame that does not decode is logged and dropped; the loop goes on.
 
@@ -50,6 +54,7 @@ from hicache.ipc import Endpoints, PullSocket, PushSocket, ResettablePush, open_
 from hicache.logging_setup import setup_logging
 from hicache.metrics import get_metrics
 from hicache.proc import die_with_parent
+from hicache.scheduler.controller_link import ControllerLink
 
 if TYPE_CHECKING:
     import zmq
@@ -60,9 +65,6 @@ if TYPE_CHECKING:
 
 ACCEPTS = protos.accepted_by("scheduler")
 """What the scheduler process's inbox decodes (``protos.table``)."""
-
-CONTROLLER_OP_TIMEOUT_S = 60.0
-"""An op unanswered for this long means the controller hangs: the launcher restarts it."""
 
 IDLE_CHECK_INTERVAL_S = 1.0
 """How often the idle integrity check runs (only while nothing is running or in flight)."""
@@ -91,6 +93,9 @@ class SchedulerArgs:
     endpoints: Endpoints
     ready_address: str
     grace_s: float = DEFAULT_GRACE_S
+    controller_run: int = 0
+    """The run of the controller started before this process (``ControllerArgs.run``);
+    later ones come in ``ControllerStarted``."""
 
 
 class Telemetry(Protocol):
@@ -138,7 +143,7 @@ class Links:
     inbox: PullSocket[protos.Message]
     to_tokenizer: PushSocket[protos.TokenizerMessage]
     to_launcher: PushSocket[protos.Message]
-    to_controller: ResettablePush[protos.ControllerMessage] | None
+    to_controller: ControllerLink | None
     extra: list[Closable] = field(default_factory=list)
 
     @classmethod
@@ -148,7 +153,7 @@ class Links:
         ctx = open_context(ep)
         return cls(ctx, PullSocket(ctx, ep.address("scheduler"), ACCEPTS, bind=True),
                    PushSocket(ctx, ep.address("tokenizer")), PushSocket(ctx, args.ready_address),
-                   ResettablePush(ctx, ep.address("controller")) if controller else None)
+                   ControllerLink(ResettablePush(ctx, ep.address("controller"))) if controller else None)
 
     def close(self) -> None:
         for sock in (*self.extra, self.inbox, self.to_launcher):
@@ -201,9 +206,12 @@ class ProcessLoop(abc.ABC):
         self.drain_deadline: float | None = None
         self._metrics = Every(METRICS_INTERVAL_S)
         self._idle_check = Every(IDLE_CHECK_INTERVAL_S)
+        if tier is not None:
+            tier.run = args.controller_run
         self.handlers: dict[type[protos.Message], Callable[[Any], object]] = {
             protos.Shutdown: self.on_shutdown,
             protos.ProcessEvent: self.on_process_event,
+            protos.ControllerStarted: self.on_controller_started,
             protos.ErrorReply: self.on_error_reply,
             protos.StorageEvicted: self.on_storage_evicted,
         }
@@ -222,6 +230,11 @@ class ProcessLoop(abc.ABC):
     def idle(self) -> bool:
         """Whether the idle integrity check may run this round."""
         return True
+
+    def stalled_since(self) -> float | None:
+        """Since when the mode has had work without progress (``HeartbeatWriter.stalled``);
+        None: it progresses."""
+        return None
 
     @abc.abstractmethod
     def check_idle(self) -> None:
@@ -251,6 +264,7 @@ class ProcessLoop(abc.ABC):
                 if self.stop.requested:
                     self.begin_drain(self.args.grace_s)
                 self.round()
+                self.heartbeat.stalled(self.stalled_since())
                 self.publish_kv_events()
                 self.housekeeping()
                 if self.drain_over():
@@ -335,6 +349,8 @@ class ProcessLoop(abc.ABC):
             timeout_ms = 0
 
     def dispatch(self, msg: protos.Message) -> None:
+        if isinstance(msg, protos.StorageStatus) and self.links.to_controller is not None:
+            self.links.to_controller.on_status(msg)  # the store in force, before the mode's handler
         handler = self.handlers.get(type(msg))
         if handler is None:  # the inbox decodes only ACCEPTS, which a mode's table covers
             self.log.warning("no handler for %s: dropped", type(msg).__name__)
@@ -346,10 +362,12 @@ class ProcessLoop(abc.ABC):
         self.begin_drain(msg.grace_s)
 
     def on_process_event(self, msg: protos.ProcessEvent) -> None:
-        """A controller that died: fail its in-flight ops back, drop what it was not sent yet."""
+        """A controller that died: fail its in-flight ops back, drop what it was not sent
+        yet, start no op until its successor serves (``on_controller_started``)."""
         if msg.process != "controller" or msg.event != "died" or self.tier is None:
             return
         failed = self.tier.on_controller_lost()
+        self.tier.run = None
         if self.links.to_controller is not None:
             self.links.to_controller.reset()
         if self.kv_events is not None:  # the evictions it had not reported died with it
@@ -357,17 +375,32 @@ class ProcessLoop(abc.ABC):
         self.restart_asked = False
         self.log.warning("controller died (%s): %d in-flight ops failed back", msg.detail, failed)
 
+    def on_controller_started(self, msg: protos.ControllerStarted) -> None:
+        """A new controller serves: ops carry its run from now on; it is sent the L3 store in
+        force, and L3 stays off until its answer says which store serves."""
+        if self.tier is None or self.links.to_controller is None:
+            return
+        if self.tier.run is not None and self.tier.in_flight:  # its predecessor's death was not reported
+            self.tier.on_controller_lost()
+            self.links.to_controller.reset()
+        self.tier.run = msg.run
+        self.restart_asked = False
+        self.tier.l3_enabled = False
+        sent = self.links.to_controller.restore()
+        self.log.info("controller %d serves (run %d); L3 store sent to it: %s", msg.pid, msg.run, sent.op)
+
     def on_error_reply(self, msg: protos.ErrorReply) -> None:
         self.log.warning("a peer refused one of our frames: %s", msg.error)
 
     # -- controller liveness -----------------------------------------------------------
 
     def watch_controller(self) -> None:
-        """Ask the launcher (once per controller) to restart a controller that hangs."""
+        """Ask the launcher (once per controller) to restart a controller that has left an op
+        unanswered for ``server.controller_op_timeout_s``."""
         if self.tier is None or self.restart_asked:
             return
         age = self.tier.oldest_op_age()
-        if age > CONTROLLER_OP_TIMEOUT_S:
+        if age > self.args.config.server.controller_op_timeout_s:
             self.log.error("the controller has not answered for %.0f s: asking for a restart", age)
             self.links.to_launcher.send(protos.ProcessEvent("controller", "restart", 0, "ops unanswered"))
             self.restart_asked = True

@@ -10,10 +10,11 @@ A pin's life (``PinState``):
 ==========  ================================================  ==============================
 state       meaning                                           leaves it when
 ==========  ================================================  ==============================
-computing   an internal request of the prefix (one output     it finishes (-> writing, or
-            token, greedy) goes the way every request goes:   pinned), or fails (the pin is
-            matched in L1, loaded from L2, prefetched from    dropped and its caller gets
-            L3, the rest computed                             the error)
+computing   an internal request of the prefix (one output     it finishes and its lock fits
+            token, greedy) goes the way every request goes:   L1's budget (-> writing, or
+            matched in L1, loaded from L2, prefetched from    pinned), or fails (the pin is
+            L3, the rest computed                             dropped, its caller gets the
+                                                              error)
 writing     L1-locked; the L2 copies of its path are being    every node of the path has its
             written (pins naming l2)                          L2 copy (-> pinned)
 pinned      locked in each tier named                         ``unpin`` (or a ``pin`` of the
@@ -24,7 +25,9 @@ What a pin holds, and who releases it (only ``unpin`` / a replacing ``pin`` do):
 
 - ``l1``: one ``inc_lock_ref`` on the node that ends the prefix; the Full lock holds the
   whole path to the root, each auxiliary component its own part (an SWA window, a Mamba
-  state), so the prefix stays a valid match for every component;
+  state), so the prefix stays a valid match for every component. Taken only when what it
+  makes unevictable fits the L1 budget (``L1Budget.lock_if_room``): a computed pin waits
+  for running requests to give room back rather than take what they were promised;
 - ``l2``: one ``protect_host`` per node of the path, each released with the page count it
   returned (a node split meanwhile is walked up from, as for every host lock);
 - while ``writing``, a temporary L1 lock (even for a pin without ``l1``) so the pages cannot
@@ -320,11 +323,15 @@ class PinnedPrefixes:
             self._fail(pin, f"only {m.device_len} of its {want} tokens were in L1 after computing it")
             return
         node = m.last_device_node
+        lock = self.s.budget.lock_if_room(node)
+        if lock is None:  # it would take what running requests were promised: wait for them
+            pin.outcome = out
+            return
         if "l1" in pin.tiers:
-            pin.l1_lock = cache.inc_lock_ref(node)
+            pin.l1_lock = lock
         if "l2" in pin.tiers:
             if pin.l1_lock is None:
-                pin.hold = cache.inc_lock_ref(node)
+                pin.hold = lock
             pin.state = PinState.WRITING
             self._try_protect_l2(pin, m)
         else:

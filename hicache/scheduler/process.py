@@ -163,6 +163,9 @@ class SchedulerProcess(ProcessLoop):
     def idle(self) -> bool:
         return not self._was_busy
 
+    def stalled_since(self) -> float | None:
+        return self.sched.stalled_since
+
     def check_idle(self) -> None:
         self.sched.check_idle()
 

@@ -131,11 +131,17 @@ class Scheduler:
         self.admission = Admission(state, self.aux, self.finisher)
         self.forward_pass = ForwardPass(state, runner, self.aux, self.finisher, eos_token_ids)
         self.forward_s_ewma = 0.0  # recent forward-pass duration (s), for load_join_wait_s
+        self.stalled_since: float | None = None
+        """Since when requests have waited with no forward pass computing for any of them
+        (None: the last step computed, or nothing waits); the loop writes it next to its
+        heartbeat, where ``/health`` and ``/metrics`` read it (``hicache.heartbeat``)."""
         self._admin_waiting: dict[int, tuple[str, str]] = {}  # storage op id -> (rid, op)
         self.storage_status_seen: Callable[[str | None, protos.StorageStatus], None] | None = None
         """Told of each ``StorageStatus`` and the admin op it answers (None: unprompted)."""
         self._admin_ids = iter(range(1, 2**62))
         self.pins = PinnedPrefixes(state, self.submit, emit, cfg.cache.pinned_fraction, pin_budgets(cfg))
+        if tier is not None:  # a write locks its node's path in L1 while it copies
+            tier.write_gate = lambda node: self.budget.fits(cache.tiers.write_cost(node))
 
     def _route_output(self, msg: protos.TokenizerMessage) -> None:
         """What the phases emit: a pinned prefix's internal request's outputs go to ``pins``,
@@ -349,13 +355,25 @@ class Scheduler:
 
     def forward(self) -> bool:
         """One forward pass over the running requests; True if one ran."""
-        if not self.running:
-            return False
-        t0 = time.perf_counter()
-        self.forward_pass.run()
-        took = time.perf_counter() - t0
-        self.forward_s_ewma = took if self.forward_s_ewma == 0.0 else 0.8 * self.forward_s_ewma + 0.2 * took
-        return True
+        passes = self.counters.forward_passes
+        try:
+            if not self.running:
+                return False
+            t0 = time.perf_counter()
+            self.forward_pass.run()
+            took = time.perf_counter() - t0
+            self.forward_s_ewma = took if self.forward_s_ewma == 0.0 else 0.8 * self.forward_s_ewma + 0.2 * took
+            return True
+        finally:
+            self._note_progress(self.counters.forward_passes != passes)
+
+    def _note_progress(self, computed: bool) -> None:
+        """``stalled_since``: set when requests are queued or running and a step computed
+        nothing for any of them, cleared by a step that did or when none is left."""
+        if computed or not self.busy:
+            self.stalled_since = None
+        elif self.stalled_since is None:
+            self.stalled_since = self.clock()
 
     def load_join_wait_s(self) -> float:
         """How long the loop may wait for load-back acks before the next forward pass.

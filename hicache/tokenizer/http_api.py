@@ -445,26 +445,33 @@ class HttpApi:
         Readiness (``GET /health``): 200 ``{"status": "ok", "processes": {name: pid}}`` when
         every process is alive and the scheduler and controller heartbeats are at most
         ``server.health_stale_s`` old; else 503 with ``status`` ``degraded`` (``dead``: the
-        names whose pid is gone; ``stale``: name -> seconds since its last heartbeat) or
-        ``draining``. Liveness (``?live=1``): the same body, always 200 — this process
+        names whose pid is gone; ``stale``: name -> seconds since its last heartbeat;
+        ``stalled``: name -> seconds it has had work without progress, past the same limit:
+        ``hicache.heartbeat``) or ``draining``. Liveness (``?live=1``): the same body, always 200 — this process
         answers; whether a degraded daemon should be restarted is the caller's decision.
         """
-        from hicache.heartbeat import HEARTBEAT_PROCESSES, heartbeat_ages
+        from hicache.heartbeat import HEARTBEAT_PROCESSES, heartbeat_ages, heartbeat_stalls
 
         procs: Mapping[str, int] = dict(self.pids)
         dead = sorted(name for name, pid in procs.items() if not _pid_alive(pid))
         limit = self.config.server.health_stale_s
-        ages = heartbeat_ages(self.heartbeat_dir, tuple(n for n in HEARTBEAT_PROCESSES if n in procs))
+        names = tuple(n for n in HEARTBEAT_PROCESSES if n in procs)
+        ages = heartbeat_ages(self.heartbeat_dir, names)
         # tenths rounded up: a stale process never shows an age at or below the limit
         stale = {name: math.ceil(age * 10) / 10 for name, age in sorted(ages.items())
                  if age > limit and name not in dead}
+        stalls = heartbeat_stalls(self.heartbeat_dir, names)
+        stalled = {name: math.ceil(s * 10) / 10 for name, s in sorted(stalls.items())
+                   if s > limit and name not in dead and name not in stale}
         status = HealthStatus.DRAINING if self.draining else \
-            HealthStatus.DEGRADED if dead or stale else HealthStatus.OK
+            HealthStatus.DEGRADED if dead or stale or stalled else HealthStatus.OK
         body: dict[str, Any] = {"status": status.value, "processes": procs}
         if dead:
             body["dead"] = dead
         if stale:
             body["stale"] = stale
+        if stalled:
+            body["stalled"] = stalled
         live = request.query.get("live", "") not in ("", "0", "false")
         return _json(body, 200 if live or status is HealthStatus.OK else 503)
 
@@ -472,13 +479,14 @@ class HttpApi:
         """``GET /metrics``: every process's metrics, with the scheduler's and controller's
         health read now from the pids and heartbeat files ``/health`` reads
         (``Metrics.set_process_health``). The operator's (``hicache.tokenizer.access``)."""
-        from hicache.heartbeat import HEARTBEAT_PROCESSES, heartbeat_ages
+        from hicache.heartbeat import HEARTBEAT_PROCESSES, heartbeat_ages, heartbeat_stalls
 
         operator_only(request.get(TENANT), "GET /metrics (every tenant's series)")
         procs: Mapping[str, int] = dict(self.pids)
         names = tuple(n for n in HEARTBEAT_PROCESSES if n in procs)
         self.metrics.set_process_health(heartbeat_ages(self.heartbeat_dir, names),
-                                        {n: _pid_alive(procs[n]) for n in names}, self.config.server.health_stale_s)
+                                        {n: _pid_alive(procs[n]) for n in names}, self.config.server.health_stale_s,
+                                        heartbeat_stalls(self.heartbeat_dir, names))
         body = await asyncio.to_thread(render_metrics)
         if body is None:
             return web.Response(status=404, text="metrics are disabled (metrics.enabled: false)\n")

@@ -142,6 +142,9 @@ class CacheBase:
         self.hicache = hicache
         self._write_back = self.hicache and write_policy == "write_back"
         self._write_back_queue: dict[TreeNode, None] = {}
+        # under write_back, nodes whose queued write could not start: eviction drops their
+        # unwritten data (``TierCalls.release_write_back``)
+        self._write_back_released: dict[TreeNode, None] = {}
         self.evicted_device_tokens = 0  # monotonic: FULL tokens freed from L1 / L2 by eviction
         self.evicted_host_tokens = 0
         self._empty = self.full.allocator.empty
@@ -203,6 +206,7 @@ class CacheBase:
             if hv is not None:
                 self._free(c, c.as_pages(hv), host=True)
         self._write_back_queue.pop(node, None)
+        self._write_back_released.pop(node, None)
         parent = node.parent
         core.detach(node)
         # tombstone chain: a parent left with no FULL data anywhere and no child goes too

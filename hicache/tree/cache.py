@@ -383,6 +383,18 @@ class UnifiedRadixCache(CacheBase):
             if p is not RELEASED:  # given back early by ``release_part``
                 c.unlock(self.core, node, p)
 
+    def lock_cost(self, node: TreeNode) -> dict[str, int]:
+        """What ``inc_lock_ref(node)`` would take out of what eviction can free now, per
+        component name, in the component's units (pages, or states; a component it leaves
+        alone is absent): the data on its span that no lock protects yet. Measured by taking the lock
+        and giving it back, so it is exactly what each component's own lock does; nothing
+        changes but where an SWA lock marks its boundary."""
+        before = list(self.core.dev_prot)
+        token = self.inc_lock_ref(node)
+        after = list(self.core.dev_prot)
+        self.dec_lock_ref(token)
+        return {c.name: after[c.slot] - before[c.slot] for c in self.components if after[c.slot] != before[c.slot]}
+
     def release_part(self, token: LockToken, component: str) -> LockToken:
         """Give back ``component``'s part of the lock ``token`` stands for, early (e.g. an
         SWA window a request will never read again), keeping the other parts. Returns the
@@ -505,7 +517,7 @@ class UnifiedRadixCache(CacheBase):
         ``write_back``, a node with L1 data not yet in L2 (any component's) is queued for
         writing instead. Otherwise yes with a FULL L2 copy; without one, the L2-only nodes
         below it must be deletable (they go with it)."""
-        if self._write_back and node in self.core.unwritten:
+        if self._write_back and node in self.core.unwritten and node not in self._write_back_released:
             self._write_back_queue[node] = None
             return False
         return node.data[0].host_value is not None or self._l2_subtree_deletable(node)
@@ -530,6 +542,7 @@ class UnifiedRadixCache(CacheBase):
         pages = core.clear_value(node, 0)
         self.full.allocator.free(pages)
         self._write_back_queue.pop(node, None)
+        self._write_back_released.pop(node, None)
         if node.data[0].host_value is None:
             if node.children:  # L2-only nodes below (``_can_drop_device`` allowed it)
                 for ch in list(node.children.values()):
@@ -557,8 +570,8 @@ class UnifiedRadixCache(CacheBase):
             cd = node.data[i]
             if cd.lock_ref or node.loading or cd.value is None:
                 continue
-            if self._write_back and node in core.unwritten:  # written first, evicted after
-                self._write_back_queue[node] = None
+            if self._write_back and node in core.unwritten and node not in self._write_back_released:
+                self._write_back_queue[node] = None  # written first, evicted after
                 continue
             is_leaf = not node.children
             prio = c.priority(is_leaf)

@@ -26,11 +26,14 @@ one slot; the tree's own calls are in ``hicache.tree.cache``'s table):
 | ``start_write`` -> write ``TierOp``    | L2 evicted if needed          | new L2 pages reserved         | node L1-locked (path), in flight|
 | ``finish_write(op, ok=True)``          | -                             | L2 pages become ``host_value``| released                        |
 | ``finish_write(op, ok=False)``         | the reserved L2 pages         | node exactly as before        | released                        |
-| ``start_load_back`` -> load ``TierOp`` | L1 evicted if needed          | new L1 pages set as ``value``,| path L1-locked, nodes host-     |
-|                                        |                               | nodes marked ``loading``      | locked, in flight               |
-| ``finish_load_back(op, ok=True)``      | -                             | L1 pages now readable         | released                        |
-| ``finish_load_back(op, ok=False)``     | the new L1 pages              | nodes L2-only as before       | released                        |
-| ``insert`` through a loading node      | the op's pages, at its finish | the request's own pages       | (the op's locks stay)           |
+| ``start_load_back`` -> load ``TierOp`` | L1 evicted if needed          | new FULL pages set as         | path L1-locked, nodes host-     |
+|                                        |                               | ``value``, nodes ``loading``; | locked, in flight               |
+|                                        |                               | aux units held by the op only |                                 |
+| ``finish_load_back(op, ok=True)``      | aux units of re-filled nodes  | loading nodes readable, their | released                        |
+|                                        |                               | aux units placed now          |                                 |
+| ``finish_load_back(op, ok=False)``     | the new pages and aux units   | nodes L2-only as before       | released                        |
+| ``insert`` through a loading node      | the op's pages, at its finish | the request's own data (every | (the op's locks stay)           |
+|                                        |                               | component): never the op's    |                                 |
 | ``start_backup`` -> backup ``TierOp``  | -                             | -                             | node host-locked, in flight     |
 | ``finish_backup(op, ok)``              | -                             | - (L3 residency is not stored)| released                        |
 | ``insert_host`` (prefetched pages)     | duplicate L2 pages and units  | the rest, as L2-only nodes;   | -                               |
@@ -102,6 +105,10 @@ class TierOp:
     done: bool = False
     aux_keys: dict[str, list[str]] = field(default_factory=dict)
     quota_tenant: str | None = None
+    pending: dict[str, dict[int, int]] = field(default_factory=dict)
+    """A load's auxiliary L1 units, held by the op (not by the nodes, so nothing reads them)
+    until ``finish_load_back`` places or frees them: per component name, the op's page
+    offset (counted from its first page; a state at its node's last page) -> unit."""
 
     @property
     def src_pages(self) -> list[int]:
@@ -266,28 +273,96 @@ class TierCalls:
             return []
         for n in nodes:
             self.tree._write_back_queue.pop(n, None)
+            self.tree._write_back_released.pop(n, None)
         return list(reversed(nodes))
+
+    def _load_nodes(self, match: MatchResult) -> list[TreeNode]:
+        """The L2-only nodes ``start_load_back(match)`` would load, root side first; empty
+        when there is nothing it can load."""
+        if match.host_hit_length <= 0:
+            return []
+        nodes = []
+        n: TreeNode | None = match.last_host_node
+        while n is not match.last_device_node:
+            if n is None or n.parent is None or n.data[0].value is not None or n.in_flight or n.loading:
+                return []
+            nodes.append(n)
+            n = n.parent
+        nodes.reverse()
+        return nodes
+
+    def _unlocked_path_pages(self, node: TreeNode) -> int:
+        """FULL L1 pages from ``node`` up to its root that no lock protects (what a FULL
+        path lock on ``node`` makes unevictable)."""
+        pages = 0
+        while node.parent is not None:
+            cd = node.data[0]
+            if cd.lock_ref == 0 and cd.value is not None:
+                pages += len(cd.value)
+            node = node.parent
+        return pages
+
+    def load_back_cost(self, match: MatchResult) -> dict[str, int]:
+        """What ``start_load_back(match)`` takes out of L1's free and evictable units, per
+        component name, in the component's units: the fresh FULL pages of the L2-only tail
+        and the pages of the L1 prefix its lock makes unevictable, and each auxiliary
+        component's units for the data it has in L2 there. Empty when it would load nothing.
+        Changes nothing (the scheduler checks it against its L1 budget first)."""
+        nodes = self._load_nodes(match)
+        if not nodes:
+            return {}
+        cost = {self.tree.full.name: sum(self.tree._npages(x) for x in nodes)
+                + self._unlocked_path_pages(match.last_device_node)}
+        for c in self.tree.aux:
+            units = sum(self.tree.core.units[c.slot](x.data[c.slot].host_value)
+                        for x in nodes if x.data[c.slot].host_value is not None)
+            if units:
+                cost[c.name] = units
+        return cost
+
+    def write_cost(self, node: TreeNode) -> dict[str, int]:
+        """What ``start_write(node)`` makes unevictable in L1 until it finishes, per
+        component name, in the component's units: the FULL pages of its path that no lock
+        protects yet, and the node's own auxiliary data not locked yet. Changes nothing."""
+        cost = {self.tree.full.name: self._unlocked_path_pages(node)}
+        for c in self.tree.aux:
+            cd = node.data[c.slot]
+            if cd.value is not None and cd.lock_ref == 0:
+                cost[c.name] = self.tree.core.units[c.slot](cd.value)
+        return cost
+
+    def writable(self, node: TreeNode) -> bool:
+        """Whether ``start_write(node)`` has something to write and nothing in its way but
+        room: L1 data without an L2 copy, no transfer in flight."""
+        return (node.parent is not None and not node.in_flight and not node.loading
+                and node.data[0].value is not None and node in self.tree.core.unwritten)
+
+    def release_write_back(self, node: TreeNode) -> None:
+        """Under ``write_back``: the L2 write that L1 eviction queued for ``node`` cannot
+        start (no L2 room, past its tenant's quota, or no L1 room to lock it while it
+        copies). Its L1 data is no longer kept for it: the next eviction that reaches the
+        node drops what L2 lacks, as ``write_through`` would, so that no request waits for a
+        write that may never start."""
+        if not self.tree._write_back:
+            return
+        self.tree._write_back_queue.pop(node, None)
+        self.tree._write_back_released[node] = None
 
     def start_load_back(self, match: MatchResult) -> TierOp | None:
         """Allocate L1 pages for the L2-only tail of ``match`` (evicting L1 if needed) and
         return what to copy (``src_pages`` = L2, ``dst_pages`` = L1, in key order). The
-        nodes get their L1 ``value`` (FULL, and each auxiliary component's that has L2
-        data and finds room) now but stay unreadable (``loading``) until
-        ``finish_load_back``; meanwhile the path is L1-locked, the new auxiliary data
-        locked, and the nodes host-locked. None (nothing changed) when there is nothing to
-        load or no room."""
+        nodes get their FULL L1 ``value`` now but stay unreadable (``loading``) until
+        ``finish_load_back``; each auxiliary component that has L2 data there and finds
+        room gets fresh units that the op holds (``TierOp.pending``), not the nodes, so
+        that no node shows data whose copy has not landed, whatever happens to it meanwhile
+        (a request's insert re-filling it, a failed load). Meanwhile the path is L1-locked
+        and the nodes host-locked. None (nothing changed) when there is nothing to load or
+        no room. ``load_back_cost`` says beforehand what it takes from L1."""
         core = self.tree.core
-        if match.host_hit_length <= 0:
+        nodes = self._load_nodes(match)
+        if not nodes:
             return None
         top = match.last_device_node
-        nodes = []
-        n: TreeNode | None = match.last_host_node
-        while n is not top:
-            if n is None or n.parent is None or n.data[0].value is not None or n.in_flight or n.loading:
-                return None
-            nodes.append(n)
-            n = n.parent
-        nodes.reverse()
         need = sum(self.tree._npages(x) for x in nodes)
         for x in nodes:
             for c in self.tree.components:
@@ -312,12 +387,12 @@ class TierCalls:
         off = 0
         aux_src: dict[str, list[int]] = {}
         aux_dst: dict[str, list[int]] = {}
+        pending: dict[str, dict[int, int]] = {}
         for x in nodes:
             k = self.tree._npages(x)
             src_all.extend(x.data[0].host_value)
             x.loading = True  # first: the observer hears of these pages once they land
             core.set_value(x, 0, dev[off:off + k])
-            off += k
             x.in_flight += 1
             for c in self.tree.aux:
                 hv = x.data[c.slot].host_value
@@ -327,57 +402,64 @@ class TierCalls:
                 d = c.allocator.alloc(len(pages))
                 if d is None:
                     continue
-                core.set_value(x, c.slot, c.from_pages(d))
-                core.lock(x, c.slot)  # not evictable until the load finishes
                 aux_src.setdefault(c.name, []).extend(pages)
                 aux_dst.setdefault(c.name, []).extend(d)
+                at = range(off, off + k) if c.paged else (off + k - 1,)  # a state belongs to the node's end
+                pending.setdefault(c.name, {}).update(zip(at, d, strict=True))
+            off += k
         transfers = {self.tree.full.name: (src_all, dev)}
         for name in aux_src:
             transfers[name] = (aux_src[name], aux_dst[name])
-        op = TierOp("load", match.last_host_node, need, transfers)
+        op = TierOp("load", match.last_host_node, need, transfers, pending=pending)
         self.tree.full.lock(core, op.node)
         self._open_transfers += 1
         return op
 
     def finish_load_back(self, op: TierOp, ok: bool) -> None:
-        """Apply the acknowledgement of a ``start_load_back``; on failure the nodes are
-        L2-only again and their new L1 pages are freed."""
+        """Apply the acknowledgement of a ``start_load_back``. On success the nodes still
+        loading become readable, each auxiliary component's units placed on them now;
+        on failure they are L2-only again. Units a node no longer wants (its own pages
+        came from a request's insert meanwhile) and every unit of a failed load are freed
+        here: none was ever readable, so nothing else refers to them."""
         self._close(op, "load")
         core = self.tree.core
         nodes = self.tree._op_nodes(op.node, op.npages)
         self.tree.full.unlock(core, op.node)
-        loaded = {name: set(dst) for name, (_src, dst) in op.transfers.items() if name != self.tree.full.name}
         dev = op.transfers[self.tree.full.name][1]
         end = len(dev)
         landed: list[TreeNode] = []  # now readable: the observer is told, upper first, below
         for x in nodes:  # lowest first: its pages are the last ones
             k = self.tree._npages(x)
-            mine = dev[end - k:end]
-            end -= k
+            lo = end - k
             x.in_flight -= 1
             for c in self.tree.components:
                 cd = x.data[c.slot]
                 if cd.host_value is not None and cd.host_lock_ref > 0:
                     core.host_unlock(x, c.slot)
-            for c in self.tree.aux:  # the lock start_load_back took on the data it placed here
-                cd = x.data[c.slot]
-                if cd.value is not None and c.name in loaded and set(c.as_pages(cd.value)) <= loaded[c.name]:
-                    core.unlock(x, c.slot)
-            if ok and x.loading:
+            place = ok and x.loading  # else an insert re-filled it with a request's own data, or the load failed
+            for c in self.tree.aux:
+                units = op.pending.get(c.name)
+                if not units:
+                    continue
+                at = range(lo, end) if c.paged else (end - 1,)
+                got = [units.pop(j) for j in at if j in units]
+                if not got:
+                    continue
+                if place and len(got) == len(at) and x.data[c.slot].value is None:
+                    core.set_value(x, c.slot, c.from_pages(got))
+                else:
+                    self.tree._free(c, got)
+            if place:
                 landed.append(x)
             if not x.loading:
-                # an insert re-filled it with a request's own pages meanwhile: ours are spare
-                self.tree._free(self.tree.full, mine)
+                self.tree._free(self.tree.full, dev[lo:end])  # the request's pages replaced ours
             elif not ok:
-                pages = core.clear_value(x, 0)
-                self.tree._free(self.tree.full, pages)
+                self.tree._free(self.tree.full, core.clear_value(x, 0))
             x.loading = False
-            if not ok:
-                for c in self.tree.aux:  # what the failed load put there is not valid data
-                    cd = x.data[c.slot]
-                    if cd.value is not None and c.name in loaded and set(c.as_pages(cd.value)) <= loaded[c.name]:
-                        v = core.clear_value(x, c.slot)
-                        self.tree._free(c, c.as_pages(v))
+            end = lo
+        for name, units in op.pending.items():  # none is left unless the span changed shape
+            self.tree._free(self.tree._by_name[name], list(units.values()))
+            units.clear()
         if core.observer is not None:
             for x in reversed(landed):
                 core.observer.pages_added(x, Tier.DEVICE)

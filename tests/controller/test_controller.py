@@ -98,15 +98,22 @@ def test_mamba_state_slots_round_trip(harness: ControllerHarness) -> None:
     (protos.PrefetchFetch(908, ["a" * 64, "b" * 64], [7, 7]), "twice"),
     (protos.PrefetchFetch(909, ["a" * 64], [7], aux_keys={"mamba": ["c" * 64, "d" * 64]},
                           aux_pages={"mamba": [3, 3]}), "twice"),
+    # queued for a controller run that died: its pages may belong to someone else by now
+    (protos.WriteToHost(910, {"full": [0]}, {"full": [0]}, run=7), "controller run 7"),
+    (protos.LoadToDevice(911, {"full": [0]}, {"full": [0]}, run=7), "sent before a restart"),
+    (protos.PrefetchFetch(912, ["a" * 64], [0], run=7), "controller run 7"),
+    (protos.BackupToStorage(913, [0], ["a" * 64], run=7), "controller run 7"),
+    (protos.PrefetchQuery(914, ["a" * 64], run=7), "controller run 7"),
 ])
 def test_bad_ops_are_rejected_without_touching_memory(harness: ControllerHarness, msg: protos.Message,
                                                       needle: str) -> None:
     h = harness
-    before = [t.clone() for t in h.pools["full"].l2]
+    before = [t.clone() for t in (*h.pools["full"].l2, *h.pools["full"].l1_paged)]
     answer = h.call(msg)
     assert isinstance(answer, protos.OpDone) and answer.status == "rejected"
     assert answer.op_id == msg.op_id and answer.error and needle in answer.error
-    assert all(torch.equal(a, b) for a, b in zip(before, h.pools["full"].l2, strict=True))
+    after = (*h.pools["full"].l2, *h.pools["full"].l1_paged)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
 def test_garbage_and_wrong_messages_get_error_replies_and_serving_goes_on(harness: ControllerHarness) -> None:

@@ -109,6 +109,7 @@ def test_an_engine_mode_page_is_the_engines_block_and_need_not_be_a_power_of_two
     ({"cache": {"eviction": "s3fifo"}}, "cache.eviction", "one of"),
     ({"device": "cuda"}, "device", "host memory"),
     ({"server": {"body_timeout_s": -1}}, "server.body_timeout_s", "> 0"),
+    ({"server": {"controller_op_timeout_s": 0.5}}, "server.controller_op_timeout_s", ">= 1.0"),
     ({"server": {"served_model_names": []}}, "server.served_model_names", "at least one"),
     ({"server": {"served_model_names": ["a", "a"]}}, "server.served_model_names", "repeat"),
     ({"engine": {"kind": "vllm"}}, "engine.model", "required"),

@@ -52,7 +52,7 @@ def test_each_inbox_decodes_what_the_table_sends_it() -> None:
 
     assert set(scheduler) == {protos.GenerateRequest, protos.AbortRequest, protos.AdminRequest, protos.OpDone,
                               protos.PrefetchHits, protos.StorageStatus, protos.StorageEvicted, protos.ErrorReply,
-                              protos.ProcessEvent, protos.Shutdown}
+                              protos.ProcessEvent, protos.ControllerStarted, protos.Shutdown}
     assert set(controller) == set(accepted_by("controller")) and protos.Cancel in controller
     assert set(tokenizer) == set(accepted_by("tokenizer")) and protos.Ready in tokenizer
     assert set(engine) == {protos.EngineRegistered, protos.LookupResult, protos.ReserveResult, protos.EngineError}

@@ -11,9 +11,9 @@ import zmq
 
 import protos
 from hicache.engine_server.process import ENGINE_MODE_ERROR, CacheServerProcess
+from hicache.scheduler.controller_link import ControllerLink
 from hicache.scheduler.loop import (
     ACCEPTS,
-    CONTROLLER_OP_TIMEOUT_S,
     DEFAULT_GRACE_S,
     INBOX_BATCH,
     Links,
@@ -74,8 +74,12 @@ class Push:
         self.closed = True
 
 
+OP_TIMEOUT_S = 60.0
+
+
 class Tier:
     def __init__(self) -> None:
+        self.run: int | None = 0
         self.in_flight = 0
         self.age = 0.0
         self.lost = 0
@@ -104,6 +108,7 @@ class Sched:
         self.controller: list[protos.Message] = []
         self.forwards = 0
         self.idle_checks = 0
+        self.stalled_since: float | None = None
         self.counters = SimpleNamespace(load_join_wait_s=0.0)
         self.model = SimpleNamespace(geometry=SimpleNamespace(components=("full",)))
 
@@ -157,20 +162,22 @@ class Ctx:
 
 
 def _links(controller: bool = True) -> Links:
-    return Links(Ctx(), Inbox(), Push(), Push(), Push() if controller else None)  # type: ignore[arg-type]
+    return Links(Ctx(), Inbox(), Push(), Push(), ControllerLink(Push()) if controller else None)  # type: ignore[arg-type]
 
 
-def _args(grace_s: float = DEFAULT_GRACE_S) -> SchedulerArgs:
+def _args(grace_s: float = DEFAULT_GRACE_S, op_timeout_s: float = OP_TIMEOUT_S) -> SchedulerArgs:
     cfg = SimpleNamespace(model=SimpleNamespace(kind="reference"), cache=SimpleNamespace(
-        page_size=4, l2=SimpleNamespace(enabled=True), l3=SimpleNamespace(backend="none")))
+        page_size=4, l2=SimpleNamespace(enabled=True), l3=SimpleNamespace(backend="none")),
+        server=SimpleNamespace(controller_op_timeout_s=op_timeout_s))
     layout = SimpleNamespace(component=lambda name: SimpleNamespace(l1_pages=8, l2_pages=16))
     return SchedulerArgs(cfg, layout, SimpleNamespace(dir=None, address=lambda n: f"ipc://{n}"),  # type: ignore[arg-type]
                          "ipc://launcher", grace_s)
 
 
-def _scheduler(grace_s: float = DEFAULT_GRACE_S) -> tuple[SchedulerProcess, Sched, Tier, Clock]:
+def _scheduler(grace_s: float = DEFAULT_GRACE_S, op_timeout_s: float = OP_TIMEOUT_S,
+               ) -> tuple[SchedulerProcess, Sched, Tier, Clock]:
     sched, tier, clock = Sched(), Tier(), Clock()
-    proc = SchedulerProcess(_args(grace_s), _links(), None, sched, tier=tier,  # type: ignore[arg-type]
+    proc = SchedulerProcess(_args(grace_s, op_timeout_s), _links(), None, sched, tier=tier,  # type: ignore[arg-type]
                             telemetry=Telemetry(), stop=StopSignal())
     proc.clock = clock
     return proc, sched, tier, clock
@@ -251,16 +258,59 @@ def test_a_drain_with_nothing_running_ends_in_the_same_round() -> None:
 def test_a_hung_controller_is_reported_once_and_again_after_it_died() -> None:
     proc, _sched, tier, _clock = _scheduler()
     launcher = proc.links.to_launcher.sent  # type: ignore[attr-defined]
-    tier.age = CONTROLLER_OP_TIMEOUT_S + 1
+    tier.age = OP_TIMEOUT_S + 1
     proc.housekeeping()
     proc.housekeeping()
     assert [(m.process, m.event) for m in launcher] == [("controller", "restart")]
     proc.dispatch(protos.ProcessEvent("controller", "died", 42, "killed"))
-    assert tier.lost == 1 and proc.links.to_controller.resets == 1  # type: ignore[union-attr]
+    assert tier.lost == 1 and proc.links.to_controller.push.resets == 1  # type: ignore[union-attr]
     proc.housekeeping()
     assert len(launcher) == 2
     proc.dispatch(protos.ProcessEvent("tokenizer", "died", 43, "not ours"))
     assert tier.lost == 1
+
+
+def test_the_op_timeout_is_the_configured_one() -> None:
+    proc, _sched, tier, _clock = _scheduler(op_timeout_s=2.0)
+    launcher = proc.links.to_launcher.sent  # type: ignore[attr-defined]
+    tier.age = 1.5
+    proc.housekeeping()
+    assert launcher == []
+    tier.age = 2.5
+    proc.housekeeping()
+    assert [(m.process, m.event) for m in launcher] == [("controller", "restart")]
+
+
+@pytest.mark.parametrize("mode", ["builtin", "engine"])
+def test_no_op_starts_between_a_controllers_death_and_its_successor_which_gets_the_store_in_force(
+        mode: str) -> None:
+    if mode == "builtin":
+        proc, _sched, tier, _clock = _scheduler()
+    else:
+        proc, tier, _tok = _cache_server()
+    link = proc.links.to_controller
+    assert link is not None and tier.run == 0  # the first controller's run, from the start arguments
+    link.send(protos.StorageAdmin(5, "detach"))  # DELETE /cache/storage at run time
+    proc.dispatch(protos.StorageStatus(5, "none", True))
+    proc.dispatch(protos.ProcessEvent("controller", "died", 42, "killed"))
+    assert tier.run is None and tier.lost == 1  # no op is started: none could reach a controller
+    proc.dispatch(protos.ControllerStarted(43, 777))
+    assert tier.run == 777 and tier.l3_enabled is False  # L3 off until the new one says which store serves
+    restore = link.push.sent[-1]  # type: ignore[attr-defined]
+    assert isinstance(restore, protos.StorageAdmin) and restore.op == "detach" and restore.op_id < -1
+    link.send(protos.StorageAdmin(6, "attach", {"l3": {"backend": "file"}}))
+    proc.dispatch(protos.StorageStatus(6, "file", True, {}, "refused"))  # a failed attach changes nothing
+    proc.dispatch(protos.ProcessEvent("controller", "died", 43, "killed"))
+    proc.dispatch(protos.ControllerStarted(44, 778))
+    assert link.push.sent[-1].op == "detach"  # type: ignore[attr-defined]
+
+
+def test_a_restarted_controller_with_the_configured_store_is_asked_its_status() -> None:
+    proc, _sched, tier, _clock = _scheduler()
+    proc.dispatch(protos.ProcessEvent("controller", "died", 42, "killed"))
+    proc.dispatch(protos.ControllerStarted(43, 5))
+    sent = proc.links.to_controller.push.sent[-1]  # type: ignore[union-attr]
+    assert isinstance(sent, protos.StorageAdmin) and sent.op == "status" and tier.l3_enabled is False
 
 
 def test_controller_answers_reach_the_scheduler_and_bad_frames_are_dropped() -> None:

@@ -230,8 +230,9 @@ def test_swa_chunked_prefill_then_finish():
     assert cache.total_size(SWA) == 10  # no SWA page leaked
 
 
-def test_a_load_back_protects_the_auxiliary_data_it_places():
-    """Evictable means evict can free it: a load in flight locks the state it loads."""
+def test_a_load_back_holds_the_auxiliary_data_it_loads_outside_the_tree():
+    """Evictable means evict can free it: the state a load in flight copies is the op's,
+    not the tree's, until the load lands."""
     dev, host = PageAllocator(32, "full"), PageAllocator(32, "full-l2")
     states, states_host = PageAllocator(8, "mamba"), PageAllocator(8, "mamba-l2")
     cache = UnifiedRadixCache([FullComponent(dev, host), MambaComponent(states, states_host)], 1)
@@ -245,11 +246,11 @@ def test_a_load_back_protects_the_auxiliary_data_it_places():
     assert m.host_hit_length == 8  # valid once loaded: the state comes back too
     load = cache.tiers.start_load_back(m)
     assert load is not None and set(load.transfers) == {"full", "mamba"}
-    assert cache.total_size(MAMBA) == 1 and cache.evictable_size(MAMBA) == 0
+    assert cache.total_size(MAMBA) == 0 and states.used == 1 and cache.evictable_size(MAMBA) == 0
     assert cache.evictable_size() == 0
     assert cache.evict_units({"full": 100, "mamba": 5}).units("mamba") == 0  # nothing evictable was hidden
     cache.tiers.finish_load_back(load, True)
-    assert cache.evictable_size(MAMBA) == 1 and cache.evictable_size() == 8
+    assert cache.total_size(MAMBA) == 1 and cache.evictable_size(MAMBA) == 1 and cache.evictable_size() == 8
     assert cache.match_prefix(key, copy_on_match=False).device_len == 8
     cache.check_integrity(exact=True)
 
