@@ -67,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="names of the two runs (default: the config files' names)")
     t.add_argument("--keep-l3", action="store_true", help="keep the fresh L3 directories --compare creates")
     t.add_argument("--start-timeout", type=float, default=300.0, help="seconds a daemon may take to start")
-    t.add_argument("--api-key", default=None, help="bearer token for a daemon with server.api_key")
+    t.add_argument("--api-key", default=None, help="bearer token for a daemon with keys: the operator's (server.operator or "
+                        "server.api_key), since /metrics and --flush are the operator's")
     w = parser.add_argument_group("workload")
     w.add_argument("--workload", choices=WORKLOADS, default="multi-turn")
     w.add_argument("--conversations", type=int, default=8, help="multi-turn: chat clients (conversations)")
