@@ -274,8 +274,9 @@ class ProcessLoop(abc.ABC):
             self.telemetry.publish()
             self.count_kv_events()
         if self.idle() and self._idle_check.due(now):
+            start = self.clock()
             self.check_idle()
-            took = self.clock() - now
+            took = self.clock() - start
             self._idle_check.interval_s = max(IDLE_CHECK_INTERVAL_S, took / IDLE_CHECK_SHARE)
 
     def publish_kv_events(self) -> None:
