@@ -40,6 +40,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "engine": ("hicache.bench.engine", "vLLM with hicache beside it against vLLM alone"),
     "events": ("hicache.bench.events", "serving with KV events on against off, and the events' lag"),
     "soak": ("hicache.bench.soak", "mixed traffic with faults on a schedule, checked against a cold daemon"),
+    "capacity": ("hicache.bench.capacity", "one engine-mode daemon under a node of simulated engines, to the knee"),
 }
 
 

@@ -26,10 +26,12 @@ the same.
 
 from __future__ import annotations
 
+import gzip
 import json
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 from hicache.tree.node import KEY_TYPECODE  # the tree's key type: traces replay through the real tree
 
@@ -89,7 +91,8 @@ def _parse_line(line: str, where: str) -> tuple[list[int], float | None, int | N
 
 
 def load_trace(path: str | Path) -> Trace:
-    """Read a Mooncake-format JSON-lines file. Blank lines are skipped.
+    """Read a Mooncake-format JSON-lines file (gzipped when its name ends in ``.gz``, as the
+    vendored traces are). Blank lines are skipped.
 
     Raises ``TraceError`` naming ``path:line`` for the first bad record, ``OSError`` if the
     file cannot be read.
@@ -97,7 +100,7 @@ def load_trace(path: str | Path) -> Trace:
     blocks: list[list[int]] = []
     stamps: list[float | None] = []
     lengths: list[int | None] = []
-    with open(path, encoding="utf-8") as fh:
+    with _open_text(path) as fh:
         for lineno, line in enumerate(fh, 1):
             line = line.strip()
             if not line:
@@ -109,6 +112,13 @@ def load_trace(path: str | Path) -> Trace:
     if any(i >= DENSE_LIMIT for ids in blocks for i in ids):
         blocks = _renumbered(blocks)
     return Trace(Path(path).name, blocks, stamps, lengths)
+
+
+def _open_text(path: str | Path) -> TextIO:
+    """``path`` opened for reading text, through gzip when its name ends in ``.gz``."""
+    if str(path).endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
 
 
 def _renumbered(blocks: list[list[int]]) -> list[list[int]]:

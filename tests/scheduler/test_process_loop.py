@@ -15,6 +15,7 @@ from hicache.scheduler.controller_link import ControllerLink
 from hicache.scheduler.loop import (
     ACCEPTS,
     DEFAULT_GRACE_S,
+    IDLE_CHECK_SHARE,
     INBOX_BATCH,
     Links,
     SchedulerArgs,
@@ -345,6 +346,29 @@ def test_the_idle_check_runs_only_after_a_round_that_began_idle() -> None:
     clock.now += 2.0
     proc.housekeeping()
     assert sched.idle_checks == 2
+
+
+def test_a_slow_idle_check_runs_less_often_within_its_share_of_the_loop() -> None:
+    proc, sched, _tier, clock = _scheduler()
+    ran_at: list[float] = []
+
+    def check(took: float) -> None:
+        ran_at.append(clock.now)
+        clock.now += took
+
+    sched.check_idle = lambda: check(0.2)  # type: ignore[method-assign]  # a walk of a big tree
+    for _ in range(200):  # 20 s of idle rounds, 0.1 s apart
+        proc.housekeeping()
+        clock.now += 0.1
+    gaps = [b - a for a, b in zip(ran_at, ran_at[1:], strict=False)]
+    assert len(ran_at) >= 2 and min(gaps) >= 0.2 / IDLE_CHECK_SHARE  # 0.2 s in every 10 s at most
+    sched.check_idle = lambda: check(0.001)  # type: ignore[method-assign]  # the tree shrank
+    clock.now += 11.0
+    before = len(ran_at)
+    for _ in range(50):
+        proc.housekeeping()
+        clock.now += 0.1
+    assert len(ran_at) - before >= 4  # back to about once a second
 
 
 def test_engine_mode_refuses_generation_and_stops_at_the_end_of_the_round() -> None:
