@@ -529,7 +529,7 @@ class HttpApi:
         operator in any tenant's (``tenant`` in the body)."""
         tenant = request.get(TENANT)
         scoped_args(tenant, self.engine_mode, "PUT /cache/pinned")
-        args = body_args(await self._read_json(request), self.tokenizer, tenant, self._tenants)
+        args = body_args(await self._read_json(request), self.tokenizer, self.limits.vocab_size, tenant, self._tenants)
         return await self._admin("pin", args, max(self.admin_timeout_s, PIN_TIMEOUT_S))
 
     async def unpin(self, request: web.Request) -> web.Response:

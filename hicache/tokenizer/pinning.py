@@ -19,7 +19,7 @@ from hicache.config import HicacheConfig, PinnedPrefixConfig
 from hicache.tenants import tenant_salt
 from hicache.text import Tokenizer
 from hicache.tokenizer.scheduler_link import SchedulerLink
-from hicache.tokenizer.validation import RequestError, encode_prompt
+from hicache.tokenizer.validation import RequestError, check_token_ids, encode_prompt
 
 log = logging.getLogger("hicache.tokenizer.pinning")
 
@@ -45,10 +45,12 @@ def configured_args(p: PinnedPrefixConfig, tokenizer: Tokenizer) -> dict[str, An
     return pin_args(p.name, ids, tenant_salt(p.tenant, p.cache_salt), None if p.tiers is None else list(p.tiers))
 
 
-def body_args(body: Any, tokenizer: Tokenizer, tenant: str | None,
+def body_args(body: Any, tokenizer: Tokenizer, vocab_size: int, tenant: str | None,
               tenants: frozenset[str] = frozenset()) -> dict[str, Any]:
     """``PUT /cache/pinned``'s body as the ``pin`` op's arguments; ``RequestError`` (400)
     naming the first bad field. The scheduler checks the rest (name, ids, tiers, size).
+    ``input_ids`` follow ``/generate``'s rule (``validation.check_token_ids``: the served
+    model's ``vocab_size``, which the OpenAPI document states for both).
 
     ``tenant``: the caller's (None: the operator). A tenant pins in its own namespace, as
     its own call (``args["tenant"]``: within its pin budget; a ``tenant`` field naming
@@ -66,10 +68,11 @@ def body_args(body: Any, tokenizer: Tokenizer, tenant: str | None,
         if not isinstance(text, str) or not text:
             raise RequestError("text must be a non-empty string", param="text")
         ids = encode_prompt(tokenizer, text)
-    elif not isinstance(ids, list) or not ids or not all(type(t) is int and 0 <= t < tokenizer.vocab_size
-                                                         for t in ids):
-        raise RequestError(f"input_ids must be a non-empty list of token ids in [0, {tokenizer.vocab_size})",
+    elif not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
+        raise RequestError(f"input_ids must be a non-empty list of token ids in [0, {vocab_size})",
                            param="input_ids")
+    else:
+        check_token_ids(ids, vocab_size)
     salt = body.get("cache_salt", "")
     if not isinstance(salt, str):
         raise RequestError("cache_salt must be a string", param="cache_salt")

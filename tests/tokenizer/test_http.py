@@ -313,6 +313,19 @@ def test_invalid_bodies_are_400(tok: TokenizerProcess, path: str, body: object, 
     assert set(err) == {"message", "type", "param", "code"}
 
 
+def test_pinned_input_ids_follow_the_generate_rule(tok: TokenizerProcess) -> None:
+    """``PUT /cache/pinned`` takes the token ids ``/generate`` takes (the model's vocabulary,
+    512 here, beyond the byte-level tokenizer's 260) and refuses the same ones."""
+    for ids in ([300] * 8, [511]):
+        assert tok.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}).status == 200
+        r = tok.request("PUT", "/cache/pinned", {"name": "p", "input_ids": ids})
+        assert r.status == 200, r.body
+    for ids, needle in (([1, 512], "input_ids[1] = 512 is outside the vocabulary [0, 512)"),
+                        ([-1], "outside the vocabulary"), ([1, "2"], "[0, 512)")):
+        r = tok.request("PUT", "/cache/pinned", {"name": "p", "input_ids": ids})
+        assert r.status == 400 and needle in r.json()["error"]["message"], r.body
+
+
 def test_oversized_body_is_413_without_reading_it(tok: TokenizerProcess) -> None:
     garbage = os.urandom(2 * 1024 * 1024)
     start = time.monotonic()
