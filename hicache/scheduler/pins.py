@@ -33,10 +33,18 @@ What a pin holds, and who releases it (only ``unpin`` / a replacing ``pin`` do):
 - while ``writing``, a temporary L1 lock (even for a pin without ``l1``) so the pages cannot
   leave L1 before their L2 copies exist.
 
+Bounded time: once its internal request has finished, a pin is pinned within ``settle_s``
+(``PIN_SETTLE_S``) or fails, releasing what it holds: a lock L1's budget never finds room
+for, or L2 copies that cannot be written (L2 held by other pins, a tenant's L2 quota
+smaller than the prefix), would otherwise hold its temporary lock for good. A pin in that
+stretch may be unpinned (its callers are told it failed); only a pin whose request still
+runs is "still being pinned".
+
 Only whole pages are pinned: a prefix's partial last page is computed by every request, as
 for any cached prefix. Sizes: each tier's pins together may take at most
 ``cache.pinned_fraction`` of that tier; a pin past it is refused, naming it, the share and
-the pins that hold it. Two pins that share pages count them twice (never too little). The
+the pins that hold it. Every lock counts: a pin naming l2 alone takes its share of L1 too,
+for its temporary lock (``holds_l1``). Two pins that share pages count them twice (never too little). The
 internal requests' outputs never reach the tokenizer (``owns`` / ``on_output``).
 
 Tenants: a pin belongs to the tenant of its ``cache_salt`` (``Pin.tenant``; None: no
@@ -78,6 +86,8 @@ PinKey = tuple[str | None, str]
 PIN_RID_PREFIX = "pin:"
 """Internal request ids; the tokenizer's ids are hex, so they never collide."""
 PIN_TIERS = ("l1", "l2")
+PIN_SETTLE_S = 60.0
+"""The most a pin may take from the end of its internal request to pinned (module docstring)."""
 
 
 class PinState(enum.Enum):
@@ -112,6 +122,13 @@ class Pin:
     l2_locks: list[tuple[TreeNode, int]] = field(default_factory=list)
     outcome: protos.TokenOutput | None = None
     """The internal request's final output, until ``poll`` takes it up."""
+    computed_at: float | None = None
+    """When the internal request finished (None: it runs); ``settle_s`` counts from here."""
+
+    def holds_l1(self) -> bool:
+        """Whether it holds, or will hold, an L1 lock: pins naming l1, and pins naming l2
+        until pinned (the temporary lock of ``writing``)."""
+        return "l1" in self.tiers or ("l2" in self.tiers and self.state is not PinState.PINNED)
 
     @property
     def tenant(self) -> str | None:
@@ -164,9 +181,11 @@ class PinnedPrefixes:
 
     def __init__(self, state: SchedulerState, submit: Callable[[protos.GenerateRequest], None],
                  reply: Callable[[protos.AdminReply], None], fraction: float,
-                 budgets: dict[str, int] | None = None) -> None:
-        """``budgets``: per tenant, the tokens its own pins may hold in each tier."""
+                 budgets: dict[str, int] | None = None, settle_s: float = PIN_SETTLE_S) -> None:
+        """``budgets``: per tenant, the tokens its own pins may hold in each tier;
+        ``settle_s``: the bound of the module docstring's "Bounded time"."""
         self.s = state
+        self.settle_s = settle_s
         self.submit = submit
         self.reply = reply
         self.fraction = fraction
@@ -191,13 +210,15 @@ class PinnedPrefixes:
         return sum(p.pages for p in self._pins_in(tier, but) if p.tenant == tenant)
 
     def _pins_in(self, tier: str, but: PinKey | None) -> list[Pin]:
-        return [p for p in self.pins.values() if tier in p.tiers and p.key != but]
+        return [p for p in self.pins.values() if p.key != but and (p.holds_l1() if tier == "l1" else tier in p.tiers)]
 
     def _check_share(self, key: PinKey, pages: int, tiers: tuple[str, ...], caller: str | None) -> None:
         """Refuse a pin past a tier's share, or past the budget of ``caller`` (a tenant
         pinning for itself; None: the operator); a tenant's refusal names only its own pins."""
         ps = self.s.page_size
         tenant, name = key
+        if "l2" in tiers and "l1" not in tiers:
+            tiers = ("l1", *tiers)  # its temporary L1 lock while writing counts too
         for tier in tiers:
             cap = self.capacity_pages(tier)
             if cap == 0:
@@ -265,12 +286,15 @@ class PinnedPrefixes:
         if pin is None:
             self.reply(protos.AdminReply(admin_rid, False, {"missing": True}, f"no pinned prefix named {name!r}"))
             return
-        if pin.state is not PinState.PINNED:
+        if pin.state is not PinState.PINNED and pin.computed_at is None:
             self.reply(protos.AdminReply(admin_rid, False, {"refused": True},
                                          f"pinned prefix {name!r} is still being pinned; retry when it is"))
             return
-        self._release(pin)
-        del self.pins[pin.key]
+        if pin.state is not PinState.PINNED:  # computed, waiting for room or for its L2 copies
+            self._fail(pin, "unpinned before it was pinned", refused=False)
+        else:
+            self._release(pin)
+            del self.pins[pin.key]
         self.reply(protos.AdminReply(admin_rid, True, {"unpinned": pin.name, "tokens": pin.pages * self.s.page_size}))
 
     def listing(self, tenant: str | None = None) -> dict[str, Any]:
@@ -297,12 +321,21 @@ class PinnedPrefixes:
         if out.finished:
             pin = self._by_rid.pop(out.rid)
             pin.outcome = out
+            pin.computed_at = self.s.clock()
 
     def poll(self) -> None:
-        """Advance every pin that can: computed ones are locked, written ones protected."""
+        """Advance every pin that can: computed ones are locked, written ones protected; a
+        pin past ``settle_s`` fails."""
+        now = self.s.clock()
         for pin in list(self.pins.values()):
             try:
-                if pin.outcome is not None:
+                if (pin.state is not PinState.PINNED and pin.computed_at is not None
+                        and now - pin.computed_at > self.settle_s):
+                    why = ("its L2 copies could not be written (L2 held by other pins, or its tenant's L2 quota "
+                           "smaller than the prefix)" if pin.state is PinState.WRITING
+                           else "L1 had no room for its lock (running requests held it)")
+                    self._fail(pin, f"not pinned within {self.settle_s:g} s of computing it: {why}", refused=False)
+                elif pin.outcome is not None:
                     out, pin.outcome = pin.outcome, None
                     self._computed(pin, out)
                 elif pin.state is PinState.WRITING:

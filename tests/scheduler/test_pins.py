@@ -230,3 +230,71 @@ def test_a_hybrid_models_pin_must_name_l1_and_then_hits_exactly() -> None:
     rig.run([gen("user", ids, n=4)])
     assert rig.cached("user") == 40
     assert rig.tokens("user") == cold_tokens(cfg, "user", ids, 4)
+
+
+def test_a_pin_naming_l2_alone_counts_its_temporary_l1_lock_against_l1s_share() -> None:
+    rig = PinL2Rig(_cfg(pinned_fraction=0.25))  # shares: L1 64 of 256 tokens, L2 128 of 512
+    try:
+        assert rig.admin("pin", {"name": "a", "input_ids": PREFIX, "tiers": ["l1"]}).ok  # 40 tokens
+        b = rig.admin("pin", {"name": "b", "input_ids": list(range(3, 35)), "tiers": ["l2"]})
+        assert not b.ok and b.result["refused"]
+        assert b.error == ("pinned prefix 'b' (32 tokens) does not fit L1's share for pinned prefixes: 64 of 256 "
+                           "tokens (cache.pinned_fraction 0.25), 40 already pinned by a")
+        assert rig.admin("pin", {"name": "c", "input_ids": list(range(3, 27)), "tiers": ["l2"]}).ok  # 24 fits
+        listing = rig.admin("pins", {}).result["tiers"]
+        assert listing["l1"]["pinned_tokens"] == 40 and listing["l2"]["pinned_tokens"] == 24  # c's lock is gone
+    finally:
+        rig.close()
+
+
+def test_a_pin_whose_l2_copies_cannot_be_written_fails_in_bounded_time() -> None:
+    """A tenant's L2 quota (16 tokens) smaller than its pin (40): the copies can never all be
+    in L2. The pin fails once ``settle_s`` has passed since it was computed, and lets its
+    temporary L1 lock go; before that, an unpin ends it at once."""
+    from hicache.scheduler.pins import PIN_SETTLE_S
+    from hicache.tenants import tenant_salt
+
+    cfg = config_from_dict({
+        "model": {"reference": {"preset": "tiny"}},
+        "cache": {"page_size": 4, "l1": {"tokens": 256}, "l2": {"tokens": 512}, "l3": {"backend": "none"},
+                  "load_back_threshold": 0},
+        "scheduler": {"chunked_prefill_tokens": 64, "max_prefill_tokens": 128},
+        "server": {"api_keys": [{"tenant": "a", "key": "key-a-0123456789",
+                                 "quota": {"l2_tokens": 16, "pinned_tokens": 64}}]},
+    })
+    rig = PinL2Rig(cfg)
+    now = [1000.0]
+    rig.sched.clock = lambda: now[0]
+    try:
+        args = {"name": "sys", "input_ids": PREFIX, "cache_salt": tenant_salt("a", "")}
+
+        def ask(rid: str, steps: int = 200) -> protos.AdminReply | None:
+            rig.sched.admin(protos.AdminRequest(rid, "pin", args))
+            for _ in range(steps):
+                if rid in rig.replies:
+                    break
+                rig.sched.step()
+                rig.pump()
+            return rig.replies.get(rid)
+
+        assert ask("first") is None  # computed, its L2 copies blocked by the quota: writing
+        (pin,) = rig.admin("pins", {}).result["pinned"]
+        assert pin["state"] == "writing"
+        assert rig.sched.pins.l1_pages == 10  # the temporary lock
+        now[0] += PIN_SETTLE_S + 1
+        for _ in range(3):
+            rig.sched.step()
+            rig.pump()
+        failed = rig.replies["first"]
+        assert not failed.ok and f"not pinned within {PIN_SETTLE_S:g} s" in failed.error
+        assert "L2 quota" in failed.error
+        assert rig.admin("pins", {}).result["pinned"] == [] and rig.sched.pins.l1_pages == 0
+        # again, and this time unpinned while it waits for its copies: it ends at once
+        assert ask("second") is None
+        unpinned = rig.admin("unpin", {"name": "sys", "owner": "a"})
+        assert unpinned.ok, unpinned.error
+        assert not rig.replies["second"].ok and "unpinned before it was pinned" in rig.replies["second"].error
+        assert rig.sched.pins.l1_pages == 0
+        rig.run([])
+    finally:
+        rig.close()
