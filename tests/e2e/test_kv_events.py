@@ -216,6 +216,7 @@ def test_the_index_follows_every_tier_through_a_flush_a_restart_and_storage_chan
                                                                                     mode: str) -> None:
     endpoint = f"tcp://127.0.0.1:{free_port()}" if mode == "connect" else None
     cfg = _config(tmp_path, endpoint)
+    cfg["events"]["bind"] = mode == "bind"  # connect: the subscriber binds, the daemon connects to it
     d = Daemon(tmp_path, cfg, "a")
     index = Index(cfg["events"]["endpoint"], cfg["events"]["replay_endpoint"], bind=mode == "connect")
     d.start()
@@ -291,7 +292,7 @@ def test_the_index_follows_every_tier_through_a_flush_a_restart_and_storage_chan
         _admin(d2, "DELETE", "/cache/storage")
         index.until("L3 empty after the detach", lambda: index.count("STORAGE") == 0)
         # attached again, backed up into, then cleared: the index follows each
-        _admin(d2, "PUT", "/cache/storage", {"backend": "file", "file": {"dir": str(tmp_path / "l3")}})
+        _admin(d2, "PUT", "/cache/storage", {"store": "default"})  # cache.l3 itself: the same directory
         d2.generate(prompts[1] + [7, 7, 7, 7] * 8, n=4)
         d2.wait_tiers_idle("the new pages written", backed_up=False)  # (prefetched pages are not backed up)
         index.until("the new backups", lambda: index.count("STORAGE") > 0)
