@@ -628,7 +628,12 @@ def test_daemon_started_with_refused_credentials_serves_without_l3_and_says_why(
         assert again["meta_info"]["cached_tokens_details"]["storage"] == 0  # no L3
         status, body = d.request("GET", "/cache/storage")
         assert status == 200 and body["backend"] == "none" and needle in body["stats"]["attach_error"], body
-        status, body = d.request("PUT", "/cache/storage", {"store": "good"})
+        deadline = time.monotonic() + 30
+        while True:  # 409 while the flush's or the last request's transfers are in flight
+            status, body = d.request("PUT", "/cache/storage", {"store": "good"})
+            if status != 409 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert status == 200 and body["backend"] == "redis" and "attach_error" not in body["stats"], body
     finally:
         assert d.stop() == 0, d.log()
