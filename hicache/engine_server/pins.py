@@ -167,12 +167,16 @@ class EnginePins:
         for node, npages in pin.locks:
             self.cache.tiers.release_host(node, npages)
         pin.locks = []
+        self._drop_ticket(pin)
+        self._leave(pin)
+
+    def _drop_ticket(self, pin: EnginePin) -> None:
+        """Stop waiting for ``pin``'s prefetch (one in flight still lands in L2)."""
         if pin.ticket is not None:
             tier = self._tier()
             if tier is not None:
                 tier.cancel_prefetch(pin.ticket)
             pin.ticket = None
-        self._leave(pin)
 
     def _leave(self, pin: EnginePin) -> None:
         """Take ``pin`` out of the index of its state (waiting by salt, or loading)."""
@@ -204,10 +208,7 @@ class EnginePins:
         for pin in list(self._loading):
             if pin.ticket is not None and pin.ticket.complete:
                 pin.from_l3 = pin.ticket.arrived_tokens // self.cache.page_size
-                tier = self._tier()
-                if tier is not None:
-                    tier.cancel_prefetch(pin.ticket)
-                pin.ticket = None
+                self._drop_ticket(pin)
                 self._advance(pin)
 
     def _advance(self, pin: EnginePin) -> None:
