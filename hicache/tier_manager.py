@@ -126,8 +126,9 @@ class PrefetchTicket:
     """A prefetch for a waiting request.
 
     ``start_tokens``: where the L3 run starts (the end of the L1+L2 match); ``hashes``: the
-    page hashes of the request's next pages; ``arrived_tokens``: tokens inserted into L2 so
-    far; ``complete``: no more will arrive. ``deadline``: monotonic time after which a
+    page hashes of the request's next pages; ``arrived_tokens``: the tokens after ``start_tokens``
+    its L2 insert made matchable (new nodes, or auxiliary data for Full pages the tree held:
+    ``InsertResult.kept_end``); ``complete``: no more will arrive. ``deadline``: monotonic time after which a
     ``timeout`` policy stops waiting (None: no limit).
     """
 
@@ -446,7 +447,7 @@ class TierManager:
             end = ticket.start_tokens + pages_done * ps
             res = self.cache.tiers.insert_host(ticket.key[:end], pages[:pages_done], ticket.cache_salt,
                                          start_page=first, aux=aux)
-            ticket.arrived_tokens = res.host_pages_taken * ps
+            ticket.arrived_tokens = max(0, res.kept_end - ticket.start_tokens)
             self.counters.prefetch_tokens += pages_done * ps
             self.counters.prefetch_aux_units += sum(len(m) for m in aux.values())
         ticket.host_pages = []

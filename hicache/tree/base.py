@@ -73,7 +73,9 @@ class InsertResult:
     the components whose end-node data the tree had already (the payload's was freed).
     ``insert_host`` only: ``host_pages_taken``, the FULL L2 pages it kept; ``new_nodes``, the
     nodes it made (root side first); ``aux_nodes``, the nodes the tree held before that took
-    auxiliary L2 data from it."""
+    auxiliary L2 data from it; ``kept_end``, where the last node that kept any of its data
+    ends (tokens of the key; 0 when it kept nothing): what a prefetch made matchable reaches
+    there even when the tree had the FULL pages and took only auxiliary data."""
 
     prefix_len: int
     node: TreeNode
@@ -81,6 +83,7 @@ class InsertResult:
     host_pages_taken: int = 0
     new_nodes: list[TreeNode] = field(default_factory=list)
     aux_nodes: list[TreeNode] = field(default_factory=list)
+    kept_end: int = 0
 
 
 @dataclass

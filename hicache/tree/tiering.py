@@ -708,6 +708,7 @@ class TierCalls:
                 if x.data[0].host_value is not None and not x.in_flight and not x.loading \
                         and self._take_aux(x, first, units):
                     res.aux_nodes.append(x)
+                    res.kept_end = (first + k) * ps
                 first += k
         if have < n:
             cuts = {have // ps, npages}
@@ -732,6 +733,7 @@ class TierCalls:
             core.touch(path + made)
             res.node = made[-1]
             res.host_pages_taken = npages - have // ps
+            res.kept_end = n
         self._free_aux_units(units)
         return res
 

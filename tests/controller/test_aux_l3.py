@@ -414,3 +414,29 @@ def test_all_swa_prefix_without_its_swa_objects_does_not_match(index_pools: Shar
     rig.cache.flush()
     rig.cache.check_integrity(exact=True)
     rig.io.detach()
+
+
+def test_prefetch_that_brings_only_aux_data_is_credited(pools: SharedPools, tmp_path: Path) -> None:
+    """L2 holds a prompt's Full pages but not its window pages or state (they were evicted):
+    the hybrid match stops at 0. A prefetch then finds the Full pages in the tree already and
+    brings only the auxiliary objects; the tokens it made matchable are what it credits
+    (``arrived_tokens``, reported as ``storage``), not the zero Full pages it kept."""
+    io = StorageIO(pools, None)
+    rig = AuxRig(pools, _backend("file", tmp_path, io))
+    prompt = list(range(1, 1 + 6 * PS))
+    rig.compute(prompt)
+    rig.cache.flush()
+    host = rig.l2["full"].alloc(6)
+    assert host is not None
+    assert rig.cache.tiers.insert_host(prompt, list(host)).host_pages_taken == 6  # Full alone, as after aux eviction
+    m = rig.cache.match_prefix(prompt, copy_on_match=False)
+    assert m.device_len == 0 and m.host_hit_length == 0  # no window, no state: nothing valid
+    ticket = rig.tier.start_prefetch("r", prompt, m)
+    assert ticket is not None
+    rig.run()
+    assert ticket.complete
+    assert rig.cache.match_prefix(prompt, copy_on_match=False).host_hit_length == 6 * PS
+    assert ticket.arrived_tokens == 6 * PS
+    rig.cache.flush()
+    rig.cache.check_integrity(exact=True)
+    rig.io.detach()
