@@ -146,6 +146,9 @@ class SaveCursor:
     node: TreeNode | None = None
     depth: int = 0
     """Tokens from the root to ``node``'s end: the prefix L2 held at the last reservation."""
+    leases: list[int] = field(default_factory=list)
+    """Its reservations that may still be open (``_after_own_reservations``), each of a
+    prefix of the request's held tokens (``_keep_prefixes`` forgets the others)."""
     credit: float = 0.0
     """Evicted pages before ``SaveRange.start_page`` its saves may still bring back
     (``RESAVE_SHARE`` per page of new content asked, less what re-saves took)."""
@@ -341,14 +344,25 @@ class CacheServer:
             if held is None or len(held) < base:
                 self.counters.unknown_requests += 1
                 return Refusal("unknown_request", f"request {slot[1]!r} has no {base} tokens here: send them all")
-            key = held[:base] + key
+            key = (held if base == len(held) else held[:base]) + key  # one copy of the context
         cursor = self._cursors.get(slot)
-        if cursor is not None and cursor.node is not None and base < cursor.depth:  # its tokens may differ
-            d = cursor.depth
-            if held is None or len(held) < d or len(key) < d or held[:d] != key[:d]:
-                cursor.node, cursor.depth = None, 0
+        if cursor is not None:
+            self._keep_prefixes(cursor, held, key, base)
         self.requests.set(slot, key)
         return key
+
+    def _keep_prefixes(self, cursor: SaveCursor, held: array[int] | None, key: array[int], base: int) -> None:
+        """The request's tokens become ``key``, whose first ``base`` are those of ``held`` (the
+        tokens held before): ``cursor`` forgets its node, and those of its open reservations,
+        whose prefix may not be a prefix of ``key`` any more (compared only past ``base``)."""
+        def kept(n: int) -> bool:
+            return n <= base or (held is not None and len(held) >= n and len(key) >= n and held[:n] == key[:n])
+
+        if cursor.node is not None and not kept(cursor.depth):
+            cursor.node, cursor.depth = None, 0
+        if cursor.leases:
+            cursor.leases = [lid for lid in cursor.leases if (lease := self.leases.leases.get(lid)) is not None
+                             and lease.key is not None and kept(len(lease.key))]
 
     # ------------------------------------------------------------------ register
     def register(self, msg: protos.EngineRegister) -> protos.Message:
@@ -522,7 +536,7 @@ class CacheServer:
             start = match.walked_len // ps
         else:
             start = self._held_prefix(cursor, key, salt) // ps
-            start = self._after_own_reservations(session, item.rid, key, salt, start)
+            start = self._after_own_reservations(cursor, key, salt, start)
         new = max(0, end - max(start, item.start_page))
         gap = max(0, min(item.start_page, end) - start)
         credit = cursor.credit + RESAVE_SHARE * new
@@ -564,12 +578,14 @@ class CacheServer:
         if n == 0 and not window_at and not state_at:
             return protos.Reservation(0, start)
         pages = list(host.alloc(n)) if n else []
-        lease = self.leases.add(Lease(0, LeaseKind.RESERVE, session, self.clock(), key=key[: top * ps],
+        lease = self.leases.add(Lease(0, LeaseKind.RESERVE, session, self.clock(), key=key if top * ps == len(key) else key[: top * ps],
                                       cache_salt=salt, start_page=min(start, top), pages=pages,
                                       ranks=self._ranks(session), window_pages=window, window_at=window_at,
                                       state_slots=states, state_at=state_at, rid=item.rid,
                                       repeat_end=item.repeat_end))
         self.counters.reserved_pages += n
+        if match is None:
+            cursor.leases.append(lease.lease_id)
         return protos.Reservation(lease.lease_id, start, pages, window_pages=window, window_at=window_at,
                                   state_slots=states, state_at=state_at)
 
@@ -612,7 +628,7 @@ class CacheServer:
         cursor.node, cursor.depth = node, depth
         return depth
 
-    def _after_own_reservations(self, session: int, rid: str, key: array[int], salt: str, start: int) -> int:
+    def _after_own_reservations(self, cursor: SaveCursor, key: array[int], salt: str, start: int) -> int:
         """``start`` moved past the pages that the request's own open reservations (its
         earlier saves, whose commits have not come yet) will insert from there on, so that a
         save of a page that filled while an earlier one was still being copied does not copy
@@ -622,13 +638,10 @@ class CacheServer:
         Safe because a rank commits its saves in the order they were planned, so the earlier
         lease ends first; if it fails, the later one starts past what the tree holds and
         ``insert_host`` frees its pages (a shorter cache, never a wrong one)."""
-        s = self.leases.sessions.get(session)
-        if s is None:
-            return start
-        spans = [(lease.start_page, lease.start_page + len(lease.pages)) for lid in s.leases
-                 if (lease := self.leases.leases.get(lid)) is not None and lease.kind is LeaseKind.RESERVE
-                 and lease.rid == rid and lease.cache_salt == salt and not lease.failed and lease.pages
-                 and lease.key is not None and key[: len(lease.key)] == lease.key]
+        open_ = [lease for lid in cursor.leases if (lease := self.leases.leases.get(lid)) is not None]
+        cursor.leases = [lease.lease_id for lease in open_]  # prefixes of ``key`` (``_keep_prefixes``)
+        spans = [(lease.start_page, lease.start_page + len(lease.pages)) for lease in open_
+                 if lease.cache_salt == salt and not lease.failed and lease.pages]
         for first, top in sorted(spans):  # by first page: one pass follows a run of them
             if first <= start < top:
                 start = top

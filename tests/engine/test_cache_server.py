@@ -449,6 +449,24 @@ def test_a_requests_reserves_resume_from_its_cursor_and_answer_what_a_whole_matc
     assert server.integrity_error is None
 
 
+def test_a_request_sent_again_with_other_tokens_does_not_start_past_its_open_reservations() -> None:
+    """An open reservation of a request lets its next save start past it only while it
+    saves a prefix of the request's tokens: sent again with other tokens (``base`` 0), the
+    request's save starts where L2 lacks its new prefix, and its cursor walks from the root."""
+    server, _ = make_server()
+    eng = FakeEngine(server, {})
+    a = list(range(1, 4 * PS + 1))
+    b = [9] * (4 * PS)
+    first = reserve(server, 1, eng.session, RUN, "r", a[: 3 * PS], 0)
+    again = reserve(server, 2, eng.session, RUN, "r", b, 0)
+    assert (again.start_page, len(again.host_pages)) == (0, 4)
+    _fill(eng, a, first)
+    _fill(eng, b, again)
+    for got in (first, again):
+        server.handle(protos.Commit(eng.session, RUN, got.lease))
+    assert len(eng.lookup(b).host_pages) == 4 and len(eng.lookup(a).host_pages) == 3
+
+
 def test_a_decode_steps_match_walks_only_the_pages_added_since_its_last_reserve() -> None:
     """The tree nodes a reserve walks (``TreeCore.walk``) cover the pages committed since the
     request's last reserve, not its context: constant work per step at any length."""
