@@ -129,17 +129,19 @@ class SlotMemory:
 @dataclass
 class SaveCursor:
     """Where a running request's last reservation found the end of its prefix in L2, so that
-    the next one matches only what came after it (``CacheServer._held_prefix``).
+    the next one walks only what came after it (``CacheServer._held_prefix``), and its open
+    reservations; also its re-save credit (``reserve_range``).
 
-    Owned by the cache server, one per (session, request) that reserved, at most
-    ``SLOT_MEMORY`` (the least recently used forgotten first). Dropped by the request's
-    ``Finished`` and its session's end. ``node`` is checked before every use: it must still be
-    in the tree (eviction detaches a node; only leaves are evicted, so its ancestors are in
-    too) with its L2 copy, under the namespace root of ``salt``; else (evicted, another salt)
-    the match starts again from the root. The tokens before ``depth`` are those of ``node``'s
-    path: the server drops the node when the request's held tokens are replaced by ones that
-    differ before ``depth`` (``_request_tokens``). Full-attention models only (a window or a
-    state rule needs the whole path's validators): with window or state layers ``node`` stays None.
+    Owned by the cache server: one per (session, request) that reserved, at most
+    ``SLOT_MEMORY`` (the least recently used forgotten first). Dropped whole by the request's
+    ``Finished`` and by its session's end. Its ``node`` is dropped lazily on eviction: it is
+    checked before every use, and must still be in the tree (eviction detaches a node, and
+    only leaves are evicted, so its ancestors are in too) with its L2 copy, under the
+    namespace root of ``salt``; else the walk starts again from the root. The tokens before
+    ``depth`` are those of ``node``'s path: the node is dropped when the request's held tokens
+    are replaced by ones that may differ before ``depth`` (``_keep_prefixes``). Full-attention
+    models only (a window or a state rule needs the whole path's validators): with window or
+    state layers ``node`` stays None and ``leases`` empty.
     """
 
     salt: str
