@@ -8,9 +8,11 @@ per message, the same at any context):
 - **CPU per generated block**: ``--requests`` running requests of each context in
   ``--contexts`` (tokens) decode ``--blocks`` blocks each; every step sends one ``Reserve``
   with each request's filled block (only its new tokens, by ``base``) and commits what it
-  got (a step late, as a worker does). The figure is the server's CPU seconds per saved block (median of the steps, the
-  contexts' steps run in turn so drift hits them alike), against the first context's.
-  Goal: flat (at most ``CPU_GOAL`` times the shortest context's).
+  got (a step late, as a worker does). ``--node-tokens`` saves each context in pieces, a
+  tree node each, as a long chat or decode leaves it (default: whole, one node). The figure
+  is the server's CPU seconds per saved block (median of the steps; the contexts' steps run
+  in turn, so drift hits them alike) against the first context's. Goal: flat (at most
+  ``CPU_GOAL`` times the shortest context's).
 - **Re-save under a thrashing L2**: one engine of ``--running`` requests with prompts from a
   Mooncake-format trace (the vendored conversation trace by default, as ``hicache bench
   capacity`` takes them: ``capacity_lib.traffic``), each looked up, computed in chunks of
@@ -56,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contexts", default="1024,16384,65536", help="context lengths (tokens), comma-separated")
     parser.add_argument("--requests", type=int, default=16, help="running requests per context")
     parser.add_argument("--blocks", type=int, default=96, help="blocks each request decodes")
+    parser.add_argument("--node-tokens", type=int, default=0,
+                        help="save each context in pieces of this many tokens, a tree node each, as a long chat "
+                             "or decode leaves it (default: the whole context at once, one node)")
     parser.add_argument("--running", type=int, default=32, help="running requests of the thrash run")
     parser.add_argument("--decode", type=int, default=512, help="tokens each request of the thrash run decodes")
     parser.add_argument("--chunk", type=int, default=8192, help="prompt tokens computed a step (chunked prefill)")
@@ -141,8 +146,10 @@ class Engine:
             self.server.handle(protos.Commit(self.session, RUN, lease, True))
 
 
-def cpu_per_block(page: int, contexts: list[int], requests: int, blocks: int) -> dict[int, float]:
-    """Median CPU seconds of the server per decoded block, per context length."""
+def cpu_per_block(page: int, contexts: list[int], requests: int, blocks: int, node_tokens: int = 0
+                  ) -> dict[int, float]:
+    """Median CPU seconds of the server per decoded block, per context length (each context
+    saved in pieces of ``node_tokens``, or whole)."""
     engines: dict[int, tuple[Engine, list[Running]]] = {}
     for ctx in contexts:
         server, session = make_server(page, requests * (ctx // page + blocks + 2))
@@ -152,10 +159,13 @@ def cpu_per_block(page: int, contexts: list[int], requests: int, blocks: int) ->
             first = (len(engines) * requests + i) * 2**22  # distinct prompts
             tokens = array("I", range(first, first + ctx))
             tokens.extend(DECODED_TOKENS_FROM + first + j for j in range(blocks * page))
-            r = Running(f"c{ctx}-{i}", tokens, ctx, blocks * page, computed=ctx)
-            eng.ask(r)
-            reqs.append(r)
-        eng.reserve()  # the prompts, not measured
+            reqs.append(Running(f"c{ctx}-{i}", tokens, ctx, blocks * page))
+        piece = node_tokens // page * page or ctx
+        while any(r.computed < ctx for r in reqs):  # the contexts, not measured
+            for r in reqs:
+                r.computed = min(ctx, r.computed + piece)
+                eng.ask(r)
+            eng.reserve()
         eng.reserve()
         engines[ctx] = (eng, reqs)
     samples: dict[int, list[float]] = {ctx: [] for ctx in contexts}
@@ -231,12 +241,13 @@ def run(args: argparse.Namespace) -> int:
     parts = set(args.parts.split(","))
     if "cpu" in parts:
         contexts = [int(x) for x in args.contexts.split(",")]
-        cpu = cpu_per_block(page, contexts, args.requests, args.blocks)
+        cpu = cpu_per_block(page, contexts, args.requests, args.blocks, args.node_tokens)
         ref = contexts[0]
         for ctx in contexts[1:]:
             figures.append(Figure(f"server CPU per block, {ctx} tokens", "us", cpu[ctx] * 1e6,
                                   f"{ref} tokens", cpu[ref] * 1e6, higher_is_better=False, goal=CPU_GOAL))
         extra["cpu_per_block_us"] = {str(c): v * 1e6 for c, v in cpu.items()}
+        extra["node_tokens"] = args.node_tokens
     if "thrash" in parts:
         trace = args.trace or default_trace()
         if trace is None:
