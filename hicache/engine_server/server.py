@@ -580,7 +580,8 @@ class CacheServer:
         if n == 0 and not window_at and not state_at:
             return protos.Reservation(0, start)
         pages = list(host.alloc(n)) if n else []
-        lease = self.leases.add(Lease(0, LeaseKind.RESERVE, session, self.clock(), key=key if top * ps == len(key) else key[: top * ps],
+        prefix = key if top * ps == len(key) else key[: top * ps]  # keys are never changed in place: shared
+        lease = self.leases.add(Lease(0, LeaseKind.RESERVE, session, self.clock(), key=prefix,
                                       cache_salt=salt, start_page=min(start, top), pages=pages,
                                       ranks=self._ranks(session), window_pages=window, window_at=window_at,
                                       state_slots=states, state_at=state_at, rid=item.rid,
