@@ -41,6 +41,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "events": ("hicache.bench.events", "serving with KV events on against off, and the events' lag"),
     "soak": ("hicache.bench.soak", "mixed traffic with faults on a schedule, checked against a cold daemon"),
     "capacity": ("hicache.bench.capacity", "one engine-mode daemon under a node of simulated engines, to the knee"),
+    "reserve": ("hicache.bench.reserve", "the engine-mode cache server's work per step: by context, and under a thrashing L2"),
 }
 
 

@@ -266,7 +266,9 @@ class SaveRange:
 
     The server skips the pages it already holds, and starts earlier than ``start_page``
     where L2 lost pages before it (evicted since the engine saved them): the engine still
-    holds every full layer's block of a running request, so it saves them again.
+    holds every full layer's block of a running request, so it saves them again, as far as
+    the request's re-save credit goes (a tenth of a page per page of new content it asked);
+    past it the range gets no pages (docs/architecture.md, engine mode, "Reserve").
 
     ``window_from``: with window layers, the first page whose window layers' blocks the
     engine still holds (vLLM frees those before its window); the server asks for no window

@@ -793,11 +793,12 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         (a second one only for requests whose tokens the daemon forgot), and plan the saves.
         The daemon reserves from the first page it lacks, which covers a gap a short or
         failed reservation left earlier (the request still holds the full layers' blocks of
-        every page; so a later block retries it). A sliding-window group gives up its blocks
-        before the window as the request goes on; the daemon asks for window parts only from
-        the range's ``window_from`` on, whose blocks the group holds in this step; a
-        reservation whose window blocks are not all held is given back unsaved (the next
-        step's range, ending later, tries again)."""
+        every page; so a later block retries it), within the request's re-save credit (the
+        daemon's ``reserve_range``). A sliding-window group gives up its blocks before the
+        window as the request goes on; the daemon asks for window parts only from the range's
+        ``window_from`` on, whose blocks the group holds in this step; a reservation whose
+        window blocks are not all held is given back unsaved (the next step's range, ending
+        later, tries again)."""
         asks: list[tuple[_StepRange, protos.SaveRange, int]] = []  # (request, its range, the tokens it ends at)
         for step in ranges:
             planned = self._save_range(step.tracked, step.computed_before, step.computed_after)

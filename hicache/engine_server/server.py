@@ -77,6 +77,11 @@ MAX_TENSOR_PARALLEL = 64
 REQUEST_MEMORY_TOKENS = 1 << 26
 """Tokens the server keeps of running requests at most, 256 MiB as keys (``RequestTokens``)."""
 
+RESAVE_SHARE = 0.1
+"""Pages of a running request's evicted prefix that its saves may bring back, per page of new
+content it asked to save (``SaveCursor.credit``): pages reserved stay within 1.1x the new
+content at any L2 size."""
+
 _IDENTITY = re.compile(r"[0-9a-f]{64}")
 
 
@@ -119,6 +124,36 @@ class SlotMemory:
     """... whether that window stays when the request saves further (a prompt's end) ..."""
     window_brought: list[int] = field(default_factory=list)
     """... and the pages of it whose window parts the request brought itself."""
+
+
+@dataclass
+class SaveCursor:
+    """Where a running request's last reservation found the end of its prefix in L2, so that
+    the next one walks only what came after it (``CacheServer._held_prefix``), and its open
+    reservations; also its re-save credit (``reserve_range``).
+
+    Owned by the cache server: one per (session, request) that reserved, at most
+    ``SLOT_MEMORY`` (the least recently used forgotten first). Dropped whole by the request's
+    ``Finished`` and by its session's end. Its ``node`` is dropped lazily on eviction: it is
+    checked before every use, and must still be in the tree (eviction detaches a node, and
+    only leaves are evicted, so its ancestors are in too) with its L2 copy, under the
+    namespace root of ``salt``; else the walk starts again from the root. The tokens before
+    ``depth`` are those of ``node``'s path: the node is dropped when the request's held tokens
+    are replaced by ones that may differ before ``depth`` (``_keep_prefixes``). Full-attention
+    models only (a window or a state rule needs the whole path's validators): with window or
+    state layers ``node`` stays None and ``leases`` empty.
+    """
+
+    salt: str
+    node: TreeNode | None = None
+    depth: int = 0
+    """Tokens from the root to ``node``'s end: the prefix L2 held at the last reservation."""
+    leases: list[int] = field(default_factory=list)
+    """Its reservations that may still be open (``_after_own_reservations``), each of a
+    prefix of the request's held tokens (``_keep_prefixes`` forgets the others)."""
+    credit: float = 0.0
+    """Evicted pages before ``SaveRange.start_page`` its saves may still bring back
+    (``RESAVE_SHARE`` per page of new content asked, less what re-saves took)."""
 
 
 WINDOW = "swa"
@@ -184,6 +219,18 @@ class EngineCounters:
     """Orphaned leases ended by their late Release / Commit."""
     orphans_ended_gone: int = 0
     """Orphaned leases ended because their engine process is gone."""
+    reserve_walked_pages: int = 0
+    """Pages of tree nodes walked to find where save ranges start (a full-attention model's
+    range resumes from its request's ``SaveCursor``: about the pages committed since its last one)."""
+    reserve_resumed: int = 0
+    """Save ranges whose match resumed from their request's ``SaveCursor``."""
+    save_new_pages: int = 0
+    """Pages from ``SaveRange.start_page`` to the range's end that L2 lacked: the new content asked."""
+    resaved_pages: int = 0
+    """Pages reserved before ``SaveRange.start_page`` (a running request's evicted prefix saved again)."""
+    resave_refused_pages: int = 0
+    """Evicted pages before ``SaveRange.start_page`` that went unsaved (more than the request's
+    ``SaveCursor.credit``), with the range's whole save."""
 
 
 class CacheServer:
@@ -215,6 +262,7 @@ class CacheServer:
         self.counters = EngineCounters()
         self._prefetches: dict[tuple[int, str], PrefetchTicket] = {}
         self._slots: OrderedDict[tuple[int, str], SlotMemory] = OrderedDict()
+        self._cursors: OrderedDict[tuple[int, str], SaveCursor] = OrderedDict()
         self.requests = RequestTokens(REQUEST_MEMORY_TOKENS)
         self.exact_checks = 0
         self.integrity_error: str | None = None
@@ -293,14 +341,30 @@ class CacheServer:
         except ValueError as exc:
             self.counters.bad_requests += 1
             return Refusal("bad_request", str(exc))
+        held = self.requests.get(slot)
         if base:
-            held = self.requests.get(slot)
             if held is None or len(held) < base:
                 self.counters.unknown_requests += 1
                 return Refusal("unknown_request", f"request {slot[1]!r} has no {base} tokens here: send them all")
-            key = held[:base] + key
+            key = (held if base == len(held) else held[:base]) + key  # one copy of the context
+        cursor = self._cursors.get(slot)
+        if cursor is not None:
+            self._keep_prefixes(cursor, held, key, base)
         self.requests.set(slot, key)
         return key
+
+    def _keep_prefixes(self, cursor: SaveCursor, held: array[int] | None, key: array[int], base: int) -> None:
+        """The request's tokens become ``key``, whose first ``base`` are those of ``held`` (the
+        tokens held before): ``cursor`` forgets its node, and those of its open reservations,
+        whose prefix may not be a prefix of ``key`` any more (compared only past ``base``)."""
+        def kept(n: int) -> bool:
+            return n <= base or (held is not None and len(held) >= n and len(key) >= n and held[:n] == key[:n])
+
+        if cursor.node is not None and not kept(cursor.depth):
+            cursor.node, cursor.depth = None, 0
+        if cursor.leases:
+            cursor.leases = [lid for lid in cursor.leases if (lease := self.leases.leases.get(lid)) is not None
+                             and lease.key is not None and kept(len(lease.key))]
 
     # ------------------------------------------------------------------ register
     def register(self, msg: protos.EngineRegister) -> protos.Message:
@@ -441,7 +505,18 @@ class CacheServer:
         the tree can only take pages that continue what it holds, so a gap would make every
         later save of the request wasted). With window layers, also window parts
         (``_window_wanted``), and with state layers the states of ``item.state_pages`` that L2
-        lacks, when the full pages could all be had."""
+        lacks, when the full pages could all be had.
+
+        Bounded re-save: the pages before ``item.start_page`` that L2 lacks (its evicted
+        prefix) are saved again only while they fit the request's ``SaveCursor.credit``
+        (``RESAVE_SHARE`` per page of new content it asked, this range's included); past it
+        the range saves nothing (its pages would follow a gap) and the answer is an empty
+        reservation at the first page L2 lacks. So pages reserved stay within ``1 +
+        RESAVE_SHARE`` times the new content at any L2 size, and a request whose prefix a
+        thrashing L2 keeps losing stops saving instead of evicting other prefixes to hold its own.
+
+        A full-attention model's match resumes from the request's ``SaveCursor``: a step's
+        work is its new pages, not its context."""
         self.counters.save_ranges += 1
         if item.start_page < 0 or item.window_from < 0:
             self.counters.bad_requests += 1
@@ -454,11 +529,24 @@ class CacheServer:
         salt = namespaced_salt(namespace, item.cache_salt)
         ps = self.cache.page_size
         end = len(key) // ps
-        match = self.cache.match_prefix(key, salt)
-        # the first page L2 lacks (with window or state layers a hit may end before it)
-        start = (match.walked_len if self.window or self.state else match.host_hit_length) // ps
-        if not self.window and not self.state:
-            start = self._after_own_reservations(session, item.rid, key, salt, start)
+        cursor = self._cursor((session, item.rid), salt)
+        match: MatchResult | None = None
+        if self.window or self.state:
+            match = self.cache.match_prefix(key, salt)
+            self.counters.reserve_walked_pages += sum(len(x.key) for x in match.path or ()) // ps
+            # the first page L2 lacks (with window or state layers a hit may end before it)
+            start = match.walked_len // ps
+        else:
+            start = self._held_prefix(cursor, key, salt) // ps
+            start = self._after_own_reservations(cursor, key, salt, start)
+        new = max(0, end - max(start, item.start_page))
+        gap = max(0, min(item.start_page, end) - start)
+        credit = cursor.credit + RESAVE_SHARE * new
+        if gap > credit:  # the request's evicted prefix is more than its saves may bring back
+            self.counters.resave_refused_pages += gap
+            return protos.Reservation(0, start)
+        cursor.credit = credit - gap
+        self.counters.save_new_pages += new
         want = max(0, end - start)
         host = self.host
         if host.free_count < want:
@@ -468,7 +556,8 @@ class CacheServer:
             self.counters.reserve_short_pages += want - n
         top = start + n if n else min(start, end)  # the reservation's prefix ends at page ``top``
         window_at: list[int] = []
-        if self.window and n == want:
+        self.counters.resaved_pages += min(n, gap)
+        if match is not None and self.window and n == want:
             memory = self._slot((session, item.rid))
             own = memory.window_end if not memory.window_kept else -1  # its own earlier end: no branch point
             held = self.cache.tiers.host_page_flags(match.walked_node, WINDOW) if match.walked_node else []
@@ -481,7 +570,7 @@ class CacheServer:
             self.counters.reserve_short_window_pages += len(window_at)
             window_at = []
         state_at: list[int] = []
-        if self.state and n == want:
+        if match is not None and self.state and n == want:
             held_states = self.cache.tiers.host_state_pages(match.walked_node, STATE) if match.walked_node else set()
             state_at = sorted({j for j in item.state_pages if 0 <= j < top and j not in held_states})
         states = self._alloc_aux(STATE, len(state_at))
@@ -491,16 +580,58 @@ class CacheServer:
         if n == 0 and not window_at and not state_at:
             return protos.Reservation(0, start)
         pages = list(host.alloc(n)) if n else []
-        lease = self.leases.add(Lease(0, LeaseKind.RESERVE, session, self.clock(), key=key[: top * ps],
+        prefix = key if top * ps == len(key) else key[: top * ps]  # keys are never changed in place: shared
+        lease = self.leases.add(Lease(0, LeaseKind.RESERVE, session, self.clock(), key=prefix,
                                       cache_salt=salt, start_page=min(start, top), pages=pages,
                                       ranks=self._ranks(session), window_pages=window, window_at=window_at,
                                       state_slots=states, state_at=state_at, rid=item.rid,
                                       repeat_end=item.repeat_end))
         self.counters.reserved_pages += n
+        if match is None:
+            cursor.leases.append(lease.lease_id)
         return protos.Reservation(lease.lease_id, start, pages, window_pages=window, window_at=window_at,
                                   state_slots=states, state_at=state_at)
 
-    def _after_own_reservations(self, session: int, rid: str, key: array[int], salt: str, start: int) -> int:
+    def _cursor(self, slot: tuple[int, str], salt: str) -> SaveCursor:
+        """The ``SaveCursor`` of ``slot`` (made if new or of another salt; the most recent)."""
+        cursor = self._cursors.get(slot)
+        if cursor is None or cursor.salt != salt:
+            cursor = self._cursors[slot] = SaveCursor(salt)
+            while len(self._cursors) > SLOT_MEMORY:
+                self._cursors.popitem(last=False)
+        else:
+            self._cursors.move_to_end(slot)
+        return cursor
+
+    def _held_prefix(self, cursor: SaveCursor, key: array[int], salt: str) -> int:
+        """Tokens of ``key``'s prefix that L2 holds (for a full-attention model, what
+        ``match_prefix`` answers as ``host_hit_length``), walked from ``cursor`` when its node
+        is still valid (else from the root); ``cursor`` moves to the end found."""
+        core = self.cache.core
+        root = core.root(salt)
+        if root is None:
+            cursor.node, cursor.depth = None, 0
+            return 0
+        ps = self.cache.page_size
+        n = len(key) // ps * ps
+        node, depth = cursor.node, cursor.depth
+        if node is not None and depth <= n and node.root is root and (
+                node is root or (node.parent is not None and node.data[0].host_value is not None
+                                 and not node.loading)):
+            self.counters.reserve_resumed += 1
+        else:
+            node, depth = root, 0
+        walked = 0
+        for x in core.walk(node, key[depth:n], n - depth) if depth < n else ():
+            walked += len(x.key)
+            if x.loading or x.data[0].host_value is None:
+                break
+            node, depth = x, depth + len(x.key)
+        self.counters.reserve_walked_pages += walked // ps
+        cursor.node, cursor.depth = node, depth
+        return depth
+
+    def _after_own_reservations(self, cursor: SaveCursor, key: array[int], salt: str, start: int) -> int:
         """``start`` moved past the pages that the request's own open reservations (its
         earlier saves, whose commits have not come yet) will insert from there on, so that a
         save of a page that filled while an earlier one was still being copied does not copy
@@ -510,13 +641,10 @@ class CacheServer:
         Safe because a rank commits its saves in the order they were planned, so the earlier
         lease ends first; if it fails, the later one starts past what the tree holds and
         ``insert_host`` frees its pages (a shorter cache, never a wrong one)."""
-        s = self.leases.sessions.get(session)
-        if s is None:
-            return start
-        spans = [(lease.start_page, lease.start_page + len(lease.pages)) for lid in s.leases
-                 if (lease := self.leases.leases.get(lid)) is not None and lease.kind is LeaseKind.RESERVE
-                 and lease.rid == rid and lease.cache_salt == salt and not lease.failed and lease.pages
-                 and lease.key is not None and key[: len(lease.key)] == lease.key]
+        open_ = [lease for lid in cursor.leases if (lease := self.leases.leases.get(lid)) is not None]
+        cursor.leases = [lease.lease_id for lease in open_]  # prefixes of ``key`` (``_keep_prefixes``)
+        spans = [(lease.start_page, lease.start_page + len(lease.pages)) for lease in open_
+                 if lease.cache_salt == salt and not lease.failed and lease.pages]
         for first, top in sorted(spans):  # by first page: one pass follows a run of them
             if first <= start < top:
                 start = top
@@ -690,6 +818,7 @@ class CacheServer:
         self.leases.touch(msg.session, self.clock())
         slot = (msg.session, msg.rid)
         self.requests.forget(slot)
+        self._cursors.pop(slot, None)
         ticket = self._prefetches.pop(slot, None)
         if ticket is not None:  # the request ended while its prefetch ran
             self._cancel_prefetch(ticket)
@@ -728,6 +857,8 @@ class CacheServer:
             self._cancel_prefetch(self._prefetches.pop(slot))
         if self.leases.expired_sessions != expired_before:
             self.requests.keep_sessions(live)
+            for slot in [s for s in self._cursors if s[0] not in live]:
+                del self._cursors[slot]
             if self.pins is not None:  # a namespace whose last session ended keeps no pin
                 self.pins.keep_namespaces({s.namespace for s in live.values()})
         if orphaned:

@@ -20,7 +20,7 @@ import protos
 from hicache.engine_server.geometry import attention_shape
 from hicache.engine_server.leases import EngineProcess, LeaseTable
 from hicache.engine_server.pins import PinEntry
-from hicache.engine_server.server import CacheServer
+from hicache.engine_server.server import RESAVE_SHARE, CacheServer, namespaced_salt
 from hicache.hashing import HashNamespace
 from hicache.memory.allocator import PageAllocator
 from hicache.tree.cache import UnifiedRadixCache
@@ -350,17 +350,148 @@ def test_engines_of_another_runtime_identity_share_no_page() -> None:
     assert len(vec.lookup(tokens).host_pages) == 3 and server.host.used == 6
 
 
-def test_a_reserve_after_a_gap_starts_at_the_first_page_l2_lacks() -> None:
-    server, _ = make_server()
+def test_a_reserve_after_a_gap_saves_the_evicted_prefix_again_within_the_requests_credit() -> None:
+    """Pages before ``start_page`` that L2 lost since the request saved them are saved again
+    while they fit its credit (a tenth of a page per page of new content it asked); a longer
+    gap makes the range save nothing (its pages would follow the gap): an empty reservation
+    at the first page L2 lacks, the prefix before it still served."""
+    server, _ = make_server(l2_pages=32)
     eng = FakeEngine(server, {})
-    tokens = list(range(1, 4 * PS + 1))
-    eng.save(tokens[: 2 * PS])
-    server.cache.tiers.evict_host(2 * PS)  # L2 lost the request's first pages since it saved them
-    later = eng.save(tokens, start_page=2)  # the engine asks from page 2; L2 lacks 0..3
-    assert later.start_page == 0 and len(later.host_pages) == 4
-    assert len(eng.lookup(tokens).host_pages) == 4  # before: pages 2, 3 were reserved, then freed
+    tokens = list(range(1, 30 * PS + 1))
+    eng.save(tokens[: 20 * PS])  # credit 2.0
+    eng.save(tokens[: 22 * PS], start_page=20)  # credit 2.2
+    server.cache.tiers.evict_host(2 * PS)  # L2 lost the leaf: pages 20, 21
+    later = eng.save(tokens[: 23 * PS], start_page=22)  # asks from 22; L2 lacks 20..22; 2 <= 2.3
+    assert later.start_page == 20 and len(later.host_pages) == 3
+    assert len(eng.lookup(tokens[: 23 * PS]).host_pages) == 23
+    server.cache.tiers.evict_host(3 * PS)  # the leaf again: pages 20..22; credit 0.3 + 0.1 < 3
+    refused = eng.save(tokens[: 24 * PS], start_page=23)
+    assert (refused.lease, refused.start_page, refused.host_pages) == (0, 20, [])
+    assert len(eng.lookup(tokens[: 24 * PS]).host_pages) == 20
+    c = server.counters
+    assert (c.resaved_pages, c.resave_refused_pages, c.save_new_pages) == (2, 3, 20 + 2 + 1)
+    assert c.reserved_pages <= (1 + RESAVE_SHARE) * c.save_new_pages
     server.check_idle()
     assert server.integrity_error is None
+
+
+class Decoder:
+    """A running request of ``eng``'s engine that saves each page as it fills, sending only
+    its new tokens (``base``), as the connector does."""
+
+    def __init__(self, eng: FakeEngine, rid: str, tokens: list[int]) -> None:
+        self.eng, self.rid, self.tokens = eng, rid, tokens
+        self.saved = 0  # pages asked so far (the engine's ``start_page``)
+        self.known = 0  # tokens the server holds for it
+
+    def step(self, pages: int) -> protos.Reservation:
+        """Save up to page ``pages``: a reserve, its pages written, then committed."""
+        got = self.plan(pages)
+        self.commit(got)
+        return got
+
+    def plan(self, pages: int) -> protos.Reservation:
+        """The reserve of a save up to page ``pages``, its pages written."""
+        end = pages * PS
+        got = reserve(self.eng.server, self.eng.next_req(), self.eng.session, RUN, self.rid, self.tokens[self.known:end],
+                      self.saved, base=self.known)
+        assert not got.code, got
+        self.saved, self.known = pages, end
+        for i, page in enumerate(got.host_pages):
+            self.eng.l2[page] = content(self.tokens, got.start_page + i, self.eng.runtime)
+        return got
+
+    def commit(self, got: protos.Reservation) -> None:
+        if got.lease:
+            self.eng.server.handle(protos.Commit(self.eng.session, RUN, got.lease))
+
+
+def test_a_requests_reserves_resume_from_its_cursor_and_answer_what_a_whole_match_answers() -> None:
+    """Requests decoding over many steps while L2 evicts between them (a page, a request's
+    tail, its whole prefix) and other requests save the same content ahead of them or start
+    again with other tokens: every reservation starts at the first page L2 lacks as a whole
+    match of the prefix says, each hit holds its own prefix's KV, and most steps resume."""
+    rng = random.Random(5)
+    server, _ = make_server(l2_pages=128)
+    eng = FakeEngine(server, {})
+    salt = namespaced_salt(server.leases.sessions[eng.session].namespace, "")
+
+    def stream() -> list[int]:
+        return [rng.randrange(1, 50) for _ in range(40 * PS)]
+
+    shared = stream()
+    reqs = {"a": Decoder(eng, "a", shared), "b": Decoder(eng, "b", shared), "c": Decoder(eng, "c", stream())}
+    pages = {"a": 16, "b": 12, "c": 14}
+    ahead = 0  # reservations that started past what the request saved (another one saved it)
+    for step in range(300):
+        rid = rng.choice(sorted(reqs))
+        r = reqs[rid]
+        pages[rid] = min(40, pages[rid] + rng.choice([0, 1, 1, 2]))
+        want = server.cache.match_prefix(r.tokens[: pages[rid] * PS], salt).host_hit_length // PS
+        asked = r.saved
+        got = r.step(pages[rid])
+        assert got.start_page == min(want, pages[rid]), (step, rid, got, want)
+        ahead += got.start_page > asked
+        if got.lease:
+            assert len(eng.lookup(r.tokens[: pages[rid] * PS]).host_pages) == pages[rid]
+        roll = rng.random()
+        if roll < 0.08:
+            server.cache.tiers.evict_host(rng.choice([1, 1, 1, 2, 12]) * PS)
+        elif roll < 0.09:
+            server.flush()
+        if pages[rid] == 40 or 0.09 <= roll < 0.13:  # done, or it starts again with other tokens
+            server.handle(protos.Finished(eng.session, RUN, rid))
+            reqs[rid], pages[rid] = Decoder(eng, rid, shared if rid != "c" and roll < 0.5 else stream()), 12
+    c = server.counters
+    assert c.reserve_resumed > c.save_ranges // 2 and c.resaved_pages and c.resave_refused_pages and ahead
+    assert c.reserved_pages <= (1 + RESAVE_SHARE) * c.save_new_pages
+    server.check_idle()
+    assert server.integrity_error is None
+
+
+def test_a_request_sent_again_with_other_tokens_does_not_start_past_its_open_reservations() -> None:
+    """An open reservation of a request lets its next save start past it only while it
+    saves a prefix of the request's tokens: sent again with other tokens (``base`` 0), the
+    request's save starts where L2 lacks its new prefix, and its cursor walks from the root."""
+    server, _ = make_server()
+    eng = FakeEngine(server, {})
+    a = list(range(1, 4 * PS + 1))
+    b = [9] * (4 * PS)
+    first = reserve(server, 1, eng.session, RUN, "r", a[: 3 * PS], 0)
+    again = reserve(server, 2, eng.session, RUN, "r", b, 0)
+    assert (again.start_page, len(again.host_pages)) == (0, 4)
+    _fill(eng, a, first)
+    _fill(eng, b, again)
+    for got in (first, again):
+        server.handle(protos.Commit(eng.session, RUN, got.lease))
+    assert len(eng.lookup(b).host_pages) == 4 and len(eng.lookup(a).host_pages) == 3
+
+
+def test_a_decode_steps_match_walks_only_the_pages_added_since_its_last_reserve() -> None:
+    """The tree nodes a reserve walks (``TreeCore.walk``) cover the pages committed since the
+    request's last reserve, not its context: constant work per step at any length."""
+    server, _ = make_server(l2_pages=600)
+    eng = FakeEngine(server, {})
+    tokens = list(range(1, 520 * PS + 1))
+    r = Decoder(eng, "r", tokens)
+    r.step(500)  # the prompt
+    walked: list[int] = []
+    core = server.cache.core
+    walk = core.walk
+
+    def counting(root, key, n):  # type: ignore[no-untyped-def]
+        path = walk(root, key, n)
+        walked[-1] += sum(len(x.key) for x in path) // PS
+        return path
+
+    for pages in range(501, 520):
+        walked.append(0)
+        core.walk = counting  # type: ignore[method-assign]
+        got = r.plan(pages)
+        core.walk = walk  # type: ignore[method-assign]  # the commit's insert is not the reserve's work
+        r.commit(got)
+        assert (got.start_page, len(got.host_pages)) == (pages - 1, 1)
+    assert walked == [500] + [1] * 18  # the prompt committed after the first reserve, then a page a step
 
 
 def _fill(eng: FakeEngine, tokens: list[int], got: protos.Reservation) -> None:
