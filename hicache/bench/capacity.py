@@ -119,7 +119,9 @@ class Level:
     engine_p99_us: list[float] = field(default_factory=list)
     """Each engine's p99 of its answers (lookups and reserves together), by engine index."""
     busy: list[int] = field(default_factory=list)
-    """Each engine's lookups and reserves answered ``busy``, by engine index."""
+    """Each engine's lookups and reserves answered ``busy``, by engine index ..."""
+    answers: list[int] = field(default_factory=list)
+    """... and all its answers."""
 
     @property
     def p99_ms(self) -> float:
@@ -337,6 +339,7 @@ def summarize(factor: float, load: Load, results: list[dict[str, Any]], first: S
     level.engine_p99_us = [_stats([x for kind in KINDS for x in r["rtt_us"][kind]]).get("p99", float("nan"))
                            for r in results]
     level.busy = [r["counts"].get("lookup_busy", 0) + r["counts"].get("reserve_busy", 0) for r in results]
+    level.answers = [sum(len(r["rtt_us"][kind]) for kind in KINDS) for r in results]
     return level
 
 
@@ -402,8 +405,8 @@ def flood_figures(reference: Level, flooded: Level) -> list[Any]:
                higher_is_better=False, goal=FLOOD_RATIO_GOAL),
         Figure(f"the {n} engine's p99", "ms", flooded.engine_p99_us[0] / 1000, "other engines' worst p99", steady,
                higher_is_better=False),
-        Figure(f"busy answers to the {n} engine", "answers", float(flooded.busy[0]), "to the others",
-               float(sum(flooded.busy[1:])), higher_is_better=False),
+        Figure(f"busy answers to the {n} engine", "answers", float(flooded.busy[0]), "all its answers",
+               float(flooded.answers[0]), higher_is_better=False),
     ]
 
 

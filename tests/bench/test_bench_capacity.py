@@ -73,13 +73,14 @@ def test_summarize_keeps_each_engines_p99_and_busy_answers_and_the_flood_figures
     load = Load(steps_per_s=30, running=8, new_per_s=2)
     flooded = summarize(1.0, load, [flooder, steady, steady], first, last)
     assert flooded.engine_p99_us == [9000.0, 3000.0, 3000.0] and flooded.busy == [9, 0, 0]
+    assert flooded.answers == [100, 100, 100]
     flooded.flood = 10.0
     calm = {"rtt_us": {"lookup": [1000.0] * 100, "reserve": []}, "late_ms": [], "counts": {}}
     reference = summarize(1.0, load, [calm, calm, calm], first, last)
     fair, own, busy = flood_figures(reference, flooded)
     assert fair.value == 3.0 and fair.reference == 1.0 and fair.meets_goal is False  # 3x the reference's p99
     assert own.value == 9.0 and own.reference == 3.0
-    assert busy.value == 9 and busy.reference == 0
+    assert busy.value == 9 and busy.reference == 100  # of the flooder's 100 answers
 
 
 def test_figures_miss_their_goals_when_the_answers_are_slow() -> None:
