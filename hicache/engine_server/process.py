@@ -221,27 +221,29 @@ class CacheServerProcess(ProcessLoop):
             self.server.expire()
 
     def drain_engines(self) -> bool:
-        """Read and serve every engine message (at most ``EXPIRE_DRAIN_LIMIT`` served); True
-        when the socket and the queues are empty. Expiry runs only then, so a heartbeat
-        queued behind a backlog renews its session before the session's silence is judged
+        """Read and serve every engine message (at most ``EXPIRE_DRAIN_LIMIT`` read and served
+        together); True when the socket and the queues are empty. Expiry runs only then, so a
+        heartbeat behind a backlog renews its session before the session's silence is judged
         (messages still in the kernel's socket buffer after a stall are covered by
         ``STALL_S``'s credit instead)."""
-        served = 0
-        while served < EXPIRE_DRAIN_LIMIT:
-            read_all = self.read_engines(READ_BATCH)
-            while served < EXPIRE_DRAIN_LIMIT and self.serve_queued():
-                served += 1
-            if read_all and not len(self.queues):
+        handled = 0
+        while handled < EXPIRE_DRAIN_LIMIT:
+            read = self.read_engines(READ_BATCH)
+            handled += read
+            while handled < EXPIRE_DRAIN_LIMIT and self.serve_queued():
+                handled += 1
+            if read < READ_BATCH and not len(self.queues):
                 return True
         return False
 
-    def read_engines(self, limit: int) -> bool:
+    def read_engines(self, limit: int) -> int:
         """Read up to ``limit`` waiting engine messages into their queues (``EngineQueues``):
         a heartbeat, and a message past the queues' hard bounds, is served at once; a lookup
         or reserve past its engine's bound is answered ``protos.BUSY`` at once. A frame that
-        does not decode is answered with an ``EngineError``. True when none is left waiting."""
+        does not decode is answered with an ``EngineError``. Returns how many frames it read
+        (fewer than ``limit``: none is left waiting)."""
         engines = self.engines
-        for _ in range(limit):
+        for n in range(limit):
             try:
                 got = engines.recv(0)
             except PeerProtocolError as exc:
@@ -252,7 +254,7 @@ class CacheServerProcess(ProcessLoop):
                 log.warning("refused an engine frame: %s", exc)
                 continue
             if got is None:
-                return True
+                return n
             peer, msg = got
             offer = self.queues.offer(queue_key(peer, msg), peer, msg)
             if offer is Offer.BUSY:
@@ -260,7 +262,7 @@ class CacheServerProcess(ProcessLoop):
                 engines.send(peer, self.server.busy(msg))
             elif offer is Offer.NOW:
                 self.serve(peer, msg)
-        return False
+        return limit
 
     def serve_queued(self) -> bool:
         """Serve the next queued engine message (round-robin across the engines); False when
