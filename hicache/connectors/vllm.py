@@ -101,7 +101,9 @@ shape or a state group in ``align`` mode (``vllm_layout.check_setup``: e.g. MLA 
 attention), a CUDA KV cache (its copy path has not run
 on a GPU), and an engine whose model or KV geometry differs
 from what the daemon serves. A daemon that is absent or slow costs hits, never correctness:
-lookups time out (``engine.lookup_timeout_ms``) as misses and the connector backs off.
+lookups time out (``engine.lookup_timeout_ms``) as misses and the connector backs off. A
+daemon past its bound for this engine answers ``protos.BUSY`` at once: that lookup is a miss,
+that step saves nothing (``busy_answers`` counts them), and no backoff follows.
 """
 
 from __future__ import annotations
