@@ -479,6 +479,9 @@ class EngineConfig:
     expires (its leases are held as orphans until the engine's late messages arrive or its
     process is seen gone). ``lookup_timeout_ms``: how long a connector waits for any answer
     of the daemon (none waits for L3) before it counts the call as a miss (and backs off).
+    ``queue_limit``: engine messages the daemon queues per engine (session) at most; a
+    ``Lookup`` or ``Reserve`` past it is answered ``busy`` at once (the engine goes on without
+    the cache for that request or step). 0: every lookup and reserve is answered ``busy``.
     """
 
     kind: EngineKind = "builtin"
@@ -487,6 +490,7 @@ class EngineConfig:
     kv_layout: KVLayout = "LBHNC"
     lease_ttl_s: float = 10.0
     lookup_timeout_ms: int = 200
+    queue_limit: int = 64
 
 
 @dataclass(frozen=True)
@@ -1104,6 +1108,7 @@ def _check_engine(cfg: HicacheConfig, ck: _Checks) -> None:
     e = cfg.engine
     ck.positive("engine.lease_ttl_s", e.lease_ttl_s)
     ck.positive("engine.lookup_timeout_ms", e.lookup_timeout_ms)
+    ck.non_negative("engine.queue_limit", e.queue_limit)
     if e.kind == "vllm":
         if not e.model:
             ck.bad("engine.model", "is required when engine.kind is vllm (the checkpoint directory the engines serve)")

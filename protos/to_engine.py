@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from protos.base import Message, message
 
-__all__ = ["EngineError", "EngineMessage", "EngineRegistered", "L2PoolInfo", "LookupResult", "Reservation",
+__all__ = ["BUSY", "EngineError", "EngineMessage", "EngineRegistered", "L2PoolInfo", "LookupResult", "Reservation",
            "ReserveResult"]
 
 
@@ -117,8 +117,15 @@ class EngineError(EngineMessage):
     """Request ``req`` was refused. ``code``: ``refused`` (registration does not match what
     the daemon serves), ``unknown_session`` and ``stale_run`` (register again),
     ``unknown_request`` (a ``Lookup`` named tokens the server does not hold: send them all),
-    ``bad_request``, ``busy``."""
+    ``bad_request``, ``BUSY`` (the daemon's queue for this engine is full: the engine goes on
+    without the cache for this request or step; nothing was done)."""
 
     req: int
     code: str
     reason: str
+
+
+BUSY = "busy"
+"""The ``EngineError.code`` of a ``Lookup`` or ``Reserve`` the daemon did not serve because
+the engine's queue was past its bound (``engine.queue_limit``): a lookup of no hit, a step
+that saves nothing. Nothing of the request changed on the daemon."""

@@ -23,6 +23,12 @@ Per level, each against its reference measured in the same run:
 - pages committed, loaded, backed up to L3 and prefetched per second (the daemon's stats);
 - steps that started late, and calls that got no answer within the connector's timeout.
 
+With ``--flood N`` every level runs twice: first with every engine at the level's rate (the
+reference), then with engine 0 at ``N`` times it (the others unchanged). The fairness figure
+is the worst p99 of the other engines' answers with the flooder against the same engines'
+worst p99 in the reference run (goal: at most ``FLOOD_RATIO_GOAL`` times); the flooder's own
+p99 and the ``busy`` answers it got are reported beside it.
+
 Writes ``capacity.json`` (figures with value, reference, ratio, goal, meets_goal, and every
 level's numbers) and ``capacity.png`` (latency against load) in ``--out``; prints a progress
 line every few seconds.
@@ -58,6 +64,8 @@ PROGRESS_EVERY_S = 5.0
 ENGINE_TIMEOUT_MS = 1000
 """The simulated engines' wait for an answer (a call past it counts as unanswered)."""
 BARE_ROUND_TRIPS = 2000
+FLOOD_RATIO_GOAL = 2.0
+"""One engine at ``--flood`` times its share raises another's p99 by this factor at most."""
 KINDS = ("lookup", "reserve")
 
 
@@ -79,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=float, default=8.0, help="unmeasured seconds before each level")
     parser.add_argument("--levels", default="auto",
                         help="'auto' (step until the knee), or load factors, e.g. 1,2,4")
+    parser.add_argument("--flood", type=float, default=0.0, metavar="N",
+                        help="also run each level with engine 0 at N times the level's rate, against the level "
+                             "with every engine at its rate (the fairness figure)")
     parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
                         help="a daemon config override (repeatable)")
     parser.add_argument("--out", help="output directory (default bench_capacity_results/<time>)")
@@ -103,6 +114,14 @@ class Level:
     steps: int = 0
     unanswered: int = 0
     counts: dict[str, int] = field(default_factory=dict)
+    flood: float = 1.0
+    """Engine 0's rate, times the level's (``--flood``); 1: every engine at the level's."""
+    engine_p99_us: list[float] = field(default_factory=list)
+    """Each engine's p99 of its answers (lookups and reserves together), by engine index."""
+    busy: list[int] = field(default_factory=list)
+    """Each engine's lookups and reserves answered ``busy``, by engine index ..."""
+    answers: list[int] = field(default_factory=list)
+    """... and all its answers."""
 
     @property
     def p99_ms(self) -> float:
@@ -221,8 +240,10 @@ class Sample:
 
 
 def start_engines(factor: float, profile: Profile, register: Any, address: str, trace: str,
-                  args: argparse.Namespace, folder: Path) -> tuple[list[Any], list[Path], Any, float]:
-    """The level's engine processes; ``(processes, their result files, progress queue, start time)``."""
+                  args: argparse.Namespace, folder: Path, flood: float = 1.0
+                  ) -> tuple[list[Any], list[Path], Any, float]:
+    """The level's engine processes (engine 0 at ``flood`` times the level's rate);
+    ``(processes, their result files, progress queue, start time)``."""
     from hicache.bench.capacity_lib.engine_sim import EngineArgs, run_engine
 
     load = profile.load.scaled(factor)
@@ -232,7 +253,8 @@ def start_engines(factor: float, profile: Profile, register: Any, address: str, 
     outs = [folder / f"engine-{i}.json" for i in range(profile.engines)]
     procs = []
     for i in range(profile.engines):
-        ea = EngineArgs(i, profile.engines, address, register, ENGINE_TIMEOUT_MS, load, trace, args.max_prompt_tokens,
+        ea = EngineArgs(i, profile.engines, address, register, ENGINE_TIMEOUT_MS,
+                        profile.load.scaled(factor * flood) if i == 0 else load, trace, args.max_prompt_tokens,
                         start_at, args.warmup, args.duration, str(outs[i]))
         p = spawn.Process(target=run_engine, args=(ea, progress), daemon=True)
         p.start()
@@ -241,11 +263,12 @@ def start_engines(factor: float, profile: Profile, register: Any, address: str, 
 
 
 def run_level(factor: float, profile: Profile, daemon: Daemon, register: Any, address: str, trace: str,
-              args: argparse.Namespace, folder: Path) -> Level:
-    """One load level: the engines for warm-up + duration, then the bare reference."""
+              args: argparse.Namespace, folder: Path, flood: float = 1.0) -> Level:
+    """One load level (engine 0 at ``flood`` times it): the engines for warm-up + duration,
+    then the bare reference."""
     from hicache.bench.capacity_lib.reference import bare_round_trips
 
-    procs, outs, progress, start_at = start_engines(factor, profile, register, address, trace, args, folder)
+    procs, outs, progress, start_at = start_engines(factor, profile, register, address, trace, args, folder, flood)
     pids = [p.pid for p in procs]
     measure_from = start_at + args.warmup
     end = measure_from + args.duration
@@ -281,6 +304,7 @@ def run_level(factor: float, profile: Profile, daemon: Daemon, register: Any, ad
             raise RuntimeError(f"engine {i} of level {factor:g}x wrote no results (it failed; see stderr)")
         results.append(json.loads(out.read_text()))
     level = summarize(factor, profile.load.scaled(factor), results, first, last)
+    level.flood = flood
     sizes = {}
     for kind in KINDS:
         asks = [x for r in results for x in r["frame_bytes"][kind]]
@@ -312,6 +336,10 @@ def summarize(factor: float, load: Load, results: list[dict[str, Any]], first: S
     level.engines_cores = (last.engines_cpu_s - first.engines_cpu_s) / wall
     level.daemon_cpu_s_per_1k_requests = level.daemon_cores * wall / max(1, level.requests) * 1000
     level.rates = {k: (v - first.counters.get(k, 0)) / wall for k, v in last.counters.items()}
+    level.engine_p99_us = [_stats([x for kind in KINDS for x in r["rtt_us"][kind]]).get("p99", float("nan"))
+                           for r in results]
+    level.busy = [r["counts"].get("lookup_busy", 0) + r["counts"].get("reserve_busy", 0) for r in results]
+    level.answers = [sum(len(r["rtt_us"][kind]) for kind in KINDS) for r in results]
     return level
 
 
@@ -335,7 +363,9 @@ def _print_level(level: Level) -> None:
             parts.append(f"{kind} p50 {r['p50'] / 1000:.2f} / p99 {r['p99'] / 1000:.2f} / max {r['max'] / 1000:.1f} ms "
                          f"(bare p50 {b.get('p50', float('nan')) / 1000:.3f} ms)")
     procs = ", ".join(f"{k} {v:.2f}" for k, v in level.process_cores.items())
-    print(f"level {level.factor:g}x: {'; '.join(parts)}; daemon {level.daemon_cores:.2f} cores "
+    flood = f" (engine 0 at {level.flood:g}x: p99 {level.engine_p99_us[0] / 1000:.2f} ms, {level.busy[0]} busy)" \
+        if level.flood != 1 and level.engine_p99_us else ""
+    print(f"level {level.factor:g}x{flood}: {'; '.join(parts)}; daemon {level.daemon_cores:.2f} cores "
           f"({procs}), engines {level.engines_cores:.2f} cores; "
           f"{level.late_steps}/{level.steps} steps late, {level.unanswered} unanswered", flush=True)
 
@@ -360,6 +390,24 @@ def figures(profile_level: Level, knee: float) -> list[Any]:
                       profile_level.engines_cores, higher_is_better=False))
     out.append(Figure("knee (p99 <= 1 ms)", "x profile", knee, "goal", KNEE_GOAL, goal=1.0))
     return out
+
+
+def flood_figures(reference: Level, flooded: Level) -> list[Any]:
+    """The fairness figures of one level run with every engine at its rate (``reference``)
+    and again with engine 0 at ``flooded.flood`` times it."""
+    from hicache.bench.report import Figure
+
+    steady = max(flooded.engine_p99_us[1:], default=float("nan")) / 1000
+    alone = max(reference.engine_p99_us[1:], default=float("nan")) / 1000
+    n = f"{flooded.flood:g}x"
+    return [
+        Figure(f"other engines' worst p99, one engine at {n}", "ms", steady, "the same engines, all at 1x", alone,
+               higher_is_better=False, goal=FLOOD_RATIO_GOAL),
+        Figure(f"the {n} engine's p99", "ms", flooded.engine_p99_us[0] / 1000, "other engines' worst p99", steady,
+               higher_is_better=False),
+        Figure(f"busy answers to the {n} engine", "answers", float(flooded.busy[0]), "all its answers",
+               float(flooded.answers[0]), higher_is_better=False),
+    ]
 
 
 def plot(levels: list[Level], path: Path, title: str) -> None:
@@ -402,6 +450,8 @@ def run(args: argparse.Namespace) -> int:
         trace = args.trace or default_trace()
         if trace is None:
             raise ValueError("no trace: pass --trace (the vendored one is in a source checkout's tests/data/traces)")
+        if args.flood and (args.flood <= 1 or profile.engines < 2):
+            raise ValueError("--flood: a factor above 1, with two engines or more")
         if profile.engines < 1 or profile.load.running < 1 or profile.load.steps_per_s <= 0 \
                 or profile.load.new_per_s <= 0 or args.duration <= 0 or args.warmup < 0:
             raise ValueError("engines, running, steps and arrivals per second and --duration must be positive")
@@ -418,6 +468,7 @@ def run(args: argparse.Namespace) -> int:
           f"steps/s, {profile.load.running} running, {profile.load.new_per_s:g} new/s each; page {profile.page_size} "
           f"tokens / {args.page_bytes} bytes; L2 {profile.l2_pages:,} pages; L3 {profile.l3}", flush=True)
     levels: list[Level] = []
+    flooded: dict[float, Level] = {}
     with started(work / "redis") if profile.l3 == "redis" else _nothing() as redis:
         try:
             model = write_model(work / "model", profile.page_size, args.page_bytes)
@@ -445,6 +496,12 @@ def run(args: argparse.Namespace) -> int:
                 level = run_level(factor, profile, daemon, register, address, str(trace), args, folder)
                 levels.append(level)
                 _print_level(level)
+                if args.flood:
+                    folder = out / f"level-{factor:g}-flood-{args.flood:g}"
+                    folder.mkdir(exist_ok=True)
+                    flooded[factor] = run_level(factor, profile, daemon, register, address, str(trace), args, folder,
+                                                args.flood)
+                    _print_level(flooded[factor])
                 if fixed is not None:
                     continue
                 ok = level.p99_ms <= P99_GOAL_MS
@@ -465,9 +522,12 @@ def run(args: argparse.Namespace) -> int:
     knee = max((lv.factor for lv in levels if lv.p99_ms <= P99_GOAL_MS), default=0.0)
     at_profile = next((lv for lv in levels if lv.factor == 1.0), levels[0])
     figs = figures(at_profile, knee)
+    if at_profile.factor in flooded:
+        figs += flood_figures(at_profile, flooded[at_profile.factor])
     print_table(f"hicache bench capacity, profile {profile.name} at {at_profile.factor:g}x", figs)
     extra = {"profile": {**asdict(profile), "page_bytes": args.page_bytes}, "knee": knee,
-             "levels": [{**asdict(lv), "p99_ms": lv.p99_ms} for lv in levels]}
+             "levels": [{**asdict(lv), "p99_ms": lv.p99_ms} for lv in levels],
+             "flooded": [{**asdict(lv), "p99_ms": lv.p99_ms} for lv in flooded.values()]}
     write_json(str(out / "capacity.json"), "capacity", figs, extra=extra)
     if args.json:
         write_json(args.json, "capacity", figs, extra=extra)

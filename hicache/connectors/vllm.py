@@ -101,7 +101,9 @@ shape or a state group in ``align`` mode (``vllm_layout.check_setup``: e.g. MLA 
 attention), a CUDA KV cache (its copy path has not run
 on a GPU), and an engine whose model or KV geometry differs
 from what the daemon serves. A daemon that is absent or slow costs hits, never correctness:
-lookups time out (``engine.lookup_timeout_ms``) as misses and the connector backs off.
+lookups time out (``engine.lookup_timeout_ms``) as misses and the connector backs off. A
+daemon past its bound for this engine answers ``protos.BUSY`` at once: that lookup is a miss,
+that step saves nothing (``busy_answers`` counts them), and no backoff follows.
 """
 
 from __future__ import annotations
@@ -184,6 +186,9 @@ UNANSWERED_PENDING_WAIT_S = 2.0
 keeps waiting when a later ask gets no answer in time (a daemon loop slowed for a moment, or
 the client's backoff after one such timeout): it becomes a miss only once this long has
 passed since its first pending answer. A slow answer then costs a short wait, not the hit."""
+
+BUSY_LOG_EVERY_S = 10.0
+"""The shortest time between two log lines about ``busy`` answers."""
 
 VLLM_NULL_BLOCK = 0
 """The block id vLLM's hybrid allocator puts where a sliding-window group holds no block
@@ -371,6 +376,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConnectorRefused(f"cannot tell which KV pages this engine may share: {exc}") from None
         self.address = engine_address(self.hicache)
         self.stats = HiCacheStats()  # since the last get_kv_connector_stats (vllm_stats)
+        self._busy_count = 0  # busy answers since the last log line about them
+        self._busy_logged_at = -BUSY_LOG_EVERY_S
         try:
             curve = curve_keys_for(extra, self.hicache.ipc.curve_keys_dir)
         except ValueError as exc:
@@ -517,6 +524,18 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             log.error("hicache: the daemon refused this engine (%s); serving without hicache", exc)
             return SessionAnswer(None, None)
 
+    def _busy(self) -> None:
+        """The daemon answered a lookup or reserve ``protos.BUSY`` (its queue for this engine
+        was full): that request goes on without the cache (no hit; nothing saved in that step).
+        Counted (``busy_answers``) and logged at most every ``BUSY_LOG_EVERY_S``."""
+        self.stats.add("busy_answers")
+        self._busy_count += 1
+        now = time.monotonic()
+        if now >= self._busy_logged_at + BUSY_LOG_EVERY_S:
+            log.warning("hicache: the daemon answered busy %d times since the last such line; those requests "
+                        "went on without the cache", self._busy_count)
+            self._busy_logged_at, self._busy_count = now, 0
+
     def _release(self, hit: _Hit | None) -> None:
         """Give back a hit no rank was given (not planned for loading)."""
         if hit is None or not hit.lease or self.session is None:
@@ -564,7 +583,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             return None, False
         if not isinstance(answer, protos.LookupResult):
             self.stats.add("lookup_misses")
-            if isinstance(answer, protos.EngineError):
+            if isinstance(answer, protos.EngineError) and answer.code == protos.BUSY:
+                self._busy()
+            elif isinstance(answer, protos.EngineError):
                 log.warning("hicache lookup refused: %s", answer.reason)
             return 0, False
         if answer.pending:
@@ -602,7 +623,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             got = self._call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, rid, whole, salt), timeout_ms)
         if isinstance(got.answer, protos.LookupResult):
             tracked.known_tokens = usable
-        elif isinstance(got.answer, protos.EngineError):
+        elif isinstance(got.answer, protos.EngineError) and got.answer.code != protos.BUSY:
             tracked.known_tokens = 0  # not known to hold them: the next ask sends them all
         return got.answer, got.registered
 
@@ -886,7 +907,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         answer, reg = got.answer, got.registered
         if isinstance(answer, protos.ReserveResult) and len(answer.items) == len(items):
             return [(item, reg) for item in answer.items]
-        if isinstance(answer, protos.EngineError):
+        if isinstance(answer, protos.EngineError) and answer.code == protos.BUSY:
+            self._busy()  # nothing saved in this step: a later step's range starts where L2's pages end
+        elif isinstance(answer, protos.EngineError):
             log.warning("hicache refused a reserve: %s", answer.reason)
         elif isinstance(answer, protos.ReserveResult):  # a daemon bug: give back what it holds
             log.warning("hicache answered %d reservations for %d save ranges", len(answer.items), len(items))

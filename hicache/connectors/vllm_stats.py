@@ -14,6 +14,8 @@ key                        half        counts
                                        or backing off, refused): counted as misses
 ``hit_tokens_host``        scheduler   tokens vLLM will load from L2
 ``hit_tokens_disk``        scheduler   tokens vLLM will load that a prefetch brought from L3
+``busy_answers``           scheduler   lookups and reserves the daemon answered busy (its queue
+                                       for this engine was full): served without the cache
 ``reserved_blocks``        scheduler   blocks the daemon reserved L2 pages for
 ``late_answers``           scheduler   answers that came after their call gave up (their
                                        leases were given back)
@@ -42,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 KEYS: tuple[str, ...] = (
     "lookups", "lookup_misses", "lookups_pending", "lookups_unanswered_pending", "hit_tokens_host", "hit_tokens_disk",
-    "reserved_blocks", "late_answers",
+    "reserved_blocks", "late_answers", "busy_answers",
     "loaded_blocks", "load_errors", "load_seconds", "saved_blocks", "save_skipped_blocks", "save_seconds",
     "loaded_bytes", "saved_bytes",
 )
@@ -55,6 +57,8 @@ _HELP = {
     "lookups_unanswered_pending": "Asks about a request whose L3 prefetch was running that got no answer in "
                                   "time: the request kept waiting instead of becoming a miss.",
     "reserved_blocks": "Blocks the daemon reserved L2 pages for, to save into.",
+    "busy_answers": "Lookups and reserves the daemon answered busy (its queue for this engine was full); those "
+                    "requests went on without the cache.",
     "late_answers": "Daemon answers that came after their call gave up; their leases were given back.",
     "loaded_blocks": "KV blocks copied from hicache's L2 into vLLM's KV cache.",
     "load_errors": "KV blocks whose load from hicache failed; vLLM recomputed them.",

@@ -80,6 +80,8 @@ class Session:
     leases: set[int] = field(default_factory=set)
     ranks: int = 1
     """Tensor-parallel ranks: each reports every lease of the session."""
+    busy: int = 0
+    """Its lookups and reserves answered ``protos.BUSY`` (its queue was full)."""
 
 
 @dataclass

@@ -17,9 +17,13 @@ launcher     PUSH    ready, and a restart request when the controller hangs
 ``CacheServerProcess`` is the loop (``hicache.scheduler.loop.ProcessLoop``: heartbeat,
 telemetry, controller watchdog, stop, as in builtin mode) around the ``CacheServer``; one
 handler per inbox message type (``handlers``). A round polls both sockets (at most
-``POLL_MS``), answers up to ``ENGINE_BATCH`` engine messages (each at once: no answer waits
-for L3) and ``hicache.scheduler.loop.INBOX_BATCH`` inbox messages, and expires sessions every
-``EXPIRE_INTERVAL_S``, once every queued engine message is served (``drain_engines``). A
+``POLL_MS``, not at all while engine messages are queued), reads every engine message
+waiting (at most ``READ_BATCH``) into a queue per engine (``EngineQueues``: a heartbeat is
+served as it is read; a lookup or reserve past its engine's ``engine.queue_limit`` is
+answered ``protos.BUSY`` at once), answers up to ``ENGINE_BATCH`` queued messages
+round-robin across the engines (each at once: no answer waits for L3) and
+``hicache.scheduler.loop.INBOX_BATCH`` inbox messages, and expires sessions every
+``EXPIRE_INTERVAL_S``, once every engine message is read and served (``drain_engines``). A
 session's silence counts only time this loop ran: after a stall of the loop (``STALL_S``)
 every session is credited the stall, since its heartbeats could not be read.
 
@@ -40,6 +44,8 @@ from typing import TYPE_CHECKING
 import zmq
 
 import protos
+from hicache.config import EngineConfig
+from hicache.engine_server.queues import EngineQueues, Offer, queue_key
 from hicache.ipc import PeerProtocolError, RouterSocket
 from hicache.memory.pools import attach_pools
 from hicache.scheduler.loop import (
@@ -75,6 +81,9 @@ EXPIRE_DRAIN_LIMIT = 100_000
 
 ENGINE_BATCH = 256
 """Engine messages answered per round at most, before the inbox."""
+
+READ_BATCH = 4096
+"""Engine messages read off the socket per round at most (into the queues)."""
 
 ENGINE_MODE_ERROR = ("this daemon runs in engine mode (engine.kind: vllm): it serves no model; "
                      "send generation requests to the vLLM engine")
@@ -134,12 +143,13 @@ class CacheServerProcess(ProcessLoop):
 
     def __init__(self, args: SchedulerArgs, links: Links, pools: SharedPools | None, server: CacheServer,
                  engines: RouterSocket[protos.Message], *, telemetry: Telemetry, stop: StopSignal,
-                 kv_events: KVEventStream | None = None) -> None:
+                 kv_events: KVEventStream | None = None, queue_limit: int = EngineConfig.queue_limit) -> None:
         tier = server.tier
         assert tier is not None and links.to_controller is not None, "engine mode always runs a controller"
         super().__init__(args, links, pools, tier=tier, telemetry=telemetry, stop=stop, kv_events=kv_events)
         self.server = server
         self.engines = engines
+        self.queues: EngineQueues[bytes] = EngineQueues(queue_limit)
         links.extra.append(engines)
         self._expire = Every(EXPIRE_INTERVAL_S)
         self._last_awake: float | None = None
@@ -175,7 +185,8 @@ class CacheServerProcess(ProcessLoop):
         # L2 and L3 (the engines keep L1 themselves); events name the request's own cache_salt
         events = KVEventStream.open(args.config, server.cache, tiers=(Tier.HOST, Tier.STORAGE),
                                     split_salt=split_salt)
-        return cls(args, links, pools, server, engines, telemetry=telemetry, stop=stop, kv_events=events)
+        return cls(args, links, pools, server, engines, telemetry=telemetry, stop=stop, kv_events=events,
+                   queue_limit=args.config.engine.queue_limit)
 
     def ready_line(self) -> str:
         g, cfg = self.server.geometry, self.args.config
@@ -194,12 +205,13 @@ class CacheServerProcess(ProcessLoop):
 
     def round(self) -> None:
         self.awake()
-        ready = dict(self.poller.poll(POLL_MS))
+        ready = dict(self.poller.poll(0 if len(self.queues) else POLL_MS))
         self.awake()
         if self.engines.socket in ready:
-            for _ in range(ENGINE_BATCH):
-                if not self.serve_engine():
-                    break
+            self.read_engines(READ_BATCH)
+        for _ in range(ENGINE_BATCH):
+            if not self.serve_queued():
+                break
         if self.links.inbox.socket in ready:
             self.read_inbox(0)
         if self.server.pins is not None:
@@ -209,40 +221,68 @@ class CacheServerProcess(ProcessLoop):
             self.server.expire()
 
     def drain_engines(self) -> bool:
-        """Serve every queued engine message (at most ``EXPIRE_DRAIN_LIMIT``); True when the
-        socket is empty. Expiry runs only then, so a heartbeat queued behind a backlog renews
-        its session before the session's silence is judged (messages still in the kernel's
-        socket buffer after a stall are covered by ``STALL_S``'s credit instead)."""
-        for _ in range(EXPIRE_DRAIN_LIMIT):
-            if not self.serve_engine():
+        """Read and serve every engine message (at most ``EXPIRE_DRAIN_LIMIT`` read and served
+        together); True when the socket and the queues are empty. Expiry runs only then, so a
+        heartbeat behind a backlog renews its session before the session's silence is judged
+        (messages still in the kernel's socket buffer after a stall are covered by
+        ``STALL_S``'s credit instead)."""
+        handled = 0
+        while handled < EXPIRE_DRAIN_LIMIT:
+            read = self.read_engines(READ_BATCH)
+            handled += read
+            while handled < EXPIRE_DRAIN_LIMIT and self.serve_queued():
+                handled += 1
+            if read < READ_BATCH and not len(self.queues):
                 return True
         return False
 
-    def serve_engine(self) -> bool:
-        """Answer one queued engine message; False when none is queued. A frame that does not
-        decode is answered with an ``EngineError``; an exception in a handler is logged and
-        answered too, so no engine message can stop the loop."""
+    def read_engines(self, limit: int) -> int:
+        """Read up to ``limit`` waiting engine messages into their queues (``EngineQueues``):
+        a heartbeat, and a message past the queues' hard bounds, is served at once; a lookup
+        or reserve past its engine's bound is answered ``protos.BUSY`` at once. A frame that
+        does not decode is answered with an ``EngineError``. Returns how many frames it read
+        (fewer than ``limit``: none is left waiting)."""
         engines = self.engines
-        try:
-            got = engines.recv(0)
-        except PeerProtocolError as exc:
-            log.warning("refused an engine frame: %s", exc)
-            engines.send(exc.peer, protos.EngineError(0, "bad_request", f"refused frame: {exc}"))
-            return True
-        except protos.ProtocolError as exc:
-            log.warning("refused an engine frame: %s", exc)
-            return True
+        for n in range(limit):
+            try:
+                got = engines.recv(0)
+            except PeerProtocolError as exc:
+                log.warning("refused an engine frame: %s", exc)
+                engines.send(exc.peer, protos.EngineError(0, "bad_request", f"refused frame: {exc}"))
+                continue
+            except protos.ProtocolError as exc:
+                log.warning("refused an engine frame: %s", exc)
+                continue
+            if got is None:
+                return n
+            peer, msg = got
+            offer = self.queues.offer(queue_key(peer, msg), peer, msg)
+            if offer is Offer.BUSY:
+                assert isinstance(msg, (protos.Lookup, protos.Reserve))
+                engines.send(peer, self.server.busy(msg))
+            elif offer is Offer.NOW:
+                self.serve(peer, msg)
+        return limit
+
+    def serve_queued(self) -> bool:
+        """Serve the next queued engine message (round-robin across the engines); False when
+        none is queued."""
+        got = self.queues.pop()
         if got is None:
             return False
-        peer, msg = got
+        self.serve(*got)
+        return True
+
+    def serve(self, peer: bytes, msg: protos.Message) -> None:
+        """Answer one engine message; an exception in a handler is logged and answered, so no
+        engine message can stop the loop."""
         try:
             answer = self.server.handle(msg)
         except Exception as exc:  # a bug must cost this request, not the daemon
             log.exception("engine request %s failed", type(msg).__name__)
             answer = protos.EngineError(getattr(msg, "req", 0), "bad_request", f"{type(exc).__name__}: {exc}")
         if answer is not None:
-            engines.send(peer, answer)
-        return True
+            self.engines.send(peer, answer)
 
     def check_idle(self) -> None:
         self.server.check_idle()

@@ -231,6 +231,8 @@ class EngineCounters:
     resave_refused_pages: int = 0
     """Evicted pages before ``SaveRange.start_page`` that went unsaved (more than the request's
     ``SaveCursor.credit``), with the range's whole save."""
+    busy: int = 0
+    """Lookups and reserves answered ``protos.BUSY`` (``busy``: their engine's queue was full)."""
 
 
 class CacheServer:
@@ -306,6 +308,18 @@ class CacheServer:
             return protos.EngineError(getattr(msg, "req", 0), "bad_request",
                                       f"{type(msg).__name__} is not an engine request")
         return handler(msg)
+
+    def busy(self, msg: protos.Lookup | protos.Reserve) -> protos.EngineError:
+        """The answer to a lookup or reserve not served because its engine's queue was full
+        (the process loop's ``EngineQueues``): ``protos.BUSY``, counted (in all and, when the
+        message names an open session of this run, for that session, which it renews).
+        Nothing else changes: the engine's request stays as the server held it."""
+        self.counters.busy += 1
+        if msg.run == self.run:
+            session = self.leases.touch(msg.session, self.clock())
+            if session is not None:
+                session.busy += 1
+        return protos.EngineError(msg.req, protos.BUSY, "the daemon is busy: this engine's queue is full")
 
     def _session_error(self, req: int, session: int) -> protos.EngineError:
         return protos.EngineError(req, "unknown_session",
@@ -925,7 +939,7 @@ class CacheServer:
                             "page_bytes": self.pool.page_bytes},
                    **self._window_stats(), **self._state_stats()},
             "engines": [{"session": s.session_id, "engine": s.engine, "pid": s.process.pid,
-                         "namespace": s.namespace, "leases": len(s.leases), "ranks": s.ranks,
+                         "namespace": s.namespace, "leases": len(s.leases), "ranks": s.ranks, "busy": s.busy,
                          "workers": len(self.leases.workers.get(s.process, {}))}
                         for s in self.leases.sessions.values()],
             "leases": {"open": len(self.leases.leases), "expired": self.leases.expired_leases,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache.bench.capacity import Level, Sample, _levels, figures, summarize
+from hicache.bench.capacity import Level, Sample, _levels, figures, flood_figures, summarize
 from hicache.bench.capacity_lib.traffic import DECODED_TOKENS_FROM, Load, trace_prompts
 from hicache.cli import main
 from hicache.replay_sim.trace import Trace
@@ -62,6 +62,25 @@ def test_summarize_takes_rates_and_cores_over_the_window() -> None:
     assert level.steps == 100 and level.requests == 40 and level.unanswered == 2
     assert level.late_steps == 2  # 40 ms > one step of 33 ms, in each engine
     assert level.daemon_cpu_s_per_1k_requests == pytest.approx(5.0 / 40 * 1000)
+
+
+def test_summarize_keeps_each_engines_p99_and_busy_answers_and_the_flood_figures_compare_them() -> None:
+    first = Sample(10.0, {}, 0.0, {})
+    last = Sample(20.0, {}, 0.0, {})
+    flooder = {"rtt_us": {"lookup": [100.0] * 50 + [9000.0] * 50, "reserve": []}, "late_ms": [],
+               "counts": {"lookup_busy": 7, "reserve_busy": 2}}
+    steady = {"rtt_us": {"lookup": [100.0] * 99, "reserve": [3000.0]}, "late_ms": [], "counts": {}}
+    load = Load(steps_per_s=30, running=8, new_per_s=2)
+    flooded = summarize(1.0, load, [flooder, steady, steady], first, last)
+    assert flooded.engine_p99_us == [9000.0, 3000.0, 3000.0] and flooded.busy == [9, 0, 0]
+    assert flooded.answers == [100, 100, 100]
+    flooded.flood = 10.0
+    calm = {"rtt_us": {"lookup": [1000.0] * 100, "reserve": []}, "late_ms": [], "counts": {}}
+    reference = summarize(1.0, load, [calm, calm, calm], first, last)
+    fair, own, busy = flood_figures(reference, flooded)
+    assert fair.value == 3.0 and fair.reference == 1.0 and fair.meets_goal is False  # 3x the reference's p99
+    assert own.value == 9.0 and own.reference == 3.0
+    assert busy.value == 9 and busy.reference == 100  # of the flooder's 100 answers
 
 
 def test_figures_miss_their_goals_when_the_answers_are_slow() -> None:

@@ -126,6 +126,10 @@ class ModelStack:
                                                      **{**self.engine_kw, **kw})
         return self._started[name]
 
+    def started(self) -> int:
+        """How many engines the module started beside the daemon."""
+        return len(self._started)
+
     def check(self, out: dict[str, Any], prompts: list[list[int]]) -> None:
         assert out["finish"] == ["length"] * len(prompts), out["finish"]
         for p, o in zip(prompts, out["outputs"], strict=True):

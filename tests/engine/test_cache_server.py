@@ -158,6 +158,30 @@ def test_unknown_session_and_bad_tokens_are_answered_not_raised() -> None:
     assert server.integrity_error is None and server.exact_checks == 1
 
 
+def test_a_busy_answer_is_counted_for_its_session_and_changes_nothing_else() -> None:
+    """``busy`` (the loop's answer to a lookup or reserve past its engine's queue bound):
+    counted in all and for the session it names, which it renews; the request's tokens the
+    server held stay held (the engine's next ask sends only the new ones)."""
+    server, clock = make_server()
+    eng = FakeEngine(server, {})
+    tokens = list(range(1, 3 * PS + 1))
+    eng.lookup(tokens[:PS])  # the server now holds the first page's tokens of "r"
+    clock.t += TTL - 1
+    ans = server.busy(protos.Lookup(40, eng.session, RUN, "r", protos.pack_tokens(tokens[PS:]), "", True, PS))
+    assert ans == protos.EngineError(40, protos.BUSY, ans.reason)
+    ans = server.busy(reserve_msg(41, eng.session, RUN, "r", tokens, 0))
+    assert ans.code == protos.BUSY and ans.req == 41
+    server.busy(protos.Lookup(42, 999, RUN, "r", b""))  # no such session: counted in all only
+    clock.t += 2  # past the TTL since the lookup, not since the busy answers
+    assert server.expire() == 0
+    st = server.stats()
+    assert st["engine"]["busy"] == 3 and [e["busy"] for e in st["engines"]] == [2]
+    more = server.handle(protos.Lookup(43, eng.session, RUN, "r", protos.pack_tokens(tokens[PS:]), "", True, PS))
+    assert isinstance(more, protos.LookupResult)  # the base the busy lookup named is still held
+    server.check_idle()
+    assert server.integrity_error is None
+
+
 def test_save_then_lookup_returns_the_saved_pages_and_skips_what_is_held() -> None:
     server, _ = make_server()
     eng = FakeEngine(server, {})

@@ -16,7 +16,10 @@ hicache equal those of the same model in a vLLM without the connector.
 * vLLM's own metrics carry hicache's hits per tier, loads, saves and errors.
 * After a daemon restart, asks about a request whose pages come back from L3 that get no
   answer in time (a fault point makes the connector give up on them at once, as against a
-  slow daemon loop) cost a short wait, not the hit (last: it restarts the daemon).
+  slow daemon loop) cost a short wait, not the hit (it restarts the daemon).
+* A daemon that answers every lookup and reserve ``busy`` (``engine.queue_limit`` 0) leaves
+  vLLM computing alone: vLLM alone's tokens, no hit, nothing saved, the busy answers counted
+  on both sides (last: it restarts the daemon with that setting).
 
 The module shares one daemon (with a file L3) and six engines (vLLM alone, ``a`` with the
 load fault, ``b``, ``c`` with the other identity, ``d`` with the unanswered-asks fault, ``e``
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from conftest import Engines, ModelStack, engine_config, expected_hit
 from daemon import Daemon
 
@@ -243,4 +247,33 @@ def test_asks_unanswered_while_pages_come_back_from_l3_cost_no_hit(stack: Stack)
     assert delta("vllm:hicache_lookups_unanswered_pending") >= SLOW_ASKS, after  # the fault fired
     assert delta("vllm:hicache_lookup_misses") == 0, after
     assert delta("vllm:hicache_hit_tokens{tier=disk}") == sum(out["cached"]), after
+    stack.idle_and_intact()
+
+
+def test_busy_answers_leave_vllm_computing_alone(stack: Stack) -> None:
+    """Run last: it restarts the daemon with ``engine.queue_limit`` 0, so every lookup and
+    reserve is answered ``busy`` at once. Engine ``b`` registers with it again and serves
+    every request without the cache: vLLM alone's tokens, no token from hicache, nothing
+    saved; both sides count the busy answers."""
+    b = stack.engine("b")
+    daemon = stack.daemon
+    assert daemon.stop() == 0
+    cfg = yaml.safe_load(daemon.config_path.read_text())
+    cfg["engine"]["queue_limit"] = 0
+    daemon.config_path.write_text(yaml.safe_dump(cfg))
+    daemon.start()
+    started = stack.started()
+    stack.wait("every engine's new session", lambda st: len(st["engines"]) == started)
+    before = _hicache_metrics(b)
+    out = b.generate(P, MAX_TOKENS)
+    stack.check(out, P)
+    assert out["cached"] == [0] * len(P)
+    st = stack.stats()
+    busy = st["engine"]["busy"]
+    assert busy >= len(P) and sum(e["busy"] for e in st["engines"]) == busy  # a lookup of each prompt at least
+    assert st["engine"]["lookups"] == 0 and st["engine"]["reserves"] == 0 and st["engine"]["committed_pages"] == 0
+    after = _hicache_metrics(b)
+    counted = after.get("vllm:hicache_busy_answers", 0.0) - before.get("vllm:hicache_busy_answers", 0.0)
+    assert len(P) <= counted <= busy, after
+    assert after.get("vllm:hicache_hit_tokens{tier=host}", 0.0) == before.get("vllm:hicache_hit_tokens{tier=host}", 0.0)
     stack.idle_and_intact()

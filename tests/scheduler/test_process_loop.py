@@ -391,3 +391,76 @@ def test_the_drains_nest_inside_the_launchers_stop_timeout() -> None:
 
     assert TOKENIZER_GRACE_S < DEFAULT_GRACE_S < STOP_TIMEOUT_S
     assert SchedulerArgs.__dataclass_fields__["grace_s"].default == DEFAULT_GRACE_S
+
+
+class FairServer:
+    """A cache server fake for the engine loop: records what it serves, in order; answers
+    a lookup with an empty hit and ``busy`` as the real one does."""
+
+    def __init__(self) -> None:
+        self.tier = Tier()
+        self.pins = None
+        self.served: list[tuple[str, int, int]] = []  # (kind, session, req)
+        self.busy_asked: list[tuple[int, int]] = []
+
+    def handle(self, msg: protos.Message) -> protos.Message | None:
+        kind = type(msg).__name__
+        self.served.append((kind, getattr(msg, "session", -1), getattr(msg, "req", 0)))
+        return protos.LookupResult(msg.req) if isinstance(msg, protos.Lookup) else None
+
+    def busy(self, msg: protos.Lookup | protos.Reserve) -> protos.EngineError:
+        self.busy_asked.append((msg.session, msg.req))
+        return protos.EngineError(msg.req, protos.BUSY, "busy")
+
+    def expire(self) -> None:
+        pass
+
+    def check_idle(self) -> None:
+        pass
+
+
+def test_a_flooding_engine_waits_behind_its_own_queue_and_is_answered_busy_past_its_bound() -> None:
+    """Engine F sends ten times engine S's lookups, all of them before S's (one connection,
+    so the answers arrive in the loop's order), then a heartbeat: the loop serves the
+    heartbeat as it reads it, then F's and S's queued lookups in turn (S's in order), and
+    answers F's lookups past its bound ``busy`` at once; everything is answered."""
+    from hicache.engine_server.process import ENGINE_ACCEPTS
+    from hicache.ipc import RouterSocket
+
+    ctx = zmq.Context.instance()
+    address = f"inproc://fair-{id(ctx)}"
+    engines: Any = RouterSocket(ctx, address, ENGINE_ACCEPTS)
+    server = FairServer()
+    bound, steady = 8, 8
+    proc = CacheServerProcess(_args(), _links(), None, server, engines,  # type: ignore[arg-type]
+                              telemetry=Telemetry(), stop=StopSignal(), queue_limit=bound)
+    client = ctx.socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    client.connect(address)
+    flooder, other = 1, 2
+    try:
+        sent = [(flooder, r) for r in range(1, 10 * steady + 1)] + [(other, r) for r in range(1001, 1001 + steady)]
+        for session, req in sent:
+            client.send(protos.encode(protos.Lookup(req, session, 9, f"r{req}", protos.pack_tokens([1, 2]))))
+        client.send(protos.encode(protos.Heartbeat(flooder, 9, 5000)))
+        proc.round()
+        answers = []
+        while client.poll(1000):
+            answers.append(protos.decode(client.recv()))
+            if len(answers) == len(sent):
+                break
+    finally:
+        client.close()
+        engines.socket.close(linger=0)
+    assert sorted(a.req for a in answers) == sorted(req for _, req in sent)  # every lookup answered once
+    busy = [a.req for a in answers if isinstance(a, protos.EngineError)]
+    assert all(a.code == protos.BUSY for a in answers if isinstance(a, protos.EngineError))
+    assert busy == list(range(bound + 1, 10 * steady + 1))  # F's past its bound, at once
+    assert server.busy_asked == [(flooder, r) for r in busy]
+    assert server.served[0] == ("Heartbeat", flooder, 5000)  # served before every queued message
+    lookups = [(s, r) for kind, s, r in server.served if kind == "Lookup"]
+    f_first = [(flooder, r) for r in range(1, bound + 1)]
+    s_all = [(other, r) for r in range(1001, 1001 + steady)]
+    assert lookups == [x for pair in zip(f_first, s_all, strict=True) for x in pair]  # in turn, each in order
+    served_answers = [a.req for a in answers if isinstance(a, protos.LookupResult)]
+    assert served_answers == [r for _, r in lookups]

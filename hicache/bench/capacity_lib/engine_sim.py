@@ -21,7 +21,9 @@ A step, as vLLM's scheduler and the connector make one:
 4. ``Finished`` for the requests that decoded their last token.
 
 Only ``Lookup`` and ``Reserve`` are answered; their round trips (from send to answer, in
-the engine's process) are what the benchmark reports. Steps run on a fixed clock: a step
+the engine's process) are what the benchmark reports. A ``busy`` answer (the daemon's queue
+for this engine was full) is counted (``lookup_busy``, ``reserve_busy``) and the request goes
+on without the cache, as in the connector. Steps run on a fixed clock: a step
 that starts late is counted, never skipped.
 """
 
@@ -176,7 +178,10 @@ class SimEngine:
         dt = (time.perf_counter() - t0) * 1e6
         if answer is None:
             self.rec.add(f"{kind}_unanswered")
-        elif self.rec.on:
+            return answer
+        if isinstance(answer, protos.EngineError) and answer.code == protos.BUSY:
+            self.rec.add(f"{kind}_busy")  # as the connector: this request goes on without the cache
+        if self.rec.on:
             self.rec.rtt_us[kind].append(dt)
         return answer
 
