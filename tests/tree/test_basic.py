@@ -19,7 +19,8 @@ def test_seed_split_bug_match_stops_at_fork():
     assert m.device_len == 6
     node = m.last_device_node
     assert node.key == toks("Hello_")  # the node was split exactly there
-    assert [c.key for c in node.children.values()] == [toks("L.A.!")]
+    # the second request grew the first one's leaf in place (``extend_leaves``)
+    assert [c.key for c in node.children.values()] == [toks("L.A.!world")]
     assert m.device_indices == cache.match_prefix(toks("Hello_L.A.!")).device_indices[:6]
     assert m.host_hit_length == 0
     cache.check_integrity(exact=True)
