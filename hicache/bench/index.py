@@ -102,7 +102,7 @@ class _Tree:
         for npages in self.wl.inserts(self.next - 1):
             new = alloc.alloc(npages - len(pages))
             assert new is not None
-            pages = pages + new
+            pages = pages + new  # type: ignore[operator]  # one allocator: both lists
             t0 = time.perf_counter()
             r = cache.insert(seq[:npages * ps], pages, prev_prefix_len=prev)
             if timings is not None:
@@ -181,7 +181,10 @@ def _measure(pattern: str, size: int, args: argparse.Namespace, legacy: bool) ->
             guard.settle()
         cached = tree.pages()
         cache = tree.cache
-        match_t, lock_t, insert_t, evict_t = [], [], [], []
+        match_t: list[float] = []
+        lock_t: list[float] = []
+        insert_t: list[float] = []
+        evict_t: list[float] = []
         for _ in range(args.ops):
             probe = wl.tokens(tree.next - 1 - (tree.next * 7919) % min(tree.next, 50))
             t0 = time.perf_counter()

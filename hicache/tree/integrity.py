@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hicache.tree.cache import UnifiedRadixCache
-    from hicache.tree.node import TreeNode
+    from hicache.tree.node import LruLink, TreeNode
 
 
 class IntegrityError(AssertionError):
@@ -165,10 +165,7 @@ class _Tally:
                     except AssertionError as exc:
                         raise IntegrityError(f"{c.name} {name} order: {exc}") from exc
                     for link in policy.links():
-                        owner = link.owner
-                        cd = owner.data[i] if owner is not None else None
-                        held = cd is not None and (cd.value if tier == 0 else cd.host_value) is not None
-                        if not held or (cd.dlink if tier == 0 else cd.hlink) is not link or not self.live(owner):
+                        if not self._holds(link, i, tier):
                             _fail(f"{c.name}: the {name} order does not hold exactly the nodes with {name} data")
                 if len(policy) != self.members[i][tier]:
                     _fail(f"{c.name}: the {name} order does not hold exactly the nodes with {name} data")
@@ -179,13 +176,23 @@ class _Tally:
                 alloc.check()
                 if alloc.free_count + alloc.used != alloc.capacity:
                     _fail(f"{c.name} {name}: free + used != capacity")
-                held = self.pages[i][tier]
-                if len(self.seen[i][tier]) != held:
+                npages = self.pages[i][tier]
+                if len(self.seen[i][tier]) != npages:
                     _fail(f"{c.name} {name}: a page is held by two nodes")
-                if held > alloc.used:
+                if npages > alloc.used:
                     _fail(f"{c.name} {name}: the tree holds more pages than are used")
-                if exact and held != alloc.used:
-                    _fail(f"{c.name} {name}: {alloc.used - held} used pages are not in the tree (leak)")
+                if exact and npages != alloc.used:
+                    _fail(f"{c.name} {name}: {alloc.used - npages} used pages are not in the tree (leak)")
+
+    def _holds(self, link: LruLink, i: int, tier: int) -> bool:
+        """Whether ``link`` is the tier-``tier`` link of a live node with component ``i``'s data there."""
+        owner = link.owner
+        if owner is None or not self.live(owner):
+            return False
+        cd = owner.data[i]
+        if tier == 0:
+            return cd.value is not None and cd.dlink is link
+        return cd.host_value is not None and cd.hlink is link
 
 
 def check_integrity(cache: UnifiedRadixCache, exact: bool = False) -> None:
