@@ -131,7 +131,7 @@ def tree_bytes(cache: Any) -> int:
         for k in node.children:
             total += size(k) if not isinstance(k, int) else 0
         if node.hash_value is not None:
-            total += size(node.hash_value) + sum(size(h) for h in node.hash_value)
+            total += size(node.hash_value)
         for cd in node.data:
             total += size(cd) + size(cd.dlink) + size(cd.hlink)
             for v in (cd.value, cd.host_value, cd.metadata):

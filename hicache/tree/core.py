@@ -28,6 +28,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hicache.hashing import HASH_BYTES
 from hicache.tree.content import ContentObserver, Tier
 from hicache.tree.node import KEY_TYPECODE, ComponentData, Key, TreeNode
 from hicache.tree.policy import EvictionPolicy
@@ -171,8 +172,9 @@ class TreeCore:
         upper.in_flight = node.in_flight
         upper.loading = node.loading
         if node.hash_value is not None:
-            upper.hash_value = node.hash_value[:pages]
-            node.hash_value = node.hash_value[pages:]
+            cut = pages * HASH_BYTES
+            upper.hash_value = node.hash_value[:cut]
+            node.hash_value = node.hash_value[cut:]
         first = self.first_page(node.key, 0)
         node.key = node.key[ntok:]
         upper.children[self.first_page(node.key, 0)] = node

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from hicache.hashing import HASH_BYTES
+
 if TYPE_CHECKING:
     from hicache.tree.cache import UnifiedRadixCache
     from hicache.tree.node import LruLink, TreeNode
@@ -93,7 +95,7 @@ class _Tally:
                 _fail(f"{node!r}: no FULL data on L1 or L2")
             if full.value is not None and node.parent.parent is not None and node.parent.data[0].value is None:
                 _fail(f"{node!r}: L1 data under an L2-only parent")
-            if node.hash_value is not None and len(node.hash_value) != len(k) // ps:
+            if node.hash_value is not None and len(node.hash_value) != len(k) // ps * HASH_BYTES:
                 _fail(f"{node!r}: hash_value has the wrong length")
             if node.in_flight < 0:
                 _fail(f"{node!r}: negative in_flight")
