@@ -400,6 +400,7 @@ class Scheduler:
         bounded slice of the tree's (``check_integrity_slice``) and the L1 budget's (totals equal the sums over
         requests, and nothing is reserved)."""
         if not self.busy and (self.tier is None or not self.tier.in_flight):
-            self.cache.check_integrity_slice()
+            whole = self.cache.check_integrity_slice()
             self.budget.check_idle()
-            self.counters.integrity_checks += 1
+            if whole:  # a round of the tree's check ended here
+                self.counters.integrity_checks += 1
