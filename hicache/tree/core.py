@@ -62,11 +62,11 @@ class TreeCore:
         self.tick = 0
         self.node_count = 0
         self.shape_version = 0
+        """Counts the changes of the tree's shape (a split, a removed node): a path walked when it
+        had this value is still a path of the tree while it has."""
         self.version = 0
         """Counts every change of what the integrity check sums (data, locks, nodes): an
         incremental check whose round saw one value throughout saw one tree."""
-        """Counts the changes of the tree's shape (a split, a removed node): a path walked when it
-        had this value is still a path of the tree while it has."""
         # ``written[i]``: component i has an L2 tier, so its L1-only data waits for a write
         # (default: FULL only)
         self._written = [bool(w) for w in written] if written is not None else [True] + [False] * (n_components - 1)
