@@ -14,7 +14,8 @@ traced allocations), then, on the tree kept at that size, the median
 time of ``match_prefix`` of a recent sequence, ``inc_lock_ref`` + ``dec_lock_ref`` of its
 node, one insert of the pattern (a whole sequence, or one decode step), and the ``evict``
 that brings the tree back to its size; the longest garbage-collector pause seen during all
-of it (``gc.callbacks``), a full ``gc.collect()``, the exact integrity check and one
+of it (``gc.callbacks``; the settles of ``hicache.gc_guard`` included, its first one at
+start, which the process loop makes at startup, not), a full ``gc.collect()``, the exact integrity check and one
 idle-check slice (``UnifiedRadixCache.check_integrity_slice``).
 
 Reference runs, measured in the same invocation: ``--legacy`` also builds every tree with
@@ -160,8 +161,9 @@ def _measure(pattern: str, size: int, args: argparse.Namespace, legacy: bool) ->
 
     gc.collect()
     tree = _Tree(wl, size, legacy)
-    gc.callbacks.append(on_gc)
+    # as the process loop does at its start (startup work: its allocators' free lists frozen)
     guard = None if legacy else gc_guard.GcGuard()
+    gc.callbacks.append(on_gc)
     try:
         if args.tracemalloc:
             tracemalloc.start()
