@@ -32,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "codec": ("hicache.bench.codec", "wire codec and page hashing against raw msgpack / hashlib"),
     "tree": ("hicache.bench.tree", "radix tree operations on a seeded chat workload"),
+    "index": ("hicache.bench.index", "the radix tree at millions of pages: heap per page, op times, gc pauses"),
     "storage": ("hicache.bench.storage", "L3 backends against raw redis-py / file I/O"),
     "transfer": ("hicache.bench.transfer", "L1<->L2 copies and backups through the controller"),
     "model": ("hicache.bench.model", "reference model prefill/decode against a KV page copy"),

@@ -38,6 +38,8 @@ from itertools import islice
 NAMESPACE_TAG = b"hicache-ns-v1"
 AUX_TAG = b"hicache-aux-v1"
 HASH_HEX_LEN = 64
+HASH_BYTES = 32
+"""A page hash as raw bytes (a SHA-256 digest); its hex form is ``HASH_HEX_LEN`` characters."""
 MAX_TOKEN_ID = 2**32 - 1
 
 PageHash = str
@@ -164,3 +166,16 @@ class PageHasher:
             (prev := sha256(prev + data[off : off + step]).digest()).hex()
             for off in range(0, len(data), step)
         ]
+
+    def digest_pages(self, tokens: Sequence[int], parent: bytes | None = None) -> bytes:
+        """``hash_pages`` as raw digests (``HASH_BYTES`` a page) in one buffer: the compact
+        form a tree node keeps. ``parent``: the digest of the page before (None: the seed)."""
+        if not 0 < self.page_size <= len(tokens):
+            return b""
+        full = len(tokens) - len(tokens) % self.page_size
+        data = tokens_to_bytes(tokens, full)
+        step = 4 * self.page_size
+        sha256 = hashlib.sha256
+        prev = self._seed if parent is None else parent
+        return b"".join([(prev := sha256(prev + data[off : off + step]).digest())
+                         for off in range(0, len(data), step)])

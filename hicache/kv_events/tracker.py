@@ -42,6 +42,7 @@ import logging
 import time
 from collections.abc import Callable, Collection
 
+from hicache.hashing import HASH_BYTES
 from hicache.kv_events.format import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
 from hicache.tree import UnifiedRadixCache
 from hicache.tree.content import Tier
@@ -158,15 +159,16 @@ class TierEventTracker:
         self._add(BlockRemoved(block_hashes=pages, medium=MEDIUM_OF_TIER[tier].value))
 
     def _stored(self, node: TreeNode, tier: Tier) -> None:
-        hashes = [bytes.fromhex(h) for h in self._cache.tiers.node_hashes(node)]
+        d = self._cache.tiers.node_digests(node)
+        hashes = [d[i:i + HASH_BYTES] for i in range(0, len(d), HASH_BYTES)]
         parent = node.parent
-        parent_hex = parent.hash_value[-1] if parent is not None and parent.parent is not None \
+        parent_digest = parent.hash_value[-HASH_BYTES:] if parent is not None and parent.parent is not None \
             and parent.hash_value else None
         namespace, salt = self._split_salt(self._cache.salt_of(node))
         tokens = list(node.key)
         ps = self._cache.page_size
         for start, end in self._new_runs(hashes, tier):
-            parent_hash = hashes[start - 1] if start else (bytes.fromhex(parent_hex) if parent_hex else None)
+            parent_hash = hashes[start - 1] if start else parent_digest
             self._add(BlockStored(
                 block_hashes=hashes[start:end],
                 parent_block_hash=parent_hash,

@@ -13,8 +13,11 @@
    (``hicache.kv_events``, never waiting);
 4. ask the launcher, once, to restart a controller that has left an op unanswered for
    ``server.controller_op_timeout_s``;
-5. publish telemetry every ``METRICS_INTERVAL_S``; run the idle integrity check while
-   ``idle()``, every ``IDLE_CHECK_INTERVAL_S`` or less often (``IDLE_CHECK_SHARE``);
+5. settle the garbage collector (``hicache.gc_guard``: what survived since the last settle
+   is frozen, so no collection walks the whole tree); publish telemetry every
+   ``METRICS_INTERVAL_S``; run the idle integrity check while ``idle()``, every
+   ``IDLE_CHECK_INTERVAL_S`` or less often (``IDLE_CHECK_SHARE``), one bounded slice of
+   the tree at a time;
 6. while draining: end once ``drained()``, or at the deadline after ``abort_remaining()``.
    Then the heartbeat, the sockets and the pools are closed.
 
@@ -49,6 +52,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import protos
 from hicache.config import HicacheConfig
+from hicache.gc_guard import GcGuard
 from hicache.heartbeat import HeartbeatWriter
 from hicache.ipc import Endpoints, PullSocket, PushSocket, ResettablePush, open_context
 from hicache.logging_setup import setup_logging
@@ -71,9 +75,9 @@ IDLE_CHECK_INTERVAL_S = 1.0
 
 IDLE_CHECK_SHARE = 0.02
 """The most of the loop's time the idle integrity check may take: after a check that took
-``d`` seconds the next waits ``max(IDLE_CHECK_INTERVAL_S, d / IDLE_CHECK_SHARE)``. The exact
-check walks the whole tree (200 ms at a million pages), and between two engine steps the
-cache server is often idle, so a fixed second would spend a fifth of its time there."""
+``d`` seconds the next waits ``max(IDLE_CHECK_INTERVAL_S, d / IDLE_CHECK_SHARE)``. Each
+check is one bounded slice of the tree (``check_integrity_slice``), and between two engine
+steps the cache server is often idle: the share keeps even a slow slice from taking over."""
 
 METRICS_INTERVAL_S = 0.5
 """How often the process publishes its gauges."""
@@ -212,6 +216,7 @@ class ProcessLoop(abc.ABC):
         self.drain_deadline: float | None = None
         self._metrics = Every(METRICS_INTERVAL_S)
         self._idle_check = Every(IDLE_CHECK_INTERVAL_S)
+        self._gc: GcGuard | None = None  # from ``run`` on: the collector kept off the tree
         if tier is not None:
             tier.run = args.controller_run
         self.handlers: dict[type[protos.Message], Callable[[Any], object]] = {
@@ -265,6 +270,7 @@ class ProcessLoop(abc.ABC):
         """Send ``Ready``, loop until a stop has drained, close everything."""
         self.links.to_launcher.send(protos.Ready("scheduler", os.getpid()))
         self.log.info("%s", self.ready_line())
+        self._gc = GcGuard()
         try:
             while True:
                 self.heartbeat.beat()
@@ -277,6 +283,8 @@ class ProcessLoop(abc.ABC):
                 if self.drain_over():
                     break
         finally:
+            self._gc.close()
+            self._gc = None
             self.close()
         self.log.info("%s stopped", self.title)
 
@@ -287,6 +295,8 @@ class ProcessLoop(abc.ABC):
         if self._metrics.due(now):
             self.telemetry.publish()
             self.count_kv_events()
+        if self._gc is not None:
+            self._gc.settle(now)
         if self.idle() and self._idle_check.due(now):
             start = self.clock()
             self.check_idle()

@@ -396,10 +396,11 @@ class Scheduler:
         return any(r.status == LOADING and r.load is not None and not r.load.done for r in self.waiting)
 
     def check_idle(self) -> None:
-        """The integrity checks, run by the loop when nothing is running or in flight: the
-        tree's (``check_integrity``) and the L1 budget's (totals equal the sums over
+        """The integrity checks, run by the loop when nothing is running or in flight: one
+        bounded slice of the tree's (``check_integrity_slice``) and the L1 budget's (totals equal the sums over
         requests, and nothing is reserved)."""
         if not self.busy and (self.tier is None or not self.tier.in_flight):
-            self.cache.check_integrity()
+            whole = self.cache.check_integrity_slice()
             self.budget.check_idle()
-            self.counters.integrity_checks += 1
+            if whole:  # a round of the tree's check ended here
+                self.counters.integrity_checks += 1

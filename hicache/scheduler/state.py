@@ -49,7 +49,7 @@ class SchedulerCounters:
     cached_host: int = 0
     cached_storage: int = 0
     forward_passes: int = 0
-    integrity_checks: int = 0  # idle integrity checks that passed (``check_idle``)
+    integrity_checks: int = 0  # rounds of the idle integrity check that passed (``check_idle``)
     load_join_wait_s: float = 0.0  # time forward passes were held for load-backs (the loop adds it)
 
 

@@ -148,6 +148,9 @@ class CacheBase:
         # under write_back, nodes whose queued write could not start: eviction drops their
         # unwritten data (``TierCalls.release_write_back``)
         self._write_back_released: dict[TreeNode, None] = {}
+        self.extend_leaves = True
+        """Let an insert that continues a leaf only its request uses grow that leaf in place
+        (``UnifiedRadixCache._extendable``), instead of a node per decode step."""
         self.evicted_device_tokens = 0  # monotonic: FULL tokens freed from L1 / L2 by eviction
         self.evicted_host_tokens = 0
         self._empty = self.full.allocator.empty

@@ -49,6 +49,7 @@ from hicache.tree.components import (
     TreeComponent,
     Validator,
 )
+from hicache.tree.integrity import SLICE_UNITS, IntegrityWalker, check_integrity
 from hicache.tree.node import ComponentData, ComponentType, LockToken, TreeNode
 from hicache.tree.request_state import RequestState
 from hicache.tree.tiering import TierCalls, TierOp
@@ -120,6 +121,7 @@ class UnifiedRadixCache(CacheBase):
                          write_through_threshold=write_through_threshold)
         self.tiers = TierCalls(self, self, hasher)
         """The tier calls (L2 writes, load-backs, L3 backups, L2 eviction, page hashes)."""
+        self._integrity_walker: IntegrityWalker | None = None
 
     # ---- component lookup (for callers that serve a given model; the tree never needs it)
     def component(self, kind: ComponentType | str) -> TreeComponent:
@@ -322,6 +324,9 @@ class UnifiedRadixCache(CacheBase):
                 path.append(child)
             node = child
             off += kl
+        if off < n and not payloads and self._extendable(node):
+            core.extend(node, key[off:n], value[off // ps:npages])
+            off = n
         if off < n:
             ends = [npages]
             if payloads:
@@ -342,6 +347,23 @@ class UnifiedRadixCache(CacheBase):
                 held.append(c.name)
             self._free(c, spare[j])
         return InsertResult(prefix, node, frozenset(held))
+
+    def _extendable(self, node: TreeNode) -> bool:
+        """Whether an insert may append its new pages to ``node`` in place rather than hang a
+        child under it (``extend_leaves``): a FULL-only leaf on L1 that at most one lock
+        holds (the inserting request's), with no L2 copy, no page hashes (so no content
+        observer has named its pages), no transfer, no write queued, and no auxiliary
+        component's data or lock, so every component's boundaries stay where they were."""
+        if not self.extend_leaves or node.children or node.parent is None or node.loading or node.in_flight:
+            return False
+        full = node.data[0]
+        if (full.value is None or full.host_value is not None or full.lock_ref > 1 or full.host_lock_ref
+                or node.hash_value is not None or self.core.observer is not None):
+            return False
+        for cd in node.data[1:]:
+            if cd.value is not None or cd.host_value is not None or cd.lock_ref or cd.host_lock_ref:
+                return False
+        return node not in self._write_back_queue
 
     def _cut(self, node: TreeNode, first: int, payloads: list[tuple[TreeComponent, Any]]
              ) -> list[tuple[TreeNode, int]]:
@@ -691,7 +713,15 @@ class UnifiedRadixCache(CacheBase):
             self._write_back = write_back
 
     def check_integrity(self, exact: bool = False) -> None:
-        """See ``hicache.tree.integrity.check_integrity``; ``exact`` also proves no leak."""
-        from hicache.tree.integrity import check_integrity
-
+        """The whole check at once (tests, an operator's request): see
+        ``hicache.tree.integrity.check_integrity``; ``exact`` also proves no leak."""
         check_integrity(self, exact)
+
+    def check_integrity_slice(self, exact: bool = False, budget: int | None = None) -> bool:
+        """The idle check: one bounded slice of the same check (``budget`` nodes plus pages,
+        default ``hicache.tree.integrity.SLICE_UNITS``), resuming where the last call
+        stopped; True when this call ended a round whose totals were compared (see
+        ``IntegrityWalker.step``). Raises ``IntegrityError`` like ``check_integrity``."""
+        if self._integrity_walker is None:
+            self._integrity_walker = IntegrityWalker(self)
+        return self._integrity_walker.step(SLICE_UNITS if budget is None else budget, exact)

@@ -215,6 +215,7 @@ class FullComponent(TreeComponent):
         i = self.slot
         units = core.units[i]
         prot = core.dev_prot
+        core.version += 1
         while node.parent is not None:
             cd = node.data[i]
             if cd.lock_ref == 0 and cd.value is not None:
@@ -231,6 +232,7 @@ class FullComponent(TreeComponent):
             n = n.parent
         units = core.units[i]
         prot = core.dev_prot
+        core.version += 1
         while node.parent is not None:
             cd = node.data[i]
             cd.lock_ref -= 1

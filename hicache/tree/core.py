@@ -28,6 +28,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hicache.hashing import HASH_BYTES
 from hicache.tree.content import ContentObserver, Tier
 from hicache.tree.node import KEY_TYPECODE, ComponentData, Key, TreeNode
 from hicache.tree.policy import EvictionPolicy
@@ -63,6 +64,9 @@ class TreeCore:
         self.shape_version = 0
         """Counts the changes of the tree's shape (a split, a removed node): a path walked when it
         had this value is still a path of the tree while it has."""
+        self.version = 0
+        """Counts every change of what the integrity check sums (data, locks, nodes): an
+        incremental check whose round saw one value throughout saw one tree."""
         # ``written[i]``: component i has an L2 tier, so its L1-only data waits for a write
         # (default: FULL only)
         self._written = [bool(w) for w in written] if written is not None else [True] + [False] * (n_components - 1)
@@ -90,6 +94,7 @@ class TreeCore:
         if r is None:
             r = TreeNode(None, array(KEY_TYPECODE), self.n)
             r.salt = salt
+            self.version += 1
             for cd in r.data:  # the root holds "data" for every component and is never evicted
                 cd.value = []
                 cd.lock_ref = 1
@@ -157,6 +162,7 @@ class TreeCore:
             raise ValueError(f"bad split at {ntok} of {len(node.key)} tokens")
         parent = node.parent
         upper = TreeNode(parent, node.key[:ntok], self.n)
+        self.version += 1
         self.node_count += 1
         self.shape_version += 1
         pages = ntok // ps
@@ -166,8 +172,9 @@ class TreeCore:
         upper.in_flight = node.in_flight
         upper.loading = node.loading
         if node.hash_value is not None:
-            upper.hash_value = node.hash_value[:pages]
-            node.hash_value = node.hash_value[pages:]
+            cut = pages * HASH_BYTES
+            upper.hash_value = node.hash_value[:cut]
+            node.hash_value = node.hash_value[cut:]
         first = self.first_page(node.key, 0)
         node.key = node.key[ntok:]
         upper.children[self.first_page(node.key, 0)] = node
@@ -205,11 +212,30 @@ class TreeCore:
     def new_child(self, parent: TreeNode, key: Key) -> TreeNode:
         node = TreeNode(parent, key, self.n)
         parent.children[self.first_page(key, 0)] = node
+        self.version += 1
         self.node_count += 1
         return node
 
+    def extend(self, node: TreeNode, key: Key, pages: Any) -> None:
+        """Append ``key`` (page-aligned) and its FULL L1 ``pages`` (one per page, taken over)
+        to the leaf ``node`` in place, for a request that grows the only leaf it uses (the
+        caller checked that no other component's data, no L2 copy, no page hash, no
+        transfer and no other lock is on it). Counters follow; the LRU order is the
+        caller's ``touch``."""
+        if self.observer is not None:  # its calls name whole nodes (``UnifiedRadixCache._extendable``)
+            raise RuntimeError("extend: a content observer is installed")
+        self.version += 1
+        cd = node.data[0]
+        node.key.extend(key)
+        cd.value.extend(pages)
+        u = len(pages)
+        self.dev_total[0] += u
+        if cd.lock_ref:
+            self.dev_prot[0] += u
+
     def detach(self, node: TreeNode) -> None:
-        """Remove a childless node whose data has all been cleared."""
+        """Remove a childless node whose data has all been cleared. It keeps no reference
+        cycle (its LRU links forget it), so it needs no garbage collection (``hicache.gc_guard``)."""
         if node.children:
             raise ValueError("only a leaf can be deleted")
         for cd in node.data:
@@ -217,11 +243,15 @@ class TreeCore:
                 raise ValueError("clear a node's data before deleting it")
         del node.parent.children[self.first_page(node.key, 0)]  # type: ignore[union-attr]
         node.parent = None
+        self.version += 1
+        for cd in node.data:  # no cycle left through its links: reference counting frees it
+            cd.dlink.owner = cd.hlink.owner = None
         self.node_count -= 1
         self.shape_version += 1
 
     # ------------------------------------------------------------------ data
     def set_value(self, node: TreeNode, i: int, value: Any) -> None:
+        self.version += 1
         cd = node.data[i]
         if cd.value is not None:
             raise ValueError("component value already set")
@@ -240,6 +270,7 @@ class TreeCore:
             self.observer.pages_added(node, Tier.DEVICE)
 
     def clear_value(self, node: TreeNode, i: int) -> Any:
+        self.version += 1
         cd = node.data[i]
         value = cd.value
         if value is None:
@@ -259,6 +290,7 @@ class TreeCore:
         return value
 
     def set_host(self, node: TreeNode, i: int, host_value: Any) -> None:
+        self.version += 1
         cd = node.data[i]
         if cd.host_value is not None:
             raise ValueError("component host value already set")
@@ -280,6 +312,7 @@ class TreeCore:
             self.observer.pages_added(node, Tier.HOST)
 
     def clear_host(self, node: TreeNode, i: int) -> Any:
+        self.version += 1
         cd = node.data[i]
         hv = cd.host_value
         if hv is None:
@@ -313,12 +346,14 @@ class TreeCore:
             self.unwritten.pop(node, None)
 
     def lock(self, node: TreeNode, i: int) -> None:
+        self.version += 1
         cd = node.data[i]
         if cd.lock_ref == 0 and cd.value is not None:
             self.dev_prot[i] += self.units[i](cd.value)
         cd.lock_ref += 1
 
     def unlock(self, node: TreeNode, i: int) -> None:
+        self.version += 1
         cd = node.data[i]
         if cd.lock_ref <= 0:
             raise ValueError(f"lock_ref of {node!r} would go below zero")
@@ -327,12 +362,14 @@ class TreeCore:
             self.dev_prot[i] -= self.units[i](cd.value)
 
     def host_lock(self, node: TreeNode, i: int) -> None:
+        self.version += 1
         cd = node.data[i]
         if cd.host_lock_ref == 0 and cd.host_value is not None:
             self.host_prot[i] += self.units[i](cd.host_value)
         cd.host_lock_ref += 1
 
     def host_unlock(self, node: TreeNode, i: int) -> None:
+        self.version += 1
         cd = node.data[i]
         if cd.host_lock_ref <= 0:
             raise ValueError(f"host_lock_ref of {node!r} would go below zero")

@@ -1,7 +1,8 @@
 """Tree nodes and per-component node data (docs/architecture.md §4).
 
 A node's ``key`` is a page-aligned run of token ids (an ``array('I')``) and every per-page
-field (``value``, ``host_value``, ``hash_value``) holds exactly one entry per page of it.
+field (``value``, ``host_value``, ``hash_value``) holds exactly one entry per page of it
+(``hash_value``: ``HASH_BYTES`` raw bytes a page, all in one ``bytes`` buffer).
 ``TreeNode`` keeps the structure; ``ComponentData`` keeps what one component stores there.
 """
 
@@ -78,8 +79,9 @@ class TreeNode:
 
     ``children`` is indexed by the first page of each child's key (the token id itself when
     the page size is 1, the page's bytes otherwise). ``data[i]`` belongs to
-    the cache's ``i``-th component (FULL is index 0). ``hash_value`` (one hex page hash per
-    page) is computed lazily, only when a tier needs it, and split along with the node.
+    the cache's ``i``-th component (FULL is index 0). ``hash_value`` (the page hashes,
+    ``HASH_BYTES`` raw bytes a page in one buffer, not a string per page) is computed
+    lazily, only when a tier needs it, and split along with the node.
     ``loading`` marks an L1 copy whose host->device load is still in flight (not yet readable).
     ``salt`` is set on namespace roots only (one root per ``cache_salt``); ``root`` is the
     namespace root the node hangs under (itself for a root; it never changes).
@@ -98,7 +100,7 @@ class TreeNode:
         self.root: TreeNode = self if parent is None else parent.root
         self.key = key
         self.data = [ComponentData(self) for _ in range(n_components)]
-        self.hash_value: list[str] | None = None
+        self.hash_value: bytes | None = None
         self.hit_count = 0
         self.last_access_time = 0  # logical clock: bumped on every touch and L1 (re)fill
         self.host_time = 0  # the same clock, bumped on touches and when the L2 copy lands

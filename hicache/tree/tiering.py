@@ -64,7 +64,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from hicache.hashing import HashNamespace, PageHasher, component_keys
+from hicache.hashing import HASH_BYTES, HashNamespace, PageHasher, component_keys
 from hicache.memory.allocator import PageIndices
 from hicache.tree.base import CacheBase, EvictResult, InsertResult, MatchResult
 from hicache.tree.components import TreeComponent
@@ -867,23 +867,29 @@ class TierCalls:
             self._hashers[salt] = h
         return h
 
-    def node_hashes(self, node: TreeNode) -> list[str]:
-        """The node's page hashes (computed now if needed, with its missing ancestors')."""
+    def node_digests(self, node: TreeNode) -> bytes:
+        """The node's page hashes as the node keeps them: raw digests, ``HASH_BYTES`` a page,
+        in one buffer (computed now if needed, with its missing ancestors')."""
         if node.parent is None:
-            return []
+            return b""
         chain = []
         n = node
         while n.parent is not None and n.hash_value is None:
             chain.append(n)
             n = n.parent
-        parent_hash = n.hash_value[-1] if n.parent is not None and n.hash_value else None
+        parent = n.hash_value[-HASH_BYTES:] if n.parent is not None and n.hash_value else None
         hasher = self.hasher_for(self.tree.salt_of(node))
         for x in reversed(chain):
-            x.hash_value = hasher.hash_pages(x.key, parent_hash)
-            parent_hash = x.hash_value[-1]
+            x.hash_value = hasher.digest_pages(x.key, parent)
+            parent = x.hash_value[-HASH_BYTES:]
         return node.hash_value  # type: ignore[return-value]
+
+    def node_hashes(self, node: TreeNode) -> list[str]:
+        """The node's page hashes, one hex string a page (a new list: ``node_digests``, decoded)."""
+        d = self.node_digests(node)
+        return [d[i:i + HASH_BYTES].hex() for i in range(0, len(d), HASH_BYTES)]
 
     def last_page_hash(self, node: TreeNode) -> str | None:
         """The hash of the node's last page (None for a root): continue the chain into L3."""
-        hv = self.node_hashes(node)
-        return hv[-1] if hv else None
+        d = self.node_digests(node)
+        return d[-HASH_BYTES:].hex() if d else None

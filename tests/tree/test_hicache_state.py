@@ -90,7 +90,7 @@ def test_split_keeps_hashes_host_values_and_locks_consistent():
     m = cache.match_prefix(key[:4] + [50, 51])  # split after 2 pages
     upper = m.last_device_node
     assert upper.parent.parent is None and node.parent is upper
-    assert upper.hash_value + node.hash_value == hashes
+    assert cache.tiers.node_hashes(upper) + cache.tiers.node_hashes(node) == hashes
     assert upper.host_value + node.host_value == hv and upper.value + node.value == dv
     assert upper.lock_ref == node.lock_ref == 1
     assert upper.host_lock_ref == node.host_lock_ref == 1
