@@ -86,3 +86,24 @@ def test_gc_guard_freezes_what_survives_and_gives_it_back():
     finally:
         guard.close()
     assert gc.get_freeze_count() == 0
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_gc_guard_frees_a_frozen_cycle_at_its_next_refresh():
+    import weakref
+    guard = GcGuard(interval_s=1.0, refresh_s=10.0)
+    try:
+        obj = _Cycle()
+        ref = weakref.ref(obj)
+        now = guard._last + 1.0
+        assert guard.settle(now)  # the cycle is alive: frozen
+        del obj
+        assert guard.settle(now + 1.0) and ref() is not None  # frozen garbage: a settle keeps it
+        assert guard.settle(now + 12.0) and guard.refreshes == 1
+        assert ref() is None  # the refresh collected the whole heap
+    finally:
+        guard.close()
