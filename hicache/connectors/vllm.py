@@ -155,6 +155,7 @@ from hicache.connectors.runtime_identity import (
     runtime_identity,
 )
 from hicache.connectors.stale_blocks import StaleBlocks, StepWrite
+from hicache.connectors.token_pack import PackedTokens
 from hicache.connectors.vllm_layout import ConnectorRefused, VllmKVLayout, check_setup
 from hicache.connectors.vllm_stats import HiCachePromMetrics, HiCacheStats
 from hicache.engine_server.geometry import namespace_of
@@ -297,6 +298,8 @@ class _Tracked:
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group, as vLLM gave them
     saved_pages: int = 0  # pages [0, saved_pages) are in the daemon or planned for saving
     known_tokens: int = 0  # tokens the daemon holds for this request (a message's base counts from them)
+    packed: PackedTokens = field(default_factory=PackedTokens)  # its prompt and the tokens its saves named,
+    # packed once: every message's tokens are a span of these
     saves_closed: bool = False  # began before a cache reset (its KV may be of the old weights)
     retry_at: float = 0.0  # pending on an L3 prefetch: not asked again before this (monotonic)
     pending_wait: float = 0.0  # the current wait between two asks while pending
@@ -594,11 +597,12 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         rid = tracked.request.request_id
         salt = tracked.request.cache_salt or ""
         base = min(tracked.known_tokens, usable)
-        new = protos.pack_tokens(tokens[base:usable])
+        tracked.packed.extend(tokens, len(tokens))  # the prompt, once (vLLM only appends to it)
+        new = tracked.packed.span(base, usable)
         got = self._call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, rid, new, salt, True, base),
                          timeout_ms)
         if isinstance(got.answer, protos.EngineError) and got.answer.code == "unknown_request" and base:
-            whole = protos.pack_tokens(tokens[:usable])
+            whole = tracked.packed.span(0, usable)
             got = self._call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, rid, whole, salt), timeout_ms)
         if isinstance(got.answer, protos.LookupResult):
             tracked.known_tokens = usable
@@ -783,7 +787,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         window_from = max(0, computed_before_step - self.layout.window_tokens + 1) // bs if self.layout.windowed else 0
         prompt = len(tracked.request.prompt_token_ids or ())
         repeat_end = (prompt - 1) // bs if self.layout.windowed and full == prompt // bs else 0
-        item = protos.SaveRange(tracked.request.request_id, protos.pack_tokens(tokens[base:end]), start,
+        tracked.packed.extend(tokens, end)  # computed tokens: vLLM never rewrites them
+        item = protos.SaveRange(tracked.request.request_id, tracked.packed.span(base, end), start,
                                 tracked.request.cache_salt or "", base, window_from, repeat_end, state_pages)
         tracked.state_blocks = {j: offers[j] for j in state_pages}
         return item, end
@@ -815,8 +820,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             whole = []
             for i in again:
                 step, item, end = asks[i]
-                whole.append(replace(item, token_ids=protos.pack_tokens(step.tracked.request.all_token_ids[:end]),
-                                     base=0))
+                whole.append(replace(item, token_ids=step.tracked.packed.span(0, end), base=0))
             for i, answered in zip(again, self._reserve(whole), strict=True):
                 answers[i] = answered
         for (step, item, end), (got, reg) in zip(asks, answers, strict=True):
