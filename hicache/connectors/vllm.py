@@ -17,7 +17,9 @@ Both halves, one class (vLLM makes one instance per role):
   waits for L3 before it answers: while it prefetches the prompt's next pages from L3 it
   answers *pending*, and the connector returns None, so vLLM schedules the other requests
   and asks about this one again on a later step (not before ``PENDING_RETRY_S``, doubling
-  up to ``MAX_PENDING_RETRY_S``; the prefetch policy bounds the wait). A request's tokens
+  up to ``MAX_PENDING_RETRY_S``; the prefetch policy bounds the wait). A request vLLM asks about
+  again before it could allocate its blocks (its KV space is full) is answered the hit it
+  holds, without a round trip (``HELD_HIT_MAX_AGE_S``). A request's tokens
   travel once: asking again, and every later reserve, names the tokens the daemon holds for
   it (``base``) and sends only those after them, so a block filled during decode costs the
   same at any context length. ``update_state_after_alloc`` turns a hit into a load plan (L2
@@ -186,6 +188,12 @@ keeps waiting when a later ask gets no answer in time (a daemon loop slowed for 
 the client's backoff after one such timeout): it becomes a miss only once this long has
 passed since its first pending answer. A slow answer then costs a short wait, not the hit."""
 
+HELD_HIT_MAX_AGE_S = 1.0
+"""vLLM asks again about a waiting request it could not allocate blocks for (its KV space is
+full) on every step. While the hit it was answered still holds its lease (no rank was given
+it yet) and is younger than this, it is the answer again, without a round trip; an older one
+is given back and the daemon asked anew (it may hold more of the prompt by then)."""
+
 VLLM_NULL_BLOCK = 0
 """The block id vLLM's hybrid allocator puts where a sliding-window group holds no block
 (before the window); never a real block of any group."""
@@ -278,6 +286,7 @@ class _Hit:
     first_page: int  # vLLM's own hit, in pages: the load starts there
     window_pages: list[int] = field(default_factory=list)  # the window parts of the last pages
     state_slot: int = NO_PAGE  # with state layers: the state after the last page
+    answered_at: float = 0.0  # when the daemon answered it (monotonic)
 
 
 @dataclass
@@ -541,21 +550,24 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         tracked = self._requests.get(rid)
         if tracked is None:
             tracked = self._requests[rid] = _Tracked(request)
-        self._release(tracked.hit)
-        tracked.hit = None
-        if tracked.lookups_closed:
-            return 0, False
+        held, tracked.hit = tracked.hit, None  # asked again before vLLM allocated its blocks
         bs = self.layout.block_size
         tokens = request.prompt_token_ids or []
         usable = (len(tokens) - 1) // bs * bs  # vLLM computes at least the last prompt token
-        if usable <= num_computed_tokens:
-            return 0, False
-        if self.layout.state_layer_names and num_computed_tokens % bs:
-            # vLLM's own hit ends inside a block (a prefix match unit below the block): a
-            # daemon hit could not be loaded from there (a state is kept at page ends only),
-            # so it is not asked for: vLLM keeps its own hit and computes the rest
+        # vLLM's own hit ends inside a block (a prefix match unit below the block): with state
+        # layers a daemon hit could not be loaded from there (a state is kept at page ends only),
+        # so it is not asked for: vLLM keeps its own hit and computes the rest
+        inside = bool(self.layout.state_layer_names and num_computed_tokens % bs)
+        if tracked.lookups_closed or usable <= num_computed_tokens or inside:
+            self._release(held)
             return 0, False
         now = time.monotonic()
+        if held is not None:
+            reg = self._registered
+            if (reg is not None and (reg.session, reg.run) == (held.session, held.run)
+                    and now - held.answered_at < HELD_HIT_MAX_AGE_S):
+                return self._held_answer(tracked, held, num_computed_tokens)
+            self._release(held)
         if now < tracked.retry_at:  # its prefetch from L3 runs: not yet, without asking
             return None, False
         self.stats.add("lookups")
@@ -579,12 +591,18 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         tracked.pending_wait = tracked.retry_at = tracked.pending_since = 0.0
         assert reg is not None  # an answer comes with the registration it was asked under
         hit = _Hit(reg.session, reg.run, answer.lease, list(answer.host_pages), answer.storage_pages,
-                   num_computed_tokens // bs, list(answer.window_pages), answer.state_slot)
+                   num_computed_tokens // bs, list(answer.window_pages), answer.state_slot, now)
         tracked.saved_pages = max(tracked.saved_pages, len(hit.pages))
-        external = len(hit.pages) * bs - num_computed_tokens
+        return self._held_answer(tracked, hit, num_computed_tokens)
+
+    def _held_answer(self, tracked: _Tracked, hit: _Hit, num_computed_tokens: int) -> tuple[int, bool]:
+        """``hit`` (its lease held) as the answer beyond vLLM's own hit of ``num_computed_tokens``
+        tokens, kept for ``update_state_after_alloc``; given back when it adds nothing."""
+        external = len(hit.pages) * self.layout.block_size - num_computed_tokens
         if external <= 0:
             self._release(hit)
             return 0, False
+        hit.first_page = num_computed_tokens // self.layout.block_size
         tracked.hit = hit
         return external, self.layout.load_async
 
