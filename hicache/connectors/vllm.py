@@ -793,6 +793,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         bs = self.layout.block_size
         tokens = tracked.request.all_token_ids
+        if not offers and min(computed_after_step, len(tokens)) // bs <= tracked.saved_pages:
+            return None  # no block becomes full in this step (most decode steps): nothing to ask
         full = min(computed_after_step, len(tokens), min(len(tracked.block_ids[g]) for g in self.layout.kv_groups) * bs) // bs
         full = self._stale.first_stale(tracked.block_ids[self.layout.kv_groups[0]], full)  # never a stale block
         start = tracked.saved_pages
