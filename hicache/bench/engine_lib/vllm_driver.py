@@ -193,12 +193,6 @@ def _steps(llm: Any, prompts: list[Any], arrivals: list[int], params: Any) -> di
     step_s: list[float] = []
     schedule_s: list[float] = []
     step = 0
-    import os as _os
-    _prof = None
-    if _os.environ.get("HICACHE_STEPS_PROFILE"):
-        import cProfile
-        _prof = cProfile.Profile()
-        _prof.enable()
     try:
         while len(results) < len(prompts):
             while order and arrivals[order[0]] <= step:
@@ -216,9 +210,6 @@ def _steps(llm: Any, prompts: list[Any], arrivals: list[int], params: Any) -> di
                     finished_at[out.request_id] = time.monotonic()
             step += 1
     finally:
-        if _prof is not None:
-            _prof.disable()
-            _prof.dump_stats(_os.environ["HICACHE_STEPS_PROFILE"] + f".{_os.getpid()}")
         for obj, name, original in restore:
             setattr(obj, name, original)
     done = [results[f"steps-{i}"] for i in range(len(prompts))]
