@@ -182,17 +182,17 @@ MAX_PENDING_RETRY_S = 0.032
 after this long, doubling up to the maximum (vLLM's scheduler calls every step: in between
 it answers "not yet" without a round trip)."""
 
-UNANSWERED_PENDING_WAIT_S = 2.0
-"""A request whose lookup was answered *pending* (the daemon is fetching its pages from L3)
-keeps waiting when a later ask gets no answer in time (a daemon loop slowed for a moment, or
-the client's backoff after one such timeout): it becomes a miss only once this long has
-passed since its first pending answer. A slow answer then costs a short wait, not the hit."""
-
 HELD_HIT_MAX_AGE_S = 1.0
 """vLLM asks again about a waiting request it could not allocate blocks for (its KV space is
 full) on every step. While the hit it was answered still holds its lease (no rank was given
 it yet) and is younger than this, it is the answer again, without a round trip; an older one
 is given back and the daemon asked anew (it may hold more of the prompt by then)."""
+
+UNANSWERED_PENDING_WAIT_S = 2.0
+"""A request whose lookup was answered *pending* (the daemon is fetching its pages from L3)
+keeps waiting when a later ask gets no answer in time (a daemon loop slowed for a moment, or
+the client's backoff after one such timeout): it becomes a miss only once this long has
+passed since its first pending answer. A slow answer then costs a short wait, not the hit."""
 
 VLLM_NULL_BLOCK = 0
 """The block id vLLM's hybrid allocator puts where a sliding-window group holds no block
