@@ -3,9 +3,10 @@
 The connector sends the daemon a request's tokens as packed little-endian uint32
 (``protos.pack_tokens``), a span at a time: a lookup the prompt's pages, each later
 reserve the tokens after those the daemon holds (``base``), and all of them again when
-the daemon forgot the request. Packing a Python list costs about as much per token as
-everything else a lookup does on the engine's side, so a request's tokens are packed
-once, as they first travel, and every span is a copy out of that buffer.
+the daemon forgot the request. Packing a long Python list (slice, then convert) is the
+largest part of a lookup's work on the engine's side, so a request's tokens are packed
+once, from the list itself (``array.fromlist``: no slice copied first), and every span is
+a copy out of that buffer.
 
 Contract: the caller packs only tokens that never change at their positions. vLLM only
 appends to a request's prompt, and rewrites its tokens only from its computed tokens on
