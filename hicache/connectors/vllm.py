@@ -17,7 +17,9 @@ Both halves, one class (vLLM makes one instance per role):
   waits for L3 before it answers: while it prefetches the prompt's next pages from L3 it
   answers *pending*, and the connector returns None, so vLLM schedules the other requests
   and asks about this one again on a later step (not before ``PENDING_RETRY_S``, doubling
-  up to ``MAX_PENDING_RETRY_S``; the prefetch policy bounds the wait). A request's tokens
+  up to ``MAX_PENDING_RETRY_S``; the prefetch policy bounds the wait). A request vLLM asks about
+  again before it could allocate its blocks (its KV space is full) is answered the hit it
+  holds, without a round trip (``HELD_HIT_MAX_AGE_S``). A request's tokens
   travel once: asking again, and every later reserve, names the tokens the daemon holds for
   it (``base``) and sends only those after them, so a block filled during decode costs the
   same at any context length. ``update_state_after_alloc`` turns a hit into a load plan (L2
@@ -157,6 +159,7 @@ from hicache.connectors.runtime_identity import (
     runtime_identity,
 )
 from hicache.connectors.stale_blocks import StaleBlocks, StepWrite
+from hicache.connectors.token_pack import PackedTokens
 from hicache.connectors.vllm_layout import ConnectorRefused, VllmKVLayout, check_setup
 from hicache.connectors.vllm_stats import HiCachePromMetrics, HiCacheStats
 from hicache.engine_server.geometry import namespace_of
@@ -180,6 +183,12 @@ MAX_PENDING_RETRY_S = 0.032
 """While the daemon prefetches a waiting request's pages from L3, the connector asks again
 after this long, doubling up to the maximum (vLLM's scheduler calls every step: in between
 it answers "not yet" without a round trip)."""
+
+HELD_HIT_MAX_AGE_S = 1.0
+"""vLLM asks again about a waiting request it could not allocate blocks for (its KV space is
+full) on every step. While the hit it was answered still holds its lease (no rank was given
+it yet) and is younger than this, it is the answer again, without a round trip; an older one
+is given back and the daemon asked anew (it may hold more of the prompt by then)."""
 
 UNANSWERED_PENDING_WAIT_S = 2.0
 """A request whose lookup was answered *pending* (the daemon is fetching its pages from L3)
@@ -282,6 +291,7 @@ class _Hit:
     first_page: int  # vLLM's own hit, in pages: the load starts there
     window_pages: list[int] = field(default_factory=list)  # the window parts of the last pages
     state_slot: int = NO_PAGE  # with state layers: the state after the last page
+    answered_at: float = 0.0  # when the daemon answered it (monotonic)
 
 
 @dataclass
@@ -302,6 +312,8 @@ class _Tracked:
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group, as vLLM gave them
     saved_pages: int = 0  # pages [0, saved_pages) are in the daemon or planned for saving
     known_tokens: int = 0  # tokens the daemon holds for this request (a message's base counts from them)
+    packed: PackedTokens = field(default_factory=PackedTokens)  # its prompt and the tokens its saves named,
+    # packed once: every message's tokens are a span of these
     saves_closed: bool = False  # began before a cache reset (its KV may be of the old weights)
     retry_at: float = 0.0  # pending on an L3 prefetch: not asked again before this (monotonic)
     pending_wait: float = 0.0  # the current wait between two asks while pending
@@ -557,21 +569,24 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         tracked = self._requests.get(rid)
         if tracked is None:
             tracked = self._requests[rid] = _Tracked(request)
-        self._release(tracked.hit)
-        tracked.hit = None
-        if tracked.lookups_closed:
-            return 0, False
+        held, tracked.hit = tracked.hit, None  # asked again before vLLM allocated its blocks
         bs = self.layout.block_size
         tokens = request.prompt_token_ids or []
         usable = (len(tokens) - 1) // bs * bs  # vLLM computes at least the last prompt token
-        if usable <= num_computed_tokens:
-            return 0, False
-        if self.layout.state_layer_names and num_computed_tokens % bs:
-            # vLLM's own hit ends inside a block (a prefix match unit below the block): a
-            # daemon hit could not be loaded from there (a state is kept at page ends only),
-            # so it is not asked for: vLLM keeps its own hit and computes the rest
+        # vLLM's own hit ends inside a block (a prefix match unit below the block): with state
+        # layers a daemon hit could not be loaded from there (a state is kept at page ends only),
+        # so it is not asked for: vLLM keeps its own hit and computes the rest
+        inside = bool(self.layout.state_layer_names and num_computed_tokens % bs)
+        if tracked.lookups_closed or usable <= num_computed_tokens or inside:
+            self._release(held)
             return 0, False
         now = time.monotonic()
+        if held is not None:
+            reg = self._registered
+            if (reg is not None and (reg.session, reg.run) == (held.session, held.run)
+                    and now - held.answered_at < HELD_HIT_MAX_AGE_S):
+                return self._held_answer(tracked, held, num_computed_tokens)
+            self._release(held)
         if now < tracked.retry_at:  # its prefetch from L3 runs: not yet, without asking
             return None, False
         self.stats.add("lookups")
@@ -597,12 +612,18 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         tracked.pending_wait = tracked.retry_at = tracked.pending_since = 0.0
         assert reg is not None  # an answer comes with the registration it was asked under
         hit = _Hit(reg.session, reg.run, answer.lease, list(answer.host_pages), answer.storage_pages,
-                   num_computed_tokens // bs, list(answer.window_pages), answer.state_slot)
+                   num_computed_tokens // bs, list(answer.window_pages), answer.state_slot, now)
         tracked.saved_pages = max(tracked.saved_pages, len(hit.pages))
-        external = len(hit.pages) * bs - num_computed_tokens
+        return self._held_answer(tracked, hit, num_computed_tokens)
+
+    def _held_answer(self, tracked: _Tracked, hit: _Hit, num_computed_tokens: int) -> tuple[int, bool]:
+        """``hit`` (its lease held) as the answer beyond vLLM's own hit of ``num_computed_tokens``
+        tokens, kept for ``update_state_after_alloc``; given back when it adds nothing."""
+        external = len(hit.pages) * self.layout.block_size - num_computed_tokens
         if external <= 0:
             self._release(hit)
             return 0, False
+        hit.first_page = num_computed_tokens // self.layout.block_size
         tracked.hit = hit
         return external, self.layout.load_async
 
@@ -615,11 +636,12 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         rid = tracked.request.request_id
         salt = tracked.request.cache_salt or ""
         base = min(tracked.known_tokens, usable)
-        new = protos.pack_tokens(tokens[base:usable])
+        tracked.packed.extend(tokens, len(tokens))  # the prompt, once (vLLM only appends to it)
+        new = tracked.packed.span(base, usable)
         got = self._call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, rid, new, salt, True, base),
                          timeout_ms)
         if isinstance(got.answer, protos.EngineError) and got.answer.code == "unknown_request" and base:
-            whole = protos.pack_tokens(tokens[:usable])
+            whole = tracked.packed.span(0, usable)
             got = self._call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, rid, whole, salt), timeout_ms)
         if isinstance(got.answer, protos.LookupResult):
             tracked.known_tokens = usable
@@ -792,6 +814,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         bs = self.layout.block_size
         tokens = tracked.request.all_token_ids
+        if not offers and min(computed_after_step, len(tokens)) // bs <= tracked.saved_pages:
+            return None  # no block becomes full in this step (most decode steps): nothing to ask
         full = min(computed_after_step, len(tokens), min(len(tracked.block_ids[g]) for g in self.layout.kv_groups) * bs) // bs
         full = self._stale.first_stale(tracked.block_ids[self.layout.kv_groups[0]], full)  # never a stale block
         start = tracked.saved_pages
@@ -804,7 +828,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         window_from = max(0, computed_before_step - self.layout.window_tokens + 1) // bs if self.layout.windowed else 0
         prompt = len(tracked.request.prompt_token_ids or ())
         repeat_end = (prompt - 1) // bs if self.layout.windowed and full == prompt // bs else 0
-        item = protos.SaveRange(tracked.request.request_id, protos.pack_tokens(tokens[base:end]), start,
+        tracked.packed.extend(tokens, end)  # computed tokens: vLLM never rewrites them
+        item = protos.SaveRange(tracked.request.request_id, tracked.packed.span(base, end), start,
                                 tracked.request.cache_salt or "", base, window_from, repeat_end, state_pages)
         tracked.state_blocks = {j: offers[j] for j in state_pages}
         return item, end
@@ -836,8 +861,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             whole = []
             for i in again:
                 step, item, end = asks[i]
-                whole.append(replace(item, token_ids=protos.pack_tokens(step.tracked.request.all_token_ids[:end]),
-                                     base=0))
+                whole.append(replace(item, token_ids=step.tracked.packed.span(0, end), base=0))
             for i, answered in zip(again, self._reserve(whole), strict=True):
                 answers[i] = answered
         for (step, item, end), (got, reg) in zip(asks, answers, strict=True):
