@@ -110,7 +110,7 @@ def test_belady_never_below_any_policy(tmp_path, seed):
     for cap in (1, 3, 8, 20, 60, 500):
         opt = belady_hits(work.pages, cap)
         assert opt <= infinite_hits(work.pages)
-        for pol in ("lru", "slru", "lfu"):
+        for pol in ("lru", "slru", "lfu", "sieve", "arc"):
             assert rate(work, cap, pol).hit_tokens <= opt * work.page_size, (cap, pol)
 
 
