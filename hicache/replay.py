@@ -40,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--l3", default=None, help="L3 capacity, 'inf' for unbounded (0: off; default 0)")
     t.add_argument("--eviction", default=None, help="eviction policy of the tiered run (default lru)")
     t.add_argument("--write-policy", default=None,
-                   choices=["write_through", "write_through_selective", "write_back"])
+                   choices=["write_through", "write_through_selective", "write_through_filtered", "write_back"])
+    t.add_argument("--backup-policy", default=None, choices=["all", "filtered"],
+                   help="L2 -> L3 backups: every L2 write (all, default) or a seen-twice filter once L3 is full")
     t.add_argument("--write-through-threshold", type=int, default=None)
     t.add_argument("--load-back-threshold", type=int, default=None, help="tokens (default 0)")
     t.add_argument("--prefetch-threshold", type=int, default=None, help="tokens (default 0)")
@@ -63,7 +65,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     s: dict[str, Any] = {
         "l1": "3M", "l2": "0", "l3": "0", "eviction": "lru", "write_policy": "write_through",
         "write_through_threshold": 2, "load_back_threshold": 0, "prefetch_threshold": 0,
-        "bytes_per_token": DEFAULT_BYTES_PER_TOKEN,
+        "bytes_per_token": DEFAULT_BYTES_PER_TOKEN, "backup_policy": "all",
     }
     if args.config is not None:
         from hicache.config import kv_bytes_per_token, load_config
@@ -143,7 +145,8 @@ def _run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear report
         raise ValueError("--l2 must be bounded")
     l3 = pages_of(s["l3"], "--l3")
     cfg = SimConfig(l1, l2, l3, P, s["eviction"], s["write_policy"], int(s["write_through_threshold"]),
-                    int(s["load_back_threshold"]), int(s["prefetch_threshold"]), int(s["bytes_per_token"]))
+                    int(s["load_back_threshold"]), int(s["prefetch_threshold"]), int(s["bytes_per_token"]),
+                    s["backup_policy"])
     cfg.validate()
     show = not args.no_progress
     total = work.total_pages
@@ -165,7 +168,7 @@ def _run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear report
     l2s = fmt_tokens(l2 * P) if l2 else "off"
     l3s = "off" if not cfg.l3_enabled else fmt_tokens(None if l3 is None else l3 * P)
     print(f"config: L1 {fmt_tokens(l1 * P)} tokens ({l1 * P / B:,.0f} blocks), L2 {l2s}, L3 {l3s}; "
-          f"eviction {cfg.eviction}, write {cfg.write_policy}, load-back >= {cfg.load_back_threshold}, "
+          f"eviction {cfg.eviction}, write {cfg.write_policy}, backup {cfg.backup_policy}, load-back >= {cfg.load_back_threshold}, "
           f"prefetch >= {cfg.prefetch_threshold} tokens")
     print(f"\n{'tier':<5} {'capacity':>10} {'hit tokens':>14} {'hit rate':>9} {'evicted tokens':>15}")
     for t in rep.tiers:

@@ -62,6 +62,15 @@ class LruList:
         tail.prev = link
         self.size += 1
 
+    def push_lru(self, link: LruLink) -> None:
+        head = self._head
+        nxt = head.next
+        link.prev = head
+        link.next = nxt
+        nxt.prev = link  # type: ignore[union-attr]
+        head.next = link
+        self.size += 1
+
     def unlink(self, link: LruLink) -> None:
         prev, nxt = link.prev, link.next
         prev.next = nxt  # type: ignore[union-attr]
@@ -133,6 +142,10 @@ class EvictionPolicy:
     def candidates(self) -> Iterator[TreeNode]:
         raise NotImplementedError
 
+    def demote(self, link: LruLink) -> None:
+        """Make a listed entry the next one offered (cold admission to a tier)."""
+        raise NotImplementedError
+
     def __len__(self) -> int:
         raise NotImplementedError
 
@@ -155,6 +168,10 @@ class LRUPolicy(EvictionPolicy):
 
     def candidates(self) -> Iterator[TreeNode]:
         return self._list.iter_cold()
+
+    def demote(self, link: LruLink) -> None:
+        self._list.unlink(link)
+        self._list.push_lru(link)
 
     def __len__(self) -> int:
         return self._list.size
@@ -206,6 +223,11 @@ class SLRUPolicy(EvictionPolicy):
     def candidates(self) -> Iterator[TreeNode]:
         yield from self._prob.iter_cold()
         yield from self._prot.iter_cold()
+
+    def demote(self, link: LruLink) -> None:
+        self.remove(link)
+        link.segment = self.PROBATION
+        self._prob.push_lru(link)
 
     def __len__(self) -> int:
         return self._prob.size + self._prot.size
@@ -268,6 +290,12 @@ class LFUPolicy(EvictionPolicy):
         if e[0] > self.age:
             self.age = e[0]
 
+    def demote(self, link: LruLink) -> None:
+        self._entry[link][2] = None
+        e = [self.age, next(self._seq), link]  # below every live priority (> age)
+        self._entry[link] = e
+        heapq.heappush(self._heap, e)
+
     def candidates(self) -> Iterator[TreeNode]:
         heap = self._heap
         taken: list[list[Any]] = []
@@ -323,6 +351,22 @@ class SIEVEPolicy(EvictionPolicy):
 
     def touch(self, link: LruLink) -> None:
         link.segment = 1
+
+    def demote(self, link: LruLink) -> None:
+        """Unvisited, and moved to just before the hand (the oldest end without one)."""
+        self.remove(link)
+        link.segment = 0
+        hand = self._hand
+        if hand is None:
+            self._list.push_lru(link)
+            self._hand = link
+            return
+        prev = hand.prev
+        link.prev, link.next = prev, hand
+        prev.next = link  # type: ignore[union-attr]
+        hand.prev = link
+        self._list.size += 1
+        self._hand = link
 
     def candidates(self) -> Iterator[TreeNode]:
         lst = self._list
@@ -423,6 +467,12 @@ class ARCPolicy(EvictionPolicy):
             self._t1.unlink(link)
             link.segment = self.T2
             self._t2.push_mru(link)
+
+    def demote(self, link: LruLink) -> None:
+        """To T1's cold end (no ghost: it did not leave)."""
+        (self._t2 if link.segment == self.T2 else self._t1).unlink(link)
+        link.segment = self.T1
+        self._t1.push_lru(link)
 
     def candidates(self) -> Iterator[TreeNode]:
         """Passes over both lists, preferring T1 while ``|T1| > p``; another pass while the

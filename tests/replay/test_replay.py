@@ -140,7 +140,7 @@ def test_tiers_add_up_and_unbounded_tiers_reach_the_ceiling(tmp_path):
     work = Workload.build(load_trace(write_trace(tmp_path / "r.jsonl", _random_tree_trace(rnd, 200))))
     ceiling = infinite_hits(work.pages) * work.page_size
     single = rate(work, 10)
-    for wp in ("write_through", "write_through_selective", "write_back"):
+    for wp in ("write_through", "write_through_selective", "write_through_filtered", "write_back"):
         cfg = SimConfig(10, 40, 0, work.page_size, write_policy=wp, bytes_per_token=3)
         sim = TieredSimulator(cfg, 1, work.longest_pages())
         for k in work.keys:
@@ -159,6 +159,16 @@ def test_tiers_add_up_and_unbounded_tiers_reach_the_ceiling(tmp_path):
     small_l2 = simulate(work.keys, SimConfig(10, 20, None, work.page_size, prefetch_threshold=1))
     assert small_l2.tiers[2].hit_tokens > 0 and small_l2.tokens_moved["s2h"] > 0
     assert small_l2.hit_tokens <= ceiling
+    # the filtered admission loses nothing where the lower tier has room: unbounded L3
+    for backup in ("all", "filtered"):
+        filt = simulate(work.keys, SimConfig(10, 20, None, work.page_size, write_policy="write_through_filtered",
+                                             prefetch_threshold=1, backup_policy=backup))
+        assert filt.hit_tokens == small_l2.hit_tokens == ceiling
+    bounded = simulate(work.keys, SimConfig(10, 20, 30, work.page_size, write_policy="write_through_filtered",
+                                            prefetch_threshold=1, backup_policy="filtered"))
+    assert 0 < bounded.hit_tokens <= ceiling
+    with pytest.raises(ValueError, match="backup_policy"):
+        SimConfig(10, 20, None, backup_policy="some").validate()
 
 
 def test_impossible_configs_are_refused():
