@@ -24,7 +24,8 @@ from hicache.replay_sim.sizes import DEFAULT_BYTES_PER_TOKEN, fmt_bytes, fmt_tok
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("trace", help="Mooncake-format JSON-lines trace")
+    parser.add_argument("trace", nargs="?", default=None,
+                        help="Mooncake-format JSON-lines trace (not with --sweep-all)")
     g = parser.add_argument_group("geometry")
     g.add_argument("--block-size", type=int, default=None,
                    help="tokens per hash_ids block (default: inferred from input_length)")
@@ -55,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="sweep capacities (comma-separated sizes, or nothing for an automatic range)")
     o.add_argument("--plot", default=None, help="PNG of the sweep (default: <trace>_sweep.png)")
     o.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
+    o.add_argument("--sweep-all", default=None, metavar="DIR",
+                   help="every policy and Belady on every vendored trace under DIR at three sizes each, "
+                        "and the tier admissions (hicache.replay_sim.sweep_all); writes --out .md/.csv/.png")
+    o.add_argument("--out", default="policy_sweep", metavar="PREFIX", help="--sweep-all output prefix")
     o.add_argument("--no-belady", action="store_true", help="skip the Belady bound")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -116,6 +121,10 @@ def _run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear report
     from hicache.replay_sim.workload import Workload
     from hicache.tree.policy import POLICIES
 
+    if args.sweep_all is not None:
+        return _sweep_all(args, sorted(POLICIES))
+    if args.trace is None:
+        raise ValueError("name a trace (or --sweep-all DIR)")
     s = _settings(args)
     trace = load_trace(args.trace)
     if args.limit is not None:
@@ -237,4 +246,31 @@ def _run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear report
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(out, fh, indent=2, default=str)
         print(f"json: {args.json}")
+    return 0
+
+
+def _sweep_all(args: argparse.Namespace, all_policies: list[str]) -> int:
+    from hicache.replay_sim.sweep_all import markdown, plot, run_sweep_all, write_csv
+
+    policies = [p.strip() for p in args.policies.split(",")] if args.policies else all_policies
+    for p in policies:
+        if p not in all_policies:
+            raise ValueError(f"unknown eviction policy {p!r}; choose from {all_policies}")
+    show = not args.no_progress
+
+    def progress(line: str) -> None:
+        if show:
+            print(f"\r\033[K{line}", end="", file=sys.stderr, flush=True)
+
+    res = run_sweep_all(args.sweep_all, policies, progress)
+    if show:
+        print(file=sys.stderr)
+    table = markdown(res)
+    with open(f"{args.out}.md", "w", encoding="utf-8") as fh:
+        fh.write(table)
+    write_csv(res, f"{args.out}.csv")
+    print(table)
+    print(f"table: {args.out}.md, {args.out}.csv")
+    if plot(res, f"{args.out}.png"):
+        print(f"plot: {args.out}.png")
     return 0

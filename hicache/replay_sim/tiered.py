@@ -183,8 +183,8 @@ class TieredSimulator:
     def __init__(self, cfg: SimConfig, tree_page_size: int, longest_pages: int) -> None:
         from hicache.hashing import HashNamespace, PageHasher
         from hicache.memory.allocator import PageAllocator
-        from hicache.tree.cache import UnifiedRadixCache
         from hicache.tree.admission import Doorkeeper
+        from hicache.tree.cache import UnifiedRadixCache
         from hicache.tree.components import FullComponent
 
         cfg.validate()

@@ -247,3 +247,37 @@ def test_cli_replay_with_sweep_plot_and_json(tmp_path, capsys):
     for p in data["sweep"]["points"]:
         assert all(r <= p["belady"] + 1e-12 for r in p["rates"].values())
     assert main(["replay", str(tmp_path / "missing.jsonl"), "--no-progress"]) == 2
+
+
+# ------------------------------------------------------------------ every trace, every policy
+def test_sweep_all_tables_every_policy_against_belady(tmp_path, capsys):
+    from hicache.tree.policy import POLICIES
+
+    rnd = random.Random(5)
+    (tmp_path / "synthetic").mkdir()
+    (tmp_path / "azure_llm_2023").mkdir()
+    write_trace(tmp_path / "synthetic" / "lmcache_mrqa_readme_c256.jsonl", _random_tree_trace(rnd, 150))
+    (tmp_path / "azure_llm_2023" / "AzureLLMInferenceTrace_code.csv").write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,1030,10\n2023-11-16 18:17:04.03,512,8\n")
+    out = tmp_path / "sweep"
+    assert main(["replay", "--sweep-all", str(tmp_path), "--out", str(out), "--no-progress"]) == 0
+    table = (out.with_suffix(".md")).read_text()
+    assert "| lmcache multi-round QA | " in table and "Not found:" in table
+    rows = list(csv_rows(out.with_suffix(".csv")))
+    single = [r for r in rows if r["trace"] == "lmcache multi-round QA"]
+    assert len({r["capacity_blocks"] for r in single}) == 3
+    for cap in {r["capacity_blocks"] for r in single}:
+        at = {r["policy"]: float(r["hit_rate"]) for r in single if r["capacity_blocks"] == cap}
+        assert set(at) == set(POLICIES) | {"belady", "ceiling"}
+        assert all(v <= at["belady"] + 1e-12 for p, v in at.items() if p in POLICIES)
+        assert at["belady"] <= at["ceiling"] + 1e-12
+    azure = [float(r["hit_rate"]) for r in rows if r["trace"].startswith("azure code")]
+    assert azure and not any(azure)  # no prefix information: a pure-miss control
+    assert "table:" in capsys.readouterr().out
+
+
+def csv_rows(path):
+    import csv
+
+    with open(path, encoding="utf-8") as fh:
+        yield from csv.DictReader(fh)
