@@ -2,9 +2,10 @@
 
 Single tier: each trace of ``TRACES`` found under ``DIR`` at its three capacities, the hit
 rate of every eviction policy and of Belady (``bounds.belady_hits``), and the ceiling.
-Tiered: on the Mooncake traces, each tier admission (``write_policy`` and L3
-``backup_policy``) against ``write_through`` at L1 3M / L2 6M with L3 unbounded, off and
-12M. The Azure traces carry no prefix information (lengths only): they are replayed as the
+Tiered: on every trace with prefix information, each tier admission (``write_policy`` and
+L3 ``backup_policy``) against ``write_through``, with L3 unbounded, off and bounded
+(``TIERED_SIZES``: L1 3M / L2 6M / L3 12M tokens on the Mooncake traces, the three
+single-tier capacities elsewhere). The Azure traces carry no prefix information (lengths only): they are replayed as the
 traces' README says to use them, every block unique, a pure-miss control (0% for every
 policy and for Belady). Nothing is subsampled. Writes ``PREFIX.md`` (the tables),
 ``PREFIX.csv`` (one row per figure) and ``PREFIX.png`` (hit rate against capacity, one
@@ -40,9 +41,9 @@ ADMISSIONS = (("write_through", "write_through", "all"),
               ("write_through_selective", "write_through_selective", "all"),
               ("write_through_filtered", "write_through_filtered", "all"),
               ("write_through_filtered + filtered backup", "write_through_filtered", "filtered"))
-TIERED_TRACES = ("mooncake conversation", "mooncake synthetic")
-TIERED = ((5859, 11719), )  # L1 3M, L2 6M tokens in 512-token blocks
-L3_SETTINGS = (("L3 unbounded", None), ("L3 off", 0), ("L3 12M", 23438))
+# tiered sizes in blocks (L1, L2, bounded L3): the Mooncake traces at L1 3M / L2 6M / L3 12M
+# tokens; the others at their three single-tier capacities (the Azure controls: none)
+TIERED_SIZES = {"mooncake conversation": (5859, 11719, 23438), "mooncake synthetic": (5859, 11719, 23438)}
 
 
 @dataclass
@@ -117,19 +118,21 @@ def run_sweep_all(root: str | Path, policies: Sequence[str],
                     progress(f"{label} @ {cap_blocks} blocks: {pol} {100 * rates[pol]:.2f}%")
             opt = belady_hits(work.pages, cap, nxt) / total if total else 0.0
             out.rows.append(Row(label, cap_blocks, cap_blocks * work.block_size, rates, opt, ceiling))
-        if label in TIERED_TRACES:
-            for l1, l2 in TIERED:
-                for l3_label, l3 in L3_SETTINGS:
-                    rates = {}
-                    for name, wp, backup in ADMISSIONS:
-                        if l3 == 0 and backup != "all":
-                            continue
-                        cfg = SimConfig(l1 * per_block, l2 * per_block, None if l3 is None else l3 * per_block,
-                                        work.page_size, write_policy=wp, backup_policy=backup)
-                        rates[name] = simulate(work.keys, cfg, work.tree_page_size, longest_pages=longest).hit_rate
-                        if progress is not None:
-                            progress(f"{label} tiered ({l3_label}): {name} {100 * rates[name]:.2f}%")
-                    out.tiered.append(TieredRow(label, l3_label, rates))
+        if path.suffix == ".csv":
+            continue  # the pure-miss controls: nothing to admit
+        l1, l2, l3b = TIERED_SIZES.get(label, caps)
+        sizes = f"L1 {_fmt_tokens(l1 * work.block_size)} / L2 {_fmt_tokens(l2 * work.block_size)}"
+        for l3_label, l3 in (("unbounded", None), ("off", 0), (_fmt_tokens(l3b * work.block_size), l3b)):
+            rates = {}
+            for name, wp, backup in ADMISSIONS:
+                if l3 == 0 and backup != "all":
+                    continue
+                cfg = SimConfig(l1 * per_block, l2 * per_block, None if l3 is None else l3 * per_block,
+                                work.page_size, write_policy=wp, backup_policy=backup)
+                rates[name] = simulate(work.keys, cfg, work.tree_page_size, longest_pages=longest).hit_rate
+                if progress is not None:
+                    progress(f"{label} tiered (L3 {l3_label}): {name} {100 * rates[name]:.2f}%")
+            out.tiered.append(TieredRow(label, f"{sizes} / L3 {l3_label}", rates))
     out.seconds = time.perf_counter() - t0
     return out
 
@@ -157,8 +160,8 @@ def markdown(res: SweepAll) -> str:
                      + " | ".join(cells) + f" | {100 * r.belady:.2f}% | {100 * r.ceiling:.2f}% |")
     if res.tiered:
         names = [n for n, _w, _b in ADMISSIONS]
-        lines += ["", "## Tiered (L1 3M / L2 6M, LRU): hit rate by admission", "",
-                  "| trace | L3 | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        lines += ["", "## Tiered (LRU): hit rate by admission", "",
+                  "| trace | tiers | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
         for t in res.tiered:
             lines.append(f"| {t.trace} | {t.l3} | "
                          + " | ".join(f"{100 * t.rates[n]:.2f}%" if n in t.rates else "-" for n in names) + " |")

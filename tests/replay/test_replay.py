@@ -264,7 +264,7 @@ def test_sweep_all_tables_every_policy_against_belady(tmp_path, capsys):
     table = (out.with_suffix(".md")).read_text()
     assert "| lmcache multi-round QA | " in table and "Not found:" in table
     rows = list(csv_rows(out.with_suffix(".csv")))
-    single = [r for r in rows if r["trace"] == "lmcache multi-round QA"]
+    single = [r for r in rows if r["trace"] == "lmcache multi-round QA" and r["mode"] == "single"]
     assert len({r["capacity_blocks"] for r in single}) == 3
     for cap in {r["capacity_blocks"] for r in single}:
         at = {r["policy"]: float(r["hit_rate"]) for r in single if r["capacity_blocks"] == cap}
@@ -273,6 +273,11 @@ def test_sweep_all_tables_every_policy_against_belady(tmp_path, capsys):
         assert at["belady"] <= at["ceiling"] + 1e-12
     azure = [float(r["hit_rate"]) for r in rows if r["trace"].startswith("azure code")]
     assert azure and not any(azure)  # no prefix information: a pure-miss control
+    tiered = {(r["l3"], r["policy"]): float(r["hit_rate"]) for r in rows if r["mode"] == "tiered"}
+    unbounded = {p: v for (l3, p), v in tiered.items() if l3.endswith("L3 unbounded")}
+    assert len(unbounded) == 4  # the filtered admissions lose nothing where L3 has room
+    assert unbounded["write_through_filtered"] == unbounded["write_through"] == unbounded[
+        "write_through_filtered + filtered backup"] >= unbounded["write_through_selective"]
     assert "table:" in capsys.readouterr().out
 
 
