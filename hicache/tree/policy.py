@@ -292,7 +292,8 @@ class LFUPolicy(EvictionPolicy):
 
     def demote(self, link: LruLink) -> None:
         self._entry[link][2] = None
-        e = [self.age, next(self._seq), link]  # below every live priority (> age)
+        low = self._heap[0][0] if self._heap else self.age  # the heap's top: no live entry below it
+        e = [low - 1, next(self._seq), link]
         self._entry[link] = e
         heapq.heappush(self._heap, e)
 
@@ -452,8 +453,9 @@ class ARCPolicy(EvictionPolicy):
         else:
             self._t1.unlink(link)
             ghosts = self._b1
-        ghosts[_fingerprint(link)] = None
-        ghosts.move_to_end(_fingerprint(link))
+        fp = _fingerprint(link)
+        ghosts[fp] = None
+        ghosts.move_to_end(fp)
         cap = max(self._t1.size + self._t2.size, 64)
         while len(ghosts) > cap:
             ghosts.popitem(last=False)
@@ -509,8 +511,8 @@ class ARCPolicy(EvictionPolicy):
             for link in lst.links():
                 if link.segment != seg:
                     raise AssertionError("ARC: an entry's segment disagrees with its list")
-        if not 0.0 <= self.p <= max(1.0, float(len(self) + 1)) + len(self._b1):
-            raise AssertionError(f"ARC: target p={self.p} out of range")
+        if self.p < 0.0:
+            raise AssertionError(f"ARC: target p={self.p} below zero")
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {

@@ -88,3 +88,15 @@ def test_new_policies_keep_locked_and_inner_nodes():
         cache.dec_lock_ref(lock)
         assert cache.evict(64).full_tokens == 4
         cache.check_integrity()
+
+
+def test_demote_makes_an_entry_the_next_offered():
+    for name in sorted(POLICIES):
+        pol = make_policy(name)
+        nodes = _nodes(4)
+        for n in nodes:
+            pol.add(n.data[0].dlink)
+        pol.demote(nodes[2].data[0].dlink)
+        assert next(pol.candidates()) is nodes[2], name
+        assert len(pol) == 4
+        pol.check()
