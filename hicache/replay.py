@@ -24,7 +24,8 @@ from hicache.replay_sim.sizes import DEFAULT_BYTES_PER_TOKEN, fmt_bytes, fmt_tok
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("trace", help="Mooncake-format JSON-lines trace")
+    parser.add_argument("trace", nargs="?", default=None,
+                        help="Mooncake-format JSON-lines trace (not with --sweep-all)")
     g = parser.add_argument_group("geometry")
     g.add_argument("--block-size", type=int, default=None,
                    help="tokens per hash_ids block (default: inferred from input_length)")
@@ -40,7 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--l3", default=None, help="L3 capacity, 'inf' for unbounded (0: off; default 0)")
     t.add_argument("--eviction", default=None, help="eviction policy of the tiered run (default lru)")
     t.add_argument("--write-policy", default=None,
-                   choices=["write_through", "write_through_selective", "write_back"])
+                   choices=["write_through", "write_through_selective", "write_through_filtered", "write_back"])
+    t.add_argument("--backup-policy", default=None, choices=["all", "filtered"],
+                   help="L2 -> L3 backups: every L2 write (all, default) or a seen-twice filter once L3 is full")
     t.add_argument("--write-through-threshold", type=int, default=None)
     t.add_argument("--load-back-threshold", type=int, default=None, help="tokens (default 0)")
     t.add_argument("--prefetch-threshold", type=int, default=None, help="tokens (default 0)")
@@ -53,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="sweep capacities (comma-separated sizes, or nothing for an automatic range)")
     o.add_argument("--plot", default=None, help="PNG of the sweep (default: <trace>_sweep.png)")
     o.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
+    o.add_argument("--sweep-all", default=None, metavar="DIR",
+                   help="every policy and Belady on every vendored trace under DIR at three sizes each, "
+                        "and the tier admissions (hicache.replay_sim.sweep_all); writes --out .md/.csv/.png")
+    o.add_argument("--out", default="policy_sweep", metavar="PREFIX", help="--sweep-all output prefix")
     o.add_argument("--no-belady", action="store_true", help="skip the Belady bound")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -63,7 +70,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     s: dict[str, Any] = {
         "l1": "3M", "l2": "0", "l3": "0", "eviction": "lru", "write_policy": "write_through",
         "write_through_threshold": 2, "load_back_threshold": 0, "prefetch_threshold": 0,
-        "bytes_per_token": DEFAULT_BYTES_PER_TOKEN,
+        "bytes_per_token": DEFAULT_BYTES_PER_TOKEN, "backup_policy": "all",
     }
     if args.config is not None:
         from hicache.config import kv_bytes_per_token, load_config
@@ -114,6 +121,10 @@ def _run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear report
     from hicache.replay_sim.workload import Workload
     from hicache.tree.policy import POLICIES
 
+    if args.sweep_all is not None:
+        return _sweep_all(args, sorted(POLICIES))
+    if args.trace is None:
+        raise ValueError("name a trace (or --sweep-all DIR)")
     s = _settings(args)
     trace = load_trace(args.trace)
     if args.limit is not None:
@@ -143,7 +154,8 @@ def _run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear report
         raise ValueError("--l2 must be bounded")
     l3 = pages_of(s["l3"], "--l3")
     cfg = SimConfig(l1, l2, l3, P, s["eviction"], s["write_policy"], int(s["write_through_threshold"]),
-                    int(s["load_back_threshold"]), int(s["prefetch_threshold"]), int(s["bytes_per_token"]))
+                    int(s["load_back_threshold"]), int(s["prefetch_threshold"]), int(s["bytes_per_token"]),
+                    s["backup_policy"])
     cfg.validate()
     show = not args.no_progress
     total = work.total_pages
@@ -165,7 +177,7 @@ def _run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear report
     l2s = fmt_tokens(l2 * P) if l2 else "off"
     l3s = "off" if not cfg.l3_enabled else fmt_tokens(None if l3 is None else l3 * P)
     print(f"config: L1 {fmt_tokens(l1 * P)} tokens ({l1 * P / B:,.0f} blocks), L2 {l2s}, L3 {l3s}; "
-          f"eviction {cfg.eviction}, write {cfg.write_policy}, load-back >= {cfg.load_back_threshold}, "
+          f"eviction {cfg.eviction}, write {cfg.write_policy}, backup {cfg.backup_policy}, load-back >= {cfg.load_back_threshold}, "
           f"prefetch >= {cfg.prefetch_threshold} tokens")
     print(f"\n{'tier':<5} {'capacity':>10} {'hit tokens':>14} {'hit rate':>9} {'evicted tokens':>15}")
     for t in rep.tiers:
@@ -234,4 +246,31 @@ def _run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear report
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(out, fh, indent=2, default=str)
         print(f"json: {args.json}")
+    return 0
+
+
+def _sweep_all(args: argparse.Namespace, all_policies: list[str]) -> int:
+    from hicache.replay_sim.sweep_all import markdown, plot, run_sweep_all, write_csv
+
+    policies = [p.strip() for p in args.policies.split(",")] if args.policies else all_policies
+    for p in policies:
+        if p not in all_policies:
+            raise ValueError(f"unknown eviction policy {p!r}; choose from {all_policies}")
+    show = not args.no_progress
+
+    def progress(line: str) -> None:
+        if show:
+            print(f"\r\033[K{line}", end="", file=sys.stderr, flush=True)
+
+    res = run_sweep_all(args.sweep_all, policies, progress)
+    if show:
+        print(file=sys.stderr)
+    table = markdown(res)
+    with open(f"{args.out}.md", "w", encoding="utf-8") as fh:
+        fh.write(table)
+    write_csv(res, f"{args.out}.csv")
+    print(table)
+    print(f"table: {args.out}.md, {args.out}.csv")
+    if plot(res, f"{args.out}.png"):
+        print(f"plot: {args.out}.png")
     return 0

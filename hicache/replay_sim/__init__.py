@@ -3,7 +3,8 @@
 Modules: ``trace`` (Mooncake records, token mapping), ``workload`` (geometry and keys),
 ``tiered`` (the tiered simulation through ``UnifiedRadixCache``), ``bounds`` (Belady's
 optimum and the infinite ceiling), ``sweep`` (curves over capacities and their PNG),
-``sizes`` (capacity strings).
+``sizes`` (capacity strings), ``sweep_all`` (every policy and Belady on every vendored
+trace: ``hicache replay --sweep-all``).
 """
 
 from __future__ import annotations

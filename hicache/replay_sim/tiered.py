@@ -16,8 +16,10 @@ Per request, in the order the scheduler and ``TierManager`` act:
 5. Writes by the write policy (``start_write`` / ``finish_write``; d2h) and, with L3 on,
    backups of what landed in L2 (``start_backup`` / ``finish_backup``; h2s for pages the
    store did not hold). ``write_through`` writes every L1 node of the request's path that
-   has no L2 copy, ``write_through_selective`` those with ``hit_count`` at the threshold;
-   ``write_back`` writes what L1 eviction queued (step 6).
+   has no L2 copy (``write_through_filtered`` too, putting what its filter refuses at L2's
+   cold end), ``write_through_selective`` those with ``hit_count`` at the threshold;
+   ``write_back`` writes what L1 eviction queued (step 6). ``backup_policy``
+   ``filtered`` backs up only what ``_backs_up`` admits.
 6. L1 eviction back to its capacity (``evict``; the request's own pages are working
    space until then, as in a server, so L1 holds up to ``l1`` tokens between requests).
 
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from hicache.tree.node import TreeNode
 
 DIRECTIONS = ("d2h", "h2d", "h2s", "s2h")
+BACKUP_POLICIES = ("all", "filtered")
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class SimConfig:
     load_back_threshold: int = 0
     prefetch_threshold: int = 0
     bytes_per_token: int = 0
+    backup_policy: str = "all"
 
     def validate(self) -> None:
         """``ValueError`` naming the first impossible setting."""
@@ -76,6 +80,8 @@ class SimConfig:
             raise ValueError("L3 needs L2 (L3 is read into and written from L2)")
         if self.page_tokens < 1 or self.bytes_per_token < 0:
             raise ValueError("page_tokens must be >= 1 and bytes_per_token >= 0")
+        if self.backup_policy not in BACKUP_POLICIES:
+            raise ValueError(f"backup_policy must be one of {BACKUP_POLICIES}")
         if self.load_back_threshold < 0 or self.prefetch_threshold < 0:
             raise ValueError("thresholds must be >= 0")
 
@@ -135,6 +141,9 @@ class _L3Store:
             n += 1
         return n
 
+    def __len__(self) -> int:
+        return len(self._pages)
+
     def touch(self, hashes: Sequence[str]) -> None:
         for h in hashes:
             self._pages.move_to_end(h)
@@ -174,6 +183,7 @@ class TieredSimulator:
     def __init__(self, cfg: SimConfig, tree_page_size: int, longest_pages: int) -> None:
         from hicache.hashing import HashNamespace, PageHasher
         from hicache.memory.allocator import PageAllocator
+        from hicache.tree.admission import Doorkeeper
         from hicache.tree.cache import UnifiedRadixCache
         from hicache.tree.components import FullComponent
 
@@ -188,6 +198,7 @@ class TieredSimulator:
             eviction_policy=cfg.eviction, write_policy=cfg.write_policy,
             write_through_threshold=cfg.write_through_threshold)
         self.l3 = _L3Store(cfg.l3_pages) if cfg.l3_enabled else None
+        self.l3_doorkeeper = Doorkeeper()
         self.pages = {d: 0 for d in DIRECTIONS}
         self.hits = [0, 0, 0]  # pages served by L1, L2, L3
         self.total = 0
@@ -286,22 +297,32 @@ class TieredSimulator:
         cache.tiers.finish_write(op, True)
         self.pages["d2h"] += op.npages
         self.l2_taken += op.npages
-        if self.l3 is not None:
+        if self.l3 is not None and self._backs_up(op.node):
             bop = cache.tiers.start_backup(op.node)
             if bop is not None:
                 self.pages["h2s"] += self.l3.put(bop.hashes)
                 cache.tiers.finish_backup(bop, True)
 
+    def _backs_up(self, node: TreeNode) -> bool:
+        """``backup_policy``: ``all`` backs up every L2 write; ``filtered`` only while the L3
+        store has room (unbounded: always), a node a match has hit, or one whose first page
+        hash came back in another node (the L3 doorkeeper)."""
+        l3 = self.l3
+        if self.cfg.backup_policy == "all" or l3 is None or l3.capacity is None:
+            return True
+        if node.hit_count >= 1 or len(l3) + len(node.data[0].host_value or ()) <= l3.capacity:
+            return True
+        return self.l3_doorkeeper.seen_before(self.cache.tiers.node_hashes(node)[0], node.id)
+
     def _write_path(self, node: TreeNode) -> None:
-        cfg = self.cfg
-        thr = cfg.write_through_threshold if cfg.write_policy == "write_through_selective" else 0
+        admits = self.cache.tiers.admits
         path: list[TreeNode] = []
         n = node
         while n.parent is not None:
             d = n.data[0]
             if d.host_value is not None:
                 break  # written parents first: everything above already has its copy
-            if d.value is not None and n.hit_count >= thr:
+            if d.value is not None and admits(n):
                 path.append(n)
             n = n.parent
         for n in reversed(path):

@@ -31,7 +31,7 @@ from hicache.tree.core import TreeCore
 from hicache.tree.node import KEY_TYPECODE, Key, TreeNode
 from hicache.tree.policy import make_policy
 
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_through_filtered", "write_back")
 
 
 @dataclass

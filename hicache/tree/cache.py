@@ -91,7 +91,7 @@ class UnifiedRadixCache(CacheBase):
     with a ``host_allocator`` has L2 state (L2 is on when FULL has one).
     ``hasher``: a ``PageHasher`` or ``HashNamespace`` for page hashes (computed lazily, on
     the tier path only; other salts derive from it with ``with_salt``).
-    ``eviction_policy``: ``lru`` (default) or ``slru``. ``write_policy``: ``write_through``,
+    ``eviction_policy``: a name in ``hicache.tree.policy.POLICIES`` (default ``lru``). ``write_policy``: ``write_through``,
     ``write_through_selective`` (``hit_count >= write_through_threshold``) or ``write_back``.
 
     Scheduler calls: ``match_prefix`` (a peek) and ``record_hit``, ``inc_lock_ref`` / ``dec_lock_ref``, ``insert`` /

@@ -16,12 +16,25 @@ Policies:
   priority is ``L + 1 + hit_count``, set when it is added or touched, where ``L`` is the
   highest priority removed so far (so old frequency fades); lowest priority first, ties
   in touch order. A binary heap with lazy deletion: O(log n) add / touch / remove.
+* ``sieve`` -- SIEVE (Zhang et al., NSDI'24), a scan-resistant FIFO: one insertion-ordered
+  list and a visited bit per entry; a touch only sets the bit (no move). A hand walks
+  from the oldest entry towards the newest, wrapping around: a visited entry has its bit
+  cleared and is passed over (it stays where it is), an unvisited one is offered. The hand
+  stays where the last scan stopped. O(1) add / touch / remove, amortised O(1) per offer.
+* ``arc`` -- ARC (Megiddo and Modha, FAST'03) over node counts: T1 holds entries not yet
+  re-used, T2 those a match has hit (``hit_count >= 1``), each an LRU list; B1 / B2 remember
+  (bounded, by a fingerprint of the node's position: its parent and first page) entries
+  that left T1 / T2. An entry added whose fingerprint is in B1 raises the target size
+  ``p`` of T1, one in B2 lowers it; either goes straight to T2. Candidates come from T1
+  while ``|T1| > p`` and from T2 otherwise (then from the other list), re-decided after
+  each offer. O(1) add / touch / remove.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,6 +60,15 @@ class LruList:
         link.next = tail
         prev.next = link  # type: ignore[union-attr]
         tail.prev = link
+        self.size += 1
+
+    def push_lru(self, link: LruLink) -> None:
+        head = self._head
+        nxt = head.next
+        link.prev = head
+        link.next = nxt
+        nxt.prev = link  # type: ignore[union-attr]
+        head.next = link
         self.size += 1
 
     def unlink(self, link: LruLink) -> None:
@@ -120,6 +142,10 @@ class EvictionPolicy:
     def candidates(self) -> Iterator[TreeNode]:
         raise NotImplementedError
 
+    def demote(self, link: LruLink) -> None:
+        """Make a listed entry the next one offered (cold admission to a tier)."""
+        raise NotImplementedError
+
     def __len__(self) -> int:
         raise NotImplementedError
 
@@ -142,6 +168,10 @@ class LRUPolicy(EvictionPolicy):
 
     def candidates(self) -> Iterator[TreeNode]:
         return self._list.iter_cold()
+
+    def demote(self, link: LruLink) -> None:
+        self._list.unlink(link)
+        self._list.push_lru(link)
 
     def __len__(self) -> int:
         return self._list.size
@@ -193,6 +223,11 @@ class SLRUPolicy(EvictionPolicy):
     def candidates(self) -> Iterator[TreeNode]:
         yield from self._prob.iter_cold()
         yield from self._prot.iter_cold()
+
+    def demote(self, link: LruLink) -> None:
+        self.remove(link)
+        link.segment = self.PROBATION
+        self._prob.push_lru(link)
 
     def __len__(self) -> int:
         return self._prob.size + self._prot.size
@@ -255,6 +290,13 @@ class LFUPolicy(EvictionPolicy):
         if e[0] > self.age:
             self.age = e[0]
 
+    def demote(self, link: LruLink) -> None:
+        self._entry[link][2] = None
+        low = self._heap[0][0] if self._heap else self.age  # the heap's top: no live entry below it
+        e = [low - 1, next(self._seq), link]
+        self._entry[link] = e
+        heapq.heappush(self._heap, e)
+
     def candidates(self) -> Iterator[TreeNode]:
         heap = self._heap
         taken: list[list[Any]] = []
@@ -282,7 +324,200 @@ class LFUPolicy(EvictionPolicy):
             raise AssertionError("LFU: heap entries and the link table disagree")
 
 
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "slru": SLRUPolicy, "lfu": LFUPolicy}
+class SIEVEPolicy(EvictionPolicy):
+    """SIEVE: insertion-ordered list, visited bit (``link.segment``), a persistent hand.
+
+    ``_list`` is the insertion order (a split's upper part takes its lower part's place,
+    ``TreeCore._insert_before``). ``_hand`` is the next entry the scan examines (None: the
+    oldest). ``candidates`` walks at most two laps from the last entry taken: after one,
+    every bit it met is clear, so every entry present has been offered once the second
+    lap ends (a parent that became a leaf behind the hand included).
+    """
+
+    name = "sieve"
+
+    def __init__(self) -> None:
+        self._list = LruList()
+        self._hand: LruLink | None = None
+
+    def add(self, link: LruLink) -> None:
+        link.segment = 0
+        self._list.push_mru(link)
+
+    def remove(self, link: LruLink) -> None:
+        if link is self._hand:
+            nxt = link.next
+            self._hand = None if nxt is None or nxt.owner is None else nxt
+        self._list.unlink(link)
+
+    def touch(self, link: LruLink) -> None:
+        link.segment = 1
+
+    def demote(self, link: LruLink) -> None:
+        """Unvisited, and moved to just before the hand (the oldest end without one)."""
+        self.remove(link)
+        link.segment = 0
+        hand = self._hand
+        if hand is None:
+            self._list.push_lru(link)
+            self._hand = link
+            return
+        prev = hand.prev
+        link.prev, link.next = prev, hand
+        prev.next = link  # type: ignore[union-attr]
+        hand.prev = link
+        self._list.size += 1
+        self._hand = link
+
+    def candidates(self) -> Iterator[TreeNode]:
+        lst = self._list
+        steps = 2 * lst.size
+        while steps > 0 and lst.size:
+            steps -= 1
+            link = self._hand
+            if link is None or link.prev is None:
+                link = lst.coldest()
+                if link is None:
+                    return
+            nxt = link.next
+            self._hand = None if nxt is None or nxt.owner is None else nxt
+            if link.segment:
+                link.segment = 0
+                continue
+            yield link.owner  # type: ignore[misc]
+            if link.prev is None:  # taken: its parent may be a leaf now, behind the hand
+                steps = 2 * lst.size
+
+    def __len__(self) -> int:
+        return self._list.size
+
+    def links(self) -> Iterator[LruLink]:
+        return self._list.links()
+
+    def check(self) -> None:
+        self._list.check()
+        if self._hand is not None and self._hand.prev is None:
+            raise AssertionError("SIEVE: the hand points at an entry no longer listed")
+
+
+def _fingerprint(link: LruLink) -> int:
+    """Where ``link``'s node sits: its parent and its key's first tokens. A node evicted and
+    later re-inserted below the same parent gets the same one (a collision only skews ARC's
+    adaptation, never what is cached)."""
+    node = link.owner
+    parent = node.parent if node is not None else None
+    key = node.key if node is not None else ()
+    return hash((parent.id if parent is not None else 0, tuple(key[:8])))
+
+
+class ARCPolicy(EvictionPolicy):
+    """ARC over node counts (T1 / T2 lists, B1 / B2 ghost fingerprints, adaptive ``p``).
+
+    ``link.segment``: 0 in T1, 1 in T2. The ghosts hold at most ``max(len(self), 64)``
+    fingerprints each (ARC's bound ``c``, with ``c`` the entries held now).
+    """
+
+    name = "arc"
+    T1, T2 = 0, 1
+
+    def __init__(self) -> None:
+        self._t1 = LruList()
+        self._t2 = LruList()
+        self._b1: OrderedDict[int, None] = OrderedDict()
+        self._b2: OrderedDict[int, None] = OrderedDict()
+        self.p = 0.0  # target size of T1, in entries
+        self._removed = 0  # removals so far (``candidates`` passes again after one)
+
+    def add(self, link: LruLink) -> None:
+        fp = _fingerprint(link)
+        b1, b2 = self._b1, self._b2
+        if fp in b1:
+            c = self._t1.size + self._t2.size + 1
+            self.p = min(float(c), self.p + max(len(b2) / len(b1), 1.0))
+            del b1[fp]
+        elif fp in b2:
+            self.p = max(0.0, self.p - max(len(b1) / len(b2), 1.0))
+            del b2[fp]
+        else:
+            link.segment = self.T1
+            self._t1.push_mru(link)
+            return
+        link.segment = self.T2
+        self._t2.push_mru(link)
+
+    def remove(self, link: LruLink) -> None:
+        self._removed += 1
+        if link.segment == self.T2:
+            self._t2.unlink(link)
+            ghosts = self._b2
+        else:
+            self._t1.unlink(link)
+            ghosts = self._b1
+        fp = _fingerprint(link)
+        ghosts[fp] = None
+        ghosts.move_to_end(fp)
+        cap = max(self._t1.size + self._t2.size, 64)
+        while len(ghosts) > cap:
+            ghosts.popitem(last=False)
+
+    def touch(self, link: LruLink) -> None:
+        if link.segment == self.T2:
+            self._t2.move_to_mru(link)
+        elif link.owner.hit_count < 1:  # type: ignore[union-attr]
+            self._t1.move_to_mru(link)
+        else:
+            self._t1.unlink(link)
+            link.segment = self.T2
+            self._t2.push_mru(link)
+
+    def demote(self, link: LruLink) -> None:
+        """To T1's cold end (no ghost: it did not leave)."""
+        (self._t2 if link.segment == self.T2 else self._t1).unlink(link)
+        link.segment = self.T1
+        self._t1.push_lru(link)
+
+    def candidates(self) -> Iterator[TreeNode]:
+        """Passes over both lists, preferring T1 while ``|T1| > p``; another pass while the
+        last one took something (a parent it passed may be a leaf now)."""
+        while True:
+            removed = self._removed
+            it1, it2 = self._t1.iter_cold(), self._t2.iter_cold()
+            done1 = done2 = False
+            while not (done1 and done2):
+                first = not done1 and (done2 or self._t1.size > self.p)
+                try:
+                    node = next(it1) if first else next(it2)
+                except StopIteration:
+                    if first:
+                        done1 = True
+                    else:
+                        done2 = True
+                    continue
+                yield node
+            if self._removed == removed:
+                return
+
+    def __len__(self) -> int:
+        return self._t1.size + self._t2.size
+
+    def links(self) -> Iterator[LruLink]:
+        yield from self._t1.links()
+        yield from self._t2.links()
+
+    def check(self) -> None:
+        self._t1.check()
+        self._t2.check()
+        for seg, lst in ((self.T1, self._t1), (self.T2, self._t2)):
+            for link in lst.links():
+                if link.segment != seg:
+                    raise AssertionError("ARC: an entry's segment disagrees with its list")
+        if self.p < 0.0:
+            raise AssertionError(f"ARC: target p={self.p} below zero")
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    "lru": LRUPolicy, "slru": SLRUPolicy, "lfu": LFUPolicy, "sieve": SIEVEPolicy, "arc": ARCPolicy,
+}
 
 
 def make_policy(name: str) -> EvictionPolicy:

@@ -66,6 +66,7 @@ from typing import Protocol
 
 from hicache.hashing import HASH_BYTES, HashNamespace, PageHasher, component_keys
 from hicache.memory.allocator import PageIndices
+from hicache.tree.admission import Doorkeeper
 from hicache.tree.base import CacheBase, EvictResult, InsertResult, MatchResult
 from hicache.tree.components import TreeComponent
 from hicache.tree.content import Tier
@@ -105,6 +106,8 @@ class TierOp:
     done: bool = False
     aux_keys: dict[str, list[str]] = field(default_factory=dict)
     quota_tenant: str | None = None
+    cold: bool = False
+    """A write whose L2 copy enters L2's eviction order at the cold end (``writes_cold``)."""
     pending: dict[str, dict[int, int]] = field(default_factory=dict)
     """A load's auxiliary L1 units, held by the op (not by the nodes, so nothing reads them)
     until ``finish_load_back`` places or frees them: per component name, the op's page
@@ -138,6 +141,7 @@ class TierCalls:
         self._hashers: dict[str, PageHasher] = {}
         self._open_transfers = 0  # TierOps started and not finished (their owner keeps them)
         self.quotas: TenantQuotas | None = None  # per-tenant L2 quotas, when configured
+        self.doorkeeper = Doorkeeper()  # ``write_through_filtered``'s memory of page hashes
 
     # ================================================================== tiers (§5)
     def nodes_to_write_to_host(self, limit: int | None = None) -> list[TreeNode]:
@@ -145,7 +149,8 @@ class TierCalls:
 
         ``write_through``: every node with L1 data without an L2 copy (FULL's, or an
         auxiliary component's on a node whose FULL pages are in L2 already: an SWA window
-        recovered on a tombstone, a Mamba state added later); ``write_through_selective``:
+        recovered on a tombstone, a Mamba state added later), under ``write_through_filtered``
+        too (``writes_cold`` decides where in L2 they go); ``write_through_selective``:
         those with ``hit_count >= write_through_threshold``; ``write_back``: those L1
         eviction queued. Nodes with a transfer in flight are left out. The write-through
         policies look only at the nodes not yet in L2 (``TreeCore.unwritten``), not at all
@@ -159,10 +164,42 @@ class TierCalls:
                      if n.parent is not None and n in unwritten and n.data[0].value is not None
                      and not n.in_flight and not n.loading]
         else:  # unwritten: in L1, not in L2 (by construction)
-            thr = self.tree.write_through_threshold if self.tree.write_policy == "write_through_selective" else 0
-            cands = [n for n in self.tree.core.unwritten if not n.in_flight and not n.loading and n.hit_count >= thr]
+            admits = self.admits
+            cands = [n for n in self.tree.core.unwritten if not n.in_flight and not n.loading and admits(n)]
         cands.sort(key=self._depth)
         return cands if limit is None else cands[:limit]
+
+    def admits(self, node: TreeNode) -> bool:
+        """Whether the write-through policy copies ``node`` (in L1, not yet in L2) to L2:
+        ``write_through`` and ``write_through_filtered`` always, ``write_through_selective``
+        once ``hit_count >= write_through_threshold``; ``write_back``: False (L1 eviction
+        decides)."""
+        policy = self.tree.write_policy
+        if policy == "write_through_selective":
+            return node.hit_count >= self.tree.write_through_threshold
+        return policy != "write_back"
+
+    def writes_cold(self, node: TreeNode) -> bool:
+        """``write_through_filtered``'s admission filter: True when ``node``'s L2 copy should
+        enter L2's eviction order at the cold end (it leaves L2 first, after an L3 backup
+        has read it, and displaces nothing admitted). A node goes in hot while L2 has free
+        pages for it, once a match has hit it (``hit_count >= 1``), or when the doorkeeper
+        (``hicache.tree.admission``) saw its first page's hash in another node before (it
+        was dropped and came back). Always False under the other policies."""
+        if self.tree.write_policy != "write_through_filtered" or node.hit_count >= 1:
+            return False
+        value = node.data[0].value
+        host = self.tree.full.host_allocator
+        if value is not None and host is not None and host.free_count >= len(value):
+            return False
+        return not self.doorkeeper.seen_before(self._admission_key(node), node.id)
+
+    def _admission_key(self, node: TreeNode) -> object:
+        """The node's first page hash; without a hasher, its parent and first page."""
+        if self._hasher is not None:
+            return self.node_hashes(node)[0]
+        parent = node.parent
+        return (parent.id if parent is not None else 0, tuple(node.key[:self.tree.page_size]))
 
     @staticmethod
     def _depth(node: TreeNode) -> int:
@@ -191,6 +228,7 @@ class TierCalls:
             npages = len(node.data[0].value)
             if quotas.make_room(self.evict_host, self.tree.page_size, tenant, npages) < npages:
                 return None  # past its tenant's quota even after evicting that tenant's own pages
+        cold = node.data[0].host_value is None and self.writes_cold(node)  # before L2 pages are taken
         transfers: dict[str, tuple[list[int], PageIndices]] = {}
         for c in self.tree.components:
             cd = node.data[c.slot]
@@ -216,6 +254,7 @@ class TierCalls:
         if not transfers:
             return None
         op = TierOp("write", node, self.tree._npages(node), transfers)
+        op.cold = cold and "full" in transfers
         if quotas is not None and "full" in transfers:
             op.quota_tenant = tenant
             quotas.reserve(tenant, len(transfers["full"][1]))
@@ -274,6 +313,12 @@ class TierCalls:
         for n in nodes:
             self.tree._write_back_queue.pop(n, None)
             self.tree._write_back_released.pop(n, None)
+        if op.cold:
+            order = core.host_lru[0]
+            for n in nodes:  # coldest and oldest: evicting it never takes an older parent along
+                if n.data[0].host_value is not None:
+                    n.host_time = 0
+                    order.demote(n.data[0].hlink)
         return list(reversed(nodes))
 
     def _load_nodes(self, match: MatchResult) -> list[TreeNode]:

@@ -72,7 +72,7 @@ CASES: list[tuple[str, Any, str, str]] = [
     ("hf-l2-over-ram", lambda t: _hf(_checkpoint(t, "llama", LLAMA), l2={"tokens": 2**40}), "cache.l2.tokens",
      "host memory"),
     ("tokenizer", lambda t: {"tokenizer": {"path": str(t / "tokenizer.json")}}, "tokenizer.path", "tokenizer.json"),
-    ("s3fifo", lambda t: {"cache": {"eviction": "s3fifo"}}, "cache.eviction", "one of lru, lfu, slru"),
+    ("s3fifo", lambda t: {"cache": {"eviction": "s3fifo"}}, "cache.eviction", "one of lru, lfu, slru, sieve, arc"),
     ("curve", lambda t: {"ipc": {"transport": "tcp", "curve": True}}, "ipc.curve", "unknown key"),
     ("header-timeout", lambda t: {"server": {"header_timeout_s": 0}}, "server.header_timeout_s", "> 0"),
     ("swa-l1-zero", lambda t: _swa(l1={"swa_tokens": 0}), "cache.l1.swa_tokens", "must be > 0, got 0"),

@@ -110,7 +110,7 @@ def test_belady_never_below_any_policy(tmp_path, seed):
     for cap in (1, 3, 8, 20, 60, 500):
         opt = belady_hits(work.pages, cap)
         assert opt <= infinite_hits(work.pages)
-        for pol in ("lru", "slru", "lfu"):
+        for pol in ("lru", "slru", "lfu", "sieve", "arc"):
             assert rate(work, cap, pol).hit_tokens <= opt * work.page_size, (cap, pol)
 
 
@@ -140,7 +140,7 @@ def test_tiers_add_up_and_unbounded_tiers_reach_the_ceiling(tmp_path):
     work = Workload.build(load_trace(write_trace(tmp_path / "r.jsonl", _random_tree_trace(rnd, 200))))
     ceiling = infinite_hits(work.pages) * work.page_size
     single = rate(work, 10)
-    for wp in ("write_through", "write_through_selective", "write_back"):
+    for wp in ("write_through", "write_through_selective", "write_through_filtered", "write_back"):
         cfg = SimConfig(10, 40, 0, work.page_size, write_policy=wp, bytes_per_token=3)
         sim = TieredSimulator(cfg, 1, work.longest_pages())
         for k in work.keys:
@@ -159,6 +159,16 @@ def test_tiers_add_up_and_unbounded_tiers_reach_the_ceiling(tmp_path):
     small_l2 = simulate(work.keys, SimConfig(10, 20, None, work.page_size, prefetch_threshold=1))
     assert small_l2.tiers[2].hit_tokens > 0 and small_l2.tokens_moved["s2h"] > 0
     assert small_l2.hit_tokens <= ceiling
+    # the filtered admission loses nothing where the lower tier has room: unbounded L3
+    for backup in ("all", "filtered"):
+        filt = simulate(work.keys, SimConfig(10, 20, None, work.page_size, write_policy="write_through_filtered",
+                                             prefetch_threshold=1, backup_policy=backup))
+        assert filt.hit_tokens == small_l2.hit_tokens == ceiling
+    bounded = simulate(work.keys, SimConfig(10, 20, 30, work.page_size, write_policy="write_through_filtered",
+                                            prefetch_threshold=1, backup_policy="filtered"))
+    assert 0 < bounded.hit_tokens <= ceiling
+    with pytest.raises(ValueError, match="backup_policy"):
+        SimConfig(10, 20, None, backup_policy="some").validate()
 
 
 def test_impossible_configs_are_refused():
@@ -237,3 +247,42 @@ def test_cli_replay_with_sweep_plot_and_json(tmp_path, capsys):
     for p in data["sweep"]["points"]:
         assert all(r <= p["belady"] + 1e-12 for r in p["rates"].values())
     assert main(["replay", str(tmp_path / "missing.jsonl"), "--no-progress"]) == 2
+
+
+# ------------------------------------------------------------------ every trace, every policy
+def test_sweep_all_tables_every_policy_against_belady(tmp_path, capsys):
+    from hicache.tree.policy import POLICIES
+
+    rnd = random.Random(5)
+    (tmp_path / "synthetic").mkdir()
+    (tmp_path / "azure_llm_2023").mkdir()
+    write_trace(tmp_path / "synthetic" / "lmcache_mrqa_readme_c256.jsonl", _random_tree_trace(rnd, 150))
+    (tmp_path / "azure_llm_2023" / "AzureLLMInferenceTrace_code.csv").write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,1030,10\n2023-11-16 18:17:04.03,512,8\n")
+    out = tmp_path / "sweep"
+    assert main(["replay", "--sweep-all", str(tmp_path), "--out", str(out), "--no-progress"]) == 0
+    table = (out.with_suffix(".md")).read_text()
+    assert "| lmcache multi-round QA | " in table and "Not found:" in table
+    rows = list(csv_rows(out.with_suffix(".csv")))
+    single = [r for r in rows if r["trace"] == "lmcache multi-round QA" and r["mode"] == "single"]
+    assert len({r["capacity_blocks"] for r in single}) == 3
+    for cap in {r["capacity_blocks"] for r in single}:
+        at = {r["policy"]: float(r["hit_rate"]) for r in single if r["capacity_blocks"] == cap}
+        assert set(at) == set(POLICIES) | {"belady", "ceiling"}
+        assert all(v <= at["belady"] + 1e-12 for p, v in at.items() if p in POLICIES)
+        assert at["belady"] <= at["ceiling"] + 1e-12
+    azure = [float(r["hit_rate"]) for r in rows if r["trace"].startswith("azure code")]
+    assert azure and not any(azure)  # no prefix information: a pure-miss control
+    tiered = {(r["l3"], r["policy"]): float(r["hit_rate"]) for r in rows if r["mode"] == "tiered"}
+    unbounded = {p: v for (l3, p), v in tiered.items() if l3.endswith("L3 unbounded")}
+    assert len(unbounded) == 4  # the filtered admissions lose nothing where L3 has room
+    assert unbounded["write_through_filtered"] == unbounded["write_through"] == unbounded[
+        "write_through_filtered + filtered backup"] >= unbounded["write_through_selective"]
+    assert "table:" in capsys.readouterr().out
+
+
+def csv_rows(path):
+    import csv
+
+    with open(path, encoding="utf-8") as fh:
+        yield from csv.DictReader(fh)

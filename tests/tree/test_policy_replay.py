@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from hicache.tree import TreeNode, make_policy
+from hicache.tree import POLICIES, TreeNode, make_policy
 
 from .helpers import cache_seq, full_cache, toks
 
 
 def test_policy_lists_are_consistent():
-    for name in ("lru", "slru"):
+    for name in sorted(POLICIES):
         pol = make_policy(name)
         nodes = [TreeNode(None, toks("x"), 1) for _ in range(10)]
         for n in nodes:
@@ -31,3 +31,72 @@ def test_slru_prefers_evicting_nodes_never_reused():
     assert cache.match_prefix(toks("aaaa")).device_len == 4  # LRU would have taken "aaaa"
     assert cache.match_prefix(toks("bbbb")).device_len == 0
     cache.check_integrity()
+
+
+def _nodes(n: int) -> list[TreeNode]:
+    return [TreeNode(None, toks(chr(ord("a") + i)), 1) for i in range(n)]
+
+
+def test_sieve_order_visited_bits_and_persistent_hand():
+    pol = make_policy("sieve")
+    a, b, c, d = _nodes(4)
+    for n in (a, b, c, d):
+        pol.add(n.data[0].dlink)
+    pol.touch(b.data[0].dlink)
+    pol.touch(d.data[0].dlink)
+    # lap 1: a offered, b's bit cleared, c offered, d's bit cleared; lap 2: all four
+    assert list(pol.candidates()) == [a, c, a, b, c, d]
+    pol.touch(b.data[0].dlink)
+    it = pol.candidates()
+    assert next(it) is a
+    pol.remove(a.data[0].dlink)  # taken: the hand stays at b
+    it.close()
+    assert next(pol.candidates()) is c  # b visited again: passed over, not moved
+    pol.check()
+
+
+def test_arc_order_and_ghost_adaptation():
+    pol = make_policy("arc")
+    a, b, c = _nodes(3)
+    for n in (a, b, c):
+        pol.add(n.data[0].dlink)
+    b.hit_count = 1
+    pol.touch(b.data[0].dlink)  # re-used: T1 -> T2
+    assert list(pol.candidates()) == [a, c, b]  # |T1| = 2 > p = 0: T1 first
+    pol.remove(a.data[0].dlink)  # a's fingerprint -> B1
+    a2 = TreeNode(None, toks("a"), 1)  # the same place in the tree again: a B1 hit
+    pol.add(a2.data[0].dlink)
+    assert pol.p == 1.0
+    assert list(pol.candidates()) == [b, a2, c]  # |T1| = 1, not above p: T2 first
+    pol.remove(b.data[0].dlink)  # b -> B2
+    b2 = TreeNode(None, toks("b"), 1)
+    pol.add(b2.data[0].dlink)  # a B2 hit lowers p
+    assert pol.p == 0.0
+    assert list(pol.candidates()) == [c, a2, b2]
+    pol.check()
+
+
+def test_new_policies_keep_locked_and_inner_nodes():
+    for name in ("sieve", "arc"):
+        cache, dev, _ = full_cache(capacity=64, eviction_policy=name)
+        cache_seq(cache, dev, toks("aaaa"))
+        cache_seq(cache, dev, toks("aabb"))
+        lock = cache.inc_lock_ref(cache.match_prefix(toks("aabb")).last_device_node)
+        res = cache.evict(64)
+        assert res.full_tokens == 2  # only "aa" under "aa"'s other branch could go
+        assert cache.match_prefix(toks("aabb")).device_len == 4
+        cache.dec_lock_ref(lock)
+        assert cache.evict(64).full_tokens == 4
+        cache.check_integrity()
+
+
+def test_demote_makes_an_entry_the_next_offered():
+    for name in sorted(POLICIES):
+        pol = make_policy(name)
+        nodes = _nodes(4)
+        for n in nodes:
+            pol.add(n.data[0].dlink)
+        pol.demote(nodes[2].data[0].dlink)
+        assert next(pol.candidates()) is nodes[2], name
+        assert len(pol) == 4
+        pol.check()

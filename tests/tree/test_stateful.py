@@ -116,6 +116,42 @@ class Reference:
             _, p = min(cands)
             del self.pages[p]
 
+    def _l1_candidate(self, p: tuple[int, ...]) -> bool:
+        pg = self.pages[p]
+        return (pg.device and pg.lock == 0 and not any(c.device for c in self.children(p))
+                and (pg.host or all(self.pages[q].host_lock == 0 and self.pages[q].lock == 0
+                                    for q in self.descendants(p))))
+
+    def adopt_evict(self, gone: set[tuple[int, ...]]) -> None:
+        """Any-policy eviction: the tree chose ``gone`` (the pages that left L1). They must
+        leave one at a time, each an L1 candidate when it goes (unlocked, no L1 page below
+        it: whole prefixes only). Raises ``AssertionError`` otherwise."""
+        left = set(gone)
+        while left:
+            p = next((q for q in sorted(left, key=len, reverse=True) if self._l1_candidate(q)), None)
+            if p is None:
+                raise AssertionError(f"evicted pages that were not candidates: {sorted(left)}")
+            left.discard(p)
+            pg = self.pages[p]
+            pg.device = False
+            if not pg.host:
+                for q in self.descendants(p):
+                    del self.pages[q]
+                    left.discard(q)
+                del self.pages[p]
+
+    def adopt_evict_host(self, gone: set[tuple[int, ...]]) -> None:
+        """Any-policy L2 eviction: each page in ``gone`` L2-only, unlocked and childless when it goes."""
+        left = set(gone)
+        while left:
+            p = next((q for q in sorted(left, key=len, reverse=True)
+                      if not self.pages[q].device and self.pages[q].host_lock == 0 and self.pages[q].lock == 0
+                      and not self.children(q)), None)
+            if p is None:
+                raise AssertionError(f"L2-evicted pages that were not candidates: {sorted(left)}")
+            left.discard(p)
+            del self.pages[p]
+
     def snapshot(self) -> dict[tuple[int, ...], tuple[bool, bool]]:
         return {p: (pg.device, pg.host) for p, pg in self.pages.items()}
 
@@ -152,14 +188,26 @@ keys = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=MAX_TOKENS)
 
 
 class CacheMachine(RuleBasedStateMachine):
+    """``eviction_policy``: with ``lru`` the reference predicts every eviction; with any
+    other policy it checks the tree's choice (``Reference.adopt_evict``) and adopts it."""
+
     page_size = 1
     array_indices = False
+    eviction_policy = "lru"
+    write_policy = "write_through"
+    host_pages = 1000
+
+    @property
+    def predicts_order(self) -> bool:
+        """Whether the reference's LRU predicts evictions (else it checks and adopts them)."""
+        return self.eviction_policy == "lru" and self.write_policy == "write_through"
 
     @initialize()
     def setup(self) -> None:
         self.dev = PageAllocator(1000, "l1", array_indices=self.array_indices)
-        self.host = PageAllocator(1000, "l2", array_indices=self.array_indices)
-        self.cache = UnifiedRadixCache([FullComponent(self.dev, self.host)], self.page_size)
+        self.host = PageAllocator(self.host_pages, "l2", array_indices=self.array_indices)
+        self.cache = UnifiedRadixCache([FullComponent(self.dev, self.host)], self.page_size,
+                                       eviction_policy=self.eviction_policy, write_policy=self.write_policy)
         self.ref = Reference(self.page_size)
         self.locks: list = []  # (token, prefixes)
         self.writes: list = []  # (op, prefixes)
@@ -209,9 +257,15 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(tokens=st.integers(1, 16))
     def evict(self, tokens):
         ps = self.page_size
+        before = tree_snapshot(self.cache)
         res = self.cache.evict(tokens)
         k = res.full_tokens // ps
-        self.ref.evict(k)
+        if self.predicts_order:
+            self.ref.evict(k)
+        else:
+            gone = {p for p, (dev, _h) in before.items() if dev} - {p for p, (dev, _h) in tree_snapshot(self.cache).items() if dev}
+            assert len(gone) == k
+            self.ref.adopt_evict(gone)
         if k * ps < tokens:  # stopped short: nothing evictable must remain
             self.ref_nothing_evictable()
 
@@ -229,8 +283,15 @@ class CacheMachine(RuleBasedStateMachine):
             return
         node = cands[i % len(cands)]
         prefixes = node_prefixes(node, self.page_size)
+        before = set(tree_snapshot(self.cache))
         op = self.cache.tiers.start_write(node)
-        assert op is not None
+        gone = before - set(tree_snapshot(self.cache))  # the L2 eviction that made room
+        if gone:
+            assert not self.predicts_order or self.host_pages < 1000
+            self.ref.adopt_evict_host(gone)
+        if op is None:  # only a small L2 may lack room (its pages all held in L1 or locked)
+            assert self.host_pages < 1000
+            return
         _, _, path = self._path_to(prefixes[-1])
         for p in path:
             self.ref.pages[p].lock += 1
@@ -256,8 +317,14 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(tokens=st.integers(1, 16))
     def evict_host(self, tokens):
         ps = self.page_size
+        before = set(tree_snapshot(self.cache))
         k = self.cache.tiers.evict_host(tokens) // ps
-        self.ref.evict_host(k)
+        if self.predicts_order:
+            self.ref.evict_host(k)
+        else:
+            gone = before - set(tree_snapshot(self.cache))
+            assert len(gone) == k
+            self.ref.adopt_evict_host(gone)
 
     @rule(key=keys, ok=st.booleans())
     def load_back(self, key, ok):
@@ -304,7 +371,27 @@ class CacheMachineArrayIndices(CacheMachine):
     array_indices = True
 
 
+class SieveMachinePage2(CacheMachine):
+    page_size = 2
+    eviction_policy = "sieve"
+
+
+class ArcMachine(CacheMachine):
+    eviction_policy = "arc"
+
+
+class FilteredWriteMachine(CacheMachine):
+    """``write_through_filtered`` with an L2 small enough to fill: cold writes reorder L2."""
+
+    page_size = 2
+    write_policy = "write_through_filtered"
+    host_pages = 6
+
+
 TestCachePage1 = CacheMachine.TestCase
 TestCacheArrayIndices = CacheMachineArrayIndices.TestCase
 TestCachePage2 = CacheMachinePage2.TestCase
 TestCachePage4 = CacheMachinePage4.TestCase
+TestSievePage2 = SieveMachinePage2.TestCase
+TestArcPage1 = ArcMachine.TestCase
+TestFilteredWritePage2 = FilteredWriteMachine.TestCase
