@@ -73,6 +73,8 @@ class InsertParams:
     the key; ``prev_prefix_len``: the first tokens whose pages are already the tree's (the
     request's match); ``aux``: per component name, that component's payload (SWA: a
     ``PagedInsert``; Mamba: the state slot after the key's last token), taken over entirely.
+    ``owner``: the node the inserting request's own lock ends at, if it holds one: a leaf
+    that no other lock holds may then grow in place (``extend_leaves``).
     """
 
     key: Sequence[int]
@@ -80,6 +82,7 @@ class InsertParams:
     cache_salt: str = ""
     prev_prefix_len: int = 0
     aux: Mapping[str, Any] = field(default_factory=dict)
+    owner: TreeNode | None = None
 
 
 class UnifiedRadixCache(CacheBase):
@@ -252,7 +255,7 @@ class UnifiedRadixCache(CacheBase):
         """Insert ``key`` with FULL L1 pages ``value`` only: ``insert_with`` of
         ``InsertParams(key, value, cache_salt, prev_prefix_len)`` (same contract), without
         building the parameter object."""
-        return self._insert(key, value, cache_salt, prev_prefix_len, None)
+        return self._insert(key, value, cache_salt, prev_prefix_len, None, None)
 
     def insert_with(self, p: InsertParams) -> InsertResult:
         """Insert ``p.key`` (page-aligned part) with FULL L1 pages ``p.value`` (one per page).
@@ -265,11 +268,12 @@ class UnifiedRadixCache(CacheBase):
         hooks: kept, or freed here when the tree already holds it (an SWA tombstone covered
         by the request's pages is recovered, split where the request's own pages start).
         """
-        return self._insert(p.key, p.value, p.cache_salt, p.prev_prefix_len, p.aux or None)
+        return self._insert(p.key, p.value, p.cache_salt, p.prev_prefix_len, p.aux or None, p.owner)
 
     def _insert(self, key: Sequence[int], value: Sequence[int], cache_salt: str, prev_prefix_len: int,
-                aux: Mapping[str, Any] | None) -> InsertResult:
-        """The body of ``insert`` / ``insert_with``; ``aux`` None: no auxiliary payloads."""
+                aux: Mapping[str, Any] | None, owner: TreeNode | None) -> InsertResult:
+        """The body of ``insert`` / ``insert_with``; ``aux`` None: no auxiliary payloads;
+        ``owner``: ``InsertParams.owner``."""
         core = self.core
         ps = self.page_size
         key, n = self._aligned(key)
@@ -324,7 +328,7 @@ class UnifiedRadixCache(CacheBase):
                 path.append(child)
             node = child
             off += kl
-        if off < n and not payloads and self._extendable(node):
+        if off < n and not payloads and self._extendable(node, owner):
             core.extend(node, key[off:n], value[off // ps:npages])
             off = n
         if off < n:
@@ -348,16 +352,19 @@ class UnifiedRadixCache(CacheBase):
             self._free(c, spare[j])
         return InsertResult(prefix, node, frozenset(held))
 
-    def _extendable(self, node: TreeNode) -> bool:
+    def _extendable(self, node: TreeNode, owner: TreeNode | None) -> bool:
         """Whether an insert may append its new pages to ``node`` in place rather than hang a
-        child under it (``extend_leaves``): a FULL-only leaf on L1 that at most one lock
-        holds (the inserting request's), with no L2 copy, no page hashes (so no content
-        observer has named its pages), no transfer, no write queued, and no auxiliary
-        component's data or lock, so every component's boundaries stay where they were."""
+        child under it (``extend_leaves``): a FULL-only leaf on L1 that no lock holds but the
+        inserting request's own (``owner is node``: pages appended under another holder's
+        lock would stay unevictable until that holder lets go), with no L2 copy, no page
+        hashes (so no content observer has named its pages), no transfer, no write queued,
+        and no auxiliary component's data or lock, so every component's boundaries stay
+        where they were."""
         if not self.extend_leaves or node.children or node.parent is None or node.loading or node.in_flight:
             return False
         full = node.data[0]
-        if (full.value is None or full.host_value is not None or full.lock_ref > 1 or full.host_lock_ref
+        if (full.value is None or full.host_value is not None or full.lock_ref > (owner is node)
+                or full.host_lock_ref
                 or node.hash_value is not None or self.core.observer is not None):
             return False
         for cd in node.data[1:]:
@@ -628,7 +635,8 @@ class UnifiedRadixCache(CacheBase):
         if npages > 0:
             aux = {c.name: c.request_payload(req, npages) for c in self.aux}
             res = self.insert_with(InsertParams(req.token_ids[:aligned], pages[:npages], req.cache_salt,
-                                                prev_prefix_len=req.prefix_len, aux=aux))
+                                                prev_prefix_len=req.prefix_len, aux=aux,
+                                                owner=None if req.lock is None else req.lock.node))
             self._free(self.full, pages[req.prefix_len // ps:res.prefix_len // ps])
         self._free(self.full, pages[npages:])
         for c in self.aux:
@@ -671,7 +679,8 @@ class UnifiedRadixCache(CacheBase):
                 self._free(c, spare)
             return
         res = self.insert_with(InsertParams(req.token_ids[:aligned], req.kv_pages[:npages], req.cache_salt,
-                                            prev_prefix_len=req.prefix_len, aux={c.name: pl for c, pl in given}))
+                                            prev_prefix_len=req.prefix_len, aux={c.name: pl for c, pl in given},
+                                            owner=None if req.lock is None else req.lock.node))
         self._free(self.full, req.kv_pages[req.prefix_len // ps:res.prefix_len // ps])
         values = []
         node = res.node

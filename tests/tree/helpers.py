@@ -7,6 +7,7 @@ from array import array
 from hicache.hashing import HashNamespace
 from hicache.memory.allocator import PageAllocator
 from hicache.tree import FullComponent, UnifiedRadixCache
+from hicache.tree.cache import InsertParams
 
 NS = HashNamespace(model_identity="test-model", kv_dtype="bf16", page_size=1)
 
@@ -40,7 +41,7 @@ def cache_seq(cache: UnifiedRadixCache, alloc: PageAllocator, key: list[int], sa
         new = alloc.alloc(need)
     assert new is not None
     pages = m.device_indices + new
-    r = cache.insert(key, pages, salt, prev_prefix_len=m.device_len)
+    r = cache.insert_with(InsertParams(key, pages, salt, prev_prefix_len=m.device_len, owner=lock.node))
     dup = pages[have:r.prefix_len // ps]
     alloc.free(dup)
     alloc.free(pages[len(key) // ps:])

@@ -113,3 +113,18 @@ def test_auxiliary_data_keeps_its_boundaries():
     assert r3.node is not r2.node  # the leaf holds SWA pages: its boundary stays
     cache.dec_lock_ref(lock)
     cache.check_integrity(exact=True)
+
+
+def test_a_leaf_locked_by_another_holder_is_not_grown_by_an_insert():
+    """A lock the inserting request does not own (a pin, a waiting request's hold, a running
+    request that matched the leaf) keeps the leaf as it is: the new pages go to a child, which
+    stays evictable once its inserter lets go."""
+    cache, dev, _ = full_cache(capacity=256, page_size=4)
+    tokens = array("I", range(100, 124))
+    first = cache.insert(tokens[:8], dev.alloc(2))
+    hold = cache.inc_lock_ref(first.node)
+    r = cache.insert(tokens[:16], cache.match_prefix(tokens[:8]).device_indices + dev.alloc(2), prev_prefix_len=8)
+    assert r.node is not first.node and r.node.parent is first.node
+    assert cache.evict(8).full_tokens == 8  # the child, unlocked, goes
+    cache.dec_lock_ref(hold)
+    cache.check_integrity(exact=True)
