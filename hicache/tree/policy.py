@@ -183,18 +183,43 @@ class LRUPolicy(EvictionPolicy):
         self._list.check()
 
 
-class SLRUPolicy(EvictionPolicy):
+class TwoSegmentPolicy(EvictionPolicy):
+    """A policy over two ``LruList`` segments (``_first``, ``_second``); each link's
+    ``segment`` names the one it is in (``FIRST``, ``SECOND``)."""
+
+    FIRST, SECOND = 0, 1
+
+    def __init__(self) -> None:
+        self._first = LruList()
+        self._second = LruList()
+
+    def __len__(self) -> int:
+        return self._first.size + self._second.size
+
+    def links(self) -> Iterator[LruLink]:
+        yield from self._first.links()
+        yield from self._second.links()
+
+    def check(self) -> None:
+        for seg, lst in ((self.FIRST, self._first), (self.SECOND, self._second)):
+            lst.check()
+            for link in lst.links():
+                if link.segment != seg:
+                    raise AssertionError(f"{self.name}: an entry's segment disagrees with its list")
+
+
+class SLRUPolicy(TwoSegmentPolicy):
     """Segmented LRU (probation + protected)."""
 
     name = "slru"
-    PROBATION, PROTECTED = 0, 1
+    PROBATION, PROTECTED = TwoSegmentPolicy.FIRST, TwoSegmentPolicy.SECOND
 
     def __init__(self, protected_fraction: float = 0.8) -> None:
         if not 0.0 < protected_fraction < 1.0:
             raise ValueError("protected_fraction must be in (0, 1)")
         self.protected_fraction = protected_fraction
-        self._prob = LruList()
-        self._prot = LruList()
+        super().__init__()
+        self._prob, self._prot = self._first, self._second
 
     def add(self, link: LruLink) -> None:
         link.segment = self.PROBATION
@@ -229,22 +254,6 @@ class SLRUPolicy(EvictionPolicy):
         link.segment = self.PROBATION
         self._prob.push_lru(link)
 
-    def __len__(self) -> int:
-        return self._prob.size + self._prot.size
-
-    def links(self) -> Iterator[LruLink]:
-        yield from self._prob.links()
-        yield from self._prot.links()
-
-    def check(self) -> None:
-        self._prob.check()
-        self._prot.check()
-        for link in self._prob.links():
-            if link.segment != self.PROBATION:
-                raise AssertionError("SLRU: probation entry marked protected")
-        for link in self._prot.links():
-            if link.segment != self.PROTECTED:
-                raise AssertionError("SLRU: protected entry marked probation")
 
 
 class LFUPolicy(EvictionPolicy):
@@ -410,7 +419,7 @@ def _fingerprint(link: LruLink) -> int:
     return hash((parent.id if parent is not None else 0, tuple(key[:8])))
 
 
-class ARCPolicy(EvictionPolicy):
+class ARCPolicy(TwoSegmentPolicy):
     """ARC over node counts (T1 / T2 lists, B1 / B2 ghost fingerprints, adaptive ``p``).
 
     ``link.segment``: 0 in T1, 1 in T2. The ghosts hold at most ``max(len(self), 64)``
@@ -418,11 +427,11 @@ class ARCPolicy(EvictionPolicy):
     """
 
     name = "arc"
-    T1, T2 = 0, 1
+    T1, T2 = TwoSegmentPolicy.FIRST, TwoSegmentPolicy.SECOND
 
     def __init__(self) -> None:
-        self._t1 = LruList()
-        self._t2 = LruList()
+        super().__init__()
+        self._t1, self._t2 = self._first, self._second
         self._b1: OrderedDict[int, None] = OrderedDict()
         self._b2: OrderedDict[int, None] = OrderedDict()
         self.p = 0.0  # target size of T1, in entries
@@ -497,20 +506,8 @@ class ARCPolicy(EvictionPolicy):
             if self._removed == removed:
                 return
 
-    def __len__(self) -> int:
-        return self._t1.size + self._t2.size
-
-    def links(self) -> Iterator[LruLink]:
-        yield from self._t1.links()
-        yield from self._t2.links()
-
     def check(self) -> None:
-        self._t1.check()
-        self._t2.check()
-        for seg, lst in ((self.T1, self._t1), (self.T2, self._t2)):
-            for link in lst.links():
-                if link.segment != seg:
-                    raise AssertionError("ARC: an entry's segment disagrees with its list")
+        super().check()
         if self.p < 0.0:
             raise AssertionError(f"ARC: target p={self.p} below zero")
 
