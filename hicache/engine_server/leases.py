@@ -97,6 +97,8 @@ class Lease:
     cache_salt: str = ""  # the effective salt (the session's namespace included)
     start_page: int = 0  # RESERVE: the key's page that ``pages[0]`` holds
     pages: list[int] = field(default_factory=list)  # RESERVE: the reserved L2 pages
+    held_node: TreeNode | None = None  # RESERVE: where L2 held the key's prefix at reservation ...
+    held_tokens: int = 0  # RESERVE: ... and that prefix's tokens (the commit's insert starts there)
     process: EngineProcess | None = None  # set when the lease becomes an orphan
     ranks: int = 1  # reports that end the lease (one per tensor-parallel rank)
     reported: set[int] = field(default_factory=set)  # the ranks whose report came

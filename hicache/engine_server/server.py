@@ -603,6 +603,8 @@ class CacheServer:
         self.counters.reserved_pages += n
         if match is None:
             cursor.leases.append(lease.lease_id)
+            if cursor.node is not None and cursor.depth <= lease.start_page * ps:
+                lease.held_node, lease.held_tokens = cursor.node, cursor.depth
         return protos.Reservation(lease.lease_id, start, pages, window_pages=window, window_at=window_at,
                                   state_slots=states, state_at=state_at)
 
@@ -629,9 +631,7 @@ class CacheServer:
         ps = self.cache.page_size
         n = len(key) // ps * ps
         node, depth = cursor.node, cursor.depth
-        if node is not None and depth <= n and node.root is root and (
-                node is root or (node.parent is not None and node.data[0].host_value is not None
-                                 and not node.loading)):
+        if node is not None and depth <= n and self._still_held(node, root):
             self.counters.reserve_resumed += 1
         else:
             node, depth = root, 0
@@ -644,6 +644,14 @@ class CacheServer:
         self.counters.reserve_walked_pages += walked // ps
         cursor.node, cursor.depth = node, depth
         return depth
+
+    @staticmethod
+    def _still_held(node: TreeNode, root: TreeNode) -> bool:
+        """Whether a node remembered from an earlier walk (a cursor's, a lease's) is still in
+        the tree under ``root`` with its L2 copy: then its path spells the same tokens as then
+        (splits keep a node's end, eviction detaches it, and engine mode never grows a node)."""
+        return node.root is root and (node is root or (node.parent is not None and not node.loading
+                                                       and node.data[0].host_value is not None))
 
     def _after_own_reservations(self, cursor: SaveCursor, key: array[int], salt: str, start: int) -> int:
         """``start`` moved past the pages that the request's own open reservations (its
@@ -740,8 +748,13 @@ class CacheServer:
             aux[STATE] = dict(zip(lease.state_at, lease.state_slots, strict=True))
         window_free = self._window_free
         state_free = self._state_alloc.free_count if self.state else 0
+        held = lease.held_node
+        root = self.cache.core.root(lease.cache_salt)
+        if held is not None and (aux or root is None or not self._still_held(held, root)):
+            held = None
         res = self.cache.tiers.insert_host(lease.key, lease.pages, lease.cache_salt, start_page=lease.start_page,
-                                           aux=aux or None)
+                                           aux=aux or None, start_node=held,
+                                           start_tokens=lease.held_tokens if held is not None else 0)
         self.counters.committed_window_pages += window_free - self._window_free + len(lease.window_pages)
         if self.state:
             self.counters.committed_states += state_free - self._state_alloc.free_count + len(lease.state_slots)

@@ -701,7 +701,8 @@ class TierCalls:
         return [p for run in reversed(runs) for p in run]
 
     def insert_host(self, key: Sequence[int], host_pages: Sequence[int], cache_salt: str = "",
-                    *, start_page: int = 0, aux: Mapping[str, Mapping[int, int]] | None = None) -> InsertResult:
+                    *, start_page: int = 0, aux: Mapping[str, Mapping[int, int]] | None = None,
+                    start_node: TreeNode | None = None, start_tokens: int = 0) -> InsertResult:
         """Insert prefetched pages as L2-only nodes: ``host_pages`` are the FULL L2 pages of
         the key's pages from ``start_page`` on. Pages the tree already holds are freed here,
         as are all of them when the tree no longer holds the key's first ``start_page``
@@ -715,7 +716,13 @@ class TierCalls:
         it whole, after it is split at the edges of their run (which may lie before
         ``start_page``: an engine adding the window of a prefix the tree holds), and a state
         where it ends the node; those nodes are ``aux_nodes`` of the result. Every unit the
-        tree does not keep is freed here."""
+        tree does not keep is freed here.
+
+        ``start_node``: a node in this tree, under ``cache_salt``'s root, whose path from the
+        root the caller knows spells ``key[:start_tokens]`` (``start_tokens`` page-aligned, at
+        most ``start_page`` pages): the key is compared from there on only, so an engine's save
+        costs its new pages, not its context. Without ``aux`` only (window and state rules
+        look at the whole path)."""
         if not self.tree.hicache:
             raise RuntimeError("insert_host needs an L2 allocator")
         core = self.tree.core
@@ -734,8 +741,20 @@ class TierCalls:
                 raise ValueError(f"insert_host: {name} pages outside the key")
             units[name] = dict(m)
         root = core.ensure_root(cache_salt)
-        path = core.walk(root, key, n)
-        have = sum(len(x.key) for x in path)
+        if start_node is not None and start_node is not root and not units:
+            if start_tokens % ps or start_tokens > start_page * ps or start_node.root is not root:
+                raise ValueError("insert_host: start_node must end a page-aligned prefix under the key's root")
+            above: list[TreeNode] = []
+            x: TreeNode | None = start_node
+            while x is not None and x is not root:
+                above.append(x)
+                x = x.parent
+            above.reverse()
+            path = above + core.walk(start_node, key[start_tokens:n], n - start_tokens)
+            have = start_tokens + sum(len(x.key) for x in path[len(above):])
+        else:
+            path = core.walk(root, key, n)
+            have = sum(len(x.key) for x in path)
         node = path[-1] if path else root
         res = InsertResult(have, node)
         if have < start_page * ps:

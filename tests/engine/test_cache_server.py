@@ -518,6 +518,37 @@ def test_a_decode_steps_match_walks_only_the_pages_added_since_its_last_reserve(
     assert walked == [500] + [1] * 18  # the prompt committed after the first reserve, then a page a step
 
 
+def test_a_decode_steps_commit_compares_only_its_new_pages() -> None:
+    """A save's commit inserts from where L2 held the request's prefix at its reservation
+    (``Lease.held_node``), not from the root: the tokens its insert compares are the new
+    page's, at any context; the tree it leaves is the one a whole walk leaves."""
+    server, _ = make_server(l2_pages=600)
+    eng = FakeEngine(server, {})
+    tokens = list(range(1, 520 * PS + 1))
+    r = Decoder(eng, "r", tokens)
+    r.step(500)
+    walked: list[int] = []
+    core = server.cache.core
+    walk = core.walk
+
+    def counting(root, key, n):  # type: ignore[no-untyped-def]
+        path = walk(root, key, n)
+        walked[-1] += sum(len(x.key) for x in path) // PS
+        return path
+
+    for pages in range(501, 520):
+        got = r.plan(pages)
+        walked.append(0)
+        core.walk = counting  # type: ignore[method-assign]
+        r.commit(got)
+        core.walk = walk  # type: ignore[method-assign]
+    assert walked == [0] * 19  # the new page is past every node: nothing to compare
+    salt = namespaced_salt(server.leases.sessions[eng.session].namespace, "")
+    m = server.cache.match_prefix(tokens[: 519 * PS], salt)
+    assert m.host_hit_length == 519 * PS
+    server.cache.check_integrity(exact=True)
+
+
 def _fill(eng: FakeEngine, tokens: list[int], got: protos.Reservation) -> None:
     for i, page in enumerate(got.host_pages):
         eng.l2[page] = content(tokens, got.start_page + i, eng.runtime)
