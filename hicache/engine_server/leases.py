@@ -93,7 +93,8 @@ class Lease:
     node: TreeNode | None = None  # LOOKUP: the last matched node
     npages: int = 0  # LOOKUP: pages locked from ``node`` upwards
     storage_pages: int = 0  # LOOKUP: pages of the hit that a prefetch brought from L3
-    key: array[int] | None = None  # RESERVE: the token prefix ending with the reserved pages
+    key: array[int] | None = None  # RESERVE: the request's tokens, shared: only ``key[:key_len]`` is the lease's ...
+    key_len: int = 0  # RESERVE: ... prefix, ending with the reserved pages (later tokens may be appended)
     cache_salt: str = ""  # the effective salt (the session's namespace included)
     start_page: int = 0  # RESERVE: the key's page that ``pages[0]`` holds
     pages: list[int] = field(default_factory=list)  # RESERVE: the reserved L2 pages

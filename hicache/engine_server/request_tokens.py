@@ -35,6 +35,20 @@ class RequestTokens:
         self.forget(slot)
         self._keys[slot] = key
         self.total += len(key)
+        self._trim()
+
+    def grow(self, slot: Slot, more: array[int]) -> array[int]:
+        """Append ``more`` to the tokens held for ``slot`` (which must hold some) in place and
+        return them (the most recent). In place: whoever shares the array (a lease) keeps its
+        own length, and the tokens before it never change."""
+        key = self._keys[slot]
+        self._keys.move_to_end(slot)
+        key.extend(more)
+        self.total += len(more)
+        self._trim()
+        return key
+
+    def _trim(self) -> None:
         while self.total > self.max_tokens and len(self._keys) > 1:
             _, dropped = self._keys.popitem(last=False)
             self.total -= len(dropped)

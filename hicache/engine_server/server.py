@@ -360,7 +360,9 @@ class CacheServer:
             if held is None or len(held) < base:
                 self.counters.unknown_requests += 1
                 return Refusal("unknown_request", f"request {slot[1]!r} has no {base} tokens here: send them all")
-            key = (held if base == len(held) else held[:base]) + key  # one copy of the context
+            if base == len(held):  # appended in place: the tokens before ``base`` stay what they were
+                return self.requests.grow(slot, key)
+            key = held[:base] + key
         cursor = self._cursors.get(slot)
         if cursor is not None:
             self._keep_prefixes(cursor, held, key, base)
@@ -378,7 +380,7 @@ class CacheServer:
             cursor.node, cursor.depth = None, 0
         if cursor.leases:
             cursor.leases = [lid for lid in cursor.leases if (lease := self.leases.leases.get(lid)) is not None
-                             and lease.key is not None and kept(len(lease.key))]
+                             and lease.key is not None and kept(lease.key_len)]
 
     # ------------------------------------------------------------------ register
     def register(self, msg: protos.EngineRegister) -> protos.Message:
@@ -594,8 +596,7 @@ class CacheServer:
         if n == 0 and not window_at and not state_at:
             return protos.Reservation(0, start)
         pages = list(host.alloc(n)) if n else []
-        prefix = key if top * ps == len(key) else key[: top * ps]  # keys are never changed in place: shared
-        lease = self.leases.add(Lease(0, LeaseKind.RESERVE, session, self.clock(), key=prefix,
+        lease = self.leases.add(Lease(0, LeaseKind.RESERVE, session, self.clock(), key=key, key_len=top * ps,
                                       cache_salt=salt, start_page=min(start, top), pages=pages,
                                       ranks=self._ranks(session), window_pages=window, window_at=window_at,
                                       state_slots=states, state_at=state_at, rid=item.rid,
@@ -753,7 +754,7 @@ class CacheServer:
         if held is not None and (aux or root is None or not self._still_held(held, root)):
             held = None
         res = self.cache.tiers.insert_host(lease.key, lease.pages, lease.cache_salt, start_page=lease.start_page,
-                                           aux=aux or None, start_node=held,
+                                           aux=aux or None, length=lease.key_len, start_node=held,
                                            start_tokens=lease.held_tokens if held is not None else 0)
         self.counters.committed_window_pages += window_free - self._window_free + len(lease.window_pages)
         if self.state:
@@ -775,7 +776,7 @@ class CacheServer:
         ones it brought for the new end are remembered. Only parts the request brought
         itself are dropped."""
         assert lease.key is not None
-        end = len(lease.key) // self.cache.page_size
+        end = lease.key_len // self.cache.page_size
         memory = self._slots.get((lease.session, lease.rid))
         if memory is None or end <= memory.window_end:
             return

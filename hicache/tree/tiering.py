@@ -702,7 +702,8 @@ class TierCalls:
 
     def insert_host(self, key: Sequence[int], host_pages: Sequence[int], cache_salt: str = "",
                     *, start_page: int = 0, aux: Mapping[str, Mapping[int, int]] | None = None,
-                    start_node: TreeNode | None = None, start_tokens: int = 0) -> InsertResult:
+                    length: int | None = None, start_node: TreeNode | None = None,
+                    start_tokens: int = 0) -> InsertResult:
         """Insert prefetched pages as L2-only nodes: ``host_pages`` are the FULL L2 pages of
         the key's pages from ``start_page`` on. Pages the tree already holds are freed here,
         as are all of them when the tree no longer holds the key's first ``start_page``
@@ -718,6 +719,7 @@ class TierCalls:
         where it ends the node; those nodes are ``aux_nodes`` of the result. Every unit the
         tree does not keep is freed here.
 
+        ``length``: insert ``key[:length]`` only (a caller whose array grows past it).
         ``start_node``: a node in this tree, under ``cache_salt``'s root, whose path from the
         root the caller knows spells ``key[:start_tokens]`` (``start_tokens`` page-aligned, at
         most ``start_page`` pages): the key is compared from there on only, so an engine's save
@@ -728,6 +730,10 @@ class TierCalls:
         core = self.tree.core
         ps = self.tree.page_size
         key, n = self.tree._aligned(key)
+        if length is not None:
+            if not 0 <= length <= len(key):
+                raise ValueError(f"insert_host: length {length} outside the key's {len(key)} tokens")
+            n = min(n, length - length % ps)
         npages = n // ps
         hp = list(host_pages)
         if len(hp) != npages - start_page:

@@ -549,6 +549,27 @@ def test_a_decode_steps_commit_compares_only_its_new_pages() -> None:
     server.cache.check_integrity(exact=True)
 
 
+def test_a_lease_commits_its_own_prefix_while_its_requests_tokens_grow_in_place() -> None:
+    """A request's held tokens grow in place step by step (no copy of the context); a
+    reservation made before a growth still commits exactly its own prefix."""
+    server, _ = make_server(l2_pages=64)
+    eng = FakeEngine(server, {})
+    tokens = list(range(1, 12 * PS + 1))
+    r = Decoder(eng, "r", tokens)
+    r.step(8)
+    held = server.requests.get((eng.session, "r"))
+    first = r.plan(9)
+    second = r.plan(10)  # its tokens appended to the same array after ``first`` was made
+    assert server.requests.get((eng.session, "r")) is held and len(held) == 10 * PS
+    assert server.requests.total == 10 * PS
+    r.commit(first)
+    salt = namespaced_salt(server.leases.sessions[eng.session].namespace, "")
+    assert server.cache.match_prefix(tokens, salt).host_hit_length == 9 * PS
+    r.commit(second)
+    assert server.cache.match_prefix(tokens, salt).host_hit_length == 10 * PS
+    server.cache.check_integrity(exact=True)
+
+
 def _fill(eng: FakeEngine, tokens: list[int], got: protos.Reservation) -> None:
     for i, page in enumerate(got.host_pages):
         eng.l2[page] = content(tokens, got.start_page + i, eng.runtime)
