@@ -52,6 +52,8 @@ def _store(pools: SharedPools, tmp: Path, pages_shared: int, pages_a: int) -> St
     size = io.default_layout().object_size
     settings = FileSettings(dir=str(tmp / "l3"), max_size_gb=(pages_shared + pages_a) * size / GB, low_water=1.0)
     io.attach(settings, {"a": pages_a * size / GB})
+    for backend in (io.backend, *io.partitions.values()):  # a start-up scan beside a write may
+        assert backend.wait_scan(30)  # count it twice (the safe side: tests/storage/test_file_store.py)
     return io
 
 

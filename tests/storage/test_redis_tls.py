@@ -550,6 +550,17 @@ def _daemon_config(l3: dict[str, Any], stores: dict[str, Any] | None = None) -> 
     }
 
 
+def _attach(d: Any, store: str) -> tuple[int, Any]:
+    """``PUT /cache/storage`` of ``store``, again while the daemon answers 409 (the last
+    request's writes or backups still in flight) for up to 30 s."""
+    deadline = time.monotonic() + 30
+    while True:
+        status, body = d.request("PUT", "/cache/storage", {"store": store})
+        if status != 409 or time.monotonic() > deadline:
+            return status, body
+        time.sleep(0.2)
+
+
 def test_daemon_refused_by_the_store_at_attach_says_why_and_keeps_serving(tls_server: TlsRedis, pki: Pki,
                                                                          tmp_path: Path) -> None:
     from tests.e2e.daemon import Daemon
@@ -572,14 +583,14 @@ def test_daemon_refused_by_the_store_at_attach_says_why_and_keeps_serving(tls_se
         cold = d.generate(prompt, 6)["output_ids"]
         refusals = [("wrong-password", "authentication failed"), ("other-ca", "certificate verify failed")]
         for store, needle in refusals:
-            status, body = d.request("PUT", "/cache/storage", {"store": store})
+            status, body = _attach(d, store)
             assert status == 500 and needle in body["error"]["message"], (status, body)
             assert WRONG not in str(body) and PASSWORD not in str(body)
             status, body = d.request("GET", "/cache/storage")
             assert status == 200 and body["backend"] == "none", body  # still without L3
             assert d.generate(prompt, 6)["output_ids"] == cold  # and serving
 
-        status, body = d.request("PUT", "/cache/storage", {"store": "good"})
+        status, body = _attach(d, "good")
         assert status == 200, body
         fresh = [(i * 11) % 250 + 1 for i in range(130)]
         first = d.generate(fresh, 6)
@@ -628,12 +639,7 @@ def test_daemon_started_with_refused_credentials_serves_without_l3_and_says_why(
         assert again["meta_info"]["cached_tokens_details"]["storage"] == 0  # no L3
         status, body = d.request("GET", "/cache/storage")
         assert status == 200 and body["backend"] == "none" and needle in body["stats"]["attach_error"], body
-        deadline = time.monotonic() + 30
-        while True:  # 409 while the flush's or the last request's transfers are in flight
-            status, body = d.request("PUT", "/cache/storage", {"store": "good"})
-            if status != 409 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        status, body = _attach(d, "good")
         assert status == 200 and body["backend"] == "redis" and "attach_error" not in body["stats"], body
     finally:
         assert d.stop() == 0, d.log()
