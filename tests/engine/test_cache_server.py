@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
@@ -491,29 +492,43 @@ def test_a_request_sent_again_with_other_tokens_does_not_start_past_its_open_res
     assert len(eng.lookup(b).host_pages) == 4 and len(eng.lookup(a).host_pages) == 3
 
 
-def test_a_decode_steps_match_walks_only_the_pages_added_since_its_last_reserve() -> None:
-    """The tree nodes a reserve walks (``TreeCore.walk``) cover the pages committed since the
-    request's last reserve, not its context: constant work per step at any length."""
+def _decoding_request() -> tuple[CacheServer, Decoder]:
+    """A server with a request whose 500-page prompt is saved; 20 pages to decode."""
     server, _ = make_server(l2_pages=600)
-    eng = FakeEngine(server, {})
-    tokens = list(range(1, 520 * PS + 1))
-    r = Decoder(eng, "r", tokens)
+    r = Decoder(FakeEngine(server, {}), "r", list(range(1, 520 * PS + 1)))
     r.step(500)  # the prompt
-    walked: list[int] = []
+    return server, r
+
+
+@contextmanager
+def _counting_walks(server: CacheServer, walked: list[int]) -> Iterator[None]:
+    """While open, the pages of the tree nodes ``TreeCore.walk`` returns are added up in a
+    new last entry of ``walked``."""
     core = server.cache.core
     walk = core.walk
+    walked.append(0)
 
     def counting(root, key, n):  # type: ignore[no-untyped-def]
         path = walk(root, key, n)
         walked[-1] += sum(len(x.key) for x in path) // PS
         return path
 
+    core.walk = counting  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        core.walk = walk  # type: ignore[method-assign]
+
+
+def test_a_decode_steps_match_walks_only_the_pages_added_since_its_last_reserve() -> None:
+    """The tree nodes a reserve walks (``TreeCore.walk``) cover the pages committed since the
+    request's last reserve, not its context: constant work per step at any length."""
+    server, r = _decoding_request()
+    walked: list[int] = []
     for pages in range(501, 520):
-        walked.append(0)
-        core.walk = counting  # type: ignore[method-assign]
-        got = r.plan(pages)
-        core.walk = walk  # type: ignore[method-assign]  # the commit's insert is not the reserve's work
-        r.commit(got)
+        with _counting_walks(server, walked):
+            got = r.plan(pages)
+        r.commit(got)  # the commit's insert is not the reserve's work
         assert (got.start_page, len(got.host_pages)) == (pages - 1, 1)
     assert walked == [500] + [1] * 18  # the prompt committed after the first reserve, then a page a step
 
@@ -522,26 +537,13 @@ def test_a_decode_steps_commit_compares_only_its_new_pages() -> None:
     """A save's commit inserts from where L2 held the request's prefix at its reservation
     (``Lease.held_node``), not from the root: the tokens its insert compares are the new
     page's, at any context; the tree it leaves is the one a whole walk leaves."""
-    server, _ = make_server(l2_pages=600)
-    eng = FakeEngine(server, {})
-    tokens = list(range(1, 520 * PS + 1))
-    r = Decoder(eng, "r", tokens)
-    r.step(500)
+    server, r = _decoding_request()
+    eng, tokens = r.eng, r.tokens
     walked: list[int] = []
-    core = server.cache.core
-    walk = core.walk
-
-    def counting(root, key, n):  # type: ignore[no-untyped-def]
-        path = walk(root, key, n)
-        walked[-1] += sum(len(x.key) for x in path) // PS
-        return path
-
     for pages in range(501, 520):
         got = r.plan(pages)
-        walked.append(0)
-        core.walk = counting  # type: ignore[method-assign]
-        r.commit(got)
-        core.walk = walk  # type: ignore[method-assign]
+        with _counting_walks(server, walked):
+            r.commit(got)
     assert walked == [0] * 19  # the new page is past every node: nothing to compare
     salt = namespaced_salt(server.leases.sessions[eng.session].namespace, "")
     m = server.cache.match_prefix(tokens[: 519 * PS], salt)
