@@ -40,7 +40,7 @@ answered ``OpDone(status="rejected")`` without touching memory; if an op with th
 running it goes on and answers for itself. A frame that does not decode is answered with ``ErrorReply``.
 
 Each round of the loop (a poll of at most 100 ms) writes the controller's heartbeat
-(``hicache.heartbeat.HeartbeatWriter``); the launcher restarts a controller whose heartbeat
+(``hicache.runtime.heartbeat.HeartbeatWriter``); the launcher restarts a controller whose heartbeat
 stays stale for ``server.controller_freeze_restart_s``. Once a second the loop publishes
 ``hicache_storage_attached``, ``hicache_storage_up`` and, where the backend can tell, the L3
 size gauges.
@@ -66,12 +66,12 @@ from controller.eviction_order import EvictionGate
 from controller.storage_io import StorageIO
 from controller.transfer import CopyPlan, TransferRefused, make_transfer_engine
 from hicache.config import MetricsConfig
-from hicache.heartbeat import HeartbeatWriter
-from hicache.ipc import Endpoints, PullSocket, PushSocket, open_context
-from hicache.logging_setup import setup_logging
 from hicache.memory.pools import PoolLayout, attach_pools
 from hicache.metrics import get_metrics, init_process_metrics
-from hicache.proc import die_with_parent
+from hicache.runtime.heartbeat import HeartbeatWriter
+from hicache.runtime.ipc import Endpoints, PullSocket, PushSocket, open_context
+from hicache.runtime.logging_setup import setup_logging
+from hicache.runtime.proc import die_with_parent
 from storage_backends.errors import StorageAuthError, StorageTLSError
 
 log = logging.getLogger("hicache.controller")

@@ -442,7 +442,7 @@ class ServerConfig:
     request_log: str | None = None
     """A file the tokenizer process appends one line per finished request to: the page
     hashes of its prompt (no text), its lengths and cached tokens, as a Mooncake-format
-    trace for ``hicache advise`` (``hicache.tokenizer.request_log``). None: no log."""
+    trace for ``hicache advise`` (``hicache.api_server.request_log``). None: no log."""
 
 
 @dataclass(frozen=True)
@@ -452,7 +452,7 @@ class IpcConfig:
     ``transport: tcp`` needs CURVE: ``curve_keys_dir`` names a key directory written by
     ``hicache keygen --dir DIR``; every socket then encrypts, the internal sockets admit only
     the daemon's own client key and the engine socket the keys in ``DIR/authorized_clients``
-    (``hicache.ipc``'s ZAP domains; CURVE applies on ``ipc`` too when set).
+    (``hicache.runtime.ipc``'s ZAP domains; CURVE applies on ``ipc`` too when set).
     ``allow_insecure_tcp: true`` instead accepts plain, unauthenticated TCP (logged as a
     warning at start): anyone who can reach ``tcp_host`` can then send to the daemon."""
 
@@ -1185,7 +1185,7 @@ def api_key_problems(server: ServerConfig) -> list[tuple[str, str]]:
     tenant name, with not exactly one of ``key`` / ``key_file`` / ``key_env``, with an empty
     one, or whose inline key is not a bearer token; two tenant names that differ only in
     case; an inline key given twice. What the files and variables hold is checked when the
-    keys are loaded (``hicache.startup_checks.load_api_keys``). Reasons never include a key."""
+    keys are loaded (``hicache.runtime.startup_checks.load_api_keys``). Reasons never include a key."""
     out: list[tuple[str, str]] = []
     if server.api_key == "":
         out.append(("api_key", "must not be empty (null = no key)"))

@@ -66,7 +66,7 @@ from types import TracebackType
 from typing import Any, Literal
 
 from hicache.config import MetricsConfig
-from hicache.heartbeat import HEARTBEAT_PROCESSES
+from hicache.runtime.heartbeat import HEARTBEAT_PROCESSES
 
 log = logging.getLogger("hicache.metrics")
 
@@ -514,7 +514,7 @@ class Metrics:
         """Publish the health of the heartbeat processes the daemon runs, as ``/health`` judges
         it: for each name of ``alive`` (each one of ``HEARTBEAT_PROCESSES``; False = its pid is
         gone), ``hicache_process_heartbeat_age_seconds`` = ``ages[name]`` (seconds since its
-        last heartbeat, ``hicache.heartbeat.heartbeat_ages``; NaN when absent: no readable
+        last heartbeat, ``hicache.runtime.heartbeat.heartbeat_ages``; NaN when absent: no readable
         heartbeat, unknown) and ``hicache_process_up`` = 1 when it is alive and its age is
         not over ``stale_s`` (an unknown age is not stale) and it has not been stalled
         (``stalls[name]``: seconds with work and no progress, ``heartbeat_stalls``) for

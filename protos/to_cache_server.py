@@ -34,7 +34,7 @@ run never reaches this run's state. An unknown session of this run (it expired) 
 with ``EngineError(code="unknown_session")``; on either code the engine registers again.
 
 A session silent for the daemon's lease TTL expires; its leases become *orphans*
-(``hicache.engine_server.leases``): their pages stay locked or reserved, since the engine
+(``hicache.cache_server.leases``): their pages stay locked or reserved, since the engine
 may still be reading or writing them, until its late ``Commit`` / ``Release`` arrives or
 the daemon sees the engine's process gone (``pid``, ``pid_namespace``, ``start_time``),
 and every worker process it announced (``EngineWorker``).

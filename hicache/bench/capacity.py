@@ -411,7 +411,7 @@ def flood_figures(reference: Level, flooded: Level) -> list[Any]:
 
 
 def plot(levels: list[Level], path: Path, title: str) -> None:
-    from hicache.plotting import pyplot_or_none
+    from hicache.replay_sim.plotting import pyplot_or_none
 
     plt = pyplot_or_none(str(path))
     if plt is None:
@@ -439,10 +439,10 @@ def plot(levels: list[Level], path: Path, title: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hicache.bench.local_redis import started
     from hicache.bench.report import print_table, write_json
+    from hicache.cache_server.geometry import geometry_from_config
     from hicache.config import load_config
-    from hicache.engine_server.geometry import geometry_from_config
-    from hicache.local_redis import started
 
     profile = _profile(args)
     try:

@@ -126,7 +126,7 @@ def hybrid_block_size(model_dir: str, block_size: int) -> int:
     import json
     from pathlib import Path
 
-    from hicache.engine_server.geometry import checkpoint_dtype, state_shape
+    from hicache.cache_server.geometry import checkpoint_dtype, state_shape
     from protos import KV_DTYPE_BYTES
 
     raw = json.loads((Path(model_dir) / "config.json").read_text())

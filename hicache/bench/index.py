@@ -14,13 +14,13 @@ traced allocations), then, on the tree kept at that size, the median
 time of ``match_prefix`` of a recent sequence, ``inc_lock_ref`` + ``dec_lock_ref`` of its
 node, one insert of the pattern (a whole sequence, or one decode step), and the ``evict``
 that brings the tree back to its size; the longest garbage-collector pause seen during all
-of it (``gc.callbacks``; the settles of ``hicache.gc_guard`` included, its first one at
+of it (``gc.callbacks``; the settles of ``hicache.runtime.gc_guard`` included, its first one at
 start, which the process loop makes at startup, not), a full ``gc.collect()``, the exact integrity check and one
 idle-check slice (``UnifiedRadixCache.check_integrity_slice``).
 
 Reference runs, measured in the same invocation: ``--legacy`` also builds every tree with
 leaf extension off (a node per decode step, as before) and the collector left alone (no
-``hicache.gc_guard`` settling). Figures: bytes per page against the 256 B/page budget; each
+``hicache.runtime.gc_guard`` settling). Figures: bytes per page against the 256 B/page budget; each
 operation's time at the largest size against the smallest (flat: ratio <= 1.5); the longest
 pause and each other figure against the legacy run.
 """
@@ -147,7 +147,7 @@ def _measure(pattern: str, size: int, args: argparse.Namespace, legacy: bool) ->
     import time
     import tracemalloc
 
-    from hicache import gc_guard
+    from hicache.runtime import gc_guard
 
     wl = _Workload(args.page_size, args.prefix, args.suffix, pattern == "decode")
     pauses: list[float] = []

@@ -40,8 +40,8 @@ import protos
 from hicache.bench.capacity import default_trace
 from hicache.bench.capacity_lib.traffic import DECODED_TOKENS_FROM, Prompts, load_prompts
 from hicache.bench.report import Figure, print_table, write_json
-from hicache.engine_server.leases import LeaseTable
-from hicache.engine_server.server import CacheServer
+from hicache.cache_server.leases import LeaseTable
+from hicache.cache_server.server import CacheServer
 from hicache.hashing import HashNamespace
 from hicache.memory.allocator import PageAllocator
 from hicache.tree.cache import UnifiedRadixCache

@@ -4,7 +4,7 @@ TTFT, inter-token and end-to-end latency, throughput and prompt tokens served pe
 Targets:
 
 - ``--url URL`` (default ``http://127.0.0.1:30080``): a daemon that is already running.
-- ``--compare CONFIG_A CONFIG_B``: start each daemon itself (``python -m hicache.cli serve
+- ``--compare CONFIG_A CONFIG_B``: start each daemon itself (``python -m hicache serve
   --config ... --set server.port=FREE``), run the same workload against each, stop it with
   SIGTERM (a non-zero exit is an error), and print B against A: TTFT p50 B/A (goal <= 0.4)
   and throughput B/A (goal >= 2). A file L3 gets a fresh directory under the output folder

@@ -107,9 +107,9 @@ class Soak:
 
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
+        from hicache.bench.local_redis import RedisProcess, find_redis_server
+        from hicache.bench.loopback_ports import free_port
         from hicache.bench.serve_lib.daemon import ManagedDaemon
-        from hicache.local_redis import RedisProcess, find_redis_server
-        from hicache.loopback_ports import free_port
 
         if find_redis_server() is None:
             print("hicache bench soak needs redis-server (apt-get install redis-server)")

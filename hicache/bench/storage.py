@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hicache.local_redis import started, started_cluster
+from hicache.bench.local_redis import started, started_cluster
 
 DEFAULT_SIZES = "64K,256K,1M"
 

@@ -59,7 +59,6 @@ def run(args: argparse.Namespace) -> int:
     from controller.server import ControllerArgs, controller_main
     from hicache.bench.report import Figure, print_table, write_json
     from hicache.hashing import HashNamespace, PageHasher
-    from hicache.ipc import Endpoints, PullSocket, PushSocket, make_runtime_dir
     from hicache.memory.pools import (
         PoolLayout,
         create_pools,
@@ -67,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         new_instance_id,
         paged_layout,
     )
+    from hicache.runtime.ipc import Endpoints, PullSocket, PushSocket, make_runtime_dir
     from storage_backends import FileSettings, PageLayout, RedisSettings, create_backend
 
     figures: list[Figure] = []

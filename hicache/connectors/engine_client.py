@@ -47,7 +47,7 @@ from typing import Any
 import zmq
 
 import protos
-from hicache.ipc import (
+from hicache.runtime.ipc import (
     CLIENT_SECRET_FILE,
     SERVER_PUBLIC_FILE,
     CurveClientKeys,

@@ -6,7 +6,7 @@ same tokens: another vLLM or torch version, another attention backend, another k
 kernels write K/V in a packed layout), a KV cache dtype, a RoPE scaling or any other
 ``hf_overrides``, a quantization, a compilation mode, a tensor-parallel degree. ``runtime_identity`` hashes all of
 them, with the engine's cache-reset generation, into 64 hex characters; the daemon keeps
-each identity's pages in a namespace of their own (``hicache.engine_server.server``), in L2
+each identity's pages in a namespace of their own (``hicache.cache_server.server``), in L2
 and in L3.
 
 Every field of vLLM's ``ModelConfig``, ``CacheConfig``, ``AttentionConfig``, ``LoadConfig``
@@ -39,7 +39,7 @@ class UnclassifiedOption(ValueError):
 
 # Per config section: the fields whose values can change the KV bytes an engine writes for
 # the same tokens (hashed), and those that cannot (scheduling, memory, I/O, naming; the
-# checkpoint itself is fingerprinted separately, ``hicache.engine_server.geometry``).
+# checkpoint itself is fingerprinted separately, ``hicache.cache_server.geometry``).
 VALUE_FIELDS: dict[str, frozenset[str]] = {
     "model": frozenset({
         "model_weights", "runner", "convert", "dtype", "hf_config", "revision", "code_revision",

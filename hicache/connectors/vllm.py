@@ -133,6 +133,8 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import protos
+from hicache.cache_server.geometry import namespace_of
+from hicache.cache_server.leases import own_pid_namespace, process_start_time
 from hicache.connectors.engine_client import (
     CacheSession,
     EngineAnswer,
@@ -162,8 +164,6 @@ from hicache.connectors.stale_blocks import StaleBlocks, StepWrite
 from hicache.connectors.token_pack import PackedTokens
 from hicache.connectors.vllm_layout import ConnectorRefused, VllmKVLayout, check_setup
 from hicache.connectors.vllm_stats import HiCachePromMetrics, HiCacheStats
-from hicache.engine_server.geometry import namespace_of
-from hicache.engine_server.leases import own_pid_namespace, process_start_time
 from hicache.kv_events.follower import EventFollower, connect_address
 from hicache.kv_events.format import BlockRemoved, BlockStored, KVEvent
 
@@ -349,7 +349,7 @@ def _load_hicache_config(extra: dict[str, Any]) -> Any:
 
 def engine_address(cfg: Any) -> str:
     """The daemon's engine socket, from its config (``ipc.dir`` or ``ipc.tcp_*``)."""
-    from hicache.ipc import Endpoints
+    from hicache.runtime.ipc import Endpoints
 
     return Endpoints(cfg.ipc.transport, cfg.ipc.dir, cfg.ipc.tcp_host, cfg.ipc.tcp_base_port).address("engine")
 
@@ -391,7 +391,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._busy_count = 0  # busy answers since the last log line about them
         self._busy_logged_at = -BUSY_LOG_EVERY_S
         try:
-            curve = curve_keys_for(extra, self.hicache.ipc.curve_keys_dir)
+            curve = curve_keys_for(extra, self.hicache.runtime.ipc.curve_keys_dir)
         except ValueError as exc:
             raise ConnectorRefused(str(exc)) from None
         timeout = self.hicache.engine.lookup_timeout_ms
@@ -441,7 +441,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         ev = self.hicache.events
         if wanted is None or not wanted.enable_kv_cache_events or not ev.enabled:
             return None
-        host = self.hicache.ipc.tcp_host
+        host = self.hicache.runtime.ipc.tcp_host
         try:
             follower = EventFollower(connect_address(ev.endpoint, host),
                                      connect_address(ev.replay_endpoint, host) if ev.replay_endpoint else None,

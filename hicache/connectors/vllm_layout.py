@@ -40,9 +40,9 @@ from vllm.v1.kv_cache_interface import (
 )
 
 import protos
+from hicache.cache_server.geometry import engine_identity
 from hicache.connectors.kv_copy import CUDA_REFUSAL
 from hicache.connectors.runtime_identity import mla_backend
-from hicache.engine_server.geometry import engine_identity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

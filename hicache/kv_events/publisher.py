@@ -30,7 +30,7 @@ otherwise). The replay socket always binds. The daemon's publisher (``for_daemon
 ``events.endpoint`` unless ``events.bind`` is false.
 
 Who receives what (README "Security"): with ``curve`` (the daemon's CURVE keys), every
-socket it binds is a CURVE server in ZAP domain ``hicache.ipc.ZAP_EVENTS``, served by a
+socket it binds is a CURVE server in ZAP domain ``hicache.runtime.ipc.ZAP_EVENTS``, served by a
 context of its own whose authenticator admits the subscriber keys
 (``authorized_subscribers/``) only. Unless ``tenant_content``, a ``BlockStored`` of a
 tenant's namespace (its ``extra_keys`` carry a tenant's effective salt,
@@ -73,7 +73,7 @@ from hicache.tenants import split_tenant_salt
 
 if TYPE_CHECKING:
     from hicache.config import HicacheConfig
-    from hicache.ipc import CurveKeys
+    from hicache.runtime.ipc import CurveKeys
 
 __all__ = ["END_SEQ", "KVEventPublisher", "PublisherStats", "is_bind_endpoint"]
 
@@ -115,7 +115,7 @@ class KVEventPublisher:
         self._tenant_content = tenant_content
         self._own_ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         if curve is not None:
-            from hicache.ipc import open_context
+            from hicache.runtime.ipc import open_context
 
             ctx = self._own_ctx = open_context(keys=curve)
         self._topic = topic.encode("utf-8")
@@ -181,7 +181,7 @@ class KVEventPublisher:
         ev = cfg.events
         curve = None
         if cfg.ipc.curve_keys_dir and not ev.allow_insecure_tcp:
-            from hicache.ipc import load_curve_keys
+            from hicache.runtime.ipc import load_curve_keys
 
             curve = load_curve_keys(cfg.ipc.curve_keys_dir)
             if not curve.subscribers:
@@ -193,7 +193,7 @@ class KVEventPublisher:
     @staticmethod
     def _curve_server(sock: zmq.Socket[bytes], curve: CurveKeys | None) -> None:
         if curve is not None:
-            from hicache.ipc import ZAP_EVENTS, curve_server
+            from hicache.runtime.ipc import ZAP_EVENTS, curve_server
 
             curve_server(sock, curve, ZAP_EVENTS)
 

@@ -1,7 +1,7 @@
 """Reading a Hugging Face ``config.json``: the one reader both model paths use.
 
 The builtin model worker (``hicache.model.spec``: a whole ``DecoderSpec``) and engine mode
-(``hicache.engine_server.geometry``: the KV page of a model vLLM serves) read the same file
+(``hicache.cache_server.geometry``: the KV page of a model vLLM serves) read the same file
 and the same attention sizes, with the same checks and messages, through this module.
 Torch-free and config-free: the connector imports it inside vLLM.
 """

@@ -84,7 +84,7 @@ def plot_sweep(res: SweepResult, path: str, title: str | None = None) -> bool:
     of the daemon: without it the plot is skipped with a warning on stderr and False is
     returned, so ``hicache replay --sweep`` still prints its table and writes ``--json``.
     """
-    from hicache.plotting import pyplot_or_none, save_capacity_plot
+    from hicache.replay_sim.plotting import pyplot_or_none, save_capacity_plot
 
     plt = pyplot_or_none(path)
     if plt is None:

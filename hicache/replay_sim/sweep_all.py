@@ -187,7 +187,7 @@ def write_csv(res: SweepAll, path: str | Path) -> None:
 
 def plot(res: SweepAll, path: str) -> bool:
     """One panel per trace with prefix information; True once written (needs matplotlib)."""
-    from hicache.plotting import pyplot_or_none
+    from hicache.replay_sim.plotting import pyplot_or_none
 
     plt = pyplot_or_none(path)
     if plt is None:

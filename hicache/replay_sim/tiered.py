@@ -3,7 +3,7 @@
 No processes and no KV bytes: every copy the tree asks for is acknowledged at once
 (``start_* -> finish_*(ok=True)``), and what it would have moved is counted.
 
-Per request, in the order the scheduler and ``TierManager`` act:
+Per request, in the order the scheduler and ``ControllerDriver`` act:
 
 1. ``match_prefix``: the L1 prefix (``device_len``) and the L2-only run after it.
 2. L3 prefetch (L3 on): page hashes after the L1+L2 match are looked up in the L3 store;

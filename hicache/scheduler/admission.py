@@ -17,11 +17,11 @@ half-done admission.
 from __future__ import annotations
 
 from hicache.scheduler.aux_memory import AuxMemory
+from hicache.scheduler.controller_driver import LoadTicket
 from hicache.scheduler.finishing import Finisher
 from hicache.scheduler.queue_policy import order_waiting
 from hicache.scheduler.request import LOADING, PREFETCH, RUNNING, WAITING, Request
 from hicache.scheduler.state import SchedulerState
-from hicache.tier_manager import LoadTicket
 from hicache.tree.cache import MatchResult
 from hicache.tree.node import ComponentType, LockToken
 from hicache.tree.request_state import RequestState
@@ -115,7 +115,7 @@ class Admission:
         return self.admit(req, m)
 
     def load_finished(self, load: LoadTicket) -> None:
-        """A controller answer ended ``load`` (``TierManager.on_message`` returned it): when
+        """A controller answer ended ``load`` (``ControllerDriver.on_message`` returned it): when
         it loaded, lock what it loaded until its request is admitted, so that other requests'
         allocations cannot evict it first (its pages are LRU-old), when L1's budget can spare
         that lock (``L1Budget.lock_if_room``; else the request matches again at admission and

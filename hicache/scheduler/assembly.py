@@ -124,7 +124,7 @@ def build_cache(cfg: HicacheConfig, model: LoadedModel, l1_pages: int, l2_pages:
 def l3_partition_of(cfg: HicacheConfig) -> Callable[[str], str] | None:
     """The L3 partition of a namespace's ``cache_salt``: its tenant where the tenant has an
     L3 quota (``server.api_keys[].quota.l3_gb``), else "" (the shared store); None without
-    such quotas (``TierManager.l3_partition``)."""
+    such quotas (``ControllerDriver.l3_partition``)."""
     parts = set(l3_quotas_gb(cfg))
     if not parts:
         return None

@@ -34,7 +34,7 @@ a load-back in flight           the fresh units it copies into, and the L1    ``
 the loaded prefix held until    its lock (``lock_if_room``); without room     ``lock_if_room``
 admission (``Request.hold``)    the request re-matches at admission
 an L2 write in flight           its node's path lock until the copy lands     ``fits(write_cost)``
-                                (under write_back a write that does not fit   (``TierManager.
+                                (under write_back a write that does not fit   (``ControllerDriver.
                                 is given up: its data may then be dropped)    write_gate``)
 a pinned prefix (``l1``, or     its lock; the pin waits until it fits         ``lock_if_room``
 the hold while it is written)

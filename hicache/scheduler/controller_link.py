@@ -9,7 +9,7 @@ The controller attaches the store of ``cache.l3`` whenever it starts. A runtime
 answered without an error) replaces that store; a restarted controller would silently
 bring the configured one back. So on every restart the process sends ``restore()``: the
 attach or detach in force, or a ``status`` when none was made, and keeps L3 off
-(``TierManager.l3_enabled``) until its answer says which store serves (each mode's
+(``ControllerDriver.l3_enabled``) until its answer says which store serves (each mode's
 ``StorageStatus`` handler sets it from the answer).
 
 =======================  =================================================================
@@ -32,7 +32,7 @@ import itertools
 from typing import TYPE_CHECKING
 
 import protos
-from hicache.ipc import ResettablePush
+from hicache.runtime.ipc import ResettablePush
 
 if TYPE_CHECKING:
     import zmq

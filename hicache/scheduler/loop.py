@@ -1,10 +1,10 @@
 """What the scheduler process's loop does in both modes: builtin (``hicache.scheduler.process``,
-``SchedulerProcess``) and engine (``hicache.engine_server.process``, ``CacheServerProcess``).
+``SchedulerProcess``) and engine (``hicache.cache_server.process``, ``CacheServerProcess``).
 
 ``ProcessLoop`` is the base of both. One round of ``run``:
 
-1. stamp the heartbeat (``hicache.heartbeat``): a round lasts at most one forward pass (builtin)
-   plus one poll (``IDLE_POLL_MS`` builtin, ``hicache.engine_server.process.POLL_MS`` engine),
+1. stamp the heartbeat (``hicache.runtime.heartbeat``): a round lasts at most one forward pass (builtin)
+   plus one poll (``IDLE_POLL_MS`` builtin, ``hicache.cache_server.process.POLL_MS`` engine),
    so a heartbeat older than ``server.health_stale_s`` means the process is stopped or stuck;
    after the round, the mode's ``stalled_since`` (work without progress) goes next to it;
 2. after SIGTERM, start draining with ``SchedulerArgs.grace_s``;
@@ -13,7 +13,7 @@
    (``hicache.kv_events``, never waiting);
 4. ask the launcher, once, to restart a controller that has left an op unanswered for
    ``server.controller_op_timeout_s``;
-5. settle the garbage collector (``hicache.gc_guard``: what survived since the last settle
+5. settle the garbage collector (``hicache.runtime.gc_guard``: what survived since the last settle
    is frozen, so no collection walks the whole tree); publish telemetry every
    ``METRICS_INTERVAL_S``; run the idle integrity check while ``idle()``, every
    ``IDLE_CHECK_INTERVAL_S`` or less often (``IDLE_CHECK_SHARE``), one bounded slice of
@@ -33,7 +33,7 @@ engines' socket. A frame that does not decode is logged and dropped; the loop go
 
 Stop: SIGTERM (the launcher's orderly stop, or a signal to the whole process group) drains
 within ``SchedulerArgs.grace_s`` (``DEFAULT_GRACE_S``: longer than the tokenizer's own drain,
-``hicache.tokenizer.args.DEFAULT_GRACE_S``, whose aborts end the requests first when both get
+``hicache.api_server.args.DEFAULT_GRACE_S``, whose aborts end the requests first when both get
 the signal; shorter than the launcher's ``STOP_TIMEOUT_S`` before SIGKILL); a ``Shutdown``
 message within its own ``grace_s``. SIGINT is ignored: Ctrl-C reaches the launcher, which
 stops the children in order.
@@ -52,12 +52,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import protos
 from hicache.config import HicacheConfig
-from hicache.gc_guard import GcGuard
-from hicache.heartbeat import HeartbeatWriter
-from hicache.ipc import Endpoints, PullSocket, PushSocket, ResettablePush, open_context
-from hicache.logging_setup import setup_logging
 from hicache.metrics import get_metrics
-from hicache.proc import die_with_parent
+from hicache.runtime.gc_guard import GcGuard
+from hicache.runtime.heartbeat import HeartbeatWriter
+from hicache.runtime.ipc import Endpoints, PullSocket, PushSocket, ResettablePush, open_context
+from hicache.runtime.logging_setup import setup_logging
+from hicache.runtime.proc import die_with_parent
 from hicache.scheduler.controller_link import ControllerLink
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ if TYPE_CHECKING:
 
     from hicache.kv_events.stream import KVEventStream
     from hicache.memory.pools import PoolLayout, SharedPools
-    from hicache.tier_manager import TierManager
+    from hicache.scheduler.controller_driver import ControllerDriver
 
 ACCEPTS = protos.accepted_by("scheduler")
 """What the scheduler process's inbox decodes (``protos.table``)."""
@@ -200,7 +200,7 @@ class ProcessLoop(abc.ABC):
     """What the log calls the process ("... stopped")."""
 
     def __init__(self, args: SchedulerArgs, links: Links, pools: SharedPools | None, *,
-                 tier: TierManager | None, telemetry: Telemetry, stop: StopSignal,
+                 tier: ControllerDriver | None, telemetry: Telemetry, stop: StopSignal,
                  kv_events: KVEventStream | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.args = args

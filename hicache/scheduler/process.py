@@ -40,8 +40,8 @@ from hicache.scheduler.loop import Links, ProcessLoop, SchedulerArgs, StopSignal
 if TYPE_CHECKING:
     from hicache.kv_events.stream import KVEventStream
     from hicache.memory.pools import SharedPools
+    from hicache.scheduler.controller_driver import ControllerDriver
     from hicache.scheduler.scheduler import Scheduler
-    from hicache.tier_manager import TierManager
 
 log = logging.getLogger("hicache.scheduler")
 
@@ -67,7 +67,7 @@ class SchedulerProcess(ProcessLoop):
     log = log
 
     def __init__(self, args: SchedulerArgs, links: Links, pools: SharedPools | None, sched: Scheduler, *,
-                 tier: TierManager | None, telemetry: Telemetry, stop: StopSignal,
+                 tier: ControllerDriver | None, telemetry: Telemetry, stop: StopSignal,
                  kv_events: KVEventStream | None = None) -> None:
         super().__init__(args, links, pools, tier=tier, telemetry=telemetry, stop=stop, kv_events=kv_events)
         self.sched = sched
@@ -93,10 +93,10 @@ class SchedulerProcess(ProcessLoop):
         from hicache.model.loader import load_model
         from hicache.model.runner import ModelRunner
         from hicache.scheduler.assembly import build_cache, kv_pools_from_shared, l3_partition_of
+        from hicache.scheduler.controller_driver import ControllerDriver
         from hicache.scheduler.scheduler import Scheduler
         from hicache.scheduler.telemetry import SchedulerTelemetry
         from hicache.text import load_tokenizer
-        from hicache.tier_manager import TierManager
         from hicache.tree import Tier
 
         cfg = args.config
@@ -112,7 +112,7 @@ class SchedulerProcess(ProcessLoop):
         to_controller = links.to_controller
         tier = None
         if to_controller is not None:
-            tier = TierManager(cache, to_controller.send, load_back_threshold=cfg.cache.load_back_threshold,
+            tier = ControllerDriver(cache, to_controller.send, load_back_threshold=cfg.cache.load_back_threshold,
                                prefetch=cfg.cache.prefetch, l3_enabled=cfg.cache.l3.backend != "none",
                                l3_partition=l3_partition_of(cfg))
         sched = Scheduler(cfg, model, runner, cache, l1, links.to_tokenizer.send, tier=tier,

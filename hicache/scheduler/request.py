@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from hicache.model.sampling import PenaltyState
 from hicache.model.sampling_params import SamplingParams
-from hicache.tier_manager import LoadTicket, PrefetchTicket
+from hicache.scheduler.controller_driver import LoadTicket, PrefetchTicket
 from hicache.tree.node import LockToken
 from hicache.tree.request_state import RequestState
 
@@ -76,7 +76,7 @@ class Request:
     cached_storage: int = 0
     prefetch: PrefetchTicket | None = None
     load: LoadTicket | None = None
-    """Its load-back (``TierManager.start_load_back``); the tier manager sets ``ok``."""
+    """Its load-back (``ControllerDriver.start_load_back``); the tier manager sets ``ok``."""
     hold: LockToken | None = None
     """The loaded prefix, locked from the load's ack (``Admission.load_finished``) to admission."""
     first_token_at: float | None = None

@@ -2,7 +2,7 @@
 
 ``Scheduler`` is fed messages (``submit``, ``abort``, ``admin``, ``on_controller``) and
 advanced by ``step``; it answers through the ``emit`` callable (to the tokenizer) and talks
-to the cache controller through the ``TierManager`` and ``controller_send``. The process
+to the cache controller through the ``ControllerDriver`` and ``controller_send``. The process
 module (``hicache.scheduler.process``) wires those to ZeroMQ; tests call them directly.
 
 It is one object per phase around one ``SchedulerState`` (the table in
@@ -61,13 +61,13 @@ from hicache.model.runner import ModelRunner
 from hicache.model.sampling_params import from_wire, resolve_seed
 from hicache.scheduler.admission import Admission
 from hicache.scheduler.aux_memory import AuxMemory
+from hicache.scheduler.controller_driver import ControllerDriver
 from hicache.scheduler.finishing import Finisher, internal_error
 from hicache.scheduler.forward_pass import ForwardPass
 from hicache.scheduler.pins import PinnedPrefixes, pin_budgets
 from hicache.scheduler.request import LOADING, Request
 from hicache.scheduler.state import SchedulerCounters, SchedulerState
 from hicache.tenants import tenant_of_salt
-from hicache.tier_manager import TierManager
 from hicache.tree.cache import UnifiedRadixCache
 from hicache.tree.node import KEY_TYPECODE
 
@@ -99,7 +99,7 @@ class Scheduler:
         l1: PageAllocator,
         emit: Callable[[protos.TokenizerMessage], None],
         *,
-        tier: TierManager | None = None,
+        tier: ControllerDriver | None = None,
         controller_send: Callable[[protos.ControllerMessage], None] | None = None,
         eos_token_ids: tuple[int, ...] = (),
         clock: Callable[[], float] = time.monotonic,
@@ -134,7 +134,7 @@ class Scheduler:
         self.stalled_since: float | None = None
         """Since when requests have waited with no forward pass computing for any of them
         (None: the last step computed, or nothing waits); the loop writes it next to its
-        heartbeat, where ``/health`` and ``/metrics`` read it (``hicache.heartbeat``)."""
+        heartbeat, where ``/health`` and ``/metrics`` read it (``hicache.runtime.heartbeat``)."""
         self._admin_waiting: dict[int, tuple[str, str]] = {}  # storage op id -> (rid, op)
         self.storage_status_seen: Callable[[str | None, protos.StorageStatus], None] | None = None
         """Told of each ``StorageStatus`` and the admin op it answers (None: unprompted)."""

@@ -31,8 +31,8 @@ import protos
 from hicache.config import HicacheConfig
 from hicache.memory.allocator import PageAllocator
 from hicache.scheduler.budget import L1Budget
+from hicache.scheduler.controller_driver import ControllerDriver
 from hicache.scheduler.request import Request
-from hicache.tier_manager import TierManager
 from hicache.tree.cache import UnifiedRadixCache
 from hicache.tree.components import MambaComponent, SWAComponent
 from hicache.tree.node import TreeNode
@@ -61,7 +61,7 @@ class SchedulerState:
     cache: UnifiedRadixCache
     l1: PageAllocator
     emit: Callable[[protos.TokenizerMessage], None]
-    tier: TierManager | None
+    tier: ControllerDriver | None
     clock: Callable[[], float] = time.monotonic
     waiting: list[Request] = field(default_factory=list)
     running: list[Request] = field(default_factory=list)

@@ -235,7 +235,7 @@ class TreeCore:
 
     def detach(self, node: TreeNode) -> None:
         """Remove a childless node whose data has all been cleared. It keeps no reference
-        cycle (its LRU links forget it), so it needs no garbage collection (``hicache.gc_guard``)."""
+        cycle (its LRU links forget it), so it needs no garbage collection (``hicache.runtime.gc_guard``)."""
         if node.children:
             raise ValueError("only a leaf can be deleted")
         for cd in node.data:

@@ -8,7 +8,7 @@ summed over its roots). The rules, and where they are applied:
 rule                                                   where
 =====================================================  =======================================
 a tenant's L2 pages never pass its quota: an L2 write  ``TierCalls.start_write`` (and, for
-or a prefetch that would pass it first evicts that     a prefetch, ``TierManager``: it
+or a prefetch that would pass it first evicts that     a prefetch, ``ControllerDriver``: it
 tenant's own L2-only pages, coldest first; if those    brings fewer pages), through
 are not enough, the write is not made (the node stays  ``make_room``
 in L1) and the prefetch brings what fits

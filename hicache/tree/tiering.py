@@ -49,7 +49,7 @@ In-flight transfers: the tree owns what a ``TierOp`` holds (its reserved pages, 
 the nodes' ``in_flight`` / ``loading`` marks) and releases it in ``finish_*``; it keeps no
 table of ops and gives them no id. Whoever starts an op keeps it and must hand it to its
 ``finish_*`` exactly once (a second finish raises ``ValueError``); with a controller that is
-``hicache.tier_manager.TierManager``, whose registry holds every op in flight under the one
+``hicache.scheduler.controller_driver.ControllerDriver``, whose registry holds every op in flight under the one
 op id the controller sees, and which fails them all when the controller is lost. The tree
 only counts them (``open_transfers``), so that the exact integrity check can refuse to run
 while pages are reserved for a transfer. An operation records its last node and its page

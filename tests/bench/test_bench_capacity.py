@@ -16,7 +16,7 @@ import pytest
 
 from hicache.bench.capacity import Level, Sample, _levels, figures, flood_figures, summarize
 from hicache.bench.capacity_lib.traffic import DECODED_TOKENS_FROM, Load, trace_prompts
-from hicache.cli import main
+from hicache.cli.main import main
 from hicache.replay_sim.trace import Trace
 
 

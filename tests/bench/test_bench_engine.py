@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from hicache.bench.engine_lib.copy_bench import loaded_correctly, make_rig
-from hicache.cli import main
+from hicache.cli.main import main
 
 
 def test_copy_part_writes_ratios(tmp_path: Path) -> None:

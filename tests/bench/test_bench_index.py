@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hicache.cli import main
+from hicache.cli.main import main
 
 
 def test_bench_index_writes_its_figures(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from hicache.bench.reserve import RESAVE_GOAL
-from hicache.cli import main
+from hicache.cli.main import main
 
 
 def test_a_short_run_reports_cpu_by_context_and_the_reserved_pages_against_new_content(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ from hicache.bench.serve_lib.workloads import (
     shared_prefix,
     trace_workload,
 )
-from hicache.cli import main
+from hicache.cli.main import main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -250,7 +250,7 @@ def test_shared_prefix_open_loop_against_a_daemon(daemon: ManagedDaemon, tmp_pat
 
 
 def test_unreachable_daemon_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from hicache.loopback_ports import free_port
+    from hicache.bench.loopback_ports import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     rc = main(["bench", "serve", "--url", url, "--out", str(tmp_path / "x"), "--no-progress"])

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from hicache.bench.local_redis import find_redis_server
 from hicache.bench.soak_lib.resources import Sample, verdict
 from hicache.bench.soak_lib.traffic import Kind, Outcome, Tally
-from hicache.cli import main
-from hicache.local_redis import find_redis_server
+from hicache.cli.main import main
 
 
 def _samples(rss: list[int], shm: list[int]) -> list[Sample]:

@@ -13,7 +13,6 @@ import zmq
 
 import protos
 from controller.server import ControllerArgs, controller_main
-from hicache.ipc import Endpoints, PullSocket, ResettablePush, make_runtime_dir
 from hicache.memory.pools import (
     PoolLayout,
     SharedPools,
@@ -23,6 +22,7 @@ from hicache.memory.pools import (
     paged_layout,
     state_layout,
 )
+from hicache.runtime.ipc import Endpoints, PullSocket, ResettablePush, make_runtime_dir
 
 PAGE_SIZE = 4
 L1_PAGES = 64

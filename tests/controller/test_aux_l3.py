@@ -23,9 +23,9 @@ import torch
 
 import protos
 from controller.storage_io import INDEX_LAYOUT_ID, INDEX_MARKER, PAGED_LAYOUT_ID, StorageIO
+from hicache.bench.local_redis import find_redis_server, started
 from hicache.config import PrefetchConfig
 from hicache.hashing import HashNamespace, PageHasher, component_key, component_keys
-from hicache.local_redis import find_redis_server, started
 from hicache.memory.allocator import PageAllocator
 from hicache.memory.pools import (
     PoolLayout,
@@ -36,7 +36,7 @@ from hicache.memory.pools import (
     paged_layout,
     state_layout,
 )
-from hicache.tier_manager import PrefetchTicket, TierManager
+from hicache.scheduler.controller_driver import ControllerDriver, PrefetchTicket
 from hicache.tree.cache import InsertParams, UnifiedRadixCache
 from hicache.tree.components import FullComponent, MambaComponent, PagedInsert, SWAComponent
 from storage_backends import FileSettings, PageLayout, RedisSettings, create_backend
@@ -197,7 +197,7 @@ def test_component_keys_name_the_prefix_and_component() -> None:
 # ---- the tree and the tier manager, with StorageIO playing the controller ----------------
 
 class AuxRig:
-    """A full+swa(+mamba, when the pools have it) tree with L2, a TierManager whose messages
+    """A full+swa(+mamba, when the pools have it) tree with L2, a ControllerDriver whose messages
     StorageIO executes."""
 
     def __init__(self, pools: SharedPools, backend: Any, window: int = 2 * PS) -> None:
@@ -211,7 +211,7 @@ class AuxRig:
             comps.append(MambaComponent(self.l1["mamba"], self.l2["mamba"]))
         self.cache = UnifiedRadixCache(comps, PS, hasher=NS)
         self.sent: list[protos.Message] = []
-        self.tier = TierManager(self.cache, self.sent.append, load_back_threshold=0,
+        self.tier = ControllerDriver(self.cache, self.sent.append, load_back_threshold=0,
                                 prefetch=PrefetchConfig(threshold_tokens=PS, policy="wait_complete"),
                                 l3_enabled=True)
 

@@ -16,8 +16,8 @@ from controller_harness import small_layout
 import protos
 from controller.eviction_order import EvictionGate
 from controller.server import ControllerArgs, ControllerServer
-from hicache.ipc import Endpoints, PullSocket, PushSocket, make_runtime_dir
 from hicache.memory.pools import create_pools
+from hicache.runtime.ipc import Endpoints, PullSocket, PushSocket, make_runtime_dir
 from storage_backends import FileSettings
 from storage_backends.base import Buffer
 from storage_backends.file_backend import FileBackend

@@ -1,7 +1,7 @@
 """The tier layer's registry of in-flight ops, against a controller played by the test.
 
 One op id end to end (the id in the controller message is the id the answer ends), one
-table of ops (``TierManager``), and a controller loss that ends every op exactly once and
+table of ops (``ControllerDriver``), and a controller loss that ends every op exactly once and
 gives back what each held.
 """
 
@@ -13,7 +13,7 @@ import protos
 from hicache.config import PrefetchConfig
 from hicache.hashing import HashNamespace
 from hicache.memory.allocator import PageAllocator
-from hicache.tier_manager import TierManager
+from hicache.scheduler.controller_driver import ControllerDriver
 from hicache.tree import FullComponent, UnifiedRadixCache
 
 
@@ -28,7 +28,7 @@ class Rig:
         self.cache = UnifiedRadixCache([FullComponent(self.dev, self.host)], 1,
                                        hasher=HashNamespace("test-model", "bf16", 1))
         self.sent: list[protos.ControllerMessage] = []
-        self.tier = TierManager(self.cache, self.sent.append, load_back_threshold=1, l3_enabled=True,
+        self.tier = ControllerDriver(self.cache, self.sent.append, load_back_threshold=1, l3_enabled=True,
                                 prefetch=PrefetchConfig(threshold_tokens=1))
 
     def compute(self, s: str) -> None:

@@ -1,4 +1,4 @@
-"""The whole tier path with real processes: tree + TierManager + controller + shared pools + L3.
+"""The whole tier path with real processes: tree + ControllerDriver + controller + shared pools + L3.
 
 Every L1 page gets bytes that are a function of its page hash (so of the whole prefix up to
 it). After any trip through L2 or L3 and back, the L1 pages a match returns must hold
@@ -19,7 +19,7 @@ import protos
 from hicache.config import PrefetchConfig
 from hicache.hashing import HashNamespace, PageHasher
 from hicache.memory.allocator import PageAllocator
-from hicache.tier_manager import TierManager
+from hicache.scheduler.controller_driver import ControllerDriver
 from hicache.tree.cache import UnifiedRadixCache
 from hicache.tree.components import FullComponent
 from storage_backends import FileSettings
@@ -57,7 +57,7 @@ class TierRig:
         self.cache = UnifiedRadixCache([FullComponent(self.l1, self.l2)], PS, hasher=NS,
                                        write_policy=write_policy, write_through_threshold=2)
         self.hasher = PageHasher(NS)
-        self.tier = TierManager(self.cache, h.send, load_back_threshold=0,
+        self.tier = ControllerDriver(self.cache, h.send, load_back_threshold=0,
                                 prefetch=prefetch or PrefetchConfig(threshold_tokens=PS), l3_enabled=l3)
 
     def compute(self, tokens: list[int]) -> None:

@@ -150,7 +150,7 @@ class CheckConfig:
 def check_config(*args: str, env: Mapping[str, str] | None = None, unset: Collection[str] = ()) -> CheckConfig:
     """``hicache check-config ARGS`` as a real subprocess of the CLI, from the repository root
     (``env`` / ``unset``: as for ``run``)."""
-    proc = run([sys.executable, "-m", "hicache.cli", "check-config", *args], timeout=120.0, env=env, unset=unset)
+    proc = run([sys.executable, "-m", "hicache", "check-config", *args], timeout=120.0, env=env, unset=unset)
     return CheckConfig(tuple(args), proc.returncode, proc.stdout, proc.stderr)
 
 

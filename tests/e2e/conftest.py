@@ -24,7 +24,7 @@ import pytest
 import yaml
 from daemon import Daemon, alive
 
-from hicache.local_redis import RedisProcess, find_redis_server, started
+from hicache.bench.local_redis import RedisProcess, find_redis_server, started
 
 REDIS_SERVER = find_redis_server()
 NO_REDIS = "redis-server not installed (apt-get install redis-server)"

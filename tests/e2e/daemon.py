@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from hicache.loopback_ports import free_port
+from hicache.bench.loopback_ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,7 +51,7 @@ class Daemon:
         """Start the launcher process without waiting for it (see ``wait_healthy``)."""
         with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hicache.cli", "serve", "--config", str(self.config_path)],
+                [sys.executable, "-m", "hicache", "serve", "--config", str(self.config_path)],
                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
                 env=None if self.env is None else {**os.environ, **self.env})
 

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 from conftest import DaemonFactory
 
-from hicache.cli import main
+from hicache.cli.main import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "replay"))
 from test_advise import A, B, phases, write_trace  # noqa: E402

@@ -24,12 +24,12 @@ from conftest import DaemonFactory
 from daemon import REPO, Daemon
 
 import protos
+from hicache.bench.loopback_ports import free_port
+from hicache.cache_server.geometry import geometry_from_config
+from hicache.cli.keygen import write_key_dir, write_key_pair
 from hicache.config import config_from_dict
 from hicache.connectors.engine_client import CacheSession, EngineClient, curve_keys_for
-from hicache.engine_server.geometry import geometry_from_config
-from hicache.ipc import CurveClientKeys, Endpoints, load_curve_client, load_curve_keys
-from hicache.keygen_cli import write_key_dir, write_key_pair
-from hicache.loopback_ports import free_port
+from hicache.runtime.ipc import CurveClientKeys, Endpoints, load_curve_client, load_curve_keys
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE")
 
@@ -79,7 +79,7 @@ def test_tcp_without_keys_is_refused_by_serve_and_check_config(tmp_path: Path) -
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(_builtin_config(None, 7300)))
     for args in (["check-config", str(path)], ["serve", "--config", str(path)]):
-        out = subprocess.run([sys.executable, "-m", "hicache.cli", *args], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-m", "hicache", *args], capture_output=True, text=True,
                              cwd=REPO, timeout=120)
         assert out.returncode == 2, (args, out.stderr)
         assert "ipc.transport:" in out.stderr and "hicache keygen" in out.stderr, out.stderr
@@ -98,7 +98,7 @@ def test_insecure_tcp_when_asked_for_serves_and_warns(daemons: DaemonFactory) ->
 
 def test_curve_daemon_serves_and_ignores_unauthorised_clients(tmp_path: Path, daemons: DaemonFactory) -> None:
     """Also an engine's admitted key (``hicache keygen --client engine1``): it opens the engine
-    socket only (``hicache.ipc``'s ZAP domains), never the scheduler's or the controller's."""
+    socket only (``hicache.runtime.ipc``'s ZAP domains), never the scheduler's or the controller's."""
     keys_dir = tmp_path / "keys"
     write_key_dir(keys_dir)
     write_key_pair(keys_dir, "engine1")

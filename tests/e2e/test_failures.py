@@ -28,7 +28,7 @@ from daemon import Daemon, alive
 from prometheus_client.parser import text_string_to_metric_families
 
 import protos
-from hicache.local_redis import RedisProcess
+from hicache.bench.local_redis import RedisProcess
 
 PAGE = 4
 VOCAB = 512  # the tiny reference model's vocabulary

@@ -19,7 +19,7 @@ import pytest
 from conftest import REDIS_SERVER
 from daemon import Daemon
 
-from hicache.local_redis import started
+from hicache.bench.local_redis import started
 
 LAYERS = {"swa": ["full", "swa"], "mamba": ["full", "mamba"], "swa+mamba": ["full", "swa", "mamba", "full"],
           "swa-only": ["swa", "swa"], "swa+mamba-only": ["swa", "mamba"]}

@@ -24,7 +24,7 @@ import pytest
 import zmq
 from daemon import Daemon
 
-from hicache.loopback_ports import free_port
+from hicache.bench.loopback_ports import free_port
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 

@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 from daemon import Daemon
 
-from hicache.tokenizer.openapi import openapi_document
-from hicache.tokenizer.validation import ModelLimits
+from hicache.api_server.openapi import openapi_document
+from hicache.api_server.validation import ModelLimits
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402

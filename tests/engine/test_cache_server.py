@@ -18,10 +18,10 @@ from dataclasses import replace
 import pytest
 
 import protos
-from hicache.engine_server.geometry import attention_shape
-from hicache.engine_server.leases import EngineProcess, LeaseTable
-from hicache.engine_server.pins import PinEntry
-from hicache.engine_server.server import RESAVE_SHARE, CacheServer, namespaced_salt
+from hicache.cache_server.geometry import attention_shape
+from hicache.cache_server.leases import EngineProcess, LeaseTable
+from hicache.cache_server.pins import PinEntry
+from hicache.cache_server.server import RESAVE_SHARE, CacheServer, namespaced_salt
 from hicache.hashing import HashNamespace
 from hicache.memory.allocator import PageAllocator
 from hicache.tree.cache import UnifiedRadixCache
@@ -653,11 +653,11 @@ def test_random_engines_never_get_another_prefixes_pages(seed: int) -> None:
 def make_tiered_server(pinned: tuple[PinEntry, ...] = ()) -> tuple[CacheServer, Clock, list[protos.Message]]:
     """A server whose tier manager sends to a list (the test plays the controller)."""
     from hicache.config import PrefetchConfig
-    from hicache.tier_manager import TierManager
+    from hicache.scheduler.controller_driver import ControllerDriver
 
     server, clock = make_server(pinned=pinned)
     sent: list[protos.Message] = []
-    tier = TierManager(server.cache, sent.append, prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=PS),
+    tier = ControllerDriver(server.cache, sent.append, prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=PS),
                        l3_enabled=True, clock=clock)
     server.tier = tier
     return server, clock, sent
@@ -876,7 +876,7 @@ def test_an_mla_model_is_one_latent_head_and_every_rank_holds_it_whole() -> None
 def test_a_request_asked_about_many_times_counts_one_hit() -> None:
     """vLLM asks about a waiting request on every step: its first lease counts the hit in the
     tree, asking again and its reservations do not; another request counts its own."""
-    from hicache.engine_server.server import namespaced_salt
+    from hicache.cache_server.server import namespaced_salt
 
     server, _ = make_server()
     eng = FakeEngine(server, {})

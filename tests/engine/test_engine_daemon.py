@@ -22,15 +22,15 @@ from conftest import engine_config
 from daemon import Daemon
 
 import protos
+from hicache.cache_server.geometry import geometry_from_config
 from hicache.config import config_from_dict
 from hicache.connectors.engine_client import CacheSession, EngineClient, RegistrationRefused
-from hicache.engine_server.geometry import geometry_from_config
 
 
 def _check_config(tmp: Path, cfg: dict) -> subprocess.CompletedProcess[str]:
     path = tmp / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    return subprocess.run([sys.executable, "-m", "hicache.cli", "check-config", str(path)],
+    return subprocess.run([sys.executable, "-m", "hicache", "check-config", str(path)],
                           capture_output=True, text=True, timeout=120)
 
 

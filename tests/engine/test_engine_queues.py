@@ -1,10 +1,10 @@
-"""The cache server loop's per-engine queues (``hicache.engine_server.queues``): round-robin
+"""The cache server loop's per-engine queues (``hicache.cache_server.queues``): round-robin
 order, the bounds past which a lookup or reserve is refused ``busy``, heartbeats never queued."""
 
 from __future__ import annotations
 
 import protos
-from hicache.engine_server.queues import EngineQueues, Offer, queue_key
+from hicache.cache_server.queues import EngineQueues, Offer, queue_key
 
 
 def _lookup(session: int, req: int) -> protos.Lookup:

@@ -36,7 +36,7 @@ from daemon import Daemon
 
 from hicache.bench.engine import hybrid_block_size
 from hicache.bench.engine_lib.vllm_driver import VllmProcess, save_random_model
-from hicache.local_redis import RedisProcess
+from hicache.bench.local_redis import RedisProcess
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -30,8 +30,8 @@ from conftest import Engines, ModelStack, engine_config, expected_hit, generate_
 from daemon import Daemon
 
 from hicache.bench.engine_lib.vllm_driver import VllmProcess, save_random_model
+from hicache.bench.local_redis import RedisProcess
 from hicache.connectors.faults import FAIL_LOADS_ENV
-from hicache.local_redis import RedisProcess
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import Engines, engine_config, expected_hit
 from daemon import Daemon
 
-from hicache.local_redis import RedisProcess
+from hicache.bench.local_redis import RedisProcess
 
 pytestmark = pytest.mark.timeout(900)
 

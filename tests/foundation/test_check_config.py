@@ -1,5 +1,5 @@
 """``hicache check-config`` refuses what ``hicache serve`` refuses at start: exit 2, the dotted
-key path and the reason on stderr (``hicache.startup_checks``)."""
+key path and the reason on stderr (``hicache.runtime.startup_checks``)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _run(tmp: Path, command: str, cfg: dict[str, Any]) -> subprocess.CompletedPr
     path = tmp / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     args = [str(path)] if command == "check-config" else ["--config", str(path)]
-    return subprocess.run([sys.executable, "-m", "hicache.cli", command, *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "hicache", command, *args], capture_output=True, text=True,
                           cwd=REPO, timeout=120)
 
 

@@ -195,7 +195,7 @@ def test_unreadable_and_non_yaml_files(tmp_path: Path) -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hicache.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "hicache", *args], capture_output=True, text=True,
                           cwd=REPO, timeout=60)
 
 

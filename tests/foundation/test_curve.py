@@ -16,9 +16,11 @@ import yaml
 import zmq
 
 import protos
+from hicache.bench.loopback_ports import free_port
+from hicache.cli.keygen import write_key_dir, write_key_pair
 from hicache.config import ConfigError, config_from_dict
 from hicache.connectors.engine_client import CLIENT_SECRET_KEY, SERVER_PUBLIC_KEY, curve_keys_for
-from hicache.ipc import (
+from hicache.runtime.ipc import (
     AUTHORIZED_DIR,
     SUBSCRIBERS_DIR,
     ZAP_EVENTS,
@@ -34,8 +36,6 @@ from hicache.ipc import (
     load_curve_keys,
     open_context,
 )
-from hicache.keygen_cli import write_key_dir, write_key_pair
-from hicache.loopback_ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 KEY_FILES = ("server.key", "server.key_secret", "client.key", "client.key_secret", "authorized_clients/client.key")
@@ -44,7 +44,7 @@ pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hicache.cli", *args], capture_output=True, text=True, cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "hicache", *args], capture_output=True, text=True, cwd=REPO,
                           timeout=120)
 
 
@@ -89,8 +89,8 @@ def test_keygen_writes_private_key_files_that_load(tmp_path: Path) -> None:
 
 def test_keygen_refuses_clearly_without_curve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:
-    from hicache import keygen_cli
-    from hicache.cli import build_parser
+    from hicache.cli import keygen as keygen_cli
+    from hicache.cli.main import build_parser
 
     monkeypatch.setattr(zmq, "has", lambda what: False if what == "curve" else True)
     args = build_parser().parse_args(["keygen", "--dir", str(tmp_path / "k")])
@@ -152,7 +152,7 @@ def test_check_config_refuses_tcp_without_keys_and_checks_the_key_files(tmp_path
     line = next(ln for ln in out.stderr.splitlines() if ln.strip().startswith("ipc.transport:"))
     assert "hicache keygen" in line and "allow_insecure_tcp" in line
 
-    from hicache.startup_checks import startup_problems
+    from hicache.runtime.startup_checks import startup_problems
 
     cfg = config_from_dict({"ipc": {"transport": "tcp", "tcp_base_port": 7100, "curve_keys_dir": str(keys_dir)}})
     assert startup_problems(cfg) == []

@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 import protos
-from hicache.ipc import (
+from hicache.runtime.ipc import (
     DealerSocket,
     Endpoints,
     PeerProtocolError,

@@ -1,4 +1,4 @@
-"""``hicache.loopback_ports.free_port``: distinct, bindable ports outside the ephemeral range."""
+"""``hicache.bench.loopback_ports.free_port``: distinct, bindable ports outside the ephemeral range."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from hicache.loopback_ports import _ephemeral_low, free_port
+from hicache.bench.loopback_ports import _ephemeral_low, free_port
 
 
 def test_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:

@@ -45,10 +45,10 @@ def test_answers_travel_back_the_way_the_request_came() -> None:
 
 def test_each_inbox_decodes_what_the_table_sends_it() -> None:
     from controller.server import ACCEPTS as controller
+    from hicache.api_server.scheduler_link import ACCEPTS as tokenizer
+    from hicache.cache_server.process import ENGINE_ACCEPTS as engine_socket
     from hicache.connectors.engine_client import ANSWERS as engine
-    from hicache.engine_server.process import ENGINE_ACCEPTS as engine_socket
     from hicache.scheduler.loop import ACCEPTS as scheduler
-    from hicache.tokenizer.scheduler_link import ACCEPTS as tokenizer
 
     assert set(scheduler) == {protos.GenerateRequest, protos.AbortRequest, protos.AdminRequest, protos.OpDone,
                               protos.PrefetchHits, protos.StorageStatus, protos.StorageEvicted, protos.ErrorReply,

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import zmq
 
-from hicache.events_cli import describe, endpoint_error
+from hicache.bench.loopback_ports import free_port
+from hicache.cli.events import describe, endpoint_error
 from hicache.kv_events.format import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, encode_batch
 from hicache.kv_events.publisher import KVEventPublisher
-from hicache.loopback_ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TOPIC = "kv@engine-0"
@@ -34,7 +34,7 @@ def _batches() -> list[list[KVEvent]]:
 
 
 def _cli(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "hicache.cli", "events", *args], cwd=REPO,
+    return subprocess.Popen([sys.executable, "-m", "hicache", "events", *args], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -156,7 +156,7 @@ def test_exits_after_timeout_of_silence(tmp_path: Path, ctx: zmq.Context[zmq.Soc
     endpoint = f"ipc://{tmp_path / 'pub'}"
     with KVEventPublisher(endpoint, None, TOPIC, ctx=ctx):
         began = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "hicache.cli", "events", "--endpoint", endpoint,
+        proc = subprocess.run([sys.executable, "-m", "hicache", "events", "--endpoint", endpoint,
                                "--timeout-s", "0.5"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == ""
@@ -167,7 +167,7 @@ def test_exits_after_timeout_of_silence(tmp_path: Path, ctx: zmq.Context[zmq.Soc
                                   ["--endpoint", "tcp://127.0.0.1:99999"],
                                   ["--endpoint", "tcp://127.0.0.1:5557", "--replay-endpoint", "udp://x:1"]])
 def test_bad_endpoint_exits_2(args: list[str]) -> None:
-    proc = subprocess.run([sys.executable, "-m", "hicache.cli", "events", *args, "--timeout-s", "1"], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "hicache", "events", *args, "--timeout-s", "1"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "hicache events: bad --" in proc.stderr

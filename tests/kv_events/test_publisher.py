@@ -12,9 +12,9 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from hicache.bench.loopback_ports import free_port
 from hicache.kv_events.format import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch
 from hicache.kv_events.publisher import END_SEQ, KVEventPublisher, PublisherStats, is_bind_endpoint
-from hicache.loopback_ports import free_port
 
 TOPIC = "kv@engine-0"
 

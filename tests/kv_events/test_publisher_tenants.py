@@ -10,9 +10,9 @@ import time
 import pytest
 import zmq
 
+from hicache.bench.loopback_ports import free_port
 from hicache.kv_events.format import BlockRemoved, BlockStored, KVEvent, decode_batch
 from hicache.kv_events.publisher import KVEventPublisher
-from hicache.loopback_ports import free_port
 from hicache.tenants import tenant_salt
 
 SALT = tenant_salt("acme", "team-1")

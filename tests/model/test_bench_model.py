@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hicache.cli import main
+from hicache.cli.main import main
 
 
 def test_decode_context_longer_than_the_prompt(tmp_path: Path) -> None:

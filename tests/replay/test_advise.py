@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hicache.cli import main
+from hicache.api_server.request_log import chained_page_ids
+from hicache.cli.main import main
 from hicache.config import load_config
 from hicache.replay_sim.advice import Advisor, Budgets
 from hicache.replay_sim.bounds import belady_hits
 from hicache.replay_sim.reuse import reuse_profile
 from hicache.replay_sim.trace import DENSE_LIMIT, Trace, load_trace
 from hicache.replay_sim.workload import Workload
-from hicache.tokenizer.request_log import chained_page_ids
 
 
 def naive_lru_hits(requests: list[list[int]], capacity: int) -> int:

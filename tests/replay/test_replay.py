@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache.cli import main
+from hicache.cli.main import main
 from hicache.replay_sim import (
     SimConfig,
     TraceError,

@@ -86,10 +86,10 @@ class L2Rig(Rig):
 
     def __init__(self, cfg: HicacheConfig) -> None:
         from controller.transfer import CpuTransferEngine
-        from hicache.launch import Launcher
         from hicache.memory.pools import create_pools
+        from hicache.runtime.launcher import Launcher
         from hicache.scheduler.assembly import kv_pools_from_shared
-        from hicache.tier_manager import TierManager
+        from hicache.scheduler.controller_driver import ControllerDriver
 
         self.cfg = cfg
         self.model = load_model(cfg.model)
@@ -105,7 +105,7 @@ class L2Rig(Rig):
         self.cache, self.l1, _ = build_cache(cfg, self.model, full.l1_pages, full.l2_pages, pools=kv, **sizes)
         self.engine = CpuTransferEngine(self.shared)
         self.inbox: list[protos.ControllerMessage] = []
-        self.tier = TierManager(self.cache, self.inbox.append, load_back_threshold=0)
+        self.tier = ControllerDriver(self.cache, self.inbox.append, load_back_threshold=0)
         self.out: dict[str, list[protos.TokenOutput]] = {}
         self.sched = Scheduler(cfg, self.model, ModelRunner(self.model, kv), self.cache, self.l1, self._emit,
                                tier=self.tier, controller_send=self.inbox.append)

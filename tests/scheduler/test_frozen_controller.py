@@ -14,9 +14,9 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from hicache.config import config_from_dict
-from hicache.heartbeat import HeartbeatWriter, heartbeat_stalls
 from hicache.metrics import Metrics
-from hicache.tier_manager import COPY_PATIENCE_S
+from hicache.runtime.heartbeat import HeartbeatWriter, heartbeat_stalls
+from hicache.scheduler.controller_driver import COPY_PATIENCE_S
 from tests.scheduler.rigs import L2Rig, cold_tokens, gen
 
 

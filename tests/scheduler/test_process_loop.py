@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 import protos
-from hicache.engine_server.process import ENGINE_MODE_ERROR, CacheServerProcess
+from hicache.cache_server.process import ENGINE_MODE_ERROR, CacheServerProcess
 from hicache.scheduler.controller_link import ControllerLink
 from hicache.scheduler.loop import (
     ACCEPTS,
@@ -386,8 +386,8 @@ def test_engine_mode_refuses_generation_and_stops_at_the_end_of_the_round() -> N
 def test_the_drains_nest_inside_the_launchers_stop_timeout() -> None:
     """A group SIGTERM: the tokenizer's drain ends first (its aborts end the scheduler's
     requests), the scheduler's within the launcher's wait before SIGKILL."""
-    from hicache.launch import STOP_TIMEOUT_S
-    from hicache.tokenizer.args import DEFAULT_GRACE_S as TOKENIZER_GRACE_S
+    from hicache.api_server.args import DEFAULT_GRACE_S as TOKENIZER_GRACE_S
+    from hicache.runtime.launcher import STOP_TIMEOUT_S
 
     assert TOKENIZER_GRACE_S < DEFAULT_GRACE_S < STOP_TIMEOUT_S
     assert SchedulerArgs.__dataclass_fields__["grace_s"].default == DEFAULT_GRACE_S
@@ -424,8 +424,8 @@ def test_a_flooding_engine_waits_behind_its_own_queue_and_is_answered_busy_past_
     so the answers arrive in the loop's order), then a heartbeat: the loop serves the
     heartbeat as it reads it, then F's and S's queued lookups in turn (S's in order), and
     answers F's lookups past its bound ``busy`` at once; everything is answered."""
-    from hicache.engine_server.process import ENGINE_ACCEPTS
-    from hicache.ipc import RouterSocket
+    from hicache.cache_server.process import ENGINE_ACCEPTS
+    from hicache.runtime.ipc import RouterSocket
 
     ctx = zmq.Context.instance()
     address = f"inproc://fair-{id(ctx)}"

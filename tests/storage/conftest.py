@@ -18,7 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from hicache.local_redis import RedisProcess, find_redis_cli, find_redis_server, started, started_cluster
+from hicache.bench.local_redis import (
+    RedisProcess,
+    find_redis_cli,
+    find_redis_server,
+    started,
+    started_cluster,
+)
 from storage_backends import (
     FileSettings,
     PageLayout,

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hicache.cli import main
-from hicache.local_redis import RedisProcess
+from hicache.bench.local_redis import RedisProcess
+from hicache.cli.main import main
 from hicache.storage_settings import BUILTIN_L3_BACKENDS, storage_settings_from_config
 from storage_backends import (
     FileSettings,
@@ -146,7 +146,7 @@ def test_the_config_redis_section_and_the_redis_settings_agree() -> None:
 
 
 def test_storage_cli_uses_the_settings_module() -> None:
-    import hicache.storage_cli as cli
+    import hicache.cli.storage as cli
 
     assert cli.storage_settings_from_config is storage_settings_from_config
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache.local_redis import RedisProcess, wait_cluster_ok
+from hicache.bench.local_redis import RedisProcess, wait_cluster_ok
 from storage_backends import FileSettings, PageLayout, RedisSettings, ResilienceSettings, create_backend
 from storage_backends.file_backend import FileBackend
 from storage_backends.page_format import HEADER_SIZE, encode_header

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache.local_redis import RedisProcess, started_cluster, wait_cluster_ok
+from hicache.bench.local_redis import RedisProcess, started_cluster, wait_cluster_ok
 from storage_backends import PageLayout, RedisSettings, ResilienceSettings, create_backend
 from storage_backends.base import StorageBackend
 from tests.storage.conftest import (

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hicache.cli import main
-from hicache.local_redis import RedisProcess
+from hicache.bench.local_redis import RedisProcess
+from hicache.cli.main import main
 from storage_backends import FileSettings, RedisSettings, create_backend
 from storage_backends.page_format import FORMAT_VERSION, NAME_OFFSET
 from tests.storage.conftest import LAYOUT, buffers, random_hashes, random_pages

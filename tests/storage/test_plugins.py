@@ -149,7 +149,7 @@ def test_config_takes_a_plugin_backend_and_its_options(sqlite_plugin: Path, tmp_
 def test_openapi_attaches_a_plugin_store_by_name_only(sqlite_plugin: Path) -> None:
     """With a plug-in installed, ``PUT /cache/storage`` still takes a store's name, never a
     backend kind or its options (a plug-in store is attached as one of ``cache.l3_stores``)."""
-    from hicache.tokenizer.openapi import storage_body
+    from hicache.api_server.openapi import storage_body
 
     body = storage_body()
     assert set(body["properties"]) == {"store"} and body["required"] == ["store"]
@@ -164,7 +164,7 @@ def test_storage_cli_acts_on_a_plugin_store(sqlite_plugin: Path, tmp_path: Path)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(sqlite_plugin), str(REPO)])}
 
     def storage(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "hicache.cli", "storage", "--config", str(cfg), *args],
+        return subprocess.run([sys.executable, "-m", "hicache", "storage", "--config", str(cfg), *args],
                               env=env, capture_output=True, text=True, timeout=120)
 
     out = storage("stats", "--json")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache.local_redis import started
+from hicache.bench.local_redis import started
 from storage_backends import RedisSettings, create_backend
 from storage_backends.redis_backend import RedisBackend
 from storage_backends.redis_evictions import wanted_channels

@@ -32,9 +32,9 @@ import pytest
 import redis
 import yaml
 
+from hicache.bench.local_redis import CLUSTER_BUS_OFFSET, CLUSTER_NODE_ARGS, LOG_NAME, find_redis_server
+from hicache.bench.loopback_ports import free_port
 from hicache.config import ConfigError, config_from_dict, dump_yaml
-from hicache.local_redis import CLUSTER_BUS_OFFSET, CLUSTER_NODE_ARGS, LOG_NAME, find_redis_server
-from hicache.loopback_ports import free_port
 from hicache.storage_settings import storage_settings_from_config
 from storage_backends import (
     RedisSettings,
@@ -470,7 +470,7 @@ def _check_config(tmp: Path, redis_section: dict[str, Any],
                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     path = tmp / "c.yaml"
     path.write_text(yaml.safe_dump({"cache": {"l3": {"backend": "redis", "redis": redis_section}}}))
-    return subprocess.run([sys.executable, "-m", "hicache.cli", "check-config", str(path)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "hicache", "check-config", str(path)], capture_output=True,
                           text=True, cwd=REPO, timeout=120, env={**os.environ, **(env or {})})
 
 

@@ -7,7 +7,7 @@ from array import array
 
 import pytest
 
-from hicache.gc_guard import GcGuard
+from hicache.runtime.gc_guard import GcGuard
 from hicache.tree import IntegrityError
 
 from .helpers import cache_seq, full_cache

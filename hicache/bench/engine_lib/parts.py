@@ -644,11 +644,11 @@ def run_lookup(b: Bench, *, lengths: list[int], repeats: int) -> tuple[list[Figu
     followed by the lease's release (not timed). Medians (and the longest's p99) over
     ``repeats``; the reference is the shortest length, in the same run; the goal for the
     longest is 1 ms."""
+    from hicache.cache_server.geometry import geometry_from_config, sliding_window_from_config
     from hicache.config import load_config
     from hicache.connectors.engine_client import CacheSession
     from hicache.connectors.token_pack import PackedTokens
     from hicache.connectors.vllm import engine_address
-    from hicache.engine_server.geometry import geometry_from_config, sliding_window_from_config
 
     longest = max(lengths)
     daemon = b.daemon("lookup-hicache", _round_up(sum(lengths) + 4096, b.block_size))

@@ -1,7 +1,7 @@
 """A ``hicache serve`` subprocess for ``hicache bench serve --compare`` (and the tests).
 
 ``ManagedDaemon(config, overrides, log_path)`` runs
-``python -m hicache.cli serve --config CONFIG --set server.host=127.0.0.1
+``python -m hicache serve --config CONFIG --set server.host=127.0.0.1
 --set server.port=PORT [--set OVERRIDE ...]`` on a free loopback port, in its own session,
 with stdout and stderr appended to ``log_path``.
 
@@ -28,7 +28,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from hicache.loopback_ports import free_port
+from hicache.bench.loopback_ports import free_port
 
 __all__ = ["DaemonStartError", "DaemonStopError", "ManagedDaemon"]
 
@@ -58,7 +58,7 @@ class ManagedDaemon:
 
     @property
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "hicache.cli", "serve", "--config", self.config,
+        cmd = [sys.executable, "-m", "hicache", "serve", "--config", self.config,
                "--set", "server.host=127.0.0.1", "--set", f"server.port={self.port}"]
         for o in self.overrides:
             cmd += ["--set", o]

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hicache.plotting import pyplot_or_none
+from hicache.replay_sim.plotting import pyplot_or_none
 
 __all__ = ["tier_hits", "ttft_cdf"]
 
