@@ -16,21 +16,23 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import shlex
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from hicache.cli.main import build_parser
-from hicache.config import ConfigError, ConfigProblem, HicacheConfig, load_config
+from hicache.config import ConfigError, load_config
 from hicache.runtime.startup_checks import startup_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SECTIONS = {f.name for f in dataclasses.fields(HicacheConfig)}
+SECTIONS = {f.name for f in dataclasses.fields(load_config(os.devnull))}  # the defaults' sections
 REPO_DIRS = ("hicache", "tests", "docs", "deploy", "storage_backends", "controller", "protos", "examples")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 # Reasons that name something absent from this machine, not a mistake in the block.
@@ -73,7 +75,7 @@ def _env_names(raw: object) -> Iterator[str]:
             yield from _env_names(item)
 
 
-def config_problems(raw: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[ConfigProblem]:
+def config_problems(raw: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     for i, name in enumerate(_env_names(raw)):
         monkeypatch.setenv(name, f"doc-secret-{i}")
     path = tmp_path / "hicache.yaml"
@@ -155,3 +157,25 @@ def test_named_repository_paths_exist() -> None:
     assert len(paths) > 50
     missing = [f"{doc}: {path}" for doc, path in paths if not (ROOT / path.rstrip("/")).exists()]
     assert missing == []
+
+
+def _slug(heading: str) -> str:
+    """The anchor a heading gets on the usual renderers (lowercase, punctuation dropped)."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_relative_links_reach_a_file_and_heading() -> None:
+    broken = []
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if re.match(r"\w+:", target):
+                continue  # a URL
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path) if path else doc
+            if not file.exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+            elif anchor and file.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", file.read_text(), re.M)
+                if anchor not in {_slug(h) for h in headings}:
+                    broken.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert broken == []
