@@ -53,6 +53,7 @@ _ERROR_TEXT = {
     409: "conflict (the cache is busy, or an L3 backend without L2)",
     413: "the request body is over the size limit",
     500: "the scheduler failed the request",
+    501: "the daemon runs in engine mode (engine.kind: vllm): the engines generate",
     503: "shutting down, or the scheduler is unavailable or its queue is full",
     504: "the scheduler did not answer in time",
 }
@@ -388,7 +389,7 @@ def _generation(summary: str, body: Schema, ok_ref: str) -> dict[str, Any]:
         "responses": _responses(
             {"description": "the result; with stream: true, server-sent events (data: <chunk>, ..., data: [DONE])",
              "content": {**_json_content(ok_ref), "text/event-stream": {}}},
-            400, 401, 404, 408, 413, 500, 503),
+            400, 401, 404, 408, 413, 500, 501, 503),
     }}
 
 

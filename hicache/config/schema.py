@@ -394,6 +394,12 @@ class EngineConfig:
     queue_limit: int = 64
 
 
+ENGINE_MODE_ERROR = ("this daemon runs in engine mode (engine.kind: vllm): it serves no model; "
+                     "send generation requests to the vLLM engine")
+"""What a generation request to a daemon in engine mode is told: the HTTP routes answer it
+with 501, the cache server with a failed ``TokenOutput``."""
+
+
 @dataclass(frozen=True)
 class MetricsConfig:
     enabled: bool = True
