@@ -41,10 +41,11 @@ server does not implement set to a value that would change the result), 404 for 
 413 for a body over the size limit (refused from its Content-Length, or as soon as a
 chunked body passes the limit), 503 while
 shutting down or when the scheduler's queue is full, 500 when the scheduler fails a
-request. A stream that fails after its first chunk sends an ``{"error": ...}`` event, then
-``data: [DONE]``. What aiohttp itself refuses gets the same JSON shape: 404 for a path no
-route has, 405 for a method the path does not take (with ``Allow``), 400 for a request
-line or header that does not parse (``JsonErrorRunner``; that connection is closed).
+request, 501 for a generation route in engine mode (the engines generate). A stream that
+fails after its first chunk sends an ``{"error": ...}`` event, then ``data: [DONE]``. What
+aiohttp itself refuses gets the same JSON shape: 404 for a path no route has, 405 for a
+method the path does not take (with ``Allow``), 400 for a request line or header that
+does not parse (``JsonErrorRunner``; that connection is closed).
 
 Slow clients (``server.header_timeout_s``, ``server.body_timeout_s``): a connection that
 has not delivered a complete request line and headers within ``header_timeout_s`` of
@@ -112,7 +113,7 @@ from hicache.api_server.validation import (
     parse_json,
     parse_storage_choice,
 )
-from hicache.config import HicacheConfig
+from hicache.config import ENGINE_MODE_ERROR, HicacheConfig
 from hicache.metrics import CONTENT_TYPE, Metrics, RequestTracker, render_metrics
 from hicache.runtime.startup_checks import BearerKey, load_api_keys
 from hicache.text import Tokenizer
@@ -337,6 +338,8 @@ class HttpApi:
                     if self.draining:
                         raise RequestError("the server is shutting down", 503, "unavailable")
                     raw = await self._read_body(request)
+                    if self.engine_mode:  # the engines generate; this daemon holds their KV only
+                        raise RequestError(ENGINE_MODE_ERROR, 501, "not_implemented")
                     tenant = request.get(TENANT)
                     if len(raw) > OFFLOAD_BYTES:  # tokenizing a long prompt must not stall the loop
                         req = await asyncio.to_thread(self._parse, parse, raw, tenant)

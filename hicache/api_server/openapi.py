@@ -2,11 +2,11 @@
 
 ``openapi_document(limits)`` returns the document as a plain dict (JSON-serialisable). It
 is built from the same names and constants the request validation uses: the field tuples
-of ``hicache.api_server.validation`` (every accepted field is a property, and every body
-schema has ``additionalProperties: false``, as unknown fields are refused), the sampling
-ranges of ``hicache.model.sampling_params`` and the model's own limits (vocabulary size,
-``max_new_tokens_limit``), so that the document cannot drift from what is accepted without a
-test noticing (``tests/api_server/test_openapi.py``).
+of the dialect modules of ``hicache.api_server.validation`` (every accepted field is a
+property, and every body schema has ``additionalProperties: false``, as unknown fields are
+refused), the sampling ranges of ``hicache.model.sampling_params`` and the model's own
+limits (vocabulary size, ``max_new_tokens_limit``), so that the document cannot drift from
+what is accepted without a test noticing (``tests/api_server/test_openapi.py``).
 
 Contract: every range in the document is one the validator enforces (a value inside is
 accepted on its own, one outside is refused with 400). The document may be stricter than
@@ -26,8 +26,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from hicache.api_server import validation as v
-from hicache.api_server.validation import ModelLimits
+from hicache.api_server.validation import common, generate, openai_api
+from hicache.api_server.validation.common import ModelLimits
 from hicache.model.sampling_params import (
     MAX_LOGPROBS,
     MAX_PENALTY,
@@ -53,6 +53,7 @@ _ERROR_TEXT = {
     409: "conflict (the cache is busy, or an L3 backend without L2)",
     413: "the request body is over the size limit",
     500: "the scheduler failed the request",
+    501: "the daemon runs in engine mode (engine.kind: vllm): the engines generate",
     503: "shutting down, or the scheduler is unavailable or its queue is full",
     504: "the scheduler did not answer in time",
 }
@@ -108,9 +109,9 @@ def _sampling_props(limits: ModelLimits) -> dict[str, Schema]:
         "top_k": _nullable(_int(0, min(MAX_TOP_K, limits.vocab_size), description="0 = off")),
         "seed": _nullable(_int(0, MAX_SEED)),
         "stop": _nullable({"anyOf": [
-            {"type": "string", "minLength": 1, "maxLength": v.MAX_STOP_LENGTH},
-            {"type": "array", "maxItems": v.MAX_STOP_STRINGS,
-             "items": {"type": "string", "minLength": 1, "maxLength": v.MAX_STOP_LENGTH}}]}),
+            {"type": "string", "minLength": 1, "maxLength": common.MAX_STOP_LENGTH},
+            {"type": "array", "maxItems": common.MAX_STOP_STRINGS,
+             "items": {"type": "string", "minLength": 1, "maxLength": common.MAX_STOP_LENGTH}}]}),
         "stop_token_ids": _nullable({"type": "array", "items": token}),
         "ignore_eos": _nullable({"type": "boolean"}),
         "presence_penalty": _nullable({"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}),
@@ -132,7 +133,7 @@ def _max_tokens(limits: ModelLimits) -> Schema:
 
 
 def _salt() -> Schema:
-    return _nullable({"type": "string", "maxLength": v.MAX_CACHE_SALT_LENGTH})
+    return _nullable({"type": "string", "maxLength": common.MAX_CACHE_SALT_LENGTH})
 
 
 def generate_body(limits: ModelLimits) -> Schema:
@@ -152,7 +153,7 @@ def generate_body(limits: ModelLimits) -> Schema:
         "logit_bias": _empty_or_null(),
         "custom_params": _empty_or_null(),
     }
-    sampling = _nullable(_object(sp, v._GENERATE_SAMPLING))
+    sampling = _nullable(_object(sp, generate.GENERATE_SAMPLING))
     props: dict[str, Schema] = {
         "text": {"type": "string", "description": "the prompt as text (exactly one of text and input_ids)"},
         "input_ids": {"type": "array", "minItems": 1, "items": _int(0, limits.vocab_size - 1),
@@ -171,13 +172,13 @@ def generate_body(limits: ModelLimits) -> Schema:
         "return_hidden_states": _neutral(False, description="false"),
         "return_routed_experts": _neutral(False, description="false"),
         "modalities": _nullable({"type": "array", "items": _nullable({"type": "string"})}),
-        **{name: _empty_or_null() for name in v._MEDIA_FIELDS},
+        **{name: _empty_or_null() for name in generate.MEDIA_FIELDS},
         "session_params": _empty_or_null(),
         "session_id": _nullable({"type": "string"}),
         "lora_path": _nullable({"type": "array", "items": {"type": "null"}}),
         "lora_id": _never("LoRA adapters"),
         "custom_logit_processor": _never("custom logit processors"),
-        **{name: _never("prefill-decode disaggregation") for name in v._DISAGG_FIELDS},
+        **{name: _never("prefill-decode disaggregation") for name in generate.DISAGG_FIELDS},
         "data_parallel_rank": _neutral(0, description="0"),
         "routed_dp_rank": _neutral(0, description="0"),
         "priority": _nullable({"type": "integer"}),
@@ -189,7 +190,7 @@ def generate_body(limits: ModelLimits) -> Schema:
         "routing_key": _nullable({"type": "string"}),
         "return_cached_tokens_details": _nullable({"type": "boolean"}),
     }
-    return _object(props, v._GENERATE_FIELDS,
+    return _object(props, generate.GENERATE_FIELDS,
                    oneOf=[{"required": ["text"], "not": {"required": ["input_ids"]}},
                           {"required": ["input_ids"], "not": {"required": ["text"]}}])
 
@@ -228,7 +229,7 @@ def completion_body(limits: ModelLimits) -> Schema:
         "suffix": _neutral("", description='""'),
         "logprobs": _logprobs_count("the chosen token's logprob and this many alternatives per token"),
     }
-    return _object(props, v._COMPLETION_FIELDS, required=("prompt",))
+    return _object(props, openai_api.COMPLETION_FIELDS, required=("prompt",))
 
 
 def chat_body(limits: ModelLimits) -> Schema:
@@ -238,7 +239,7 @@ def chat_body(limits: ModelLimits) -> Schema:
     content = {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}
     name = _nullable({"type": "string"})
     message = {"anyOf": [
-        _object({"role": {"enum": [r for r in v._CHAT_ROLES if r != "assistant"]}, "content": content, "name": name},
+        _object({"role": {"enum": [r for r in openai_api.CHAT_ROLES if r != "assistant"]}, "content": content, "name": name},
                 ("role", "content", "name"), required=("role", "content")),
         _object({"role": {"const": "assistant"}, "content": _nullable(content), "name": name},
                 ("role", "content", "name"), required=("role",)),
@@ -258,7 +259,7 @@ def chat_body(limits: ModelLimits) -> Schema:
     }
     needs_logprobs = {"anyOf": [{"properties": {"top_logprobs": {"enum": [0, None]}}},
                                 {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}]}
-    return _object(props, v._CHAT_FIELDS, required=("messages",), dependentSchemas={"top_logprobs": needs_logprobs})
+    return _object(props, openai_api.CHAT_FIELDS, required=("messages",), dependentSchemas={"top_logprobs": needs_logprobs})
 
 
 def storage_body() -> Schema:
@@ -388,7 +389,7 @@ def _generation(summary: str, body: Schema, ok_ref: str) -> dict[str, Any]:
         "responses": _responses(
             {"description": "the result; with stream: true, server-sent events (data: <chunk>, ..., data: [DONE])",
              "content": {**_json_content(ok_ref), "text/event-stream": {}}},
-            400, 401, 404, 408, 413, 500, 503),
+            400, 401, 404, 408, 413, 500, 501, 503),
     }}
 
 

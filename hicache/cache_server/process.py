@@ -45,7 +45,7 @@ import zmq
 
 import protos
 from hicache.cache_server.queues import EngineQueues, Offer, queue_key
-from hicache.config import EngineConfig
+from hicache.config import ENGINE_MODE_ERROR, EngineConfig
 from hicache.memory.pools import attach_pools
 from hicache.runtime.ipc import PeerProtocolError, RouterSocket
 from hicache.scheduler.loop import (
@@ -84,10 +84,6 @@ ENGINE_BATCH = 256
 
 READ_BATCH = 4096
 """Engine messages read off the socket per round at most (into the queues)."""
-
-ENGINE_MODE_ERROR = ("this daemon runs in engine mode (engine.kind: vllm): it serves no model; "
-                     "send generation requests to the vLLM engine")
-"""The error a generation request gets in engine mode."""
 
 ENGINE_ACCEPTS = protos.accepted_by("scheduler", socket=protos.ENGINE_SOCKET)
 """What the engine socket decodes (``protos.table``)."""

@@ -1,6 +1,6 @@
 """The checks ``hicache serve`` makes before it starts any process, shared with ``check-config``.
 
-``load_config`` checks each key and the relations between keys (``hicache/config.py``,
+``load_config`` checks each key and the relations between keys (``hicache/config/``,
 torch-free). What it cannot check without reading the model lives here:
 ``startup_problems(cfg)`` returns every such problem as a ``ConfigProblem`` with the dotted
 key path at fault; ``hicache check-config`` prints them and exits 2, and ``hicache serve``
@@ -40,7 +40,7 @@ its start. Reasons name the file or variable, never a key.
 
 Nothing here starts a process or creates a file, and nothing imports torch: the
 layer-pattern rule and the pool sizes come from ``hicache.model.geometry`` (torch-free).
-These checks read the model and the host, so they stay out of ``hicache/config.py``.
+These checks read the model and the host, so they stay out of ``hicache/config/``.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from daemon import Daemon
 
 import protos
 from hicache.cache_server.geometry import geometry_from_config
-from hicache.config import config_from_dict
+from hicache.config import ENGINE_MODE_ERROR, config_from_dict
 from hicache.connectors.engine_client import CacheSession, EngineClient, RegistrationRefused
 
 
@@ -132,6 +132,7 @@ def test_garbage_on_the_engine_socket_is_refused_and_the_daemon_serves_on(engine
     assert d.get("/health")["status"] == "ok"
     status, body = d.request("POST", "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
     assert "engine mode" in json.dumps(body), (status, body)
+    assert status == 501 and body["error"]["message"] == ENGINE_MODE_ERROR, (status, body)  # the client's error
     stats = d.get("/cache/stats")
     assert stats["mode"] == "engine" and stats["engine"]["refused"] == 1 and stats["integrity"]["error"] is None
 

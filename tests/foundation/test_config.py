@@ -224,3 +224,20 @@ def test_cli_help_and_version() -> None:
     assert out.returncode == 0 and "check-config" in out.stdout and "bench" in out.stdout
     out = _cli("version")
     assert out.returncode == 0 and out.stdout.startswith("hicache ")
+
+
+def test_config_modules_import_only_the_ones_above_them() -> None:
+    """``hicache/config/__init__.py``'s table orders the package's modules; each imports only
+    those before it (no cycle, at import time or inside a function)."""
+    import ast
+
+    import hicache.config
+
+    order = ["schema", "sizing", "security", "validation", "loading"]
+    root = Path(hicache.config.__file__).parent
+    assert {p.stem for p in root.glob("*.py")} - {"__init__"} == set(order)
+    for i, name in enumerate(order):
+        tree = ast.parse((root / f"{name}.py").read_text(encoding="utf-8"))
+        used = {node.module.removeprefix("hicache.config.") for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hicache.config")}
+        assert used <= set(order[:i]), (name, sorted(used - set(order[:i])))

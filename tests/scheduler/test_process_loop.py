@@ -10,7 +10,8 @@ import pytest
 import zmq
 
 import protos
-from hicache.cache_server.process import ENGINE_MODE_ERROR, CacheServerProcess
+from hicache.cache_server.process import CacheServerProcess
+from hicache.config import ENGINE_MODE_ERROR
 from hicache.scheduler.controller_link import ControllerLink
 from hicache.scheduler.loop import (
     ACCEPTS,
