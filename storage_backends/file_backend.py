@@ -17,20 +17,10 @@ object that names it (``page_format.complete_object``). An incomplete one (a tor
 zero-length file left by a power loss with ``fsync: false``) is absent, and a write
 replaces it.
 
-Capacity: ``max_size_gb`` bounds the whole directory, whatever number of processes share
-it: every process counts what it adds and removes in the shared ``file_usage.UsageRecord``
-and evicts when the record is above the cap, down to ``low_water`` of it; the victims are
-the least recently used pages of its own ``file_index.PageIndex``. A full disk
-(``ENOSPC``) drops the writes that failed, counts them, and evicts what they needed, at most
-``1 - low_water`` of the cap (of the store, without a cap) per batch, so that one full
-disk never empties the store. The evicted hashes wait for ``take_evicted``.
-
-Housekeeping (``scan_on_start``): a background thread scans the directory at start (the
-index, the record measured again, the leftovers of dead writers removed), then every
-``maintenance_s`` looks for writers that died (their leftovers are removed and the store
-measured again at once, not after ``stale_tmp_s``), and scans again when an eviction found
-its index too small. Temporary files of older builds are removed once older than
-``stale_tmp_s``; until removed, every temporary file is counted.
+Capacity: every process counts what it adds and removes in the shared
+``file_usage.UsageRecord``; ``file_eviction.Evictor`` evicts above ``max_size_gb`` and on a
+full disk (a write that finds no space is dropped and counted). Housekeeping
+(``scan_on_start``: the start-up scan, dead writers' leftovers): ``file_housekeeping``.
 
 Threads: page I/O runs on a ``file_batch.BatchRunner``; a call waits at most
 ``timeout_s`` for pages that have not started. No lock of this module is held across
@@ -45,18 +35,19 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator, Sequence
 
 from storage_backends.base import Buffer, StorageBackend, StoreUsage
 from storage_backends.errors import StorageUnavailable
 from storage_backends.file_batch import Batch, BatchRunner, Outcome
+from storage_backends.file_eviction import Evictor
 from storage_backends.file_housekeeping import Housekeeper
 from storage_backends.file_index import ATIME_REFRESH_S, PageIndex
 from storage_backends.file_layout import (
     PAGE_SUFFIX,
     SHARDS,
     fsync_dir,
+    list_shard,
     make_dirs,
     page_path,
     tmp_path,
@@ -65,6 +56,7 @@ from storage_backends.file_layout import (
 from storage_backends.file_page_io import (
     examine,
     new_scratch,
+    probe,
     publish,
     read_verified,
     remove_quietly,
@@ -82,8 +74,6 @@ log = logging.getLogger(__name__)
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 INLINE_MAX_OBJECT_BYTES = 192 * 1024
 """Batches of objects up to this size run on the calling thread (see ``FileBackend._inline``)."""
-MAX_EVICTED_KEPT = 100_000
-"""Evicted hashes kept for ``take_evicted`` at most (older ones are dropped untold)."""
 
 
 class FileBackend(StorageBackend):
@@ -97,15 +87,14 @@ class FileBackend(StorageBackend):
         self.root = os.path.abspath(settings.dir)
         self._root_slash = os.path.join(self.root, "")
         self._timeout = settings.resilience.timeout_s
-        self._max_bytes = settings.max_bytes
-        self._low_bytes = int(self._max_bytes * settings.low_water)
         self._counters = StatsCounter()
         self._tmp_seq = itertools.count()
         self._closed = False
         self._hard_links = True
         self._index = PageIndex()
-        self._evicted: deque[str] = deque(maxlen=MAX_EVICTED_KEPT)  # not yet taken; under _evicted_lock
         self._init_process_state()
+        self._evictor = Evictor(settings, self._root_slash, self._index, self._usage, self._counters,
+                                want_scan=lambda: self._housekeeper.want_scan())
         try:
             make_dirs(self.root, settings.fsync)
             if settings.fsync:
@@ -123,7 +112,7 @@ class FileBackend(StorageBackend):
             on_change=self._on_breaker_change,
         )
         self._housekeeper = Housekeeper(self.root, settings, self._index, self._usage, self._writers,
-                                        self._evict, lambda: self._closed)
+                                        self._evictor.evict, lambda: self._closed)
         if settings.scan_on_start:
             self._housekeeper.start()
         else:
@@ -134,7 +123,6 @@ class FileBackend(StorageBackend):
     def _init_process_state(self) -> None:
         self._pid = os.getpid()
         self._runner = BatchRunner(self.settings.io_threads, self._timeout)
-        self._evicted_lock = threading.Lock()
         self._tls = threading.local()
         self._usage = UsageRecord(self.root)
         self._writers = WriterRegistry(self.root)
@@ -147,6 +135,7 @@ class FileBackend(StorageBackend):
             self._usage.forget_inherited()
             self._writers.forget_inherited()
             self._init_process_state()
+            self._evictor.after_fork(self._usage)
             self._housekeeper.scan_done.set()
 
     def _inline(self, layout: PageLayout, n: int) -> bool:
@@ -340,8 +329,7 @@ class FileBackend(StorageBackend):
         Waits for the start-up scan first. Returns (pages removed, bytes removed)."""
         self._housekeeper.scan_done.wait()
         self._ensure_process()
-        claim = self._usage.claim_above(target_bytes)
-        return self._evict(claim) if claim else (0, 0)
+        return self._evictor.gc(target_bytes)
 
     def iter_hashes(self) -> Iterator[str]:
         for shard in SHARDS:
@@ -399,21 +387,8 @@ class FileBackend(StorageBackend):
             timeouts=timeouts,
         )
         self._record(errors + timeouts)
-        unused = (len(out) - written) * layout.object_size
-        claim = self._usage.settle(unused, written, self._max_bytes, self._low_bytes,
-                                   self._full_disk_need(full, layout))
-        if claim:
-            self._evict(claim)
+        self._evictor.after_writes((len(out) - written) * layout.object_size, written, full, layout.object_size)
         return out
-
-    def _full_disk_need(self, failed: int, layout: PageLayout) -> int:
-        """What ``failed`` writes that found no space need evicted: their bytes, at most
-        ``1 - low_water`` of the cap (of the store without one), at least one page."""
-        if not failed:
-            return 0
-        base = self._max_bytes or self._usage.read().bytes
-        step = max(layout.object_size, int((1 - self.settings.low_water) * base))
-        return min(failed * layout.object_size, step)
 
     def _record(self, failures: int) -> None:
         if failures:
@@ -421,46 +396,10 @@ class FileBackend(StorageBackend):
         else:
             self._breaker.record_success()
 
-    def _evict(self, claim: int) -> tuple[int, int]:
-        """Unlink least recently used pages for the ``claim`` taken off the record; give the
-        record back what was not freed. Returns (pages, bytes) this process removed."""
-        victims = self._index.take_victims(claim)
-        freed = pages = 0
-        gone: list[str] = []
-        kept: list[tuple[str, int]] = []
-        for h, size in victims:
-            try:
-                os.unlink(self._path(h))
-            except FileNotFoundError:
-                gone.append(h)  # another process removed it (and counted it out): gone all the same
-            except OSError as exc:
-                kept.append((h, size))
-                self._counters.add(errors=1)
-                log.warning("file store: cannot evict page %s: %s", h, exc)
-            else:
-                gone.append(h)
-                pages += 1
-                freed += size
-        self._index.victims_done(victims, kept)
-        self._usage.adjust(claim - freed, -pages)
-        if freed < claim and len(self._index) == 0:
-            self._housekeeper.want_scan()
-        if victims:
-            self._counters.add(evictions=pages)
-            log.debug("file store: evicted %d pages (%d bytes)", pages, freed)
-        if gone:
-            with self._evicted_lock:
-                self._evicted.extend(gone)
-        return pages, freed
-
     def take_evicted(self) -> list[str]:
-        """The pages this instance's capacity eviction removed since the last call (at most
-        the last ``MAX_EVICTED_KEPT``; another process's evictions in a shared store are
-        not seen)."""
-        with self._evicted_lock:
-            out = list(self._evicted)
-            self._evicted.clear()
-        return out
+        """The pages this instance's capacity eviction removed since the last call
+        (``Evictor.take_evicted``)."""
+        return self._evictor.take_evicted()
 
     # -- one page ----------------------------------------------------------------------
 
@@ -584,37 +523,17 @@ class FileBackend(StorageBackend):
             self._durable_shards.add(shard)
         return fd
 
-    # -- housekeeping ------------------------------------------------------------------
+    # -- store-wide -----------------------------------------------------------------
 
     def _list_shard(self, shard: str) -> list[tuple[str, str]]:
-        try:
-            with os.scandir(os.path.join(self.root, shard)) as it:
-                return [(e.name, e.path) for e in it]
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        except OSError as exc:
+        entries = list_shard(self.root, shard)
+        if entries is None:
             self._counters.add(errors=1)
-            log.warning("file store: cannot list shard %s: %s", shard, exc)
             return []
+        return entries
 
     def _probe(self) -> bool:
-        """Write, read back and remove a small file in the store root; never raises."""
-        path = os.path.join(self.root, f".probe.{os.getpid()}.{threading.get_ident()}")
-        token = os.urandom(16)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.write(fd, token)
-            finally:
-                os.close(fd)
-            with open(path, "rb") as f:
-                ok = f.read() == token
-            os.unlink(path)
-            return ok
-        except OSError as exc:
-            log.debug("file store %s: probe failed: %s", self.root, exc)
-            remove_quietly(path)
-            return False
+        return probe(self.root)
 
     def _on_breaker_change(self, up: bool) -> None:
         if not up:

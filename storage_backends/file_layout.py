@@ -16,7 +16,7 @@ Directories are made durable by whoever creates them: with ``durable``, ``make_d
 fsyncs the parent of every directory it creates (or finds just created by another
 process), so a directory, and every page in it reported durable, survives a power loss.
 
-``walk`` lists every shard once: the pages with their sizes and access times, the
+``list_shard`` lists one shard; ``walk`` lists every shard once: the pages with their sizes and access times, the
 temporary files, and (when ``reclaim`` says so) removes the leftovers of dead writers.
 Nothing here holds state or locks.
 """
@@ -85,6 +85,19 @@ def make_dirs(path: str, durable: bool) -> None:
                 raise
         if durable:
             fsync_dir(os.path.dirname(d))
+
+
+def list_shard(root: str, shard: str) -> list[tuple[str, str]] | None:
+    """(name, path) of every entry of one shard ([] when there is no such directory); None,
+    logged, when it cannot be listed."""
+    try:
+        with os.scandir(os.path.join(root, shard)) as it:
+            return [(e.name, e.path) for e in it]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as exc:
+        log.warning("file store: cannot list shard %s: %s", shard, exc)
+        return None
 
 
 @dataclass

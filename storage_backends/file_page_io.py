@@ -1,4 +1,5 @@
-"""The syscalls of one page file, for the file store (docs/architecture.md §7).
+"""The syscalls of one page file, and of the health probe's scratch file, for the file store
+(docs/architecture.md §7).
 
 Stateless functions; the caller (``file_backend``) owns the descriptors it passes, the
 caller's buffers are only read (writes) or filled (reads) during the call, and none of
@@ -10,6 +11,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 
 from storage_backends.page_format import (
     HEADER_SIZE,
@@ -142,3 +144,23 @@ def remove_quietly(path: str) -> None:
         pass
     except OSError as exc:
         log.warning("file store: cannot remove %s: %s", path, exc)
+
+
+def probe(root: str) -> bool:
+    """Write, read back and remove a small file in the store ``root``; never raises."""
+    path = os.path.join(root, f".probe.{os.getpid()}.{threading.get_ident()}")
+    token = os.urandom(16)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, token)
+        finally:
+            os.close(fd)
+        with open(path, "rb") as f:
+            ok = f.read() == token
+        os.unlink(path)
+        return ok
+    except OSError as exc:
+        log.debug("file store %s: probe failed: %s", root, exc)
+        remove_quietly(path)
+        return False

@@ -17,7 +17,7 @@ eviction                     ``settle`` claims the bytes above the low-water mar
 any other unlink             ``adjust`` after it succeeded (only the process whose ``unlink``
                              succeeded counts a file gone, so each file is counted out once)
 a scan                       ``measured``: the record becomes what the scan found plus what
-                             was reserved while it ran (module ``file_backend``, ``_rescan``)
+                             was reserved while it ran (``file_housekeeping``)
 ==========================  ==================================================================
 
 The record is a cache of a measurement, not a source of truth: a missing or unreadable one

@@ -13,30 +13,20 @@ is retried once on a fresh connection (a server restart leaves dead pooled socke
 timeouts are not retried. Failures feed the circuit breaker.
 
 Cluster: each batch is split by the node that owns each key's slot, one pipeline per node,
-and every node has its own circuit breaker (and health probe). A node that is lost makes
-only its own pages misses and its writes dropped; the other nodes keep serving, and the
-lost node is skipped (no connection attempts on the data path) until its probe answers,
-or finds, asking the cluster for its slot map, that the node owns no slot any more (a
-replica promoted in its place after a failover): its slots then route to their new owner.
-Slots moving (resharding: ``MOVED`` / ``ASK``) are followed by redis-py's cluster client.
-``stats().up`` is False while the store, or any node of it, is marked down.
+each node with its own circuit breaker (``redis_topology``): a node that is lost makes only
+its own pages misses and its writes dropped; the other nodes keep serving. Slots moving
+(resharding: ``MOVED`` / ``ASK``) are followed by redis-py's cluster client.
 
-Attach: the constructor connects (``PING``) and raises when the store cannot be used:
-``StorageAuthError`` ("authentication failed") for a refused or missing password,
-``StorageTLSError`` ("certificate verify failed" / "TLS handshake failed") for a TLS
-failure, ``StorageUnavailable`` ("cannot connect") otherwise, ``StorageConfigError`` for a
-password file or variable that cannot be read. Messages name the store by its redacted URL
-(``redact_url``): no password, password file content or key ever appears in a message, a
-log line or ``stats()``.
-
-TLS: ``rediss://`` URLs, standalone or cluster, verify the server's certificate
+Attach, TLS and passwords: ``redis_client`` (the constructor connects, and raises an error
+that names why the store cannot be used; no secret ever appears in a message, a log line or
+``stats()``). ``rediss://`` URLs, standalone or cluster, verify the server's certificate
 (``RedisSettings``: ``tls_ca_file``, ``tls_verify_hostname``, optional client certificate
-``tls_cert_file`` / ``tls_key_file``). In cluster mode every node is reached over TLS with
+``tls_cert_file`` / ``tls_key_file``); in cluster mode every node is reached over TLS with
 the same settings.
 
-Processes: the client is created per process (checked by pid on every call), never shared
-across ``fork``. Thread safety: redis-py clients are thread-safe; this class adds no lock
-besides the one guarding client (and key-event listener) creation.
+Processes: the client is made per process (``redis_client.StoreClient``), never shared
+across ``fork``. Thread safety: redis-py clients are thread-safe; this class adds one lock,
+around the making of the key-event listener.
 
 Evictions: ``take_evicted`` follows the server's evicted / expired key events where the
 server publishes them (``storage_backends.redis_evictions``).
@@ -44,89 +34,30 @@ server publishes them (``storage_backends.redis_evictions``).
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import ssl
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
 import redis
-from redis.backoff import NoBackoff
-from redis.exceptions import AuthenticationError as RedisAuthenticationError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
 from storage_backends.base import Buffer, StorageBackend, StoreUsage
-from storage_backends.errors import (
-    PageFormatError,
-    StorageAuthError,
-    StorageConfigError,
-    StorageTLSError,
-    StorageUnavailable,
-)
+from storage_backends.errors import PageFormatError, StorageUnavailable
 from storage_backends.keys import check_hashes, is_page_hash
 from storage_backends.page_format import HEADER_SIZE, PageLayout, check_object, complete_object, encode_header
+from storage_backends.redis_client import STORE_ERRORS, StoreClient
 from storage_backends.redis_evictions import KeyEventListener
-from storage_backends.redis_wire import PageValue, connection_class_for
-from storage_backends.resilience import CircuitBreaker, ExponentialJitterBackoff
-from storage_backends.settings import RedisSettings, redact_url, tls_file_problems
+from storage_backends.redis_topology import Topology
+from storage_backends.redis_wire import PageValue
+from storage_backends.resilience import CircuitBreaker
+from storage_backends.settings import RedisSettings, redact_url
 from storage_backends.stats import StatsCounter, StorageStats
 
 log = logging.getLogger(__name__)
 
-# RedisClusterException is not a RedisError: the cluster client raises it when no startup node answers.
-_STORE_ERRORS = (RedisError, RedisClusterException, OSError)
 _GLOB_SPECIAL = str.maketrans({c: "\\" + c for c in "*?[]\\"})
-
-
-_redact = redact_url  # the URL without its secrets, for log lines and errors
-
-
-def _chain(exc: BaseException) -> Iterator[BaseException]:
-    """``exc`` and the exceptions it was raised from or during (redis-py wraps socket and
-    TLS errors in its own ``ConnectionError``)."""
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        yield cur
-        cur = cur.__cause__ or cur.__context__
-
-
-def attach_error(name: str, exc: BaseException, password_configured: bool, ca_file: str | None = None
-                 ) -> StorageUnavailable:
-    """The error a failed attach raises: ``StorageAuthError`` / ``StorageTLSError`` /
-    ``StorageUnavailable`` with a message that names the cause and the store ``name`` (a
-    redacted URL). Server and TLS messages never carry the password, so they are quoted.
-    ``ca_file`` is the configured ``tls_ca_file`` (None: the system trust store)."""
-    chain = list(_chain(exc))
-    if any(isinstance(e, RedisAuthenticationError) for e in chain):
-        if password_configured:
-            why = "the server refused the password (check password / password_file / password_env and the user)"
-        else:
-            why = "the server requires a password and none is configured (password, password_file or password_env)"
-        return StorageAuthError(f"{name}: authentication failed: {why}; server said: {exc}")
-    verify = next((e for e in chain if isinstance(e, ssl.SSLCertVerificationError)), None)
-    if verify is not None or "CERTIFICATE_VERIFY_FAILED" in str(exc):
-        detail = str(getattr(verify, "verify_message", None) or exc).rstrip(".")
-        if "mismatch" in detail:
-            hint = "the certificate does not name the URL's host; redis.tls_verify_hostname: false skips that check"
-        elif ca_file:
-            hint = f"the server's certificate does not chain to a CA in redis.tls_ca_file ({ca_file})"
-        else:
-            hint = "the server's certificate does not chain to a CA in the system trust store; set redis.tls_ca_file"
-        return StorageTLSError(f"{name}: certificate verify failed: {detail} ({hint})")
-    tls = next((e for e in chain if isinstance(e, ssl.SSLError)), None)
-    if tls is not None:
-        detail = getattr(tls, "reason", None) or str(tls)
-        return StorageTLSError(f"{name}: TLS handshake failed: {detail} (is the server speaking TLS on this port, "
-                               "and does it require a client certificate: redis.tls_cert_file?)")
-    return StorageUnavailable(f"{name}: cannot connect: {exc}")
 
 
 class RedisBackend(StorageBackend):
@@ -141,98 +72,14 @@ class RedisBackend(StorageBackend):
         self._prefix_b = self._prefix.encode()
         self._counters = StatsCounter()
         self._closed = False
-        self._client_lock = threading.Lock()
-        self._client: Any = None
-        self._pid = -1
-        self._node_breakers: dict[str, CircuitBreaker] = {}
+        self._listener_lock = threading.Lock()
         self._listener: KeyEventListener | None = None  # this process's, made by take_evicted
         self._listener_pid = -1
-        self.name = f"{'redis-cluster' if settings.cluster else 'redis'}:{_redact(settings.url)}"
-        res = settings.resilience
-        self._breaker = CircuitBreaker(
-            self.name,
-            res.failure_threshold,
-            self._probe,
-            ExponentialJitterBackoff(res.probe_base_s, res.probe_cap_s),
-            on_change=self._on_breaker_change,
-        )
-        # Read once, here: a client made later (after fork) uses the same secret. Never logged.
-        self._password = settings.resolve_password()
-        if settings.tls:
-            problems = tls_file_problems(settings.tls_ca_file, settings.tls_cert_file, settings.tls_key_file)
-            if problems:
-                raise StorageConfigError("; ".join(f"redis.{key}: {reason}" for key, reason in problems))
-        # A store that was asked for and cannot be used is an error at attach, naming why.
-        try:
-            self._conn().ping()
-        except _STORE_ERRORS as exc:
-            self._drop_client()
-            configured = self._password is not None or urlsplit(settings.url).password is not None
-            raise attach_error(self.name, exc, configured, settings.tls_ca_file) from exc
-
-    # -- client per process ------------------------------------------------------------
-
-    def _client_options(self) -> dict[str, Any]:
-        """What every client of this store is made with: timeouts, password, TLS."""
-        s = self.settings
-        t = s.resilience.timeout_s
-        common: dict[str, Any] = {
-            "socket_timeout": t,
-            "socket_connect_timeout": t,
-            "health_check_interval": 0,
-        }
-        if self._password is not None:
-            common["password"] = self._password
-        if s.tls:
-            common.update(
-                ssl_cert_reqs="required",
-                ssl_check_hostname=s.tls_verify_hostname,
-                ssl_ca_certs=s.tls_ca_file,
-                ssl_certfile=s.tls_cert_file,
-                ssl_keyfile=s.tls_key_file,
-            )
-        return common
-
-    def _make_client(self) -> Any:
-        s = self.settings
-        common = self._client_options()
-        common["retry"] = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
-        common["max_connections"] = s.max_connections
-        common["connection_class"] = connection_class_for(s.url)
-        url = s.url
-        try:
-            if s.cluster:
-                from redis.cluster import RedisCluster
-
-                if s.tls:
-                    # RedisCluster lets the URL's scheme pick redis-py's plain SSLConnection for
-                    # every node, over ours; with a redis:// URL it keeps our page-aware TLS
-                    # class, and the ssl_* options above still apply to each node.
-                    url = "redis://" + url.removeprefix("rediss://")
-                return RedisCluster.from_url(url, **common)
-            return redis.Redis.from_url(url, **common)
-        except ValueError as exc:  # bad URL pieces (port, db, options)
-            raise StorageConfigError(f"{self.name}: {redact_url(str(exc))}") from None
-
-    def _conn(self) -> Any:
-        client = self._client
-        if client is None or self._pid != os.getpid():
-            with self._client_lock:
-                if self._client is None or self._pid != os.getpid():
-                    # After fork the parent's sockets must not be used (nor closed) here.
-                    self._client = self._make_client()
-                    self._pid = os.getpid()
-                client = self._client
-        return client
-
-    def _drop_client(self) -> None:
-        with self._client_lock:
-            client, self._client = self._client, None
-        if client is not None and self._pid == os.getpid():
-            try:
-                client.close()
-            except _STORE_ERRORS as exc:
-                log.debug("%s: close failed: %s", self.name, exc)
+        self.name = f"{'redis-cluster' if settings.cluster else 'redis'}:{redact_url(settings.url)}"
+        self._client = StoreClient(settings, self.name)
+        self._topology = Topology(settings, self.name, self._client, self._counters, self._key)
+        self._breaker = self._topology.store
+        self._client.attach()
 
     def _key(self, h: str) -> bytes:
         return self._prefix_b + h.encode()
@@ -243,44 +90,7 @@ class RedisBackend(StorageBackend):
             yield lo, min(lo + per, n)
 
     def _pipeline(self) -> Any:
-        return self._conn().pipeline(transaction=False)
-
-    def _node_breaker(self, name: str) -> CircuitBreaker:
-        """The breaker of cluster node ``name`` (``host:port``), created on first use."""
-        breaker = self._node_breakers.get(name)
-        if breaker is None:
-            with self._client_lock:
-                breaker = self._node_breakers.get(name)
-                if breaker is None:
-                    res = self.settings.resilience
-                    breaker = CircuitBreaker(
-                        f"{self.name}@{name}",
-                        res.failure_threshold,
-                        functools.partial(self._probe_node, name),
-                        ExponentialJitterBackoff(res.probe_base_s, res.probe_cap_s),
-                        on_change=self._on_breaker_change,
-                    )
-                    if self._closed:
-                        breaker.close()
-                    self._node_breakers[name] = breaker
-        return breaker
-
-    def _route(self, hashes: Sequence[str], lo: int, hi: int) -> list[tuple[CircuitBreaker, list[int]]]:
-        """Indices ``lo..hi-1`` grouped by the breaker that guards them: the store's breaker
-        for a standalone server, the owning node's in cluster mode. May raise a store error
-        (the cluster client could not be built)."""
-        if not self.settings.cluster:
-            return [(self._breaker, list(range(lo, hi)))]
-        client = self._conn()
-        nodes = client.nodes_manager
-        groups: dict[str, list[int]] = {}
-        for i in range(lo, hi):
-            try:
-                name = nodes.get_node_from_slot(client.keyslot(self._key(hashes[i]))).name
-            except _STORE_ERRORS:
-                name = ""  # slot not covered right now: let the cluster client route it
-            groups.setdefault(name, []).append(i)
-        return [(self._node_breaker(name) if name else self._breaker, idx) for name, idx in groups.items()]
+        return self._client.conn().pipeline(transaction=False)
 
     def _store_failed(self, what: str, exc: BaseException, breaker: CircuitBreaker) -> None:
         timeout = isinstance(exc, (RedisTimeoutError, TimeoutError))
@@ -313,8 +123,8 @@ class RedisBackend(StorageBackend):
         for lo, hi in self._chunks(stop - first, value_bytes):
             lo, hi = lo + first, hi + first
             try:
-                groups = self._route(hashes, lo, hi)
-            except _STORE_ERRORS as exc:
+                groups = self._topology.route(hashes, lo, hi)
+            except STORE_ERRORS as exc:
                 self._store_failed(what, exc, self._breaker)
                 break
             for breaker, idx in groups:
@@ -326,7 +136,7 @@ class RedisBackend(StorageBackend):
                     for i in idx:
                         command(pipe, i)
                     results = pipe.execute(raise_on_error=False)
-                except _STORE_ERRORS as exc:
+                except STORE_ERRORS as exc:
                     self._store_failed(what, exc, breaker)
                     failed.add(key)
                     used.pop(key, None)
@@ -523,36 +333,31 @@ class RedisBackend(StorageBackend):
         if self.settings.cluster or self._closed:
             return []
         listener: KeyEventListener | None
-        with self._client_lock:
+        with self._listener_lock:
             if self._listener_pid != os.getpid():
                 self._listener_pid = os.getpid()  # once per process, followed or not
-                listener = KeyEventListener(lambda: redis.Redis.from_url(self.settings.url, **self._client_options()),
+                listener = KeyEventListener(lambda: redis.Redis.from_url(self.settings.url, **self._client.options()),
                                             self._prefix_b, self.name)
                 self._listener = listener if listener.start() else None
             listener = self._listener
         return listener.take() if listener is not None else []
 
     def stats(self) -> StorageStats:
-        up = self._breaker.up and all(b.up for b in list(self._node_breakers.values()))
-        return self._counters.snapshot(self.kind, up and not self._closed)
+        return self._counters.snapshot(self.kind, self._topology.up and not self._closed)
 
     def health(self) -> bool:
-        return not self._closed and self._probe()
+        return not self._closed and self._topology.probe()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._breaker.close()
-        with self._client_lock:
+        self._topology.close()
+        with self._listener_lock:
             listener, self._listener = self._listener, None
         if listener is not None and self._listener_pid == os.getpid():
             listener.close()
-        with self._client_lock:
-            node_breakers = list(self._node_breakers.values())
-        for breaker in node_breakers:
-            breaker.close()
-        self._drop_client()
+        self._client.drop()
 
     # -- administration ----------------------------------------------------------------
 
@@ -560,20 +365,20 @@ class RedisBackend(StorageBackend):
         pattern = self._prefix.translate(_GLOB_SPECIAL) + "*"
         plen = len(self._prefix_b)
         try:
-            for key in self._conn().scan_iter(match=pattern, count=1000):
+            for key in self._client.conn().scan_iter(match=pattern, count=1000):
                 raw = key if isinstance(key, bytes) else str(key).encode()
                 h = raw[plen:].decode("ascii", "replace")
                 if raw.startswith(self._prefix_b) and is_page_hash(h):
                     yield h
-        except _STORE_ERRORS as exc:
+        except STORE_ERRORS as exc:
             raise StorageUnavailable(f"{self.name}: SCAN failed: {exc}") from exc
 
     def read_object(self, h: str) -> bytes | None:
         (h,) = check_hashes([h])
         try:
-            value: bytes | None = self._conn().get(self._key(h))
+            value: bytes | None = self._client.conn().get(self._key(h))
             return value
-        except _STORE_ERRORS as exc:
+        except STORE_ERRORS as exc:
             raise StorageUnavailable(f"{self.name}: GET failed: {exc}") from exc
 
     def usage(self) -> StoreUsage:
@@ -596,53 +401,16 @@ class RedisBackend(StorageBackend):
                     total += flush()
             if batch:
                 total += flush()
-        except _STORE_ERRORS as exc:
+        except STORE_ERRORS as exc:
             raise StorageUnavailable(f"{self.name}: STRLEN failed: {exc}") from exc
         return StoreUsage(pages, total)
 
     def server_info(self) -> dict[str, Any]:
         """``maxmemory``, ``maxmemory-policy`` and used memory (first node in cluster mode)."""
         try:
-            info = self._conn().info("memory")
-        except _STORE_ERRORS as exc:
+            info = self._client.conn().info("memory")
+        except STORE_ERRORS as exc:
             raise StorageUnavailable(f"{self.name}: INFO failed: {exc}") from exc
         if self.settings.cluster and isinstance(info, dict) and info and isinstance(next(iter(info.values())), dict):
             info = next(iter(info.values()))
         return {k: info.get(k) for k in ("used_memory", "maxmemory", "maxmemory_policy")}
-
-    # -- health ------------------------------------------------------------------------
-
-    def _probe(self) -> bool:
-        """``PING`` (every primary in cluster mode); never raises."""
-        try:
-            return bool(self._conn().ping())
-        except _STORE_ERRORS as exc:
-            log.debug("%s: probe failed: %r", self.name, exc)
-            return False
-        except StorageConfigError:
-            return False
-
-    def _probe_node(self, name: str) -> bool:
-        """``PING`` cluster node ``name``. When it does not answer, ask the cluster where its
-        slots are now (``CLUSTER SLOTS`` through any node): True also once it owns none (a
-        replica was promoted in its place, its slots moved, it left). Never raises."""
-        try:
-            client = self._conn()
-        except (*_STORE_ERRORS, StorageConfigError):
-            return False
-        try:
-            node = client.get_node(node_name=name)
-            if node is None or client.get_redis_connection(node).ping():
-                return True
-        except _STORE_ERRORS as exc:
-            log.debug("%s: probe of node %s failed: %r", self.name, name, exc)
-        try:
-            client.nodes_manager.initialize()
-            return name not in {n.name for n in client.get_primaries()}
-        except _STORE_ERRORS as exc:
-            log.debug("%s: cannot refresh the cluster's slots: %r", self.name, exc)
-            return False
-
-    def _on_breaker_change(self, up: bool) -> None:
-        if not up:
-            self._counters.add(trips=1)

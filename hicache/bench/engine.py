@@ -27,7 +27,7 @@ Every figure comes with its reference measured in the same run, as medians and r
   time <= 1.1x; ``engine_lib.parts.run_steps``).
 * ``lookup``: the connector's side of a lookup that hits L2, first ask and ask again, at
   ``--lookup-tokens`` lengths against the shortest (goal for the longest: 1 ms;
-  ``engine_lib.parts.run_lookup``). No vLLM runs in this part.
+  ``engine_lib.lookup.run_lookup``). No vLLM runs in this part.
 * ``copy``: ``BlockCopier`` load and save against raw torch copies of the same blocks, in
   this process (``hicache.bench.engine_lib.copy_bench``).
 * ``peers``: what a vLLM-on-CPU user has without hicache: vLLM's ``OffloadingConnector``
@@ -212,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
                 code = 1
         vllm_parts = [p for p in parts if p != "copy"]  # and lookup, which needs the model's geometry
         if vllm_parts:
-            from hicache.bench.engine_lib.parts import Bench, ChatShape, kv_bytes_per_token
+            from hicache.bench.engine_lib.harness import Bench
+            from hicache.bench.engine_lib.parts import ChatShape, kv_bytes_per_token
             from hicache.bench.engine_lib.vllm_driver import save_random_model
 
             # room for the longest decode context (and at least the 8k the other parts use)
@@ -274,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
                 if not x["same_output_tokens"]:
                     code = 1
             if "lookup" in parts:
-                from hicache.bench.engine_lib.parts import run_lookup
+                from hicache.bench.engine_lib.lookup import run_lookup
 
                 lengths = [int(n) for n in args.lookup_tokens.split(",") if n.strip()]
                 f, x = run_lookup(bench, lengths=lengths, repeats=args.lookup_repeats)
@@ -286,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
                              f"{x['longest_first_ask_p99_ms']:.3f} ms), ask again "
                              f"{x['longest_ask_again_ms']:.3f} ms (medians of {x['repeats']})")
             if "peers" in parts:
-                from hicache.bench.engine_lib.parts import run_peers
+                from hicache.bench.engine_lib.peers import run_peers
 
                 x = run_peers(bench, prompt_tokens=args.peer_prompt_tokens,
                               repeats=args.peer_repeats)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from hicache.bench.capacity import Level, Sample, _levels, figures, flood_figures, summarize
+from hicache.bench.capacity import Level, _levels, figures, flood_figures, summarize
+from hicache.bench.capacity_lib.daemon import Sample
 from hicache.bench.capacity_lib.traffic import DECODED_TOKENS_FROM, Load, trace_prompts
 from hicache.cli.main import main
 from hicache.replay_sim.trace import Trace

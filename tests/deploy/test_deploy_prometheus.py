@@ -154,7 +154,7 @@ def test_unit_tests_fail_without_the_hold(alert: str, tmp_path: Path) -> None:
 
 
 def test_metric_names_are_hicache_specs() -> None:
-    """Every metric an alert or recording rule reads is one hicache/metrics.py defines (or
+    """Every metric an alert or recording rule reads is one hicache/metrics/catalogue.py defines (or
     Prometheus' own ``up``, or a recording rule of the same file)."""
     from deploy_helpers import promql_metric_names, rule_exprs
 

@@ -70,7 +70,7 @@ def test_redis_cluster_object_under_another_name_is_refused(redis_cluster: str) 
     assert be.batch_set([a], page) == [True]
     obj = be.read_object(a)
     assert obj is not None
-    be._conn().set(f"nc:{b}".encode(), obj)
+    be._client.conn().set(f"nc:{b}".encode(), obj)
     into = buffers(2)
     assert be.batch_get([a, b], into) == [True, False]
     assert bytes(into[0]) == page[0] and be.stats().corrupt == 1

@@ -1,5 +1,6 @@
-"""The vLLM parts of ``bench engine``: ``ttft``, ``multiturn``, ``decode``, ``steps``,
-``lookup`` and ``peers``.
+"""The vLLM parts of ``bench engine`` that run hicache beside vLLM alone: ``ttft``,
+``multiturn``, ``decode`` and ``steps`` (``peers`` and ``lookup`` have modules of their own;
+``Bench``, what every part needs: ``harness``).
 
 Each part starts its own engines (``VllmProcess``: vLLM in a child process) one after the
 other, never two at once, so they do not share the CPUs. Times are the driver's
@@ -8,87 +9,14 @@ other, never two at once, so they do not share the CPUs. Times are the driver's
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import math
-import os
-import random
-import re
-import shutil
-import statistics
-import subprocess
-import sys
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import protos
-from hicache.bench.engine_lib.hicache_side import EngineDaemon, write_engine_config
-from hicache.bench.engine_lib.vllm_driver import VllmError, VllmProcess
+from hicache.bench.engine_lib.harness import Bench, median, percentile, round_up
+from hicache.bench.engine_lib.vllm_driver import VllmProcess
 from hicache.bench.report import Figure
-
-LMCACHE_VERSION = "0.5.6"
-LMCACHE_IMPORT_EXTRAS = ("aiofile", "caio", "aiofiles", "nvtx")
-"""Pure-Python modules LMCache imports at start that are not otherwise installed here."""
-
-
-@dataclass
-class Bench:
-    """What every part needs: where to work, the model, and how to report progress.
-
-    ``dtype`` is passed to vLLM explicitly: on the CPU, ``auto`` runs a float32 checkpoint
-    in bfloat16."""
-
-    workdir: Path
-    model: str
-    block_size: int
-    kv_bytes_per_token: int
-    vocab: int
-    dtype: str
-    progress: Callable[[str], None]
-    engine_env: dict[str, str] = field(default_factory=dict)
-    tensor_parallel: int = 1
-    """vLLM's ``--tensor-parallel-size`` for every engine of the run (its ranks share the cores)."""
-    logs: list[str] = field(default_factory=list)
-
-    def log_path(self, name: str) -> Path:
-        path = self.workdir / "logs" / f"{name}.log"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.logs.append(str(path))
-        return path
-
-    def prompts(self, n: int, length: int, seed: int) -> list[list[int]]:
-        rng = random.Random(seed)
-        return [[rng.randrange(1, self.vocab) for _ in range(length)] for _ in range(n)]
-
-    def engine(self, name: str, env: dict[str, str] | None = None, **kw: Any) -> VllmProcess:
-        self.progress(f"starting vLLM ({name})")
-        kw.setdefault("tensor_parallel", self.tensor_parallel)
-        eng = VllmProcess(self.model, self.log_path(name), block_size=self.block_size, dtype=self.dtype,
-                          env={**self.engine_env, **(env or {})}, **kw)
-        self.progress(f"vLLM ({name}) started in {eng.start_s:.0f} s")
-        return eng
-
-    def daemon(self, name: str, l2_tokens: int) -> EngineDaemon:
-        base = self.workdir / name
-        if base.exists():
-            shutil.rmtree(base)
-        cfg = write_engine_config(base / "hicache.yaml", model=self.model, page_size=self.block_size,
-                                  l2_tokens=l2_tokens, l3_dir=base / "l3", ipc_dir=base / "run")
-        d = EngineDaemon(cfg, self.log_path(f"{name}-daemon"))
-        d.start()
-        return d
-
-
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
 
 # ---------------------------------------------------------------------- ttft
 
@@ -111,7 +39,7 @@ def run_ttft(b: Bench, *, prompt_tokens: int, repeats: int) -> tuple[list[Figure
     Every case must return the cold output token.
     """
     prompts = b.prompts(repeats, prompt_tokens, seed=1)
-    max_len = _round_up(prompt_tokens + b.block_size, b.block_size)
+    max_len = round_up(prompt_tokens + b.block_size, b.block_size)
     blocks = max(64, 2 * repeats * max_len // b.block_size + 16)
     times: dict[str, list[float]] = {k: [] for k in ("cold", "vllm_hit", "hicache_miss", "l2", "vllm_hit_l3", "l3")}
     cached: dict[str, list[int]] = {k: [] for k in times}
@@ -124,7 +52,7 @@ def run_ttft(b: Bench, *, prompt_tokens: int, repeats: int) -> tuple[list[Figure
         outputs[case].append((rep, list(r["outputs"][0])))
         b.progress(f"ttft {case:12s} prompt {rep}: {r['elapsed_s'] * 1000:9.1f} ms, cached {r['cached'][0]}")
 
-    l2_tokens = _round_up(2 * repeats * max_len + 4096, b.block_size)
+    l2_tokens = round_up(2 * repeats * max_len + 4096, b.block_size)
     daemon = b.daemon("ttft-hicache", l2_tokens)
     restarted = False
     alone: VllmProcess | None = None
@@ -159,12 +87,12 @@ def run_ttft(b: Bench, *, prompt_tokens: int, repeats: int) -> tuple[list[Figure
         daemon.stop()
     cold_out = dict(outputs["cold"])  # each case against the cold answer to its own prompt
     same = all(out == cold_out[rep] for c in outputs for rep, out in outputs[c])
-    cold = _median(times["cold"]) * 1000
-    hit = _median(times["vllm_hit"]) * 1000
-    l2 = _median(times["l2"]) * 1000
-    l3 = _median(times["l3"]) * 1000
-    hit_l3 = _median(times["vllm_hit_l3"]) * 1000  # measured beside the L3 cases
-    miss = _median(times["hicache_miss"]) * 1000
+    cold = median(times["cold"]) * 1000
+    hit = median(times["vllm_hit"]) * 1000
+    l2 = median(times["l2"]) * 1000
+    l3 = median(times["l3"]) * 1000
+    hit_l3 = median(times["vllm_hit_l3"]) * 1000  # measured beside the L3 cases
+    miss = median(times["hicache_miss"]) * 1000
     n = prompt_tokens
     figures = [
         Figure(f"TTFT vLLM own prefix hit ({n} tok)", "ms", hit, "vLLM cold", cold, higher_is_better=False),
@@ -205,8 +133,8 @@ class ChatShape:
 def chat_kv_blocks(b: Bench, shape: ChatShape, kv_space_gib: float | None) -> tuple[int, int, int]:
     """(vLLM KV blocks, working-set blocks, max_model_len) for the multi-turn part: by
     default a third of the working set, at least ``max_model_len`` and a block more."""
-    max_len = _round_up(shape.final_tokens + b.block_size, b.block_size)
-    working = shape.conversations * _round_up(shape.final_tokens, b.block_size) // b.block_size
+    max_len = round_up(shape.final_tokens + b.block_size, b.block_size)
+    working = shape.conversations * round_up(shape.final_tokens, b.block_size) // b.block_size
     block_bytes = b.kv_bytes_per_token * b.block_size
     if kv_space_gib is not None:
         blocks = int(kv_space_gib * (1 << 30)) // block_bytes
@@ -242,7 +170,7 @@ def _chat_run(b: Bench, name: str, shape: ChatShape, blocks: int, max_len: int,
             out["answers"].append(answers)
             ttft_round = out["ttft_s"][-shape.conversations:]
             b.progress(f"multiturn {name}: round {r + 1}/{shape.rounds}: answers {res['elapsed_s']:.2f} s, "
-                       f"TTFT p50 {_median(ttft_round) * 1000:.0f} ms, hit tokens "
+                       f"TTFT p50 {median(ttft_round) * 1000:.0f} ms, hit tokens "
                        f"{sum(out['answer_cached'][-1])}/{sum(len(p) for p in prompts)}")
             history = [prompts[c] + answers[c] for c in range(shape.conversations)]
     finally:
@@ -258,7 +186,7 @@ def run_multiturn(b: Bench, shape: ChatShape, kv_space_gib: float | None) -> tup
     b.progress(f"multiturn: working set {working} blocks ({working * block_bytes / (1 << 20):.1f} MiB), "
                f"vLLM KV space {blocks} blocks ({blocks * block_bytes / (1 << 20):.1f} MiB)")
     alone = _chat_run(b, "chat-vllm", shape, blocks, max_len, None)
-    l2_tokens = _round_up(4 * working * b.block_size + 4096, b.block_size)
+    l2_tokens = round_up(4 * working * b.block_size + 4096, b.block_size)
     daemon = b.daemon("chat-hicache", l2_tokens)
     try:
         with_hc = _chat_run(b, "chat-hicache", shape, blocks, max_len, str(daemon.config))
@@ -288,10 +216,10 @@ def run_multiturn(b: Bench, shape: ChatShape, kv_space_gib: float | None) -> tup
     figures = [
         Figure(f"chat throughput ({c} conv x {r} rounds)", "tok/s", tput(with_hc), "vLLM alone", tput(alone),
                goal=2.0),
-        Figure("chat TTFT p50 (1-token probe)", "ms", _median(with_hc["ttft_s"]) * 1000, "vLLM alone",
-               _median(alone["ttft_s"]) * 1000, higher_is_better=False, goal=0.4),
-        Figure("chat round latency p50 (answers)", "ms", _median(with_hc["round_s"]) * 1000, "vLLM alone",
-               _median(alone["round_s"]) * 1000, higher_is_better=False),
+        Figure("chat TTFT p50 (1-token probe)", "ms", median(with_hc["ttft_s"]) * 1000, "vLLM alone",
+               median(alone["ttft_s"]) * 1000, higher_is_better=False, goal=0.4),
+        Figure("chat round latency p50 (answers)", "ms", median(with_hc["round_s"]) * 1000, "vLLM alone",
+               median(alone["round_s"]) * 1000, higher_is_better=False),
         Figure("chat answer hit tokens", "tok", hits["hicache"]["answer_hit_tokens"], "vLLM alone",
                hits["vllm"]["answer_hit_tokens"]),
         Figure("chat probe hit tokens", "tok", hits["hicache"]["probe_hit_tokens"], "vLLM alone",
@@ -305,160 +233,6 @@ def run_multiturn(b: Bench, shape: ChatShape, kv_space_gib: float | None) -> tup
              "hicache": {k: v for k, v in with_hc.items() if k not in ("answers", "probe_tokens")},
              "daemon_stats": {"engine": stats.get("engine"), "tiers": stats.get("tiers")}}
     return figures, extra
-
-
-# ---------------------------------------------------------------------- peers
-
-
-def _refusal(text: str) -> str:
-    """The root cause in an engine's log: the first specific exception line (vLLM repeats the
-    worker's error under generic wrappers such as "Engine core initialization failed")."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    generic = re.compile(r"(?i)engine core initialization failed|see root cause|please check the stack trace")
-    for pat in (r"\b(\w+Error|Exception): .+", r"(?i)not supported.*", r"(?i)error.*"):
-        for ln in lines:
-            m = re.search(pat, ln)
-            if m and not generic.search(m.group(0)):
-                return m.group(0)[:600]
-    return (lines[-1] if lines else "(empty log)")[:600]
-
-
-def _lmcache_site(b: Bench) -> tuple[str | None, str]:
-    """A directory to put on PYTHONPATH so LMCache imports, and what was done to get it."""
-    if importlib.util.find_spec("lmcache") is not None:
-        return "", "installed in this environment"
-    site = b.workdir / "lmcache-site"
-    if (site / "lmcache").is_dir():
-        return str(site), f"installed earlier into {site}"
-    # Isolated: into a private directory and without dependencies, so this environment's torch
-    # and vLLM stay as they are; only the pure-Python modules it imports at start are added.
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site),
-           f"lmcache=={LMCACHE_VERSION}", *LMCACHE_IMPORT_EXTRAS]
-    b.progress(f"peers: {' '.join(cmd[2:])}")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return None, f"pip install lmcache=={LMCACHE_VERSION} failed: {exc}"
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return None, f"pip install lmcache=={LMCACHE_VERSION} failed: {' | '.join(tail)}"
-    return str(site), f"installed (no dependencies) into {site} with {', '.join(LMCACHE_IMPORT_EXTRAS)}"
-
-
-def _peer_engine(b: Bench, name: str, kv_transfer: dict[str, Any], max_len: int, blocks: int
-                 ) -> tuple[VllmProcess | None, dict[str, Any]]:
-    """A vLLM engine with another connector (its prefix caching on), or None and its refusal
-    (``started``, ``refusal``: the root cause in its log, ``after_s``)."""
-    t0 = time.perf_counter()
-    try:
-        return b.engine(name, prefix_caching=True, max_model_len=max_len, num_blocks=blocks,
-                        kv_transfer=kv_transfer), {}
-    except VllmError as exc:
-        log = b.workdir / "logs" / f"{name}.log"
-        text = log.read_text(errors="replace") if log.is_file() else str(exc)
-        return None, {"started": False, "refusal": _refusal(text), "after_s": time.perf_counter() - t0}
-
-
-def _simple_cpu_offload(b: Bench, prompt_tokens: int, repeats: int, max_len: int, blocks: int) -> dict[str, Any]:
-    """vLLM 0.32's own ``SimpleCPUOffloadConnector``: whether it starts on this CPU, and where
-    it does, TTFT of a prompt served from its CPU tier (vLLM's prefix cache reset between
-    the first request and the repeat, as for hicache's L2 case) against the first request."""
-    cfg = {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
-           "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}}
-    eng, refused = _peer_engine(b, "peer-simple-cpu-offload", cfg, max_len, blocks)
-    if eng is None:
-        return refused
-    first: list[float] = []
-    again: list[float] = []
-    cached: list[int] = []
-    same = True
-    try:
-        for ids in b.prompts(repeats, prompt_tokens, seed=13):
-            r1 = eng.generate([ids], 1, timeout_s=1800)
-            time.sleep(0.5)  # its stores run between steps
-            eng.reset_prefix_cache()
-            r2 = eng.generate([ids], 1, timeout_s=1800)
-            first.append(float(r1["elapsed_s"]))
-            again.append(float(r2["elapsed_s"]))
-            cached.append(int(r2["cached"][0]))
-            same = same and r1["outputs"] == r2["outputs"]
-    finally:
-        eng.stop()
-    return {"started": True, "first_s": first, "repeat_s": again, "repeat_cached": cached,
-            "same_output_tokens": same, "repeat_over_first": _median(again) / _median(first) if first else math.nan}
-
-
-def run_peers(b: Bench, *, prompt_tokens: int, repeats: int) -> dict[str, Any]:
-    """What vLLM on the CPU offers without hicache: vLLM's ``OffloadingConnector`` and
-    ``SimpleCPUOffloadConnector`` (started, or their refusal reported; where the latter runs,
-    TTFT of a repeat served from its CPU tier against the first request) and LMCache's
-    ``LMCacheConnectorV1`` (installed if possible; if the engine starts, TTFT of a repeated prompt against its first request, vLLM's own prefix
-    caching off so only LMCache could serve the repeat)."""
-    max_len = _round_up(prompt_tokens + b.block_size, b.block_size)
-    blocks = max(64, 4 * max_len // b.block_size)
-    out: dict[str, Any] = {}
-    offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-               "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}}
-    peer, refused = _peer_engine(b, "peer-offloading", offload, max_len, blocks)
-    if peer is None:
-        out["offloading"] = refused
-    else:
-        res = peer.generate(b.prompts(1, 64, seed=7), 1)
-        peer.stop()
-        out["offloading"] = {"started": True, "note": "vLLM started with OffloadingConnector on the CPU",
-                             "smoke_cached": res["cached"]}
-    b.progress(f"peers: OffloadingConnector: {out['offloading']}")
-    out["simple_cpu_offload"] = _simple_cpu_offload(b, prompt_tokens, repeats, max_len, blocks)
-    b.progress(f"peers: SimpleCPUOffloadConnector: {out['simple_cpu_offload']}")
-
-    site, how = _lmcache_site(b)
-    lm: dict[str, Any] = {"version": LMCACHE_VERSION, "install": how}
-    out["lmcache"] = lm
-    if site is None:
-        b.progress(f"peers: LMCache: {how}")
-        return out
-    env = {"LMCACHE_CHUNK_SIZE": str(b.block_size * 8), "LMCACHE_LOCAL_CPU": "True",
-           "LMCACHE_MAX_LOCAL_CPU_SIZE": "2", "LMCACHE_USE_EXPERIMENTAL": "True"}
-    if site:
-        env["PYTHONPATH"] = os.pathsep.join(x for x in (site, os.environ.get("PYTHONPATH", "")) if x)
-    lm["env"] = env
-    saved = dict(b.engine_env)
-    b.engine_env.update(env)
-    try:
-        eng = b.engine("peer-lmcache", prefix_caching=False, max_model_len=max_len, num_blocks=blocks,
-                       kv_transfer={"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})
-    except VllmError as exc:
-        log = b.workdir / "logs" / "peer-lmcache.log"
-        text = log.read_text(errors="replace") if log.is_file() else str(exc)
-        lm.update(started=False, refusal=_refusal(text))
-        b.progress(f"peers: LMCache: vLLM did not start: {lm['refusal']}")
-        return out
-    finally:
-        b.engine_env.clear()
-        b.engine_env.update(saved)
-    try:
-        first: list[float] = []
-        again: list[float] = []
-        cached: list[int] = []
-        same = True
-        for rep, ids in enumerate(b.prompts(repeats, prompt_tokens, seed=11)):
-            r1 = eng.generate([ids], 1, timeout_s=1800)
-            time.sleep(0.5)
-            r2 = eng.generate([ids], 1, timeout_s=1800)
-            first.append(float(r1["elapsed_s"]))
-            again.append(float(r2["elapsed_s"]))
-            cached.append(int(r2["cached"][0]))
-            same = same and r1["outputs"] == r2["outputs"]
-            b.progress(f"peers: LMCache prompt {rep}: first {r1['elapsed_s'] * 1000:.0f} ms, repeat "
-                       f"{r2['elapsed_s'] * 1000:.0f} ms, repeat cached {r2['cached'][0]}")
-        log_text = eng.log_path.read_text(errors="replace")
-    finally:
-        eng.stop()
-    errors = [ln for ln in log_text.splitlines() if re.search(r"(?i)lmcache error|^\w*Error: ", ln)]
-    warnings = list(dict.fromkeys(re.sub(r"\x1b\[[0-9;]*m", "", _refusal(ln)) for ln in errors))[:5]
-    lm.update(started=True, first_s=first, repeat_s=again, repeat_cached=cached, same_output_tokens=same,
-              repeat_over_first=_median(again) / _median(first) if first else math.nan, log_warnings=warnings)
-    return out
 
 
 def l2_bytes_per_cached_token(stats: dict[str, Any], block_size: int) -> float | None:
@@ -495,9 +269,9 @@ def run_decode(b: Bench, *, contexts: list[int], decode_tokens: int) -> tuple[li
     once per request, is not counted). Reference: the shortest context, in the same run;
     the goal is a ratio of at most 1.1 (constant in the context length)."""
     longest = max(contexts)
-    max_len = _round_up(longest + decode_tokens + 2 * b.block_size, b.block_size)
+    max_len = round_up(longest + decode_tokens + 2 * b.block_size, b.block_size)
     blocks = 2 * max_len // b.block_size + 16
-    daemon = b.daemon("decode-hicache", _round_up(2 * max_len * len(contexts), b.block_size))
+    daemon = b.daemon("decode-hicache", round_up(2 * max_len * len(contexts), b.block_size))
     rows: list[dict[str, Any]] = []
     eng: VllmProcess | None = None
     try:
@@ -541,13 +315,6 @@ STEP_KINDS = ("l3", "l2", "miss")
 """The mixed workload of ``run_steps``: request ``i`` is a ``STEP_KINDS[i % 3]``."""
 
 
-def _percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    ordered = sorted(xs)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 def run_steps(b: Bench, *, requests: int, prompt_tokens: int, max_tokens: int) -> tuple[list[Figure], dict[str, Any]]:
     """vLLM's step time under a mixed workload, with hicache against vLLM alone.
 
@@ -563,7 +330,7 @@ def run_steps(b: Bench, *, requests: int, prompt_tokens: int, max_tokens: int) -
     prompts = b.prompts(requests, prompt_tokens, seed=40)
     kinds = [STEP_KINDS[i % len(STEP_KINDS)] for i in range(requests)]
     arrivals = [2 * i for i in range(requests)]
-    max_len = _round_up(prompt_tokens + max_tokens + b.block_size, b.block_size)
+    max_len = round_up(prompt_tokens + max_tokens + b.block_size, b.block_size)
     blocks = 3 * requests * max_len // b.block_size + 16
     in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     hits = {k: [p for p, kind in zip(prompts, kinds, strict=True) if kind == k] for k in STEP_KINDS}
@@ -576,7 +343,7 @@ def run_steps(b: Bench, *, requests: int, prompt_tokens: int, max_tokens: int) -
     finally:
         alone.stop()
     b.progress(f"steps vLLM alone: {len(ref['step_s'])} steps")
-    daemon = b.daemon("steps-hicache", _round_up(2 * requests * max_len + 4096, b.block_size))
+    daemon = b.daemon("steps-hicache", round_up(2 * requests * max_len + 4096, b.block_size))
     eng: VllmProcess | None = None
     try:
         eng = b.engine("steps-hicache", hicache_config=str(daemon.config), **common)
@@ -601,8 +368,8 @@ def run_steps(b: Bench, *, requests: int, prompt_tokens: int, max_tokens: int) -
     for name, key in (("step time", "step_s"), ("scheduler time per step", "schedule_s")):
         mine, theirs = got[key], ref[key]
         for q, label in ((0.5, "p50"), (0.99, "p99")):
-            figures.append(Figure(f"steps: vLLM {name} {label} (a third L3 hits)", "ms", _percentile(mine, q) * 1000,
-                                  "vLLM alone (own prefix hits)", _percentile(theirs, q) * 1000,
+            figures.append(Figure(f"steps: vLLM {name} {label} (a third L3 hits)", "ms", percentile(mine, q) * 1000,
+                                  "vLLM alone (own prefix hits)", percentile(theirs, q) * 1000,
                                   higher_is_better=False, goal=1.1 if key == "step_s" and label == "p99" else None))
     extra = {"requests": requests, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "kinds": kinds,
              "same_output_tokens": got["outputs"] == ref["outputs"], "hicache_cached": cached,
@@ -610,94 +377,3 @@ def run_steps(b: Bench, *, requests: int, prompt_tokens: int, max_tokens: int) -
              "daemon": counters, "step_s": {"hicache": got["step_s"], "vllm": ref["step_s"]},
              "schedule_s": {"hicache": got["schedule_s"], "vllm": ref["schedule_s"]}}
     return figures, extra
-
-
-# ---------------------------------------------------------------------- lookup
-
-
-LOOKUP_GOAL_MS = 1.0
-"""The connector-side time a lookup of the longest prompt should take at most."""
-
-
-def _reserve_msg(items: list[protos.SaveRange]) -> Callable[[int, protos.EngineRegistered], protos.Reserve]:
-    def make(req: int, reg: protos.EngineRegistered) -> protos.Reserve:
-        return protos.Reserve(req, reg.session, reg.run, items)
-
-    return make
-
-
-def _lookup_msg(rid: str, ids: bytes, base: int) -> Callable[[int, protos.EngineRegistered], protos.Lookup]:
-    def make(req: int, reg: protos.EngineRegistered) -> protos.Lookup:
-        return protos.Lookup(req, reg.session, reg.run, rid, ids, "", True, base)
-
-    return make
-
-
-def run_lookup(b: Bench, *, lengths: list[int], repeats: int) -> tuple[list[Figure], dict[str, Any]]:
-    """The connector's side of a lookup whose pages L2 holds, at several prompt lengths.
-
-    A session of the daemon's own protocol client (``CacheSession``, what the connector
-    uses) saves each prompt's pages (reserved and committed: a lookup reads no page bytes),
-    then times, as the connector does them: a request's first ask (its prompt packed once,
-    ``PackedTokens``, and sent up to its last full page; the daemon's match and lease; the
-    answer decoded) and an ask again of a waiting request (``base``: no token sent), each
-    followed by the lease's release (not timed). Medians (and the longest's p99) over
-    ``repeats``; the reference is the shortest length, in the same run; the goal for the
-    longest is 1 ms."""
-    from hicache.cache_server.geometry import geometry_from_config, sliding_window_from_config
-    from hicache.config import load_config
-    from hicache.connectors.engine_client import CacheSession
-    from hicache.connectors.token_pack import PackedTokens
-    from hicache.connectors.vllm import engine_address
-
-    longest = max(lengths)
-    daemon = b.daemon("lookup-hicache", _round_up(sum(lengths) + 4096, b.block_size))
-    rows: list[dict[str, Any]] = []
-    try:
-        cfg = load_config(str(daemon.config))
-        g = geometry_from_config(cfg)
-        register = protos.EngineRegister(0, "bench-lookup", os.getpid(), g, g.page_bytes, "b" * 64,
-                                         window_tokens=sliding_window_from_config(cfg))
-        session = CacheSession(engine_address(cfg), 5000, register)
-        try:
-            for n in sorted(lengths):
-                tokens = b.prompts(1, n + 1, seed=n)[0]
-                usable = n // b.block_size * b.block_size
-                saved = session.call(_reserve_msg([protos.SaveRange(f"save-{n}", protos.pack_tokens(tokens[:usable]),
-                                                                     0)]))
-                assert isinstance(saved, protos.ReserveResult) and saved.items[0].lease, saved
-                reg = session.registered
-                assert reg is not None
-                session.send(protos.Commit(reg.session, reg.run, saved.items[0].lease, True))
-                row: dict[str, Any] = {"tokens": n, "first_s": [], "again_s": [], "hit_pages": 0}
-                for r in range(repeats):
-                    rid = f"ask-{n}-{r}"
-                    packed = PackedTokens()  # the request's, kept from its first ask on
-                    for case, base in (("first_s", 0), ("again_s", usable)):
-                        t0 = time.perf_counter()
-                        packed.extend(tokens, len(tokens))
-                        ids = packed.span(base, usable)
-                        ans = session.call(_lookup_msg(rid, ids, base))
-                        row[case].append(time.perf_counter() - t0)
-                        assert isinstance(ans, protos.LookupResult) and not ans.pending, ans
-                        row["hit_pages"] = len(ans.host_pages)
-                        session.send(protos.Release(reg.session, reg.run, ans.lease, 0))
-                    session.send(protos.Finished(reg.session, reg.run, rid))
-                rows.append(row)
-                b.progress(f"lookup {n:6d} tokens: first ask {_median(row['first_s']) * 1e3:.3f} ms, ask again "
-                           f"{_median(row['again_s']) * 1e3:.3f} ms, hit {row['hit_pages']} pages")
-        finally:
-            session.close()
-    finally:
-        daemon.stop()
-    ref = rows[0]
-    figures = []
-    for row in rows[1:]:
-        for case, label in (("first_s", "first ask"), ("again_s", "ask again")):
-            figures.append(Figure(f"lookup: {label}, {row['tokens']}-token L2 hit", "ms", _median(row[case]) * 1e3,
-                                  f"{ref['tokens']}-token L2 hit", _median(ref[case]) * 1e3, higher_is_better=False))
-    top = next(r for r in rows if r["tokens"] == longest)
-    return figures, {"rows": rows, "repeats": repeats, "longest": longest,
-                     "longest_first_ask_ms": _median(top["first_s"]) * 1e3,
-                     "longest_first_ask_p99_ms": _percentile(top["first_s"], 0.99) * 1e3,
-                     "longest_ask_again_ms": _median(top["again_s"]) * 1e3, "goal_ms": LOOKUP_GOAL_MS}

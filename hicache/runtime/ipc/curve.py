@@ -1,15 +1,8 @@
-"""Typed ZeroMQ sockets and private IPC addresses.
-
-Each socket wrapper is bound to the message types its endpoint accepts (``accepts``): a
-frame that does not decode, or decodes to a message this endpoint is not meant to receive,
-raises ``ProtocolError`` from ``recv`` *after* the frame was consumed, so the caller logs it
-(and answers it, for ROUTER sockets) and goes on with the next frame.
-
-Addresses: by default ``ipc://`` sockets inside a private runtime directory created with mode
-0700, so no other user can connect. ``tcp://`` only when configured.
+"""CURVE on the daemon's sockets: the key directory, the ZAP domains, the secure context
+(docs/architecture.md §2).
 
 CURVE (``ipc.curve_keys_dir``, a directory written by ``hicache keygen``): each process makes
-its context with ``open_context(endpoints)``; the wrappers below then make every socket they
+its context with ``open_context(endpoints)``; the wrappers of ``ipc.sockets`` then make every socket they
 bind a CURVE server (the server key pair) and every socket they connect a CURVE client (the
 client key pair, the server's public key), and the context runs a ZAP authenticator. Each
 bound socket names its ZAP domain, and each domain admits its own keys only:
@@ -33,83 +26,16 @@ without a domain admits no one. Secret keys are never logged and never appear in
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import shutil
 import stat
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import zmq
 
-from protos import Message, ProtocolError, decode, encode
-
-M = TypeVar("M", bound=Message)
-
-ENDPOINT_NAMES = ("scheduler", "tokenizer", "controller", "launcher", "engine")
-"""``engine``: the cache server's ROUTER for engine connectors (engine mode only)."""
-
-
-def make_runtime_dir(base: str | None = None) -> Path:
-    """Create a fresh private directory (mode 0700) for sockets; ``base`` None = the user's runtime dir.
-
-    Raises PermissionError if the directory ends up accessible to other users.
-    """
-    parent = base or os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    os.makedirs(parent, exist_ok=True)
-    path = Path(tempfile.mkdtemp(prefix="hicache-", dir=parent))
-    os.chmod(path, 0o700)
-    ensure_private(path)
-    return path
-
-
-@dataclass(frozen=True)
-class FixedRuntimeDir:
-    """A configured ``ipc.dir``, so a clean stop removes what the daemon puts there and
-    nothing of anyone else (the directory may be shared, such as ``/run``).
-
-    ``OWN_ENTRIES`` are the names the daemon creates there: its ``ipc://`` sockets,
-    ``heartbeat/`` and ``metrics/``. ``clear`` removes those (also when a daemon that did not
-    stop cleanly left them) and nothing else; the directory itself only if the daemon
-    created it (``existed`` False) and it is empty by then."""
-
-    path: Path
-    existed: bool
-
-    OWN_ENTRIES = ("heartbeat", "metrics", *(f"{name}.sock" for name in ENDPOINT_NAMES))
-
-    @classmethod
-    def before_start(cls, path: Path) -> FixedRuntimeDir:
-        return cls(path, path.is_dir())
-
-    def clear(self) -> None:
-        for name in self.OWN_ENTRIES:
-            entry = self.path / name
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    entry.unlink()
-        if not self.existed:
-            with contextlib.suppress(OSError):  # not empty: someone else's files are there
-                self.path.rmdir()
-
-
-def ensure_private(path: Path) -> None:
-    """Raise PermissionError unless ``path`` is a directory only its owner can enter."""
-    st = path.stat()
-    if not stat.S_ISDIR(st.st_mode):
-        raise PermissionError(f"{path} is not a directory")
-    if st.st_mode & 0o077:
-        raise PermissionError(f"{path} is accessible to other users (mode {oct(st.st_mode & 0o777)})")
-    if st.st_uid != os.getuid():
-        raise PermissionError(f"{path} is owned by uid {st.st_uid}, not by this user")
-
-
-# --------------------------------------------------------------------------- CURVE
+from hicache.runtime.ipc.addresses import Endpoints
 
 SERVER_PUBLIC_FILE = "server.key"
 SERVER_SECRET_FILE = "server.key_secret"
@@ -305,7 +231,7 @@ class _KeySet:
 
 
 class SecureContext(zmq.Context[zmq.Socket[bytes]]):
-    """A context whose socket wrappers (below) use CURVE with ``curve_keys``.
+    """A context whose socket wrappers (``ipc.sockets``) use CURVE with ``curve_keys``.
 
     ``start`` runs a ZAP authenticator (``zmq.auth.thread.ThreadAuthenticator``) that admits,
     per ZAP domain, the keys ``CurveKeys.admitted`` lists and no other (a socket without a
@@ -369,210 +295,3 @@ def _engine_address(endpoints: Endpoints | None) -> str | None:
         return None if endpoints is None else endpoints.address("engine")
     except ValueError:  # ipc endpoints without a directory: no sockets to bind at all
         return None
-
-
-def _curve_of(ctx: zmq.SyncContext) -> CurveKeys | None:
-    return ctx.curve_keys if isinstance(ctx, SecureContext) else None
-
-
-def _bind_or_connect(ctx: zmq.SyncContext, socket: zmq.SyncSocket, address: str, bind: bool) -> None:
-    """Bind (a CURVE server) or connect (a CURVE client) ``socket``; plain when ``ctx`` has no keys."""
-    keys = _curve_of(ctx)
-    if keys is not None:
-        if bind:
-            assert isinstance(ctx, SecureContext)
-            curve_server(socket, keys, ctx.domain_of(address))
-        else:
-            curve_client(socket, keys.client())
-    (socket.bind if bind else socket.connect)(address)
-
-
-# --------------------------------------------------------------------------- endpoints
-
-
-@dataclass(frozen=True)
-class Endpoints:
-    """The address each process binds for the messages it receives.
-
-    ``ipc``: ``ipc://{dir}/{name}.sock``; ``tcp``: ``tcp://{host}:{base_port + i}``.
-    ``curve_keys_dir``: CURVE on (see ``open_context``); None = plain sockets.
-    """
-
-    transport: str
-    dir: str | None = None
-    tcp_host: str = "127.0.0.1"
-    tcp_base_port: int = 0
-    curve_keys_dir: str | None = None
-
-    def address(self, name: str) -> str:
-        if name not in ENDPOINT_NAMES:
-            raise ValueError(f"unknown endpoint {name!r}; known: {', '.join(ENDPOINT_NAMES)}")
-        if self.transport == "ipc":
-            if not self.dir:
-                raise ValueError("ipc endpoints need a directory")
-            return f"ipc://{os.path.join(self.dir, name)}.sock"
-        if self.transport == "tcp":
-            return f"tcp://{self.tcp_host}:{self.tcp_base_port + ENDPOINT_NAMES.index(name)}"
-        raise ValueError(f"unknown transport {self.transport!r}")
-
-
-def _check_type(msg: Message, accepts: tuple[type[M], ...]) -> M:
-    """``msg`` as one of the ``accepts`` types; ProtocolError if it is none of them."""
-    if not isinstance(msg, accepts):
-        names = ", ".join(c.__name__ for c in accepts)
-        raise ProtocolError(f"{type(msg).__name__} is not accepted on this endpoint (accepts {names})")
-    return msg
-
-
-class PushSocket(Generic[M]):
-    """Sends messages of type ``M`` to one PULL endpoint."""
-
-    def __init__(self, ctx: zmq.SyncContext, address: str, *, bind: bool = False) -> None:
-        self.socket = ctx.socket(zmq.PUSH)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        _bind_or_connect(ctx, self.socket, address, bind)
-
-    def send(self, msg: M) -> None:
-        self.socket.send(encode(msg), copy=False)
-
-    def close(self, linger_ms: int = 0) -> None:
-        """Close; with ``linger_ms`` > 0, first wait up to that long for queued messages to leave."""
-        self.socket.close(linger=linger_ms)
-
-
-def _poller_for(socket: zmq.SyncSocket) -> zmq.Poller:
-    """A poller watching ``socket`` for input (made once per wrapper: ``Socket.poll`` builds a
-    new ``Poller`` on every call)."""
-    poller = zmq.Poller()
-    poller.register(socket, zmq.POLLIN)
-    return poller
-
-
-def _recv_typed(socket: zmq.SyncSocket, poller: zmq.Poller, accepts: tuple[type[M], ...],
-                timeout_ms: int | None) -> M | None:
-    """The next message of an accepted type, or None if none arrived within ``timeout_ms``
-    (None = block). A bad frame is consumed and raises ProtocolError."""
-    if timeout_ms is not None and not poller.poll(timeout_ms):
-        return None
-    return _check_type(decode(socket.recv(copy=True)), accepts)
-
-
-class PullSocket(Generic[M]):
-    """Receives messages whose types are in ``accepts``; garbage raises ProtocolError."""
-
-    def __init__(self, ctx: zmq.SyncContext, address: str, accepts: tuple[type[M], ...], *, bind: bool = True) -> None:
-        self.socket = ctx.socket(zmq.PULL)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.accepts = accepts
-        self._poller = _poller_for(self.socket)
-        _bind_or_connect(ctx, self.socket, address, bind)
-
-    def recv(self, timeout_ms: int | None = None) -> M | None:
-        """The next message, or None if none arrived within ``timeout_ms`` (None = block)."""
-        return _recv_typed(self.socket, self._poller, self.accepts, timeout_ms)
-
-    def recv_ready(self) -> M | None:
-        """The next message if one is queued now, else None; never waits.
-
-        For a caller whose own poller just reported this socket readable: unlike ``recv(0)``
-        it does not poll again. A bad frame is consumed and raises ProtocolError."""
-        try:
-            frame = self.socket.recv(zmq.NOBLOCK, copy=True)
-        except zmq.Again:
-            return None
-        return _check_type(decode(frame), self.accepts)
-
-    def close(self) -> None:
-        self.socket.close(linger=0)
-
-
-class DealerSocket(Generic[M]):
-    """Request side of a DEALER/ROUTER pair: sends any message, receives ``accepts``."""
-
-    def __init__(self, ctx: zmq.SyncContext, address: str, accepts: tuple[type[M], ...], *, identity: bytes | None = None) -> None:
-        self.socket = ctx.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        if identity:
-            self.socket.setsockopt(zmq.IDENTITY, identity)
-        self.accepts = accepts
-        self._poller = _poller_for(self.socket)
-        _bind_or_connect(ctx, self.socket, address, False)
-
-    def send(self, msg: Message) -> None:
-        self.socket.send(encode(msg), copy=False)
-
-    def recv(self, timeout_ms: int | None = None) -> M | None:
-        return _recv_typed(self.socket, self._poller, self.accepts, timeout_ms)
-
-    def close(self) -> None:
-        self.socket.close(linger=0)
-
-
-class RouterSocket(Generic[M]):
-    """Reply side of a DEALER/ROUTER pair: ``recv`` returns (peer identity, message).
-
-    A bad frame raises ``PeerProtocolError`` carrying the peer's identity, so the caller can
-    answer it with an ``ErrorReply`` and keep serving.
-    """
-
-    def __init__(self, ctx: zmq.SyncContext, address: str, accepts: tuple[type[M], ...]) -> None:
-        self.socket = ctx.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.accepts = accepts
-        self._poller = _poller_for(self.socket)
-        _bind_or_connect(ctx, self.socket, address, True)
-
-    def recv(self, timeout_ms: int | None = None) -> tuple[bytes, M] | None:
-        if timeout_ms is not None and not self._poller.poll(timeout_ms):
-            return None
-        frames = self.socket.recv_multipart(copy=True)
-        if len(frames) != 2:
-            raise PeerProtocolError(frames[0], f"expected 2 frames (identity, message), got {len(frames)}")
-        peer, frame = frames
-        try:
-            msg = _check_type(decode(frame), self.accepts)
-        except ProtocolError as exc:
-            raise PeerProtocolError(peer, str(exc)) from None
-        return peer, msg
-
-    def send(self, peer: bytes, msg: Message) -> None:
-        self.socket.send_multipart([peer, encode(msg)], copy=False)
-
-    def close(self) -> None:
-        self.socket.close(linger=0)
-
-
-class PeerProtocolError(ProtocolError):
-    """A bad frame from a known ROUTER peer."""
-
-    def __init__(self, peer: bytes, reason: str) -> None:
-        super().__init__(reason)
-        self.peer = peer
-
-
-class ResettablePush(Generic[M]):
-    """A PUSH connection that can be torn down and rebuilt, dropping what it had queued.
-
-    Used towards a peer that can die and be restarted (the cache controller): after the
-    peer is lost, ``reset`` guarantees that no message sent before it is ever delivered
-    to the new peer.
-    """
-
-    def __init__(self, ctx: zmq.SyncContext, address: str) -> None:
-        self.ctx = ctx
-        self.address = address
-        self._push: PushSocket[M] = PushSocket(ctx, address)
-
-    def send(self, msg: M) -> None:
-        self._push.send(msg)
-
-    @property
-    def socket(self) -> zmq.SyncSocket:
-        return self._push.socket
-
-    def reset(self) -> None:
-        self._push.close(linger_ms=0)
-        self._push = PushSocket(self.ctx, self.address)
-
-    def close(self) -> None:
-        self._push.close(linger_ms=0)
