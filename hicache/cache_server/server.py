@@ -481,11 +481,11 @@ class CacheServer:
             memory.hit_counted = True
             self.cache.record_hit(match)
         node = match.last_host_node
-        pages = self.cache.tiers.host_prefix_pages(node)
-        npages = self.cache.tiers.protect_host(node)
-        window, window_npages = (self.cache.tiers.protect_host_window(node, WINDOW, self.window) if self.window
+        pages = self.cache.host.host_prefix_pages(node)
+        npages = self.cache.host.protect_host(node)
+        window, window_npages = (self.cache.host.protect_host_window(node, WINDOW, self.window) if self.window
                                  else ([], 0))
-        state = self.cache.tiers.protect_host_state(node, STATE) if self.state else -1
+        state = self.cache.host.protect_host_state(node, STATE) if self.state else -1
         storage_pages = min(storage_pages, len(pages))
         lease = self.leases.add(Lease(0, LeaseKind.LOOKUP, session, self.clock(), node=node, npages=npages,
                                       storage_pages=storage_pages, ranks=self._ranks(session),
@@ -566,7 +566,7 @@ class CacheServer:
         want = max(0, end - start)
         host = self.host
         if host.free_count < want:
-            self.cache.tiers.evict_host((want - host.free_count) * ps)
+            self.cache.host.evict_host((want - host.free_count) * ps)
         n = min(want, host.free_count)
         if n < want:
             self.counters.reserve_short_pages += want - n
@@ -576,7 +576,7 @@ class CacheServer:
         if match is not None and self.window and n == want:
             memory = self._slot((session, item.rid))
             own = memory.window_end if not memory.window_kept else -1  # its own earlier end: no branch point
-            held = self.cache.tiers.host_page_flags(match.walked_node, WINDOW) if match.walked_node else []
+            held = self.cache.host.host_page_flags(match.walked_node, WINDOW) if match.walked_node else []
             boundaries = [start if start != own else end, end, item.repeat_end]
             window_at = [j for j in self._window_wanted(item.window_from, match.host_hit_length // ps, boundaries,
                                                         end)
@@ -587,7 +587,7 @@ class CacheServer:
             window_at = []
         state_at: list[int] = []
         if match is not None and self.state and n == want:
-            held_states = self.cache.tiers.host_state_pages(match.walked_node, STATE) if match.walked_node else set()
+            held_states = self.cache.host.host_state_pages(match.walked_node, STATE) if match.walked_node else set()
             state_at = sorted({j for j in item.state_pages if 0 <= j < top and j not in held_states})
         states = self._alloc_aux(STATE, len(state_at))
         if len(states) < len(state_at):
@@ -700,7 +700,7 @@ class CacheServer:
         alloc = self.cache.component(name).host_allocator
         assert alloc is not None  # the constructor checked that the component has L2
         if alloc.free_count < want:
-            self.cache.tiers.evict_host_units(name, want - alloc.free_count)
+            self.cache.host.evict_host_units(name, want - alloc.free_count)
         got = alloc.alloc(want) if alloc.free_count >= want else None
         return list(got) if got is not None else []
 
@@ -753,7 +753,7 @@ class CacheServer:
         root = self.cache.core.root(lease.cache_salt)
         if held is not None and (aux or root is None or not self._still_held(held, root)):
             held = None
-        res = self.cache.tiers.insert_host(lease.key, lease.pages, lease.cache_salt, start_page=lease.start_page,
+        res = self.cache.host.insert_host(lease.key, lease.pages, lease.cache_salt, start_page=lease.start_page,
                                            aux=aux or None, length=lease.key_len, start_node=held,
                                            start_tokens=lease.held_tokens if held is not None else 0)
         self.counters.committed_window_pages += window_free - self._window_free + len(lease.window_pages)
@@ -786,7 +786,7 @@ class CacheServer:
         if not memory.window_kept:
             old = [j for j in memory.window_brought if j < inside]
             for lo, hi in _runs(old):
-                self.counters.dropped_window_pages += self.cache.tiers.drop_host_units(node, WINDOW, lo, hi)
+                self.counters.dropped_window_pages += self.cache.host.drop_host_units(node, WINDOW, lo, hi)
             brought = sorted(set(brought) | {j for j in memory.window_brought if j >= inside})
         memory.window_end, memory.window_kept, memory.window_brought = end, bool(lease.repeat_end), brought
 
@@ -863,11 +863,11 @@ class CacheServer:
         """Undo what an open lease holds (release its lock or free its reserved pages)."""
         if lease.kind is LeaseKind.LOOKUP:
             assert lease.node is not None
-            self.cache.tiers.release_host(lease.node, lease.npages)
+            self.cache.host.release_host(lease.node, lease.npages)
             if lease.window_npages:
-                self.cache.tiers.release_host_window(lease.node, WINDOW, lease.window_npages)
+                self.cache.host.release_host_window(lease.node, WINDOW, lease.window_npages)
             if lease.state_locked:
-                self.cache.tiers.release_host_state(lease.node, STATE)
+                self.cache.host.release_host_state(lease.node, STATE)
         else:
             self.host.free(lease.pages)
             if lease.window_pages:

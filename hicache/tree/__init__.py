@@ -4,10 +4,11 @@ Layers: ``TreeCore`` (pure tree, orders, counters), ``TreeComponent`` (one per k
 data: ``FullComponent``, ``SWAComponent``, ``MambaComponent``), ``UnifiedRadixCache`` (the API
 the scheduler calls, executing decisions against index allocators). ``UnifiedRadixCache``
 (``cache``: match, insert, locks, sizes, L1 eviction, requests) derives from ``CacheBase``
-(``base``: the tree's state, result types, shared helpers) and holds its tier half as
-``tiers``: a ``TierCalls`` (``tiering``: what moves between tiers and how the nodes' state
-follows, L2 eviction, ``TierOp``), which holds the cache in turn through a written interface
-(the ``CacheBase`` state and ``TreeLocks``).
+(``base``: the tree's state, result types, shared helpers) and holds its tier-facing parts,
+each holding the cache in turn through a written interface (the ``CacheBase`` state):
+``tiers``, a ``TierCalls`` (``tiering``: what moves between tiers and how the nodes' state
+follows, ``TierOp``; with ``TreeLocks``), ``host``, a ``HostCalls`` (``host``: L2 locks,
+L2-only inserts, L2 eviction), and ``hashes``, a ``PageHashes`` (``hashes``: page hashes).
 """
 
 from __future__ import annotations

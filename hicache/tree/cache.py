@@ -6,14 +6,15 @@ It never touches KV bytes: the tier-facing calls return *which* pages to copy, a
 cache controller (another process) copies them and acknowledges.
 
 This module holds the tree semantics: match, insert, locks, sizes, L1 eviction, requests,
-flush and the integrity check. The tier-facing half (what moves between tiers and how the
-nodes' state follows, with L2 eviction) is ``TierCalls`` in ``hicache.tree.tiering``, held
-as ``tiers``; the state, the result types and the helpers both halves use are
-``CacheBase``'s, in ``hicache.tree.base``, which this class derives from.
+flush and the integrity check. It holds the tier-facing parts: the transfers between tiers
+(``TierCalls``, ``hicache.tree.tiering``) as ``tiers``, the L2-only calls with L2 eviction
+(``HostCalls``, ``hicache.tree.host``) as ``host``, the page hashes (``PageHashes``,
+``hicache.tree.hashes``) as ``hashes``; the state, the result types and the helpers they all
+use are ``CacheBase``'s, in ``hicache.tree.base``, which this class derives from.
 
 Ownership of page indices in the tree's calls (Full component; SWA behaves alike, Mamba with
-one slot; the tier calls' rows, ``evict_host`` to ``insert_host``, are in
-``hicache.tree.tiering``'s table, with the in-flight transfers):
+one slot; the transfers' rows are in ``hicache.tree.tiering``'s table, the L2-only calls'
+in ``hicache.tree.host``'s):
 
 | step                                   | freed                         | kept / taken by the tree      | locked meanwhile                |
 |----------------------------------------|-------------------------------|-------------------------------|---------------------------------|
@@ -49,6 +50,8 @@ from hicache.tree.components import (
     TreeComponent,
     Validator,
 )
+from hicache.tree.hashes import PageHashes
+from hicache.tree.host import HostCalls
 from hicache.tree.integrity import SLICE_UNITS, IntegrityWalker, check_integrity
 from hicache.tree.node import ComponentData, ComponentType, LockToken, TreeNode
 from hicache.tree.request_state import RequestState
@@ -101,12 +104,13 @@ class UnifiedRadixCache(CacheBase):
     ``insert_with``, ``evict`` / ``evict_units``, ``cache_finished_req``,
     ``cache_unfinished_req``, ``evictable_size`` / ``protected_size`` / ``total_size``,
     ``flush``, ``check_integrity``.
-    Tier calls: on ``tiers`` (``TierCalls``, ``hicache.tree.tiering``; see its table), which
-    holds this cache: ``nodes_to_write_to_host``, ``start_write`` / ``finish_write``,
+    Tier calls, each part holding this cache (see their tables): on ``tiers`` (``TierCalls``,
+    ``hicache.tree.tiering``): ``nodes_to_write_to_host``, ``start_write`` / ``finish_write``,
     ``start_load_back`` / ``finish_load_back``, ``start_backup`` / ``finish_backup``,
-    ``evict_host``, ``protect_host`` / ``release_host``, ``insert_host``, ``node_hashes`` /
-    ``last_page_hash``, ``open_transfers``. The state both halves share is ``CacheBase``'s
-    (``hicache.tree.base``).
+    ``open_transfers``; on ``host`` (``HostCalls``, ``hicache.tree.host``): ``evict_host``,
+    ``protect_host`` / ``release_host``, ``insert_host``; on ``hashes`` (``PageHashes``,
+    ``hicache.tree.hashes``): ``node_hashes`` / ``last_page_hash``. The state they share is
+    ``CacheBase``'s (``hicache.tree.base``).
     Not thread-safe: only the scheduler's loop calls it.
     """
 
@@ -122,8 +126,12 @@ class UnifiedRadixCache(CacheBase):
     ) -> None:
         super().__init__(components, page_size, eviction_policy=eviction_policy, write_policy=write_policy,
                          write_through_threshold=write_through_threshold)
-        self.tiers = TierCalls(self, self, hasher)
-        """The tier calls (L2 writes, load-backs, L3 backups, L2 eviction, page hashes)."""
+        self.hashes = PageHashes(self, hasher)
+        """The page hashes (L3 names of the nodes' pages)."""
+        self.host = HostCalls(self)
+        """The L2-only calls (host locks, prefetched inserts, L2 eviction)."""
+        self.tiers = TierCalls(self, self, self.host, self.hashes)
+        """The transfers (L2 writes, load-backs, L3 backups)."""
         self._integrity_walker: IntegrityWalker | None = None
 
     # ---- component lookup (for callers that serve a given model; the tree never needs it)
@@ -715,7 +723,7 @@ class UnifiedRadixCache(CacheBase):
                 before = (self.core.node_count, self.core.dev_total[0], self.core.host_total[0])
                 self.evict((self.core.dev_total[0] + 1) * self.page_size, may_evict)
                 if self.hicache:
-                    self.tiers.evict_host((self.core.host_total[0] + 1) * self.page_size, may_evict)
+                    self.host.evict_host((self.core.host_total[0] + 1) * self.page_size, may_evict)
                 if (self.core.node_count, self.core.dev_total[0], self.core.host_total[0]) == before:
                     return
         finally:
