@@ -21,7 +21,9 @@ import protos
 from hicache.cache_server.geometry import attention_shape
 from hicache.cache_server.leases import EngineProcess, LeaseTable
 from hicache.cache_server.pins import PinEntry
-from hicache.cache_server.server import RESAVE_SHARE, CacheServer, namespaced_salt
+from hicache.cache_server.reservations import RESAVE_SHARE
+from hicache.cache_server.server import CacheServer
+from hicache.cache_server.sessions import namespaced_salt
 from hicache.hashing import HashNamespace
 from hicache.memory.allocator import PageAllocator
 from hicache.tree.cache import UnifiedRadixCache
@@ -876,7 +878,7 @@ def test_an_mla_model_is_one_latent_head_and_every_rank_holds_it_whole() -> None
 def test_a_request_asked_about_many_times_counts_one_hit() -> None:
     """vLLM asks about a waiting request on every step: its first lease counts the hit in the
     tree, asking again and its reservations do not; another request counts its own."""
-    from hicache.cache_server.server import namespaced_salt
+    from hicache.cache_server.sessions import namespaced_salt
 
     server, _ = make_server()
     eng = FakeEngine(server, {})
