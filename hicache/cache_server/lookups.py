@@ -3,7 +3,7 @@ until every rank's ``Release`` (docs/architecture.md §13).
 
 Owns the lookup leases (made by ``lookup``, ended by ``release``: ``L2Pool.end`` unlocks
 them) and the prefetches from L3 that lookups start through the tier manager (one per
-request at most; ``finished``, ``expire`` and a done prefetch's answer cancel its ticket).
+request at most; ``finished``, ``keep_sessions`` and a done prefetch's answer cancel its ticket).
 A hit's answer: its full pages and, with window layers, the window parts of its last
 window, with state layers the state after its last page, each host-locked (the tree's SWA
 and Mamba rules end a hit only where those are held). A request's first lease counts its

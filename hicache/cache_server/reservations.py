@@ -8,10 +8,14 @@ with ``L2Pool.end``), the walk that finds where a save range starts (resumed fro
 request's ``SaveCursor``, full-attention models only) and the bounded re-save of an evicted
 prefix (``RESAVE_SHARE``).
 
-With window layers a reservation takes the full parts of the range and the window parts
-that L2 lacks of the windows before its boundaries (``_window_wanted``), and a request's
-commit drops the window parts it brought for its earlier ends (``_slide_window``); with
-state layers it takes a slot for each offered state the tree lacks (``SaveRange.state_pages``).
+A model with sliding-window layers keeps a page in two parts: the Full component holds the
+full parts (the other layers' blocks) of every page, the SWA component the window parts,
+only for the pages of the window before a request's prompt end, before its latest saved end,
+and before the end of a held prefix that a request computed again and went on from (a
+tombstone elsewhere). A reservation takes the full parts of the range and the window parts
+that L2 lacks of those windows (``_window_wanted``), and a request's commit drops the window
+parts it brought for its earlier ends (``_slide_window``). With state layers it takes a slot
+for each offered state the tree lacks (``SaveRange.state_pages``).
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Layers: ``TreeCore`` (pure tree, orders, counters), ``TreeComponent`` (one per kind of cached
 data: ``FullComponent``, ``SWAComponent``, ``MambaComponent``), ``UnifiedRadixCache`` (the API
 the scheduler calls, executing decisions against index allocators). ``UnifiedRadixCache``
-(``cache``: match, insert, locks, sizes, L1 eviction, requests) derives from ``CacheBase``
-(``base``: the tree's state, result types, shared helpers) and holds its tier-facing parts,
+(``cache``: match, insert, locks, sizes, requests) derives from ``L1Eviction`` (``eviction``:
+L1 eviction), which derives from ``CacheBase`` (``base``: the tree's state, result types,
+shared helpers), and holds its tier-facing parts,
 each holding the cache in turn through a written interface (the ``CacheBase`` state):
 ``tiers``, a ``TierCalls`` (``tiering``: what moves between tiers and how the nodes' state
 follows, ``TierOp``; with ``TreeLocks``), ``host``, a ``HostCalls`` (``host``: L2 locks,

@@ -1,6 +1,6 @@
-"""CacheBase: the state and helpers both halves of ``UnifiedRadixCache`` share (docs/architecture.md §4).
+"""CacheBase: the state and helpers every part of ``UnifiedRadixCache`` shares (docs/architecture.md §4).
 
-``UnifiedRadixCache`` is built in five classes, one module each:
+``UnifiedRadixCache`` is built in six classes, one module each:
 
 * ``CacheBase`` (this module): the constructor (the components checked and numbered, the
   ``TreeCore``, the write policy, the counters), the result types both halves
@@ -13,11 +13,12 @@
   L2 eviction);
 * ``TierCalls`` (``hicache.tree.tiering``): what moves between tiers and how the nodes'
   state follows (§5); it uses the two above;
+* ``L1Eviction`` (``hicache.tree.eviction``): L1 eviction; it derives from ``CacheBase``;
 * ``UnifiedRadixCache`` (``hicache.tree.cache``): the tree semantics the scheduler calls
-  (match, insert, locks, sizes, L1 eviction, requests, flush, integrity); it derives from
-  ``CacheBase`` and holds the other three as ``hashes``, ``host`` and ``tiers``.
+  (match, insert, locks, sizes, requests, flush, integrity); it derives from
+  ``L1Eviction`` and holds the three above it as ``hashes``, ``host`` and ``tiers``.
 
-The other four hold a ``CacheBase`` (they derive from nothing); this module imports none of them.
+Those three hold a ``CacheBase`` (they derive from nothing); this module imports none of them.
 """
 
 from __future__ import annotations
