@@ -13,12 +13,12 @@ hit in the tree; asking again does not.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Container
+from collections.abc import Container
 
 import protos
-from hicache.cache_server.counters import EngineCounters
+from hicache.cache_server.handler import Handler
 from hicache.cache_server.l2_pool import STATE, WINDOW, L2Pool
-from hicache.cache_server.leases import Lease, LeaseKind, LeaseTable, Report
+from hicache.cache_server.leases import Lease, LeaseKind, Report
 from hicache.cache_server.request_tokens import Slot
 from hicache.cache_server.sessions import Sessions, namespaced_salt
 from hicache.cache_server.slots import Refusal, RequestSlots
@@ -26,22 +26,12 @@ from hicache.scheduler.controller_driver import ControllerDriver, PrefetchTicket
 from hicache.tree.cache import MatchResult, UnifiedRadixCache
 
 
-class Lookups:
-    """Answers ``Lookup`` and ``Release`` over ``cache`` (L2 only); ``tier``: the tier
-    manager that prefetches from L3 (None without a controller)."""
+class Lookups(Handler):
+    """Answers ``Lookup`` and ``Release``; the tier manager prefetches from L3."""
 
     def __init__(self, cache: UnifiedRadixCache, tier: ControllerDriver | None, sessions: Sessions,
-                 slots: RequestSlots, l2: L2Pool, counters: EngineCounters, clock: Callable[[], float]) -> None:
-        self.cache = cache
-        self.tier = tier
-        self.sessions = sessions
-        self.leases: LeaseTable = sessions.leases
-        self.slots = slots
-        self.l2 = l2
-        self.counters = counters
-        self.clock = clock
-        self.window = l2.window
-        self.state = l2.state
+                 slots: RequestSlots, l2: L2Pool) -> None:
+        super().__init__(cache, tier, sessions, slots, l2)
         self._prefetches: dict[Slot, PrefetchTicket] = {}
 
     def lookup(self, msg: protos.Lookup) -> protos.Message:
@@ -136,11 +126,8 @@ class Lookups:
         if lease is not None and verdict is not Report.REPEATED:
             loaded = max(0, msg.loaded_pages)
             lease.loaded_pages = loaded if lease.loaded_pages is None else min(lease.loaded_pages, loaded)
-        lease = self.sessions.due(msg.session, msg.lease, LeaseKind.LOOKUP, msg.rank, verdict, lease)
+        lease = self.live_due(msg.session, msg.lease, LeaseKind.LOOKUP, msg.rank, verdict, lease)
         if lease is None:
-            return
-        if lease.process is not None:  # an orphan (its session expired): never inserted
-            self.l2.end_orphan(lease)
             return
         self.l2.end(lease)
         loaded = lease.loaded_pages or 0

@@ -21,12 +21,11 @@ for each offered state the tree lacks (``SaveRange.state_pages``).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable
 
 import protos
-from hicache.cache_server.counters import EngineCounters
+from hicache.cache_server.handler import Handler
 from hicache.cache_server.l2_pool import STATE, WINDOW, L2Pool
-from hicache.cache_server.leases import Lease, LeaseKind, LeaseTable
+from hicache.cache_server.leases import Lease, LeaseKind
 from hicache.cache_server.pins import EnginePins
 from hicache.cache_server.sessions import Sessions, namespaced_salt
 from hicache.cache_server.slots import Refusal, RequestSlots, SaveCursor
@@ -51,26 +50,15 @@ def _runs(pages: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-class Reservations:
-    """Answers ``Reserve`` and ``Commit`` over ``cache`` (L2 only); ``tier``: the tier
-    manager that backs committed pages up to L3 (None without a controller); ``pins``: told
-    of each commit (None without pins)."""
+class Reservations(Handler):
+    """Answers ``Reserve`` and ``Commit``; the tier manager backs committed pages up to L3;
+    ``pins``: told of each commit (None without pins)."""
 
     def __init__(self, cache: UnifiedRadixCache, tier: ControllerDriver | None, sessions: Sessions,
-                 slots: RequestSlots, l2: L2Pool, counters: EngineCounters, clock: Callable[[], float],
-                 pins: EnginePins | None) -> None:
-        self.cache = cache
-        self.tier = tier
-        self.sessions = sessions
-        self.leases: LeaseTable = sessions.leases
-        self.slots = slots
-        self.l2 = l2
-        self.counters = counters
-        self.clock = clock
+                 slots: RequestSlots, l2: L2Pool, pins: EnginePins | None) -> None:
+        super().__init__(cache, tier, sessions, slots, l2)
         self.pins = pins
-        self.window = l2.window
         self.window_pages_per_hit = l2.window_pages_per_hit
-        self.state = l2.state
 
     def reserve(self, msg: protos.Reserve) -> protos.Message:
         """One reservation per save range of the step (``reserve_range``)."""
@@ -253,11 +241,8 @@ class Reservations:
         verdict, lease = self.leases.report(msg.lease, msg.session, LeaseKind.RESERVE, msg.rank)
         if lease is not None and not msg.ok:
             lease.failed = True
-        lease = self.sessions.due(msg.session, msg.lease, LeaseKind.RESERVE, msg.rank, verdict, lease)
+        lease = self.live_due(msg.session, msg.lease, LeaseKind.RESERVE, msg.rank, verdict, lease)
         if lease is None:
-            return
-        if lease.process is not None:  # an orphan (its session expired): never inserted
-            self.l2.end_orphan(lease)
             return
         if lease.failed:
             self.counters.commit_failed_pages += len(lease.pages)

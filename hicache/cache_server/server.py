@@ -89,9 +89,8 @@ class CacheServer:
         self.sessions = Sessions(self.leases, self.run, clock, self.counters, geometry, pool, self.window, self.pins)
         self.slots = RequestSlots(self.leases, self.counters)
         self.requests = self.slots.requests
-        self.lookups = Lookups(cache, tier, self.sessions, self.slots, self.l2, self.counters, clock)
-        self.reservations = Reservations(cache, tier, self.sessions, self.slots, self.l2, self.counters, clock,
-                                         self.pins)
+        self.lookups = Lookups(cache, tier, self.sessions, self.slots, self.l2)
+        self.reservations = Reservations(cache, tier, self.sessions, self.slots, self.l2, self.pins)
         self._handlers: dict[type, Callable[[Any], protos.Message | None]] = {
             protos.EngineRegister: self.sessions.register,
             protos.Lookup: self.lookups.lookup,
