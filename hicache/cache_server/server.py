@@ -12,6 +12,10 @@ here: the engines copy between their KV tensors and the shared L2 pool themselve
 | ``Reservations`` (``reservations``)   | ``Reserve`` / ``Commit``: reserve leases, save cursors   |
 | ``RequestSlots`` (``slots``)          | each running request's tokens, memory and save cursor    |
 | ``L2Pool`` (``l2_pool``)              | the window and state parts, giving back what a lease holds|
+| ``EngineCounters`` (``counters``)     | the counters every part adds to (``stats()["engine"]``)   |
+
+``Lookups`` and ``Reservations`` share their base, ``Handler`` (``handler``). The parts hold
+the server's one ``LeaseTable``; setting ``CacheServer.tier`` sets it on the handlers too.
 
 The tree has no L1 pages (its Full component's L1 allocator is empty): every node is
 L2-only, so the tree's L2 eviction (``evict_host``: unlocked leaves, LRU first) is the whole
