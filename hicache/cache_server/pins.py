@@ -165,7 +165,7 @@ class EnginePins:
 
     def _end(self, pin: EnginePin) -> None:
         for node, npages in pin.locks:
-            self.cache.tiers.release_host(node, npages)
+            self.cache.host.release_host(node, npages)
         pin.locks = []
         self._drop_ticket(pin)
         self._leave(pin)
@@ -216,7 +216,7 @@ class EnginePins:
         want = len(pin.key) // ps * ps
         m = self.cache.match_prefix(pin.key, pin.salt, copy_on_match=False)
         if m.host_hit_length >= want:
-            pin.locks = self.cache.tiers.protect_host_path(m.last_host_node)
+            pin.locks = self.cache.host.protect_host_path(m.last_host_node)
             self._enter(pin, EnginePinState.PINNED)
             log.info("pinned prefix %s (namespace %s): %d tokens in L2, %d from L3", pin.entry.name, pin.namespace,
                      want, pin.from_l3 * ps)

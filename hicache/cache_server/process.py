@@ -96,8 +96,9 @@ def build_cache_server(args: SchedulerArgs, controller_send: Callable[[protos.Co
     the tier manager and the ``CacheServer`` over the pools of ``args.layout`` (mapped by
     the caller)."""
     from hicache.cache_server.geometry import geometry_from_config, sliding_window_from_config
+    from hicache.cache_server.l2_pool import STATE, WINDOW
     from hicache.cache_server.pins import PinEntry
-    from hicache.cache_server.server import STATE, WINDOW, CacheServer
+    from hicache.cache_server.server import CacheServer
     from hicache.hashing import HashNamespace
     from hicache.memory.allocator import PageAllocator
     from hicache.scheduler.controller_driver import ControllerDriver
@@ -165,7 +166,7 @@ class CacheServerProcess(ProcessLoop):
     @classmethod
     def build(cls, args: SchedulerArgs, stop: StopSignal) -> CacheServerProcess:
         """Map the pools, open the sockets (the engines' ROUTER too), build the cache server."""
-        from hicache.cache_server.server import split_salt
+        from hicache.cache_server.sessions import split_salt
         from hicache.cache_server.telemetry import EngineTelemetry
         from hicache.kv_events.stream import KVEventStream
         from hicache.metrics import init_process_metrics

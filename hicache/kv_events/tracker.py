@@ -111,7 +111,7 @@ class TierEventTracker:
         if tier not in self._tiers or self.failed:
             return
         try:
-            self._removed(self._cache.tiers.node_hashes(node), tier)
+            self._removed(self._cache.hashes.node_hashes(node), tier)
         except Exception:
             self._fail()
 
@@ -159,7 +159,7 @@ class TierEventTracker:
         self._add(BlockRemoved(block_hashes=pages, medium=MEDIUM_OF_TIER[tier].value))
 
     def _stored(self, node: TreeNode, tier: Tier) -> None:
-        d = self._cache.tiers.node_digests(node)
+        d = self._cache.hashes.node_digests(node)
         hashes = [d[i:i + HASH_BYTES] for i in range(0, len(d), HASH_BYTES)]
         parent = node.parent
         parent_digest = parent.hash_value[-HASH_BYTES:] if parent is not None and parent.parent is not None \

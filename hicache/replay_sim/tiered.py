@@ -267,25 +267,25 @@ class TieredSimulator:
         if rest <= 0 or rest * self.cfg.page_tokens < max(self.cfg.prefetch_threshold, 1):
             return 0
         node = m.last_host_node
-        parent = cache.tiers.last_page_hash(node) if node.parent is not None else None
-        hashes = cache.tiers.hasher_for("").hash_pages(key[start * ps:npages * ps], parent)
+        parent = cache.hashes.last_page_hash(node) if node.parent is not None else None
+        hashes = cache.hashes.hasher_for("").hash_pages(key[start * ps:npages * ps], parent)
         n = l3.consecutive(hashes)
         if n == 0 or n * self.cfg.page_tokens < max(self.cfg.prefetch_threshold, 1):
             return 0
         l2 = self.l2
         assert l2 is not None  # L3 implies L2 (SimConfig.validate)
         if l2.free_count < n:
-            guard = cache.tiers.protect_host(node) if node.parent is not None and node.host_value is not None else None
-            cache.tiers.evict_host((n - l2.free_count) * ps)
+            guard = cache.host.protect_host(node) if node.parent is not None and node.host_value is not None else None
+            cache.host.evict_host((n - l2.free_count) * ps)
             if guard is not None:
-                cache.tiers.release_host(node, guard)
+                cache.host.release_host(node, guard)
         n = min(n, l2.free_count)
         got = l2.alloc(n) if n else None
         if not got:
             return 0
         l3.touch(hashes[:n])
         self.pages["s2h"] += n
-        res = cache.tiers.insert_host(key[:(start + n) * ps], got, start_page=start)
+        res = cache.host.insert_host(key[:(start + n) * ps], got, start_page=start)
         self.l2_taken += res.host_pages_taken
         return res.host_pages_taken
 
@@ -312,7 +312,7 @@ class TieredSimulator:
             return True
         if node.hit_count >= 1 or len(l3) + len(node.data[0].host_value or ()) <= l3.capacity:
             return True
-        return self.l3_doorkeeper.seen_before(self.cache.tiers.node_hashes(node)[0], node.id)
+        return self.l3_doorkeeper.seen_before(self.cache.hashes.node_hashes(node)[0], node.id)
 
     def _write_path(self, node: TreeNode) -> None:
         admits = self.cache.tiers.admits

@@ -340,8 +340,8 @@ class ControllerDriver:
         rest_pages = (len(token_ids) - start) // ps
         if rest_pages <= 0 or rest_pages * ps < max(self.prefetch_cfg.threshold_tokens, 1):
             return None
-        parent = self.cache.tiers.last_page_hash(match.last_host_node) if match.last_host_node.parent else None
-        hasher = self.cache.tiers.hasher_for(cache_salt)
+        parent = self.cache.hashes.last_page_hash(match.last_host_node) if match.last_host_node.parent else None
+        hasher = self.cache.hashes.hasher_for(cache_salt)
         hashes = hasher.hash_pages(token_ids[start : start + rest_pages * ps], parent)
         cfg = self.prefetch_cfg
         deadline = None
@@ -367,14 +367,14 @@ class ControllerDriver:
         assert host_alloc is not None
         cap = int(host_alloc.capacity * self.prefetch_cfg.max_reserved_fraction) - self._prefetch_reserved
         n = min(n, max(cap, 0))
-        tiers = self.cache.tiers
-        quotas, may_evict = tiers.quotas, None
+        evict_host = self.cache.host.evict_host
+        quotas, may_evict = self.cache.tiers.quotas, None
         if quotas is not None and n:  # within the tenant's quota (``hicache.tree.quotas``)
             tenant = quotas.tenant_of_salt(ticket.cache_salt)
-            n = quotas.make_room(tiers.evict_host, ps, tenant, n)
+            n = quotas.make_room(evict_host, ps, tenant, n)
             may_evict = quotas.evictable_for(tenant)
         if n and host_alloc.free_count < n:
-            tiers.evict_host((n - host_alloc.free_count) * ps, may_evict)
+            evict_host((n - host_alloc.free_count) * ps, may_evict)
         n = min(n, host_alloc.free_count)
         pages = host_alloc.alloc(n) if n > 0 else None
         if not pages:
@@ -445,7 +445,7 @@ class ControllerDriver:
         ticket.aux_units = {}
         if pages_done:
             end = ticket.start_tokens + pages_done * ps
-            res = self.cache.tiers.insert_host(ticket.key[:end], pages[:pages_done], ticket.cache_salt,
+            res = self.cache.host.insert_host(ticket.key[:end], pages[:pages_done], ticket.cache_salt,
                                          start_page=first, aux=aux)
             ticket.arrived_tokens = max(0, res.kept_end - ticket.start_tokens)
             self.counters.prefetch_tokens += pages_done * ps

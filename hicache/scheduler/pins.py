@@ -382,7 +382,7 @@ class PinnedPrefixes:
                 return
             tier.write_nodes([n for n in missing if not n.in_flight and not n.loading])
             return
-        pin.l2_locks = self.s.cache.tiers.protect_host_path(m.last_device_node)
+        pin.l2_locks = self.s.cache.host.protect_host_path(m.last_device_node)
         if pin.hold is not None:
             self.s.cache.dec_lock_ref(pin.hold)
             pin.hold = None
@@ -415,7 +415,7 @@ class PinnedPrefixes:
                 cache.dec_lock_ref(lock)
         pin.l1_lock = pin.hold = None
         for node, npages in pin.l2_locks:
-            cache.tiers.release_host(node, npages)
+            cache.host.release_host(node, npages)
         pin.l2_locks = []
 
     @property

@@ -3,11 +3,13 @@
 Layers: ``TreeCore`` (pure tree, orders, counters), ``TreeComponent`` (one per kind of cached
 data: ``FullComponent``, ``SWAComponent``, ``MambaComponent``), ``UnifiedRadixCache`` (the API
 the scheduler calls, executing decisions against index allocators). ``UnifiedRadixCache``
-(``cache``: match, insert, locks, sizes, L1 eviction, requests) derives from ``CacheBase``
-(``base``: the tree's state, result types, shared helpers) and holds its tier half as
-``tiers``: a ``TierCalls`` (``tiering``: what moves between tiers and how the nodes' state
-follows, L2 eviction, ``TierOp``), which holds the cache in turn through a written interface
-(the ``CacheBase`` state and ``TreeLocks``).
+(``cache``: match, insert, locks, sizes, requests) derives from ``L1Eviction`` (``eviction``:
+L1 eviction), which derives from ``CacheBase`` (``base``: the tree's state, result types,
+shared helpers), and holds its tier-facing parts,
+each holding the cache in turn through a written interface (the ``CacheBase`` state):
+``tiers``, a ``TierCalls`` (``tiering``: what moves between tiers and how the nodes' state
+follows, ``TierOp``; with ``TreeLocks``), ``host``, a ``HostCalls`` (``host``: L2 locks,
+L2-only inserts, L2 eviction), and ``hashes``, a ``PageHashes`` (``hashes``: page hashes).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""CacheBase: the state and helpers both halves of ``UnifiedRadixCache`` share (docs/architecture.md §4).
+"""CacheBase: the state and helpers every part of ``UnifiedRadixCache`` shares (docs/architecture.md §4).
 
-``UnifiedRadixCache`` is built in three classes, one module each:
+``UnifiedRadixCache`` is built in six classes, one module each:
 
 * ``CacheBase`` (this module): the constructor (the components checked and numbered, the
   ``TreeCore``, the write policy, the counters), the result types both halves
@@ -8,14 +8,17 @@
   both use: ``_aligned`` (keys), ``_npages`` / ``_op_nodes`` (an op's span of nodes),
   ``_free`` (giving units back to an allocator), ``salt_of`` and ``_delete`` (removing a
   node, where L1 and L2 eviction both end);
+* ``PageHashes`` (``hicache.tree.hashes``): the nodes' page hashes;
+* ``HostCalls`` (``hicache.tree.host``): the L2-only calls (host locks, ``insert_host``,
+  L2 eviction);
 * ``TierCalls`` (``hicache.tree.tiering``): what moves between tiers and how the nodes'
-  state follows (§5), with L2 eviction and the page hashes; it holds a ``CacheBase`` (it
-  derives from nothing);
+  state follows (§5); it uses the two above;
+* ``L1Eviction`` (``hicache.tree.eviction``): L1 eviction; it derives from ``CacheBase``;
 * ``UnifiedRadixCache`` (``hicache.tree.cache``): the tree semantics the scheduler calls
-  (match, insert, locks, sizes, L1 eviction, requests, flush, integrity); it derives from
-  ``CacheBase`` and holds its ``TierCalls`` as ``tiers``.
+  (match, insert, locks, sizes, requests, flush, integrity); it derives from
+  ``L1Eviction`` and holds the three above it as ``hashes``, ``host`` and ``tiers``.
 
-This module imports neither of the two above it.
+Those three hold a ``CacheBase`` (they derive from nothing); this module imports none of them.
 """
 
 from __future__ import annotations

@@ -5,15 +5,17 @@ given (one L1 allocator per component, plus one L2 allocator per component when 
 It never touches KV bytes: the tier-facing calls return *which* pages to copy, and the
 cache controller (another process) copies them and acknowledges.
 
-This module holds the tree semantics: match, insert, locks, sizes, L1 eviction, requests,
-flush and the integrity check. The tier-facing half (what moves between tiers and how the
-nodes' state follows, with L2 eviction) is ``TierCalls`` in ``hicache.tree.tiering``, held
-as ``tiers``; the state, the result types and the helpers both halves use are
-``CacheBase``'s, in ``hicache.tree.base``, which this class derives from.
+This module holds the tree semantics: match, insert, locks, sizes, requests, flush and the
+integrity check; L1 eviction is ``L1Eviction``'s (``hicache.tree.eviction``), which this
+class derives from. It holds the tier-facing parts: the transfers between tiers
+(``TierCalls``, ``hicache.tree.tiering``) as ``tiers``, the L2-only calls with L2 eviction
+(``HostCalls``, ``hicache.tree.host``) as ``host``, the page hashes (``PageHashes``,
+``hicache.tree.hashes``) as ``hashes``; the state, the result types and the helpers they all
+use are ``CacheBase``'s, in ``hicache.tree.base``, under ``L1Eviction``.
 
 Ownership of page indices in the tree's calls (Full component; SWA behaves alike, Mamba with
-one slot; the tier calls' rows, ``evict_host`` to ``insert_host``, are in
-``hicache.tree.tiering``'s table, with the in-flight transfers):
+one slot; L1 eviction's row is in ``hicache.tree.eviction``'s table, the transfers' in
+``hicache.tree.tiering``'s, the L2-only calls' in ``hicache.tree.host``'s):
 
 | step                                   | freed                         | kept / taken by the tree      | locked meanwhile                |
 |----------------------------------------|-------------------------------|-------------------------------|---------------------------------|
@@ -21,7 +23,6 @@ one slot; the tier calls' rows, ``evict_host`` to ``insert_host``, are in
 | ``insert(key, value, prev_prefix_len)``| nothing; caller frees         | ``value[prefix_len:]`` pages; | -                               |
 |                                        | ``value[prev:prefix_len]``    | pages re-filling L2-only nodes|                                 |
 | ``insert_with`` SWA/Mamba values       | duplicates freed here         | the rest                      | -                               |
-| ``evict`` (L1)                         | L1 pages of evicted nodes     | L2 copies (node -> L2-only)   | locked / in-flight nodes skipped|
 
 Keys: a key is a sequence of token ids, best an ``array('I')`` (any other sequence is
 converted, which costs a C-level pass over it); a tail shorter than a page is ignored.
@@ -34,13 +35,13 @@ with ``array_indices=True``); all allocators of one cache must agree.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from hicache.hashing import HashNamespace, PageHasher
-from hicache.tree.base import WRITE_POLICIES, CacheBase, EvictResult, InsertResult, MatchResult
+from hicache.tree.base import WRITE_POLICIES, EvictResult, InsertResult, MatchResult
 from hicache.tree.components import (
     RELEASED,
     MambaComponent,
@@ -49,13 +50,13 @@ from hicache.tree.components import (
     TreeComponent,
     Validator,
 )
+from hicache.tree.eviction import L1Eviction, NodeFilter
+from hicache.tree.hashes import PageHashes
+from hicache.tree.host import HostCalls
 from hicache.tree.integrity import SLICE_UNITS, IntegrityWalker, check_integrity
 from hicache.tree.node import ComponentData, ComponentType, LockToken, TreeNode
 from hicache.tree.request_state import RequestState
 from hicache.tree.tiering import TierCalls, TierOp
-
-NodeFilter = Callable[[TreeNode], bool]
-"""Which nodes an eviction or a flush may take (``may_evict``)."""
 
 __all__ = [
     "WRITE_POLICIES", "EvictResult", "InsertParams", "InsertResult", "LockToken", "MatchResult", "RequestState",
@@ -85,7 +86,7 @@ class InsertParams:
     owner: TreeNode | None = None
 
 
-class UnifiedRadixCache(CacheBase):
+class UnifiedRadixCache(L1Eviction):
     """One radix tree over FULL plus any auxiliary components, with L1 and optional L2 state.
 
     ``components``: a ``FullComponent`` first (the primary: its data decides whether a node
@@ -101,12 +102,7 @@ class UnifiedRadixCache(CacheBase):
     ``insert_with``, ``evict`` / ``evict_units``, ``cache_finished_req``,
     ``cache_unfinished_req``, ``evictable_size`` / ``protected_size`` / ``total_size``,
     ``flush``, ``check_integrity``.
-    Tier calls: on ``tiers`` (``TierCalls``, ``hicache.tree.tiering``; see its table), which
-    holds this cache: ``nodes_to_write_to_host``, ``start_write`` / ``finish_write``,
-    ``start_load_back`` / ``finish_load_back``, ``start_backup`` / ``finish_backup``,
-    ``evict_host``, ``protect_host`` / ``release_host``, ``insert_host``, ``node_hashes`` /
-    ``last_page_hash``, ``open_transfers``. The state both halves share is ``CacheBase``'s
-    (``hicache.tree.base``).
+    Tier calls: on ``tiers``, ``host`` and ``hashes`` (the module docstring names them).
     Not thread-safe: only the scheduler's loop calls it.
     """
 
@@ -122,8 +118,12 @@ class UnifiedRadixCache(CacheBase):
     ) -> None:
         super().__init__(components, page_size, eviction_policy=eviction_policy, write_policy=write_policy,
                          write_through_threshold=write_through_threshold)
-        self.tiers = TierCalls(self, self, hasher)
-        """The tier calls (L2 writes, load-backs, L3 backups, L2 eviction, page hashes)."""
+        self.hashes = PageHashes(self, hasher)
+        """The page hashes (L3 names of the nodes' pages)."""
+        self.host = HostCalls(self)
+        """The L2-only calls (host locks, prefetched inserts, L2 eviction)."""
+        self.tiers = TierCalls(self, self, self.host, self.hashes)
+        """The transfers (L2 writes, load-backs, L3 backups)."""
         self._integrity_walker: IntegrityWalker | None = None
 
     # ---- component lookup (for callers that serve a given model; the tree never needs it)
@@ -467,158 +467,6 @@ class UnifiedRadixCache(CacheBase):
     def host_protected_size(self) -> int:
         return self.core.host_prot[0] * self.page_size
 
-    # ================================================================== eviction (L1; L2: ``evict_host``)
-    def evict(self, full_tokens: int, may_evict: NodeFilter | None = None) -> EvictResult:
-        """``evict_units`` of FULL alone (the primary component every cache has)."""
-        return self.evict_units({self.full.name: full_tokens}, may_evict)
-
-    def evict_units(self, amounts: Mapping[str, int], may_evict: NodeFilter | None = None) -> EvictResult:
-        """Free at least the requested L1 amounts (per component name: tokens for a paged
-        component, states otherwise) if unlocked data allows, LRU first.
-
-        FULL: device leaves (no child with L1 data). A node with an L2 copy stays as an
-        L2-only node; one without is deleted (with the L2-only nodes below it). Under
-        ``write_back`` with L2 on, a node with L1 data not in L2 (any component's) is
-        queued for writing instead, whichever component's eviction reached it.
-        Auxiliary components: internal nodes become tombstones (cascading to the other
-        components of lower-or-equal priority there); a leaf whose FULL data can go goes
-        wholly, by the same rules as a FULL eviction. ``may_evict``: only nodes it accepts
-        (a node's ancestors are in its namespace, so it judges them alike: a flush of one
-        tenant's namespaces).
-        """
-        res = EvictResult()
-        ps = self.page_size
-        if not self.aux:  # FULL only: the common case, without the per-component loop
-            want = amounts.get("full", 0)
-            if want > 0:
-                res.freed["full"] = self._evict_full(-(-want // ps), may_evict) * ps
-                self.evicted_device_tokens += res.freed["full"]
-            return res
-        for c in self.components:
-            want = amounts.get(c.name, 0)
-            if want > 0:
-                unit = c.unit_tokens(ps)
-                got = self._evict_component(c, -(-want // unit), may_evict)
-                res.freed[c.name] = got * unit
-        self.evicted_device_tokens += res.full_tokens
-        return res
-
-    def _evict_component(self, c: TreeComponent, need: int, may_evict: NodeFilter | None = None) -> int:
-        return self._evict_full(need, may_evict) if c is self.full else self._evict_aux(c, need, may_evict)
-
-    def _full_evictable(self, node: TreeNode) -> bool:
-        """No lock (of any component) and no child with L1 data. Transfers in flight hold
-        locks on what they need in L1 (a backup reads L2 only); ``loading`` is kept as a
-        guard."""
-        if node.loading:
-            return False
-        for cd in node.data:
-            if cd.lock_ref:
-                return False
-        for ch in node.children.values():
-            if ch.data[0].value is not None:
-                return False
-        return True
-
-    def _evict_full(self, need: int, may_evict: NodeFilter | None = None) -> int:
-        freed = 0
-        for node in self.core.dev_lru[0].candidates():
-            if freed >= need:
-                break
-            if may_evict is not None and not may_evict(node):
-                continue
-            while freed < need and node.parent is not None and self._full_evictable(node):
-                if not self._can_drop_device(node):
-                    break
-                parent = node.parent
-                t = node.last_access_time
-                freed += self._evict_node_device(node)
-                # a parent that just became a leaf and is older than this node is now the
-                # least recently used candidate (the scan has passed it); a newer one is
-                # still ahead in the scan
-                if parent.last_access_time > t:
-                    break
-                node = parent
-        return freed
-
-    def _can_drop_device(self, node: TreeNode) -> bool:
-        """Whether ``node``'s L1 data may go now (it passed ``_full_evictable``). Under
-        ``write_back``, a node with L1 data not yet in L2 (any component's) is queued for
-        writing instead. Otherwise yes with a FULL L2 copy; without one, the L2-only nodes
-        below it must be deletable (they go with it)."""
-        if self._write_back and node in self.core.unwritten and node not in self._write_back_released:
-            self._write_back_queue[node] = None
-            return False
-        return node.data[0].host_value is not None or self._l2_subtree_deletable(node)
-
-    def _l2_subtree_deletable(self, node: TreeNode) -> bool:
-        stack = list(node.children.values())
-        while stack:
-            x = stack.pop()
-            if x.in_flight or any(cd.host_lock_ref or cd.lock_ref for cd in x.data):
-                return False
-            stack.extend(x.children.values())
-        return True
-
-    def _evict_node_device(self, node: TreeNode) -> int:
-        """Free every component's L1 data on ``node``; keep it L2-only or delete it (with
-        the L2-only nodes below it). Returns the FULL pages freed."""
-        core = self.core
-        for c in self.aux:
-            v = core.clear_value(node, c.slot)
-            if v is not None:
-                self._free(c, c.as_pages(v))
-        pages = core.clear_value(node, 0)
-        self.full.allocator.free(pages)
-        self._write_back_queue.pop(node, None)
-        self._write_back_released.pop(node, None)
-        if node.data[0].host_value is None:
-            if node.children:  # L2-only nodes below (``_can_drop_device`` allowed it)
-                for ch in list(node.children.values()):
-                    self._delete_subtree(ch)
-            self._delete(node)
-        return len(pages)
-
-    def _delete_subtree(self, node: TreeNode) -> None:
-        """Delete an L2-only node and everything below it (``_l2_subtree_deletable`` said yes)."""
-        for ch in list(node.children.values()):
-            self._delete_subtree(ch)
-        hv = node.data[0].host_value
-        self.evicted_host_tokens += len(hv) * self.page_size if hv is not None else 0
-        self._delete(node, cascade=False)
-
-    def _evict_aux(self, c: TreeComponent, need: int, may_evict: NodeFilter | None = None) -> int:
-        core = self.core
-        i = c.slot
-        freed = 0
-        for node in core.dev_lru[i].candidates():
-            if freed >= need:
-                break
-            if may_evict is not None and not may_evict(node):
-                continue
-            cd = node.data[i]
-            if cd.lock_ref or node.loading or cd.value is None:
-                continue
-            if self._write_back and node in core.unwritten and node not in self._write_back_released:
-                self._write_back_queue[node] = None  # written first, evicted after
-                continue
-            is_leaf = not node.children
-            prio = c.priority(is_leaf)
-            before = core.units[i](cd.value)
-            if is_leaf and self._full_evictable(node) and self._can_drop_device(node):
-                self._evict_node_device(node)
-                freed += before
-                continue
-            for other in self.aux:  # cascade to lower-or-equal priority, unlocked data
-                ocd = node.data[other.slot]
-                if other is c or (ocd.value is not None and ocd.lock_ref == 0
-                                  and other.priority(is_leaf) <= prio):
-                    v = core.clear_value(node, other.slot)
-                    if v is not None:
-                        self._free(other, other.as_pages(v))
-            freed += before
-        return freed
-
     # ================================================================== requests
     def cache_finished_req(self, req: RequestState, committed_len: int | None = None) -> InsertResult | None:
         """Insert a finished request's computed tokens, free its duplicate and unaligned
@@ -715,7 +563,7 @@ class UnifiedRadixCache(CacheBase):
                 before = (self.core.node_count, self.core.dev_total[0], self.core.host_total[0])
                 self.evict((self.core.dev_total[0] + 1) * self.page_size, may_evict)
                 if self.hicache:
-                    self.tiers.evict_host((self.core.host_total[0] + 1) * self.page_size, may_evict)
+                    self.host.evict_host((self.core.host_total[0] + 1) * self.page_size, may_evict)
                 if (self.core.node_count, self.core.dev_total[0], self.core.host_total[0]) == before:
                     return
         finally:

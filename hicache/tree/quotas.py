@@ -12,7 +12,7 @@ or a prefetch that would pass it first evicts that     a prefetch, ``ControllerD
 tenant's own L2-only pages, coldest first; if those    brings fewer pages), through
 are not enough, the write is not made (the node stays  ``make_room``
 in L1) and the prefetch brings what fits
-L2 eviction for anyone else's room never takes a       ``TierCalls.evict_host(may_evict=
+L2 eviction for anyone else's room never takes a       ``HostCalls.evict_host(may_evict=
 quota tenant's pages: what a tenant holds within its   evictable_for(tenant))``
 quota is never evicted for another tenant
 pages of no tenant, or of a tenant without a quota,    as without quotas
@@ -102,7 +102,7 @@ class TenantQuotas:
 
     def make_room(self, evict_host: Callable[..., int], page_size: int, tenant: str | None, pages: int) -> int:
         """How many of ``pages`` new L2 pages ``tenant`` may take now, after evicting its own
-        coldest L2-only pages to stay within its quota (``evict_host``: ``TierCalls``')."""
+        coldest L2-only pages to stay within its quota (``evict_host``: ``HostCalls``')."""
         if tenant is None or tenant not in self.quota_pages:
             return pages
         quota = self.quota_pages[tenant]

@@ -428,7 +428,7 @@ def test_prefetch_that_brings_only_aux_data_is_credited(pools: SharedPools, tmp_
     rig.cache.flush()
     host = rig.l2["full"].alloc(6)
     assert host is not None
-    assert rig.cache.tiers.insert_host(prompt, list(host)).host_pages_taken == 6  # Full alone, as after aux eviction
+    assert rig.cache.host.insert_host(prompt, list(host)).host_pages_taken == 6  # Full alone, as after aux eviction
     m = rig.cache.match_prefix(prompt, copy_on_match=False)
     assert m.device_len == 0 and m.host_hit_length == 0  # no window, no state: nothing valid
     ticket = rig.tier.start_prefetch("r", prompt, m)

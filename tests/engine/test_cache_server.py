@@ -21,7 +21,9 @@ import protos
 from hicache.cache_server.geometry import attention_shape
 from hicache.cache_server.leases import EngineProcess, LeaseTable
 from hicache.cache_server.pins import PinEntry
-from hicache.cache_server.server import RESAVE_SHARE, CacheServer, namespaced_salt
+from hicache.cache_server.reservations import RESAVE_SHARE
+from hicache.cache_server.server import CacheServer
+from hicache.cache_server.sessions import namespaced_salt
 from hicache.hashing import HashNamespace
 from hicache.memory.allocator import PageAllocator
 from hicache.tree.cache import UnifiedRadixCache
@@ -385,11 +387,11 @@ def test_a_reserve_after_a_gap_saves_the_evicted_prefix_again_within_the_request
     tokens = list(range(1, 30 * PS + 1))
     eng.save(tokens[: 20 * PS])  # credit 2.0
     eng.save(tokens[: 22 * PS], start_page=20)  # credit 2.2
-    server.cache.tiers.evict_host(2 * PS)  # L2 lost the leaf: pages 20, 21
+    server.cache.host.evict_host(2 * PS)  # L2 lost the leaf: pages 20, 21
     later = eng.save(tokens[: 23 * PS], start_page=22)  # asks from 22; L2 lacks 20..22; 2 <= 2.3
     assert later.start_page == 20 and len(later.host_pages) == 3
     assert len(eng.lookup(tokens[: 23 * PS]).host_pages) == 23
-    server.cache.tiers.evict_host(3 * PS)  # the leaf again: pages 20..22; credit 0.3 + 0.1 < 3
+    server.cache.host.evict_host(3 * PS)  # the leaf again: pages 20..22; credit 0.3 + 0.1 < 3
     refused = eng.save(tokens[: 24 * PS], start_page=23)
     assert (refused.lease, refused.start_page, refused.host_pages) == (0, 20, [])
     assert len(eng.lookup(tokens[: 24 * PS]).host_pages) == 20
@@ -461,7 +463,7 @@ def test_a_requests_reserves_resume_from_its_cursor_and_answer_what_a_whole_matc
             assert len(eng.lookup(r.tokens[: pages[rid] * PS]).host_pages) == pages[rid]
         roll = rng.random()
         if roll < 0.08:
-            server.cache.tiers.evict_host(rng.choice([1, 1, 1, 2, 12]) * PS)
+            server.cache.host.evict_host(rng.choice([1, 1, 1, 2, 12]) * PS)
         elif roll < 0.09:
             server.flush()
         if pages[rid] == 40 or 0.09 <= roll < 0.13:  # done, or it starts again with other tokens
@@ -876,7 +878,7 @@ def test_an_mla_model_is_one_latent_head_and_every_rank_holds_it_whole() -> None
 def test_a_request_asked_about_many_times_counts_one_hit() -> None:
     """vLLM asks about a waiting request on every step: its first lease counts the hit in the
     tree, asking again and its reservations do not; another request counts its own."""
-    from hicache.cache_server.server import namespaced_salt
+    from hicache.cache_server.sessions import namespaced_salt
 
     server, _ = make_server()
     eng = FakeEngine(server, {})

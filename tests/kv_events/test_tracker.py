@@ -64,7 +64,7 @@ def tier_pages(cache: UnifiedRadixCache, slot: str) -> set[bytes]:
         if slot == "value" and n.loading:
             continue
         if n.parent is not None and getattr(n.data[0], slot) is not None:
-            out.update(bytes.fromhex(h) for h in cache.tiers.node_hashes(n))
+            out.update(bytes.fromhex(h) for h in cache.hashes.node_hashes(n))
     return out
 
 
@@ -161,7 +161,7 @@ def test_events_carry_tokens_parent_salt_and_page_size():
     assert second.parent_block_hash == first.block_hashes[-1]
     # the hashes are the L3 page hashes of the same prefix
     assert [h.hex() for h in first.block_hashes + second.block_hashes] == \
-        cache.tiers.hasher_for("tenant-a").hash_pages(array("I", range(10, 20)), None)
+        cache.hashes.hasher_for("tenant-a").hash_pages(array("I", range(10, 20)), None)
     cache.flush()
     removed = tracker.take()
     assert all(isinstance(e, BlockRemoved) and e.medium == "GPU" for e in removed)
@@ -228,7 +228,7 @@ def test_a_load_back_is_announced_when_it_lands_and_never_when_it_fails(ok: bool
         return
     assert [type(e) for e in events] == [BlockStored] and events[0].medium == "GPU"
     assert events[0].token_ids == key and events[0].block_hashes == \
-        [bytes.fromhex(h) for h in cache.tiers.hasher_for("").hash_pages(array("I", key), None)]
+        [bytes.fromhex(h) for h in cache.hashes.hasher_for("").hash_pages(array("I", key), None)]
 
 
 def test_a_load_back_replaced_by_a_request_is_announced_once() -> None:
@@ -252,7 +252,7 @@ def test_l3_is_announced_by_difference() -> None:
     key = list(range(1, 9))
     cache, tracker = _written_and_evicted(key)
     node = cache.match_prefix(key).last_host_node
-    hashes = [bytes.fromhex(h) for h in cache.tiers.node_hashes(node)]
+    hashes = [bytes.fromhex(h) for h in cache.hashes.node_hashes(node)]
 
     def back_up(n) -> list[KVEvent]:
         op = cache.tiers.start_backup(n)

@@ -127,16 +127,16 @@ def test_page_hashes_chain_and_follow_splits():
     hasher = PageHasher(HashNamespace("test-model", "bf16", 2))
     want = hasher.hash_pages(key)
     node = cache.match_prefix(key).last_device_node
-    assert cache.tiers.node_hashes(node) == want
-    assert cache.tiers.last_page_hash(node) == want[-1]
+    assert cache.hashes.node_hashes(node) == want
+    assert cache.hashes.last_page_hash(node) == want[-1]
     m = cache.match_prefix(key[:6] + [99, 98])  # split after 3 pages
     assert m.last_device_node.hash_value == b"".join(bytes.fromhex(h) for h in want[:3])  # packed
-    assert cache.tiers.node_hashes(node) == want[3:]
+    assert cache.hashes.node_hashes(node) == want[3:]
     salted = cache.match_prefix(key, "s")
     assert salted.device_len == 0
     cache_seq(cache, dev, key, salt="s")
     snode = cache.match_prefix(key, "s").last_device_node
-    assert cache.tiers.node_hashes(snode) == PageHasher(hasher.namespace.with_salt("s")).hash_pages(key)
+    assert cache.hashes.node_hashes(snode) == PageHasher(hasher.namespace.with_salt("s")).hash_pages(key)
     cache.check_integrity(exact=True)
 
 

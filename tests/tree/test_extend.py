@@ -90,7 +90,7 @@ def test_a_leaf_with_page_hashes_is_not_extended():
     req = RequestState(toks("abcd"), dev.alloc(4))
     cache.cache_unfinished_req(req)
     leaf = req.last_node
-    cache.tiers.node_hashes(leaf)
+    cache.hashes.node_hashes(leaf)
     _grow(cache, dev, req, "ef")
     assert leaf.key == toks("abcd") and req.last_node.parent is leaf
     _grow(cache, dev, req, "gh")  # the child has no hashes: grown in place

@@ -66,13 +66,13 @@ def test_host_lock_protects_from_l2_eviction_and_refuses_below_zero():
     _write_all(cache)
     cache.evict(100)
     node = cache.match_prefix(toks("abcdef")).last_host_node
-    n = cache.tiers.protect_host(node)
+    n = cache.host.protect_host(node)
     assert cache.host_protected_size() == 6
-    assert cache.tiers.evict_host(100) == 0
-    cache.tiers.release_host(node, n)
+    assert cache.host.evict_host(100) == 0
+    cache.host.release_host(node, n)
     with pytest.raises(ValueError):
-        cache.tiers.release_host(node, n)
-    assert cache.tiers.evict_host(100) == 6
+        cache.host.release_host(node, n)
+    assert cache.host.evict_host(100) == 6
     assert host.used == 0 and cache.core.node_count == 0
     cache.check_integrity(exact=True)
 
@@ -83,19 +83,19 @@ def test_split_keeps_hashes_host_values_and_locks_consistent():
     cache_seq(cache, dev, key)
     _write_all(cache)
     node = cache.match_prefix(key).last_device_node
-    hashes = list(cache.tiers.node_hashes(node))
+    hashes = list(cache.hashes.node_hashes(node))
     hv, dv = list(node.host_value), list(node.value)
     lock = cache.inc_lock_ref(node)
-    npages = cache.tiers.protect_host(node)
+    npages = cache.host.protect_host(node)
     m = cache.match_prefix(key[:4] + [50, 51])  # split after 2 pages
     upper = m.last_device_node
     assert upper.parent.parent is None and node.parent is upper
-    assert cache.tiers.node_hashes(upper) + cache.tiers.node_hashes(node) == hashes
+    assert cache.hashes.node_hashes(upper) + cache.hashes.node_hashes(node) == hashes
     assert upper.host_value + node.host_value == hv and upper.value + node.value == dv
     assert upper.lock_ref == node.lock_ref == 1
     assert upper.host_lock_ref == node.host_lock_ref == 1
     cache.check_integrity(exact=True)
-    cache.tiers.release_host(node, npages)
+    cache.host.release_host(node, npages)
     cache.dec_lock_ref(lock)
     assert upper.lock_ref == node.lock_ref == 0 and upper.host_lock_ref == node.host_lock_ref == 0
     cache.check_integrity(exact=True)
@@ -184,18 +184,18 @@ def test_backup_and_prefetch_insert():
     _write_all(cache)
     node = cache.match_prefix(key).last_device_node
     op = cache.tiers.start_backup(node)
-    assert op.hashes == cache.tiers.node_hashes(node) and node.host_lock_ref == 1
+    assert op.hashes == cache.hashes.node_hashes(node) and node.host_lock_ref == 1
     cache.tiers.finish_backup(op, ok=True)
     assert node.host_lock_ref == 0
     # prefetched pages for the continuation of the key, inserted as L2-only nodes
     longer = key + [20, 21, 22, 23]
     hp = host.alloc(2)
-    r = cache.tiers.insert_host(longer, hp, start_page=4)
+    r = cache.host.insert_host(longer, hp, start_page=4)
     assert r.host_pages_taken == 2
     m = cache.match_prefix(longer)
     assert m.device_len == 8 and m.host_hit_length == 4
     hp2 = host.alloc(2)
-    assert cache.tiers.insert_host(longer, hp2, start_page=4).host_pages_taken == 0  # duplicates freed
+    assert cache.host.insert_host(longer, hp2, start_page=4).host_pages_taken == 0  # duplicates freed
     cache.check_integrity(exact=True)
 
 

@@ -384,20 +384,20 @@ def test_insert_host_gives_a_window_to_pages_the_tree_holds_by_splitting_their_n
     cache = UnifiedRadixCache([FullComponent(PageAllocator(0, "full"), host),
                                SWAComponent(PageAllocator(0, "swa"), 2, swa_host)], 1)
     a = toks("abcdefgh")
-    r = cache.tiers.insert_host(a, host.alloc(8), aux={"swa": dict(zip([6, 7], swa_host.alloc(2), strict=True))})
+    r = cache.host.insert_host(a, host.alloc(8), aux={"swa": dict(zip([6, 7], swa_host.alloc(2), strict=True))})
     assert r.host_pages_taken == 8 and r.aux_nodes == []
     assert cache.match_prefix(a).host_hit_length == 8
     b = toks("abcdxy")
     assert cache.match_prefix(b).host_hit_length == 0  # "abcd" has no window
     units = swa_host.alloc(4)
-    r = cache.tiers.insert_host(b, host.alloc(2), start_page=4,
+    r = cache.host.insert_host(b, host.alloc(2), start_page=4,
                                 aux={"swa": {2: units[0], 3: units[1], 4: units[2], 5: units[3]}})
     assert r.host_pages_taken == 2 and len(r.aux_nodes) == 1 and r.aux_nodes[0].key == toks("cd")
     assert cache.match_prefix(toks("abcdz")).host_hit_length == 4  # a hit where the two now branch
     assert cache.match_prefix(b).host_hit_length == 6 and cache.match_prefix(a).host_hit_length == 8
     free = swa_host.free_count
     again = swa_host.alloc(2)
-    r = cache.tiers.insert_host(b, [], start_page=6, aux={"swa": {2: again[0], 3: again[1]}})  # held already
+    r = cache.host.insert_host(b, [], start_page=6, aux={"swa": {2: again[0], 3: again[1]}})  # held already
     assert r.aux_nodes == [] and swa_host.free_count == free
     cache.check_integrity(exact=True)
 
@@ -410,18 +410,18 @@ def test_drop_host_units_clears_a_page_range_of_a_window_and_keeps_locked_data()
     cache = UnifiedRadixCache([FullComponent(PageAllocator(0, "full"), host),
                                SWAComponent(PageAllocator(0, "swa"), 2, swa_host)], 1)
     a = toks("abcdefgh")
-    r = cache.tiers.insert_host(a, host.alloc(8), aux={"swa": dict(zip(range(2, 8), swa_host.alloc(6), strict=True))})
-    assert cache.tiers.host_page_flags(r.node, "swa") == [False] * 2 + [True] * 6
+    r = cache.host.insert_host(a, host.alloc(8), aux={"swa": dict(zip(range(2, 8), swa_host.alloc(6), strict=True))})
+    assert cache.host.host_page_flags(r.node, "swa") == [False] * 2 + [True] * 6
     assert cache.match_prefix(toks("abcdx")).host_hit_length == 4
-    assert cache.tiers.drop_host_units(r.node, "swa", 3, 5) == 2
-    assert cache.tiers.host_page_flags(r.node, "swa") == [False, False, True, False, False, True, True, True]
+    assert cache.host.drop_host_units(r.node, "swa", 3, 5) == 2
+    assert cache.host.host_page_flags(r.node, "swa") == [False, False, True, False, False, True, True, True]
     assert cache.match_prefix(toks("abcdx")).host_hit_length == 0  # its window was dropped
     assert cache.match_prefix(a).host_hit_length == 8
     tail = cache.match_prefix(a).last_host_node
-    _, npages = cache.tiers.protect_host_window(tail, "swa", 2)  # locks its node "fgh" whole
-    assert cache.tiers.drop_host_units(tail, "swa", 5, 6) == 0
-    cache.tiers.release_host_window(tail, "swa", npages)
-    assert cache.tiers.drop_host_units(tail, "swa", 5, 6) == 1
+    _, npages = cache.host.protect_host_window(tail, "swa", 2)  # locks its node "fgh" whole
+    assert cache.host.drop_host_units(tail, "swa", 5, 6) == 0
+    cache.host.release_host_window(tail, "swa", npages)
+    assert cache.host.drop_host_units(tail, "swa", 5, 6) == 1
     assert cache.match_prefix(a).host_hit_length == 8 and swa_host.free_count == 16 - 3
     cache.check_integrity(exact=True)
 
@@ -437,20 +437,20 @@ def test_insert_host_gives_a_state_after_a_page_inside_a_held_node_by_splitting_
                                MambaComponent(PageAllocator(0, "mamba"), states)], 1)
     a = toks("abcdefgh")
     end = states.alloc(1)[0]
-    r = cache.tiers.insert_host(a, host.alloc(8), aux={"mamba": {7: end}})
-    assert cache.tiers.host_state_pages(r.node, "mamba") == {7}
+    r = cache.host.insert_host(a, host.alloc(8), aux={"mamba": {7: end}})
+    assert cache.host.host_state_pages(r.node, "mamba") == {7}
     assert cache.match_prefix(toks("abcdx")).host_hit_length == 0  # no state after "abcd"
     mid, dup = states.alloc(2)
-    r = cache.tiers.insert_host(toks("abcdxy"), host.alloc(2), start_page=4, aux={"mamba": {3: mid, 5: dup}})
+    r = cache.host.insert_host(toks("abcdxy"), host.alloc(2), start_page=4, aux={"mamba": {3: mid, 5: dup}})
     assert len(r.aux_nodes) == 1 and r.aux_nodes[0].key == toks("abcd")
     m = cache.match_prefix(toks("abcdz"))
     assert m.host_hit_length == 4
-    assert cache.tiers.protect_host_state(m.last_host_node, "mamba") == mid
-    cache.tiers.release_host_state(m.last_host_node, "mamba")
+    assert cache.host.protect_host_state(m.last_host_node, "mamba") == mid
+    cache.host.release_host_state(m.last_host_node, "mamba")
     assert cache.match_prefix(a).host_hit_length == 8 and cache.match_prefix(toks("abcdxy")).host_hit_length == 6
-    assert cache.tiers.host_state_pages(cache.match_prefix(a).last_host_node, "mamba") == {3, 7}
+    assert cache.host.host_state_pages(cache.match_prefix(a).last_host_node, "mamba") == {3, 7}
     free = states.free_count
     again = states.alloc(1)[0]
-    r = cache.tiers.insert_host(a, [], start_page=8, aux={"mamba": {7: again}})  # a's end has its state
+    r = cache.host.insert_host(a, [], start_page=8, aux={"mamba": {7: again}})  # a's end has its state
     assert r.aux_nodes == [] and states.free_count == free
     cache.check_integrity(exact=True)

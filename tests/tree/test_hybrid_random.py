@@ -251,7 +251,7 @@ class HybridMachine(RuleBasedStateMachine):
 
     @rule(tokens=st.integers(1, 8))
     def evict_host(self, tokens):
-        self.cache.tiers.evict_host(tokens)
+        self.cache.host.evict_host(tokens)
 
     @rule(key=keys, ok=st.booleans(), finish=st.booleans())
     def load_back(self, key, ok, finish):

@@ -318,7 +318,7 @@ class CacheMachine(RuleBasedStateMachine):
     def evict_host(self, tokens):
         ps = self.page_size
         before = set(tree_snapshot(self.cache))
-        k = self.cache.tiers.evict_host(tokens) // ps
+        k = self.cache.host.evict_host(tokens) // ps
         if self.predicts_order:
             self.ref.evict_host(k)
         else:
