@@ -114,8 +114,8 @@ from hicache.api_server.validation import (
     parse_storage_choice,
 )
 from hicache.config import ENGINE_MODE_ERROR, HicacheConfig
+from hicache.config.security import BearerKey, load_api_keys
 from hicache.metrics import CONTENT_TYPE, Metrics, RequestTracker, render_metrics
-from hicache.runtime.startup_checks import BearerKey, load_api_keys
 from hicache.text import Tokenizer
 
 log = logging.getLogger("hicache.api_server.http")
@@ -162,7 +162,7 @@ class HttpApi:
     ``pids`` is the live process table of ``/health`` (the process may update it).
     ``draining`` (set by ``begin_drain``) makes new generation requests fail with 503;
     ``wait_idle`` waits until no request is being handled. ``api_keys``: the loaded bearer
-    keys (``hicache.runtime.startup_checks.load_api_keys``); None loads them from ``config`` here
+    keys (``hicache.daemon.startup_checks.load_api_keys``); None loads them from ``config`` here
     (``ValueError`` naming the problems when they cannot be); empty: no key is needed.
     """
 

@@ -27,7 +27,7 @@ PIN_TIMEOUT_S = 600.0
 """How long one ``PUT /cache/pinned`` may take: its prefix may have to be computed."""
 CONFIGURED_PINS_TIMEOUT_S = 150.0
 """How long the whole ``cache.pinned`` set may take at start: within the launcher's wait for
-the tokenizer's ``Ready`` (``hicache.runtime.launcher.START_TIMEOUT_S``, 180 s), which comes after it."""
+the tokenizer's ``Ready`` (``hicache.daemon.launcher.START_TIMEOUT_S``, 180 s), which comes after it."""
 PIN_FIELDS = ("name", "text", "input_ids", "cache_salt", "tiers", "tenant")
 
 

@@ -81,8 +81,8 @@ async def _serve(args: TokenizerArgs) -> None:
     from hicache.api_server.pinning import PinStartError, pin_configured
     from hicache.api_server.scheduler_link import SchedulerLink
     from hicache.api_server.validation import ModelLimits
+    from hicache.config.security import load_api_keys
     from hicache.metrics import get_metrics
-    from hicache.runtime.startup_checks import load_api_keys
     from hicache.text import TokenizerError, load_tokenizer
 
     loop = asyncio.get_running_loop()

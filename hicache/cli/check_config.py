@@ -2,7 +2,7 @@
 
 Exit 0 with the resolved config on stdout; exit 2 with every problem (its dotted key path
 and the reason) on stderr. The checks are those ``hicache serve`` makes before it starts
-anything: ``load_config``'s, then ``hicache.runtime.startup_checks.startup_problems`` (the model,
+anything: ``load_config``'s, then ``hicache.daemon.startup_checks.startup_problems`` (the model,
 its layer pattern, the memory its pools need; the engines' model in engine mode).
 """
 
@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from hicache.config import ConfigError, dump_yaml, load_config
-from hicache.runtime.startup_checks import startup_problems
+from hicache.daemon.startup_checks import startup_problems
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, *, positional: bool = False) -> None:

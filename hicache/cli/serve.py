@@ -1,5 +1,5 @@
 """``hicache serve``: load the config, set up logging, and run the ``Launcher``
-(``hicache.runtime.launcher``) until the daemon stops; the exit code is the launcher's."""
+(``hicache.daemon.launcher``) until the daemon stops; the exit code is the launcher's."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from hicache.runtime.logging_setup import setup_logging
 
     setup_logging("launcher", cfg.logging.level, cfg.logging.json)
-    from hicache.runtime.launcher import Launcher
+    from hicache.daemon.launcher import Launcher
 
     launcher = Launcher(cfg)
     return launcher.serve()

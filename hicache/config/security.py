@@ -5,16 +5,20 @@ reason names the key and never quotes a secret. See docs/architecture.md §10.
 
 from __future__ import annotations
 
+import hashlib
 import re
+from dataclasses import dataclass, field
 from urllib.parse import parse_qs, urlparse
 
 from hicache.config.schema import (
     TENANT_NAME_RE,
     ApiKeyConfig,
+    ConfigProblem,
     OperatorKeyConfig,
     RedisStoreConfig,
     ServerConfig,
 )
+from storage_backends.settings import load_secret_env, load_secret_file
 
 
 def key_text_problem(key: str) -> str | None:
@@ -82,7 +86,7 @@ def api_key_problems(server: ServerConfig) -> list[tuple[str, str]]:
     tenant name, with not exactly one of ``key`` / ``key_file`` / ``key_env``, with an empty
     one, or whose inline key is not a bearer token; two tenant names that differ only in
     case; an inline key given twice. What the files and variables hold is checked when the
-    keys are loaded (``hicache.runtime.startup_checks.load_api_keys``). Reasons never include a key."""
+    keys are loaded (``load_api_keys``, below). Reasons never include a key."""
     out: list[tuple[str, str]] = []
     if server.api_key == "":
         out.append(("api_key", "must not be empty (null = no key)"))
@@ -210,3 +214,65 @@ def redis_url_problem(url: str) -> str | None:
     if db and not db.isdigit():
         return f"database must be a number; got {db!r}"
     return None
+
+
+@dataclass(frozen=True)
+class BearerKey:
+    """One loaded API key: the ``tenant`` it authenticates, or None for the operator's key
+    (``server.operator``, or ``server.api_key`` of a daemon without tenants), and the SHA-256
+    ``digest`` of the key. The key itself is not kept."""
+
+    tenant: str | None
+    digest: bytes = field(repr=False)
+
+
+def load_api_keys(server: ServerConfig) -> tuple[tuple[BearerKey, ...], list[ConfigProblem]]:
+    """The bearer keys of ``server`` (``api_key``, every ``api_keys`` entry, ``operator``),
+    with the problems that stop the daemon from using them; the keys are only meaningful
+    when the problems are empty.
+
+    ``server`` passed ``load_config`` (``hicache.config.api_key_problems``). Reads each
+    ``key_file`` (UTF-8 text, one trailing ``\\n`` or ``\\r\\n`` dropped) and each ``key_env``
+    variable now. Problems: a file that cannot be read, is not UTF-8, is empty or holds more
+    than one line; an unset or empty variable; a key that is not printable ASCII without
+    spaces; a key given twice (in any two entries, the operator's included). Reasons name
+    the entry, file or variable, never a key."""
+    if server.api_key is not None:
+        return (BearerKey(None, _digest(server.api_key)),), []
+    keys: list[BearerKey] = []
+    problems: list[ConfigProblem] = []
+    seen: dict[bytes, str] = {}
+    sources: list[tuple[str, str | None, str | None, str | None, str | None]] = [
+        (f"server.api_keys[{i}]", e.tenant, e.key, e.key_file, e.key_env) for i, e in enumerate(server.api_keys)]
+    if server.operator is not None:
+        op = server.operator
+        sources.append(("server.operator", None, op.key, op.key_file, op.key_env))
+    for where, tenant, inline, key_file, key_env in sources:
+        try:
+            if key_file is not None:
+                where += ".key_file"
+                key = load_secret_file(key_file, "key")
+            elif key_env is not None:
+                where += ".key_env"
+                key = load_secret_env(key_env)
+            else:
+                where += ".key"
+                key = inline or ""
+        except ValueError as exc:
+            problems.append(ConfigProblem(where, str(exc)))
+            continue
+        problem = key_text_problem(key)
+        if problem:
+            problems.append(ConfigProblem(where, problem if where.endswith(".key") else f"the key it holds {problem}"))
+            continue
+        digest = _digest(key)
+        if digest in seen:
+            problems.append(ConfigProblem(where, f"gives the same key as {seen[digest]}: each key must be given once"))
+            continue
+        seen[digest] = where.rsplit(".", 1)[0]
+        keys.append(BearerKey(tenant, digest))
+    return tuple(keys), problems
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()

@@ -1,7 +1,7 @@
 """Validation: the checks that need more than one key's type (ranges, relations between
 sections, the machine's RAM, the tenants' quotas against the cache). ``validate(cfg)``
 returns every problem; ``loading`` raises them together. What needs the model or the host
-is ``hicache.runtime.startup_checks``'. See docs/architecture.md §10.
+is ``hicache.daemon.startup_checks``. See docs/architecture.md §10.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 This module is torch-free: the scheduler and the memory pools size their shared-memory
 segments from it without importing the model, and the start checks (``hicache serve``,
-``hicache check-config``: ``hicache.runtime.startup_checks``) refuse a model the scheduler cannot
+``hicache check-config``: ``hicache.daemon.startup_checks``) refuse a model the scheduler cannot
 serve (``unsupported_reason``) without importing torch.
 
 Pool layout (the contract between the memory pools and the runner; ``S = num_pages *

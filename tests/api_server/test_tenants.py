@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 
 from hicache.api_server.validation import ModelLimits, parse_chat, parse_completion, parse_generate
 from hicache.config import ConfigError, config_from_dict, dump_yaml
+from hicache.config.security import BearerKey, load_api_keys
+from hicache.daemon.startup_checks import startup_problems
 from hicache.hashing import HashNamespace, PageHasher
-from hicache.runtime.startup_checks import BearerKey, load_api_keys, startup_problems
 from hicache.tenants import TENANT_SALT_TAG, split_tenant_salt, tenant_salt
 from hicache.text import ByteTokenizer
 

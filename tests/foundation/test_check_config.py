@@ -1,5 +1,5 @@
 """``hicache check-config`` refuses what ``hicache serve`` refuses at start: exit 2, the dotted
-key path and the reason on stderr (``hicache.runtime.startup_checks``)."""
+key path and the reason on stderr (``hicache.daemon.startup_checks``)."""
 
 from __future__ import annotations
 

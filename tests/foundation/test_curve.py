@@ -152,7 +152,7 @@ def test_check_config_refuses_tcp_without_keys_and_checks_the_key_files(tmp_path
     line = next(ln for ln in out.stderr.splitlines() if ln.strip().startswith("ipc.transport:"))
     assert "hicache keygen" in line and "allow_insecure_tcp" in line
 
-    from hicache.runtime.startup_checks import startup_problems
+    from hicache.daemon.startup_checks import startup_problems
 
     cfg = config_from_dict({"ipc": {"transport": "tcp", "tcp_base_port": 7100, "curve_keys_dir": str(keys_dir)}})
     assert startup_problems(cfg) == []

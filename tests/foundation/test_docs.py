@@ -28,7 +28,7 @@ import yaml
 
 from hicache.cli.main import build_parser
 from hicache.config import ConfigError, load_config
-from hicache.runtime.startup_checks import startup_problems
+from hicache.daemon.startup_checks import startup_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

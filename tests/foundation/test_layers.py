@@ -130,5 +130,6 @@ def test_the_check_catches_an_upward_import() -> None:
     tree = row_of("hicache.tree.cache", rows)
     assert tree is not None and tree.unit == "hicache.tree"
     assert row_of("hicache.scheduler.process", rows).unit not in tree.allowed  # type: ignore[union-attr]
-    assert row_of("hicache.runtime.launcher", rows).unit == "hicache.runtime.launcher"  # type: ignore[union-attr]
+    assert row_of("hicache.daemon.launcher", rows).unit == "hicache.daemon"  # type: ignore[union-attr]
+    assert row_of("hicache.daemon.startup_checks", rows).unit == "hicache.daemon.startup_checks"  # type: ignore[union-attr]
     assert row_of("hicache.runtime.ipc", rows).unit == "hicache.runtime"  # type: ignore[union-attr]

@@ -79,7 +79,7 @@ def test_a_mamba_state_slot_holds_conv_and_ssm_state_of_every_layer() -> None:
 def test_the_start_checks_do_not_import_torch() -> None:
     code = ("import sys\n"
             "from hicache.config import load_config\n"
-            "from hicache.runtime.startup_checks import startup_problems\n"
+            "from hicache.daemon.startup_checks import startup_problems\n"
             "print(startup_problems(load_config(None, [])))\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
     env = {k: v for k, v in os.environ.items() if k != "HICACHE_CONFIG"}  # the default config

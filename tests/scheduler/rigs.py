@@ -86,8 +86,8 @@ class L2Rig(Rig):
 
     def __init__(self, cfg: HicacheConfig) -> None:
         from controller.transfer import CpuTransferEngine
+        from hicache.daemon.launcher import Launcher
         from hicache.memory.pools import create_pools
-        from hicache.runtime.launcher import Launcher
         from hicache.scheduler.assembly import kv_pools_from_shared
         from hicache.scheduler.controller_driver import ControllerDriver
 

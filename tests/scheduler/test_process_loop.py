@@ -388,7 +388,7 @@ def test_the_drains_nest_inside_the_launchers_stop_timeout() -> None:
     """A group SIGTERM: the tokenizer's drain ends first (its aborts end the scheduler's
     requests), the scheduler's within the launcher's wait before SIGKILL."""
     from hicache.api_server.args import DEFAULT_GRACE_S as TOKENIZER_GRACE_S
-    from hicache.runtime.launcher import STOP_TIMEOUT_S
+    from hicache.daemon.launcher import STOP_TIMEOUT_S
 
     assert TOKENIZER_GRACE_S < DEFAULT_GRACE_S < STOP_TIMEOUT_S
     assert SchedulerArgs.__dataclass_fields__["grace_s"].default == DEFAULT_GRACE_S

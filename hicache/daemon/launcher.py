@@ -5,7 +5,7 @@ Start (any failure stops what was started, removes what was created, and exits 1
 the process and the reason):
 
 1. validate the config and make the start checks ``hicache check-config`` makes too
-   (``hicache.runtime.startup_checks.startup_problems``: the model, its geometry, the memory its
+   (``hicache.daemon.startup_checks.startup_problems``: the model, its geometry, the memory its
    pools need); exit 2 with every problem and its key path;
 2. create the private runtime directory, the metrics directory and the shared-memory pools;
 3. spawn the cache controller (when L2 is on), then the scheduler, then the tokenizer, each
@@ -88,7 +88,7 @@ if TYPE_CHECKING:
 
     ChildArgs = ControllerArgs | SchedulerArgs | TokenizerArgs
 
-log = logging.getLogger("hicache.runtime.launcher")
+log = logging.getLogger("hicache.daemon.launcher")
 
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 40.0
@@ -165,7 +165,7 @@ class Launcher:
 
         cfg = self.cfg
         from hicache.config import ConfigError
-        from hicache.runtime.startup_checks import startup_problems
+        from hicache.daemon.startup_checks import startup_problems
 
         problems = startup_problems(cfg)
         if problems:
@@ -491,6 +491,7 @@ def engine_layout(cfg: HicacheConfig) -> PoolLayout:
     layers (GDN) a ``mamba`` pool of ``cache.l2.state_slots`` states as bytes. Raises ValueError
     when the engine model cannot be served or L2 does not fit in the host's available memory."""
     from hicache.config import engine_window_pages
+    from hicache.daemon.startup_checks import engine_geometry
     from hicache.memory.pools import (
         PoolLayout,
         default_directory,
@@ -498,7 +499,6 @@ def engine_layout(cfg: HicacheConfig) -> PoolLayout:
         paged_layout,
         state_layout,
     )
-    from hicache.runtime.startup_checks import engine_geometry
     from protos import KV_KINDS
 
     g, problems = engine_geometry(cfg)

@@ -24,7 +24,7 @@ key path                        problem
 
 Engine mode (``engine.kind: vllm``): ``engine.model`` (a checkpoint whose geometry the
 engines cannot share through L2) and ``cache.l2.tokens`` (L2 over the available memory);
-``hicache.runtime.launcher.engine_layout`` raises on the same problems.
+``hicache.daemon.launcher.engine_layout`` raises on the same problems.
 
 Both modes: ``ipc.curve_keys_dir`` (CURVE on) must be a key directory that loads
 (``hicache.runtime.ipc.load_curve_keys``: libzmq with CURVE, both key pairs present, private (0600)
@@ -45,13 +45,11 @@ These checks read the model and the host, so they stay out of ``hicache/config/`
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hicache.config import ConfigProblem, HicacheConfig, ServerConfig, engine_window_pages, key_text_problem
-from storage_backends.settings import load_secret_env, load_secret_file
+from hicache.config import ConfigProblem, HicacheConfig, engine_window_pages
+from hicache.config.security import load_api_keys
 
 if TYPE_CHECKING:
     from hicache.model.geometry import ModelGeometry
@@ -166,66 +164,5 @@ def _check_tokenizer(cfg: HicacheConfig, out: list[ConfigProblem]) -> None:
         out.append(ConfigProblem("tokenizer.path",
                                  f"{path!r} is neither a tokenizer.json file nor a directory holding one"))
 
-
-@dataclass(frozen=True)
-class BearerKey:
-    """One loaded API key: the ``tenant`` it authenticates, or None for the operator's key
-    (``server.operator``, or ``server.api_key`` of a daemon without tenants), and the SHA-256
-    ``digest`` of the key. The key itself is not kept."""
-
-    tenant: str | None
-    digest: bytes = field(repr=False)
-
-
-def load_api_keys(server: ServerConfig) -> tuple[tuple[BearerKey, ...], list[ConfigProblem]]:
-    """The bearer keys of ``server`` (``api_key``, every ``api_keys`` entry, ``operator``),
-    with the problems that stop the daemon from using them; the keys are only meaningful
-    when the problems are empty.
-
-    ``server`` passed ``load_config`` (``hicache.config.api_key_problems``). Reads each
-    ``key_file`` (UTF-8 text, one trailing ``\\n`` or ``\\r\\n`` dropped) and each ``key_env``
-    variable now. Problems: a file that cannot be read, is not UTF-8, is empty or holds more
-    than one line; an unset or empty variable; a key that is not printable ASCII without
-    spaces; a key given twice (in any two entries, the operator's included). Reasons name
-    the entry, file or variable, never a key."""
-    if server.api_key is not None:
-        return (BearerKey(None, _digest(server.api_key)),), []
-    keys: list[BearerKey] = []
-    problems: list[ConfigProblem] = []
-    seen: dict[bytes, str] = {}
-    sources: list[tuple[str, str | None, str | None, str | None, str | None]] = [
-        (f"server.api_keys[{i}]", e.tenant, e.key, e.key_file, e.key_env) for i, e in enumerate(server.api_keys)]
-    if server.operator is not None:
-        op = server.operator
-        sources.append(("server.operator", None, op.key, op.key_file, op.key_env))
-    for where, tenant, inline, key_file, key_env in sources:
-        try:
-            if key_file is not None:
-                where += ".key_file"
-                key = load_secret_file(key_file, "key")
-            elif key_env is not None:
-                where += ".key_env"
-                key = load_secret_env(key_env)
-            else:
-                where += ".key"
-                key = inline or ""
-        except ValueError as exc:
-            problems.append(ConfigProblem(where, str(exc)))
-            continue
-        problem = key_text_problem(key)
-        if problem:
-            problems.append(ConfigProblem(where, problem if where.endswith(".key") else f"the key it holds {problem}"))
-            continue
-        digest = _digest(key)
-        if digest in seen:
-            problems.append(ConfigProblem(where, f"gives the same key as {seen[digest]}: each key must be given once"))
-            continue
-        seen[digest] = where.rsplit(".", 1)[0]
-        keys.append(BearerKey(tenant, digest))
-    return tuple(keys), problems
-
-
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode("utf-8")).digest()
 
 
