@@ -1,4 +1,4 @@
-"""L3 backends from other packages, found by entry point (README "L3 backends from other packages").
+"""L3 backends from other packages, found by entry point (docs/storage.md "Plug-in backends").
 
 A package adds a kind of store by naming a ``BackendPlugin`` under the entry-point group
 ``hicache.storage_backends``, the entry point's name being the kind::

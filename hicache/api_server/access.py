@@ -1,4 +1,4 @@
-"""Who may call what on the HTTP API (README "Security"): the operator, a tenant, anyone.
+"""Who may call what on the HTTP API (docs/operations.md "Security"): the operator, a tenant, anyone.
 
 ``HttpApi._auth`` authenticates the bearer key; a request then is
 

@@ -46,7 +46,7 @@ OPENAPI_VERSION = "3.1.0"
 _ERROR_TEXT = {
     400: "invalid request body or parameter",
     401: "missing or wrong API key (only when server.api_key, server.api_keys or server.operator is set)",
-    403: "the operator's route or object, and the key is a tenant's (README \"Security\")",
+    403: "the operator's route or object, and the key is a tenant's (docs/operations.md \"Security\")",
     404: "not found (an unknown path, or a model that is not served)",
     405: "method not allowed",
     408: "the request body did not arrive within server.body_timeout_s",

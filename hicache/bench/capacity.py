@@ -70,7 +70,7 @@ KINDS = ("lookup", "reserve")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", choices=sorted(PROFILES), default="node",
-                        help="a named preset (README 'Sizing'); the flags below change parts of it")
+                        help="a named preset (docs/benchmarks.md 'Sizing a node'); the flags below change parts of it")
     parser.add_argument("--engines", type=int, help="simulated engines (processes)")
     parser.add_argument("--steps-per-s", type=float, help="scheduler steps per second of each engine")
     parser.add_argument("--running", type=int, help="requests in flight per engine")

@@ -132,7 +132,7 @@ class FileStoreConfig:
 
 @dataclass(frozen=True)
 class RedisStoreConfig(RedisConnection):
-    """``cache.l3.redis`` (README "L3 storage"): the fields of
+    """``cache.l3.redis`` (docs/storage.md): the fields of
     ``storage_backends.settings.RedisConnection``, shared with the Redis backend's own
     ``RedisSettings`` (which documents them: the password's one source, TLS), and
     ``timeout_s``. The password is never shown: not in ``repr``, not in ``hicache
@@ -178,7 +178,7 @@ class PrefetchConfig:
 
 @dataclass(frozen=True)
 class PinnedPrefixConfig:
-    """One entry of ``cache.pinned`` (README "Pinned prefixes"): a prefix the cache computes
+    """One entry of ``cache.pinned`` (docs/configuration.md "Pinned prefixes"): a prefix the cache computes
     (or loads from L3) at start and never evicts from ``tiers`` (``l1``, ``l2``). Exactly one
     of ``text`` (tokenized as a completion prompt is, without a chat template) and
     ``token_ids``. ``cache_salt`` and ``tenant`` name its namespace as a request's do (a
@@ -214,7 +214,7 @@ class CacheConfig:
     """Other L3 stores the operator may attach at run time, by name (``PUT /cache/storage``
     with ``{"store": NAME}``); each a ``cache.l3`` section, checked as ``cache.l3`` is.
     ``DEFAULT_STORE`` names ``cache.l3`` itself. An HTTP caller never names a URL, a host,
-    a path or a secret source: only these names (README "Security")."""
+    a path or a secret source: only these names (docs/operations.md "Security")."""
 
 
 # --------------------------------------------------------------------------- the rest
@@ -239,7 +239,7 @@ PIN_NAME_RE = re.compile(f"^{TENANT_NAME_RE}$")
 
 @dataclass(frozen=True)
 class TenantQuotaConfig:
-    """``server.api_keys[].quota`` (README "Tenants"); at least one of:
+    """``server.api_keys[].quota`` (docs/configuration.md "API keys, tenants and the operator"); at least one of:
 
     ``l2_tokens`` bounds the tenant's Full L2 pages (a multiple of ``cache.page_size``) and
     reserves them: a write past it evicts the tenant's own L2 pages first, and no other
@@ -283,7 +283,7 @@ class ApiKeyConfig:
 class OperatorKeyConfig:
     """``server.operator``: the operator's bearer key, from exactly one of ``key`` (inline),
     ``key_file`` or ``key_env`` (read as ``ApiKeyConfig``'s are). Its holder administers the
-    whole daemon (README "Security"): every tenant's pins and stats, flush of everything,
+    whole daemon (docs/operations.md "Security"): every tenant's pins and stats, flush of everything,
     L3 attach / detach / clear, ``/metrics``. Never shown, like every key."""
 
     key: str | None = field(default=None, repr=False, metadata={"secret": True})
@@ -305,17 +305,17 @@ class ServerConfig:
     ``body_timeout_s``: a handler reads the whole request body within this many seconds of
     the headers, or the client gets a 408 and the connection is closed.
     ``max_samples``: the largest OpenAI ``n`` (each sample is a scheduler request that may
-    compute the prompt again: README "HTTP API"); at most 128, the OpenAI API's own bound.
+    compute the prompt again: docs/http-api.md); at most 128, the OpenAI API's own bound.
 
     Bearer keys (every route but ``/health`` and ``/metrics`` needs one when any is set):
     ``api_key`` is one key without a tenant (every client shares the cache namespaces, as
     when no key is set); ``api_keys`` lists keys with their tenants (``ApiKeyConfig``), and
-    each request's tenant then namespaces its cached pages (README "Tenants"). Set at most
+    each request's tenant then namespaces its cached pages (docs/configuration.md "API keys, tenants and the operator"). Set at most
     one of the two. Tenant names match ``TENANT_NAME_RE``; several entries may name one
     tenant (key rotation), but two tenant names must not differ only in case, and no key
     may appear twice.
 
-    Roles (README "Security"): ``operator`` (``OperatorKeyConfig``) is the operator's key;
+    Roles (docs/operations.md "Security"): ``operator`` (``OperatorKeyConfig``) is the operator's key;
     ``api_key``'s holder is the operator too (a daemon without tenants); a tenant's key acts
     on that tenant's namespaces only. With no key at all, every caller is the operator, so
     a ``host`` other than a loopback address is refused unless ``allow_unauthenticated``
@@ -367,7 +367,7 @@ class IpcConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Who computes the KV (README "Engine mode").
+    """Who computes the KV (docs/engine-mode.md).
 
     ``builtin``: the scheduler runs its own model worker (``model``). ``vllm``: the daemon is
     the L2 + L3 tier beside vLLM engines, which load ``hicache.connectors.vllm``; the
@@ -418,7 +418,7 @@ class EventsConfig:
     announced as stored in L3, so that after a restart it announces again what L3 still holds
     (``hicache.kv_events.journal``); None announces L3 only as pages are backed up.
 
-    Who may subscribe (README "Security"): the endpoint is on loopback by default. When the
+    Who may subscribe (docs/operations.md "Security"): the endpoint is on loopback by default. When the
     daemon has CURVE keys (``ipc.curve_keys_dir``), the bound sockets are CURVE servers that
     admit only the subscriber keys in ``{keys dir}/authorized_subscribers`` (``hicache keygen
     --subscriber NAME``). An endpoint on another host or interface without CURVE needs

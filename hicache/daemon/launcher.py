@@ -456,7 +456,7 @@ class Launcher:
 
 
 def _log_exposure(cfg: HicacheConfig) -> None:
-    """Warn at start about what the config opened beyond this host on purpose (README
+    """Warn at start about what the config opened beyond this host on purpose (docs/operations.md
     "Security"): HTTP without a key, events without CURVE."""
     from hicache.config import events_endpoint_host, has_keys, is_loopback_host
 

@@ -29,7 +29,7 @@ when the endpoint contains ``*`` or ``::`` or starts with ``ipc://`` or ``inproc
 otherwise). The replay socket always binds. The daemon's publisher (``for_daemon``) binds
 ``events.endpoint`` unless ``events.bind`` is false.
 
-Who receives what (README "Security"): with ``curve`` (the daemon's CURVE keys), every
+Who receives what (docs/operations.md "Security"): with ``curve`` (the daemon's CURVE keys), every
 socket it binds is a CURVE server in ZAP domain ``hicache.runtime.ipc.ZAP_EVENTS``, served by a
 context of its own whose authenticator admits the subscriber keys
 (``authorized_subscribers/``) only. Unless ``tenant_content``, a ``BlockStored`` of a

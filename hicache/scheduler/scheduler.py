@@ -230,7 +230,7 @@ class Scheduler:
     # ------------------------------------------------------------------ admin
     def admin(self, msg: protos.AdminRequest) -> None:
         """An admin op. ``args["tenant"]`` marks a tenant's own call (the tokenizer sets it
-        from the caller's key, README "Security"): ``flush``, ``stats`` and the pin ops act
+        from the caller's key, docs/operations.md "Security"): ``flush``, ``stats`` and the pin ops act
         on that tenant's namespaces and pins only, and storage ops are refused (the
         operator's alone)."""
         op = msg.op

@@ -3,7 +3,7 @@ the Compose Specification's JSON schema (``check-jsonschema``'s vendored copy) a
 for what the schema cannot see: every built image's Dockerfile and target exist, every
 bind-mounted file is in the repository, every named volume is declared, ports parse,
 every long-running service has a healthcheck, every dependency names a service, and the
-vLLM service loads the hicache connector the way README "Engine mode" says.
+vLLM service loads the hicache connector the way docs/engine-mode.md says.
 
 Docker itself cannot run here, so nothing is built or started.
 """

@@ -7,7 +7,7 @@ journal, what L3 still holds (whole chains: pages the store lost between the run
 pages after them, are not announced), all fetched from the replay socket by a subscriber
 that missed them; a storage detach and a clear remove every L3 page. In both endpoint
 modes: the daemon binds (ipc) and the subscriber connects, or the subscriber binds (tcp) and
-the daemon connects. The subscriber is what the README tells a consumer to do."""
+the daemon connects. The subscriber is what docs/events.md tells a consumer to do."""
 
 from __future__ import annotations
 

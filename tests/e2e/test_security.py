@@ -1,5 +1,5 @@
 """End to end: what a tenant, the operator and an unauthenticated client may do to a real
-daemon (README "Security"), each attack as a security review made it.
+daemon (docs/operations.md "Security"), each attack as a security review made it.
 
 1. ``PUT /cache/storage`` with a tenant's key (or none) naming a Redis URL, a password
    source, a key prefix or a directory: a fake listener on loopback receives nothing (no

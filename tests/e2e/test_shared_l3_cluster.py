@@ -3,7 +3,7 @@
 Four small daemons run against the same cluster and key prefix: A and B serve the same
 model; C the same preset with another seed (another weights digest, so another model
 fingerprint); D the same model in bfloat16 (another KV dtype). Page keys are the chained
-page hashes of README "Page hashes", namespaced by fingerprint and KV dtype, so:
+page hashes of docs/architecture.md §6, namespaced by fingerprint and KV dtype, so:
 
 - B is served from L3 what only A computed, with A's (cold) greedy outputs;
 - C and D never hit pages of A, and their own pages land beside A's under new keys;

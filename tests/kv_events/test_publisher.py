@@ -161,7 +161,7 @@ def test_a_subscriber_that_never_reads_never_slows_publishing(ctx: zmq.Context[z
     """Past the PUB socket's high-water mark the batches are dropped for that subscriber
     alone: every publish returns at once, the subscriber sees the gap in the sequence
     numbers, and the replay socket gives it what it missed. ZeroMQ drops them silently: they
-    are not counted as dropped (the README says so: the gaps are the signal)."""
+    are not counted as dropped (docs/events.md says so: the gaps are the signal)."""
     pub = KVEventPublisher(ipc("pub"), ipc("replay"), TOPIC, ctx=ctx, send_hwm=10)
     try:
         sub = _subscriber(ctx, pub.endpoint)

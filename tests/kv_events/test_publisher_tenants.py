@@ -1,4 +1,4 @@
-"""What ``KVEventPublisher`` lets out of a tenant's pages (README "Security"), on a real PUB
+"""What ``KVEventPublisher`` lets out of a tenant's pages (docs/operations.md "Security"), on a real PUB
 socket: without ``tenant_content`` a ``BlockStored`` of a tenant's namespace loses its tokens
 and its salt (hashes, parent and sizes stay), a page without a tenant goes out whole, and
 with ``tenant_content`` the operator's opt-in publishes both, as before."""

@@ -1,5 +1,5 @@
 """``PUT /cache/storage``: the body names a store of the config, never a backend, URL, path
-or secret source (README "Security"). See docs/architecture.md §11.
+or secret source (docs/operations.md "Security"). See docs/architecture.md §11.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def parse_storage_choice(data: dict[str, Any], config: HicacheConfig) -> dict[st
     names a store) or a key of ``cache.l3_stores``, checked with the rest of the config at
     start (its keys, files, and the tenants' L3 quotas). A body naming anything else (a
     backend, a URL, a directory, a password source) is refused: what the daemon reaches and
-    which secrets it sends are the config's alone (README "Security"). The scheduler can
+    which secrets it sends are the config's alone (docs/operations.md "Security"). The scheduler can
     rebuild the ``L3Config`` with ``config_from_dict({"cache": {"l3": args["l3"]}})``."""
     stores = attachable_stores(config)
     named = ", ".join(stores) or "none: cache.l3_stores is empty"
