@@ -15,17 +15,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from deploy_helpers import (
+
+from tests.deploy.deploy_helpers import (
     OPERATOR_KEY,
     PROMPT,
     CheckConfig,
-    Daemon,
     LiveDaemon,
     all_check_config_runs,
     check_config_all,
     live_daemon_config,
     write_tiny_llama,
 )
+from tests.support.daemon import Daemon
 
 
 @pytest.fixture(scope="session")

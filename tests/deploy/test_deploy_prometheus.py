@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_helpers import DEPLOY, run, tool
+
+from tests.deploy.deploy_helpers import DEPLOY, run, tool
 
 PROM = DEPLOY / "prometheus"
 ALERTS = PROM / "alerts.yml"
