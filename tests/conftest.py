@@ -40,17 +40,16 @@ VLLM_FIXTURES = frozenset({"engines"})
 
 
 def slow_tests(path: Path = SLOW_LIST) -> frozenset[str]:
-    """The measured slow tests: ``tests/<folder>/<file>.py::<function>`` per line (every
-    parameter of the function), ``#`` starts a comment."""
+    """The measured slow tests: a node id without parameters per line (every parameter of the
+    function), ``#`` starts a comment."""
     names = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
     return frozenset(n for n in names if n)
 
 
 def _function_id(item: pytest.Item) -> str:
-    """``tests/<folder>/<file>.py::<function>`` (class and parameters dropped): the slow list's key."""
-    rel = Path(str(item.path)).resolve().relative_to(TESTS.parent).as_posix()
-    name = getattr(item, "originalname", None) or item.name.split("[", 1)[0]
-    return f"{rel}::{name}"
+    """The node id without its parameters (``tests/<folder>/<file>.py::[Class::]function``):
+    the slow list's key."""
+    return item.nodeid.split("[", 1)[0]
 
 
 def _skip_reasons(item: pytest.Item) -> str:
