@@ -10,7 +10,7 @@
 | `vllm`      | it skips without vLLM (`NO_VLLM`), or runs real engines (the `engines` fixture:    |
 |             | also `processes` and `slow`)                                                       |
 | `deploy`    | it is in tests/deploy (promtool, prometheus, systemd-analyze, hadolint ...)        |
-| `slow`      | over ~5 s here: every test with real engines, and those in tests/slow_tests.txt    |
+| `slow`      | over 1.5 s here: every test with real engines, and those in tests/slow_tests.txt   |
 
 An explicit `@pytest.mark.<marker>` adds to these where a rule cannot tell (a test that starts
 processes through a command, say). ``python -m pytest -m "not slow"`` is the fast loop; CI runs
