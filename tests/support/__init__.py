@@ -5,6 +5,7 @@
 - ``vllm_engines``: engine mode's daemon config, vLLM engines and a model's stack.
 - ``rigs``: in-process scheduler rigs (a scheduler and its controller without processes).
 - ``tree``: small builders of radix trees and allocators.
+- ``hybrid_machine``: the random operation machine over a hybrid cache with L2.
 - ``plugin_install``: the example storage plug-in installed as a third party's would be.
 - ``advise_trace``: the closed-form workload of ``hicache advise`` and its trace file.
 
