@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.storage.plugin_install import install_sqlite_plugin
 from tests.support.daemon import REPO, Daemon, check_served_from_l3_after_restart
-from tests.support.plugin_install import install_sqlite_plugin
 
 
 @pytest.fixture(scope="module")

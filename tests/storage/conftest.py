@@ -88,7 +88,7 @@ directory on ``sys.path`` and built through its entry point, as a third party's 
 def sqlite_plugin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The example plug-in installed into a fresh directory put on ``sys.path`` (spawned
     children inherit it) for the session; yields the directory."""
-    from tests.support.plugin_install import install_sqlite_plugin
+    from tests.storage.plugin_install import install_sqlite_plugin
 
     site = install_sqlite_plugin(tmp_path_factory.mktemp("plugin-site") / "site")
     sys.path.insert(0, str(site))

@@ -6,7 +6,6 @@
 - ``rigs``: in-process scheduler rigs (a scheduler and its controller without processes).
 - ``tree``: small builders of radix trees and allocators.
 - ``hybrid_machine``: the random operation machine over a hybrid cache with L2.
-- ``plugin_install``: the example storage plug-in installed as a third party's would be.
 - ``advise_trace``: the closed-form workload of ``hicache advise`` and its trace file.
 
 Fixtures stay in each folder's ``conftest.py``; a test never imports a ``conftest``.
