@@ -101,6 +101,7 @@ def test_levels_flag_is_checked() -> None:
             _levels(bad)
 
 
+@pytest.mark.processes  # the daemon it measures
 def test_a_short_capacity_run_measures_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "capacity"
     code = main(["bench", "capacity", "--profile", "small", "--levels", "1", "--warmup", "2", "--duration", "4",

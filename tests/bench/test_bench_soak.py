@@ -40,6 +40,7 @@ def test_tally_counts_outcomes_per_kind() -> None:
     assert t.total() == 2 and t.total(Outcome.MISMATCH) == 1 and t.failures[0]["kind"] == "turn"
 
 
+@pytest.mark.processes  # the soak's daemons
 @pytest.mark.skipif(find_redis_server() is None, reason="redis-server not installed (apt-get install redis-server)")
 def test_a_short_soak_passes_every_check(tmp_path: Path) -> None:
     out = tmp_path / "soak"

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from controller_harness import ControllerHarness, fill_l1_pages, l1_pages, l2_pages
 
 import protos
 from hicache.hashing import HashNamespace, PageHasher, component_keys
 from storage_backends import FileSettings
+from tests.controller.controller_harness import ControllerHarness, fill_l1_pages, l1_pages, l2_pages
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import zmq
-from controller_harness import small_layout
 
 import protos
 from controller.eviction_order import EvictionGate
@@ -22,6 +21,7 @@ from storage_backends import FileSettings
 from storage_backends.base import Buffer
 from storage_backends.file_backend import FileBackend
 from storage_backends.page_format import PageLayout
+from tests.controller.controller_harness import small_layout
 
 OBJECT_BYTES = 2 * 2 * 4 * 2 * 8 * 4 + 96  # the harness layout's L2 page (float32), and a header
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from controller_harness import ControllerHarness
 
 import protos
 from hicache.config import PrefetchConfig
@@ -23,6 +22,7 @@ from hicache.scheduler.controller_driver import ControllerDriver
 from hicache.tree.cache import UnifiedRadixCache
 from hicache.tree.components import FullComponent
 from storage_backends import FileSettings
+from tests.controller.controller_harness import ControllerHarness
 
 PS = 4
 NS = HashNamespace("tier-test-model", "float32", PS)

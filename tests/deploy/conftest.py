@@ -2,7 +2,7 @@
 that name one, and one real daemon for the tests that need live metrics.
 
 The daemon is started once per test run (pytest session scope) with the end-to-end helpers
-(``tests/e2e/daemon.py``) on the tiny reference model with a file L3; it has served the same
+(``tests/support/daemon.py``) on the tiny reference model with a file L3; it has served the same
 prompt twice when the tests get it (the second time from L1), and must stop with exit 0 at
 the end of the run.
 """
@@ -15,17 +15,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from deploy_helpers import (
+
+from tests.deploy.deploy_helpers import (
     OPERATOR_KEY,
     PROMPT,
     CheckConfig,
-    Daemon,
     LiveDaemon,
     all_check_config_runs,
     check_config_all,
     live_daemon_config,
     write_tiny_llama,
 )
+from tests.support.daemon import Daemon
 
 
 @pytest.fixture(scope="session")

@@ -25,9 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-
-from daemon import Daemon, free_port  # noqa: E402,F401
+from tests.support.daemon import Daemon
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_helpers import CONFIG_DIR, MODEL_KEY, OPERATOR_SECRET, CheckConfig
 
 from hicache.config import is_loopback_host
+from tests.deploy.deploy_helpers import CONFIG_DIR, MODEL_KEY, OPERATOR_SECRET, CheckConfig
 
 
 def test_every_config_is_covered() -> None:

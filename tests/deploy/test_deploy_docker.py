@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_helpers import DEPLOY, REPO, compose_size_bytes, pool_bytes, run, tool
+
+from tests.deploy.deploy_helpers import DEPLOY, REPO, compose_size_bytes, pool_bytes, run, tool
 
 DOCKER = DEPLOY / "docker"
 DOCKERFILE = DOCKER / "Dockerfile"

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_helpers import (
+
+from tests.deploy.deploy_helpers import (
     K8S_DEPLOYMENTS,
     K8S_DIR,
     LLAMA_31_8B,

@@ -22,18 +22,19 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_helpers import (
+from prometheus_client.parser import text_string_to_metric_families
+
+from hicache.bench.loopback_ports import free_port
+from tests.deploy.deploy_helpers import (
     DEPLOY,
     LiveDaemon,
     dashboard_targets,
-    free_port,
     promql_metric_names,
     rule_exprs,
     stop_process,
     substitute_grafana_vars,
     tool,
 )
-from prometheus_client.parser import text_string_to_metric_families
 
 DASHBOARD = DEPLOY / "grafana" / "hicache.json"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_helpers import DEPLOY, run, tool
+
+from tests.deploy.deploy_helpers import DEPLOY, run, tool
 
 PROM = DEPLOY / "prometheus"
 ALERTS = PROM / "alerts.yml"
@@ -132,7 +133,7 @@ def test_unit_tests_fail_when_an_alert_fires_too_widely(alert: str, tmp_path: Pa
 def test_alerts_read_the_health_and_attachment_series() -> None:
     """The degraded-process alert reads ``hicache_process_up`` (the daemon's own stale limit);
     the L3 alert is gated on ``hicache_storage_attached``."""
-    from deploy_helpers import promql_metric_names
+    from tests.deploy.deploy_helpers import promql_metric_names
 
     rules = {r["alert"]: r for r in alert_rules()}
     assert promql_metric_names(rules["HicacheProcessDegraded"]["expr"]) == {"hicache_process_up"}
@@ -156,9 +157,8 @@ def test_unit_tests_fail_without_the_hold(alert: str, tmp_path: Path) -> None:
 def test_metric_names_are_hicache_specs() -> None:
     """Every metric an alert or recording rule reads is one hicache/metrics/catalogue.py defines (or
     Prometheus' own ``up``, or a recording rule of the same file)."""
-    from deploy_helpers import promql_metric_names, rule_exprs
-
     from hicache.metrics import SPECS
+    from tests.deploy.deploy_helpers import promql_metric_names, rule_exprs
 
     known = {s.name for s in SPECS}
     known |= {f"{s.name}_bucket" for s in SPECS if s.kind == "histogram"}

@@ -14,7 +14,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from deploy_helpers import DEPLOY, run, tool
+
+from tests.deploy.deploy_helpers import DEPLOY, run, tool
 
 UNIT = DEPLOY / "systemd" / "hicache.service"
 SHIPPED_BINARY = "/opt/hicache/bin/hicache"

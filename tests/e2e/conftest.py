@@ -10,24 +10,20 @@ leaving no process and no shared-memory segment behind.
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from daemon import Daemon, alive
 
-from hicache.bench.local_redis import RedisProcess, find_redis_server, started
+from hicache.bench.local_redis import RedisProcess, started
+from tests.support.daemon import Daemon, DaemonFactory, check_stopped_cleanly
+from tests.support.redis_servers import NO_REDIS, REDIS_SERVER
 
-REDIS_SERVER = find_redis_server()
-NO_REDIS = "redis-server not installed (apt-get install redis-server)"
 STOP_TIMEOUT_S = 120.0
 
 
@@ -48,34 +44,6 @@ def short_dir() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def segments_of(launcher_pid: int) -> set[str]:
-    """The shared-memory segments created by the daemon whose launcher has this pid."""
-    if not os.path.isdir("/dev/shm"):
-        return set()
-    return {n for n in os.listdir("/dev/shm") if n.startswith(f"hicache-{launcher_pid}-")}
-
-
-def check_stopped_cleanly(d: Daemon, code: int, pids: dict[str, int]) -> None:
-    """Exit code 0, every child gone, no shared memory of this daemon left, and nothing of it
-    left in a configured ``ipc.dir``."""
-    assert d.proc is not None
-    assert code == 0, f"daemon {d.dir.name} exited with {code}:\n{d.log()}"
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in pids.values()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = {n: p for n, p in pids.items() if alive(p)}
-    assert not left, f"processes left running after the stop: {left}\n{d.log()}"
-    leaked = segments_of(d.proc.pid)
-    assert not leaked, f"shared memory left behind: {sorted(leaked)}\n{d.log()}"
-    ipc_dir = (yaml.safe_load(d.config_path.read_text()).get("ipc") or {}).get("dir")
-    if ipc_dir and os.path.isdir(ipc_dir):  # a configured ipc.dir: the daemon's files removed
-        left = sorted(os.listdir(ipc_dir))
-        assert not left, f"left in ipc.dir {ipc_dir}: {left}\n{d.log()}"
-
-
-DaemonFactory = Callable[..., Daemon]
 
 
 @pytest.fixture

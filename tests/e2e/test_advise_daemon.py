@@ -6,7 +6,7 @@
 2. A daemon started from the config ``hicache advise --write`` recommends, replaying the same
    trace one request at a time, reaches the predicted hit rate within ``TOLERANCE``.
 
-The trace is the closed-form workload of ``tests/replay/test_advise.py`` in pages of 16
+The trace is the closed-form workload of ``tests/support/advise_trace.py`` in pages of 16
 tokens: a second working set that only L2 can hold at the budgets given, so the check
 covers hits from L1 and from L2. Every request ends in a fresh page, so the daemon's rule
 that a prompt's last token is always computed never hides a hit the model counts.
@@ -15,17 +15,14 @@ that a prompt's last token is always computed never hides a hit the model counts
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
-from conftest import DaemonFactory
 
 from hicache.cli.main import main
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "replay"))
-from test_advise import A, B, phases, write_trace  # noqa: E402
+from tests.support.advise_trace import A, B, phases, write_trace
+from tests.support.daemon import DaemonFactory
 
 TOLERANCE = 0.03
 """Predicted and measured hit rates may differ by this much (3 points): the daemon's pools

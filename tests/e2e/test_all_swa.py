@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon import Daemon, shm_segments
 
 from controller.storage_io import INDEX_LAYOUT_ID
 from storage_backends.page_format import parse_header
+from tests.support.daemon import Daemon, shm_segments
 
 PS = 4
 WINDOW = 16

@@ -20,8 +20,6 @@ import numpy as np
 import pytest
 import yaml
 import zmq
-from conftest import DaemonFactory
-from daemon import REPO, Daemon
 
 import protos
 from hicache.bench.loopback_ports import free_port
@@ -30,6 +28,7 @@ from hicache.cli.keygen import write_key_dir, write_key_pair
 from hicache.config import config_from_dict
 from hicache.connectors.engine_client import CacheSession, EngineClient, curve_keys_for
 from hicache.runtime.ipc import CurveClientKeys, Endpoints, load_curve_client, load_curve_keys
+from tests.support.daemon import REPO, Daemon, DaemonFactory
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE")
 

@@ -23,12 +23,11 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from conftest import DaemonFactory, check_stopped_cleanly, segments_of
-from daemon import Daemon, alive
 from prometheus_client.parser import text_string_to_metric_families
 
 import protos
 from hicache.bench.local_redis import RedisProcess
+from tests.support.daemon import Daemon, DaemonFactory, alive, check_stopped_cleanly, segments_of
 
 PAGE = 4
 VOCAB = 512  # the tiny reference model's vocabulary

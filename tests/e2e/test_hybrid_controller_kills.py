@@ -21,10 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from daemon import Daemon, alive, shm_segments
-
 from hicache.config import config_from_dict
-from tests.scheduler.rigs import Rig, gen
+from tests.support.daemon import Daemon, alive, shm_segments
+from tests.support.rigs import Rig, gen
 
 LAYERS = ["full", "swa", "mamba", "full"]
 MODEL = {"reference": {"preset": "tiny", "layers": LAYERS, "sliding_window": 16}}

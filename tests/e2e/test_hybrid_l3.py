@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REDIS_SERVER
-from daemon import Daemon
 
 from hicache.bench.local_redis import started
+from tests.support.daemon import Daemon
+from tests.support.redis_servers import REDIS_SERVER
 
 LAYERS = {"swa": ["full", "swa"], "mamba": ["full", "mamba"], "swa+mamba": ["full", "swa", "mamba", "full"],
           "swa-only": ["swa", "swa"], "swa+mamba-only": ["swa", "mamba"]}

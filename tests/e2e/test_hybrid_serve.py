@@ -12,7 +12,8 @@ import random
 from pathlib import Path
 
 import pytest
-from daemon import Daemon, shm_segments
+
+from tests.support.daemon import Daemon, shm_segments
 
 PS = 4
 

@@ -22,9 +22,9 @@ import msgpack
 import msgspec
 import pytest
 import zmq
-from daemon import Daemon
 
 from hicache.bench.loopback_ports import free_port
+from tests.support.daemon import Daemon
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 

@@ -18,9 +18,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from conftest import DaemonFactory
-from daemon import Daemon, alive
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.daemon import Daemon, DaemonFactory, alive
 
 STALE_S = 1.5
 """``server.health_stale_s`` of these daemons."""

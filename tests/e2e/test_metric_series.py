@@ -8,8 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conftest import DaemonFactory
-from daemon import Daemon
+from tests.support.daemon import Daemon, DaemonFactory
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

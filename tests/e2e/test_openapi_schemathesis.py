@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon import Daemon
 
 from hicache.api_server.openapi import openapi_document
 from hicache.api_server.validation import ModelLimits
+from tests.support.daemon import Daemon
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402

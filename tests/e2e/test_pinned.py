@@ -12,8 +12,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from conftest import DaemonFactory
-from daemon import Daemon
+from tests.support.daemon import Daemon, DaemonFactory
 
 SYSTEM = ("You are a careful assistant for the hicache test suite. Answer in one short line, cite the "
           "document you used, and never invent a page number. Tools: search(query), open(doc), "

@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DaemonFactory
-from daemon import Daemon, alive
 from prometheus_client import CollectorRegistry
 
 from hicache.metrics import Metrics
+from tests.support.daemon import Daemon, DaemonFactory, alive
 
 STALE_S = 1.5
 """``server.health_stale_s`` of these daemons."""

@@ -16,7 +16,8 @@ from typing import Any
 
 import openai
 import pytest
-from daemon import Daemon
+
+from tests.support.daemon import Daemon
 
 PROMPT = "Tell me about caches"
 MESSAGES = [{"role": "user", "content": PROMPT}]

@@ -17,9 +17,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from conftest import DaemonFactory
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from tests.support.daemon import DaemonFactory
 
 MAX_NEW = 4
 """``scheduler.max_new_tokens_limit``: every accepted request generates at most this many."""

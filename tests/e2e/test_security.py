@@ -34,13 +34,12 @@ from typing import Any
 import pytest
 import yaml
 import zmq
-from conftest import DaemonFactory
-from daemon import REPO, Daemon
 
 from hicache.bench.loopback_ports import free_port
 from hicache.cli.keygen import write_key_dir, write_key_pair
 from hicache.kv_events.format import BlockStored, decode_batch
 from hicache.tenants import tenant_salt
+from tests.support.daemon import REPO, Daemon, DaemonFactory
 
 KEY_A = "sec-alpha-key-2f7c9a1e5b3d8064"
 KEY_B = "sec-beta-key-7d1e3b9a5c2f4086"

@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from daemon import Daemon, alive, check_served_from_l3_after_restart, shm_segments
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.daemon import Daemon, alive, check_served_from_l3_after_restart, shm_segments
 
 
 def _config(tmp: Path, **cache: object) -> dict:

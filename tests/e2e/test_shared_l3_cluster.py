@@ -28,12 +28,12 @@ from typing import Any
 
 import pytest
 import redis
-from conftest import REDIS_SERVER, check_stopped_cleanly
-from daemon import Daemon
 from prometheus_client.parser import text_string_to_metric_families
 from redis.crc import key_slot
 
 from hicache.bench.local_redis import RedisProcess, find_redis_cli, started_cluster
+from tests.support.daemon import Daemon, check_stopped_cleanly
+from tests.support.redis_servers import REDIS_SERVER
 
 PAGE = 4
 PREFIX = "shared"

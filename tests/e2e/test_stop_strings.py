@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon import Daemon
 
 from hicache.text import ByteTokenizer
+from tests.support.daemon import Daemon
 
 TOK = ByteTokenizer()
 BUDGET = 256

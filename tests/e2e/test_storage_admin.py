@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from daemon import Daemon
+from tests.support.daemon import Daemon
 
 
 def test_put_cache_storage_attaches_a_new_file_store(tmp_path: Path) -> None:

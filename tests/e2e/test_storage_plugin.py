@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from daemon import REPO, Daemon, check_served_from_l3_after_restart
 
 from tests.storage.plugin_install import install_sqlite_plugin
+from tests.support.daemon import REPO, Daemon, check_served_from_l3_after_restart
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conftest import DaemonFactory
-from daemon import Daemon
+from tests.support.daemon import Daemon, DaemonFactory
 
 KEY_A = "quota-alpha-key-0f3b9c2d71e84a56"
 KEY_B = "quota-beta-key-5e7a1d9c3b2f4680"

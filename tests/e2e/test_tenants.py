@@ -13,10 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conftest import DaemonFactory
-from daemon import Daemon
-
 from hicache.tenants import TENANT_SALT_TAG, tenant_salt
+from tests.support.daemon import Daemon, DaemonFactory
 
 KEY_A = "e2e-alpha-key-6b1f0c9d2e7a4b38"
 KEY_A2 = "e2e-alpha-rotated-4d9e2a7c1b05f3e6"

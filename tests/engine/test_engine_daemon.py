@@ -18,13 +18,13 @@ import msgpack
 import pytest
 import yaml
 import zmq
-from conftest import engine_config
-from daemon import Daemon
 
 import protos
 from hicache.cache_server.geometry import geometry_from_config
 from hicache.config import ENGINE_MODE_ERROR, config_from_dict
 from hicache.connectors.engine_client import CacheSession, EngineClient, RegistrationRefused
+from tests.support.daemon import Daemon
+from tests.support.vllm_engines import engine_config
 
 
 def _check_config(tmp: Path, cfg: dict) -> subprocess.CompletedProcess[str]:

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import HAVE_VLLM, NO_VLLM
+
+from tests.support.vllm_engines import HAVE_VLLM, NO_VLLM
 
 pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason=NO_VLLM)
 

@@ -38,11 +38,11 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import Engines, ModelStack, engine_config, expected_hit
-from daemon import Daemon
 
 from hicache.bench.engine_lib.vllm_driver import VllmProcess
 from hicache.connectors.faults import FAIL_LOADS_ENV, RUNTIME_ENV, SLOW_PENDING_ASKS_ENV
+from tests.support.daemon import Daemon
+from tests.support.vllm_engines import Engines, ModelStack, engine_config, expected_hit
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Engines, engine_config, expected_hit, generate_in_background
-from daemon import Daemon
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.bench.engine_lib.vllm_driver import VllmProcess
 from hicache.kv_events.follower import EventFollower
 from hicache.kv_events.format import BlockStored
+from tests.support.daemon import Daemon
+from tests.support.vllm_engines import Engines, engine_config, expected_hit, generate_in_background
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -26,12 +26,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Engines, ModelStack, engine_config, expected_hit, generate_in_background
-from daemon import Daemon
 
 from hicache.bench.engine_lib.vllm_driver import VllmProcess, save_random_model
 from hicache.bench.local_redis import RedisProcess
 from hicache.connectors.faults import FAIL_LOADS_ENV
+from tests.support.daemon import Daemon
+from tests.support.vllm_engines import (
+    Engines,
+    ModelStack,
+    engine_config,
+    expected_hit,
+    generate_in_background,
+)
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Engines, ModelStack, engine_config, expected_hit
-from daemon import Daemon
 
 from hicache.bench.engine_lib.vllm_driver import save_random_model
+from tests.support.daemon import Daemon
+from tests.support.vllm_engines import Engines, ModelStack, engine_config, expected_hit
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Engines, engine_config, expected_hit
-from daemon import Daemon
 
 from hicache.bench.local_redis import RedisProcess
+from tests.support.daemon import Daemon
+from tests.support.vllm_engines import Engines, engine_config, expected_hit
 
 pytestmark = pytest.mark.timeout(900)
 

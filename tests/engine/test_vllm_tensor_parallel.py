@@ -22,11 +22,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Engines, ModelStack, engine_config, expected_hit, generate_in_background
-from daemon import Daemon
 
 from hicache.bench.engine_lib.vllm_driver import VllmError, save_random_model
 from hicache.connectors.faults import STALL_SAVES_RANK_ENV
+from tests.support.daemon import Daemon
+from tests.support.vllm_engines import (
+    Engines,
+    ModelStack,
+    engine_config,
+    expected_hit,
+    generate_in_background,
+)
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from foundation_samples import SAMPLES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import protos
 from protos import PROTOCOL_VERSION, ProtocolError, decode, encode
+from tests.foundation.foundation_samples import SAMPLES
 
 GOLDEN = json.loads((Path(__file__).parent / "golden_frames.json").read_text())
 

@@ -20,6 +20,8 @@ from hicache.cli.events import describe, endpoint_error
 from hicache.kv_events.format import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, encode_batch
 from hicache.kv_events.publisher import KVEventPublisher
 
+pytestmark = pytest.mark.processes  # ``hicache events`` as a subprocess
+
 REPO = Path(__file__).resolve().parents[2]
 TOPIC = "kv@engine-0"
 

@@ -19,8 +19,8 @@ from hicache.kv_events.format import AllBlocksCleared, BlockRemoved, BlockStored
 from hicache.kv_events.tracker import TierEventTracker
 from hicache.memory.allocator import PageAllocator
 from hicache.tree import FullComponent, SWAComponent, Tier, TreeComponent, UnifiedRadixCache
-from tests.tree.helpers import cache_seq
-from tests.tree.test_hybrid_random import HybridMachine
+from tests.support.hybrid_machine import HybridMachine
+from tests.support.tree import cache_seq
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 DECODER = msgspec.msgpack.Decoder(kv_events.KVEventBatch)

@@ -1,12 +1,7 @@
 """``hicache advise``: the reuse profile against a naive LRU, tier advice against closed forms,
 the command line, and the request log's ids.
 
-The closed-form workload (``phases``): phase ``k`` has ``N`` documents of ``D`` pages,
-each asked ``R`` times round-robin, every request followed by a fresh one-page question.
-When a document comes back, page ``i`` of it has seen ``(N-1)(D+1)`` other pages and the
-``i`` pages before it (which the request touched after it) since its last use, so its LRU
-reuse distance is ``(N-1)(D+1) + i + 1``; the whole document hits exactly from
-``N(D+1) - 1`` pages on, and a phase's pages never meet another phase's.
+The closed-form workload is ``tests.support.advise_trace.phases``.
 """
 
 from __future__ import annotations
@@ -27,6 +22,7 @@ from hicache.replay_sim.bounds import belady_hits
 from hicache.replay_sim.reuse import reuse_profile
 from hicache.replay_sim.trace import DENSE_LIMIT, Trace, load_trace
 from hicache.replay_sim.workload import Workload
+from tests.support.advise_trace import A, B, phases, write_trace
 
 
 def naive_lru_hits(requests: list[list[int]], capacity: int) -> int:
@@ -63,20 +59,6 @@ def random_prefix_requests(rng: random.Random, count: int) -> list[list[int]]:
                 kids.append(node)
             path.append(node)
         out.append(path)
-    return out
-
-
-def phases(*specs: tuple[int, int, int]) -> list[list[int]]:
-    """The closed-form workload of the module docstring, one ``(N, D, R)`` per phase."""
-    out: list[list[int]] = []
-    next_id = 0
-    for n, d, rounds in specs:
-        docs = [list(range(next_id + k * d, next_id + (k + 1) * d)) for k in range(n)]
-        next_id += n * d
-        for _ in range(rounds):
-            for doc in docs:
-                out.append(doc + [next_id])
-                next_id += 1
     return out
 
 
@@ -119,8 +101,6 @@ def test_the_closed_form_workload_has_its_distances() -> None:
 
 # ---------------------------------------------------------------------------- advice
 
-A = (4, 7, 5)  # knee 4*8-1 = 31 pages, 4*4*7 = 112 hits of 160
-B = (10, 15, 4)  # knee 10*16-1 = 159 pages, 3*10*15 = 450 hits of 640
 TOTAL = 160 + 640
 
 
@@ -180,11 +160,6 @@ def test_the_advised_sizes_replay_through_the_real_tree_near_the_model() -> None
 
 
 # ---------------------------------------------------------------------------- the command
-
-
-def write_trace(path: Path, requests: list[list[int]], block: int = 16) -> None:
-    path.write_text("".join(json.dumps({"timestamp": 10 * i, "input_length": block * len(r), "output_length": 1,
-                                        "hash_ids": r}) + "\n" for i, r in enumerate(requests)))
 
 
 def test_the_command_prints_writes_a_valid_config_and_json(tmp_path: Path,

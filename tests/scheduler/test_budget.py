@@ -95,7 +95,7 @@ def test_check_finds_a_total_that_differs_from_the_sum() -> None:
 
 def test_the_scheduler_checks_its_budget_whenever_it_is_idle() -> None:
     from hicache.config import config_from_dict
-    from tests.scheduler.rigs import Rig, gen
+    from tests.support.rigs import Rig, gen
 
     rig = Rig(config_from_dict({"cache": {"page_size": PS, "l1": {"tokens": 256}, "l2": {"enabled": False},
                                           "l3": {"backend": "none"}}}))

@@ -15,8 +15,8 @@ from hicache.scheduler.aux_memory import HOOK_CLASSES, AuxMemory
 from hicache.scheduler.component_hooks.base import ComponentHooks
 from hicache.tree.cache import UnifiedRadixCache
 from hicache.tree.components import FullComponent, PagedAuxComponent
-from tests.scheduler.rigs import Rig, cold_tokens, gen
 from tests.scheduler.test_hybrid_engine import PATTERNS, _cfg
+from tests.support.rigs import Rig, cold_tokens, gen
 
 HOOKS = ("refusal", "amount", "admit", "ensure_pages", "fill_item", "insert_points", "insert_part", "inserted",
          "settle", "hand_over")

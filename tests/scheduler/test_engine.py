@@ -8,7 +8,7 @@ import pytest
 
 import protos
 from hicache.config import HicacheConfig, config_from_dict
-from tests.scheduler.rigs import Rig, cold_tokens, gen
+from tests.support.rigs import Rig, cold_tokens, gen
 
 
 def _cfg(page_size: int, **sched: object) -> HicacheConfig:

@@ -17,7 +17,7 @@ from hicache.config import config_from_dict
 from hicache.metrics import Metrics
 from hicache.runtime.heartbeat import HeartbeatWriter, heartbeat_stalls
 from hicache.scheduler.controller_driver import COPY_PATIENCE_S
-from tests.scheduler.rigs import L2Rig, cold_tokens, gen
+from tests.support.rigs import L2Rig, cold_tokens, gen
 
 
 class Clock:

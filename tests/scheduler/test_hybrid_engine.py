@@ -20,7 +20,7 @@ from hicache.model.loader import load_model
 from hicache.model.pools import allocate_pools
 from hicache.scheduler.assembly import build_cache
 from hicache.tree.node import ComponentType
-from tests.scheduler.rigs import L2Rig, L3AckRig, L3Rig, Rig, cold_tokens, gen
+from tests.support.rigs import L2Rig, L3AckRig, L3Rig, Rig, cold_tokens, gen
 
 WINDOW = 16
 PATTERNS = {"swa": ("full", "swa"), "mamba": ("full", "mamba"), "swa+mamba": ("full", "swa", "mamba", "full"),

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import protos
 from hicache.config import HicacheConfig, config_from_dict
-from tests.scheduler.rigs import L3Rig, Rig, gen
+from tests.support.rigs import L3Rig, Rig, gen
 
 NEW_TOKENS = 8
 _cold: dict[tuple[str, tuple[int, ...]], list[int]] = {}

@@ -15,7 +15,7 @@ import random
 import pytest
 
 from hicache.config import HicacheConfig, config_from_dict
-from tests.scheduler.rigs import Rig, gen
+from tests.support.rigs import Rig, gen
 
 PATTERNS = {"mamba": ("full", "mamba", "full", "mamba"), "swa+mamba": ("full", "swa", "mamba", "full")}
 

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rigs import L2Rig, L3Rig, Rig, cold_tokens, gen
 
 import protos
 from hicache.config import HicacheConfig, config_from_dict
+from tests.support.rigs import L2Rig, L3Rig, Rig, cold_tokens, gen
 
 
 def _cfg(l2: bool = True, **cache: Any) -> HicacheConfig:

@@ -23,7 +23,7 @@ import protos
 from hicache.config import HicacheConfig, config_from_dict
 from hicache.model.sampling import PenaltyState, sample_next
 from hicache.model.sampling_params import SamplingParams
-from tests.scheduler.rigs import Rig, cold_tokens, gen
+from tests.support.rigs import Rig, cold_tokens, gen
 
 VICTIM_SEED = 666
 PATTERNS = {"full": ("full",), "swa": ("full", "swa"), "mamba": ("full", "mamba")}

@@ -16,7 +16,7 @@ import pytest
 
 from hicache.config import HicacheConfig, config_from_dict, swa_min_pages, swa_request_pages
 from hicache.tree.node import ComponentType
-from tests.scheduler.rigs import Rig, cold_tokens, gen
+from tests.support.rigs import Rig, cold_tokens, gen
 
 WINDOW = 16
 PATTERNS = {"swa": ("full", "swa"), "swa+mamba": ("full", "swa", "mamba", "full")}

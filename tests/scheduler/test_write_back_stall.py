@@ -13,7 +13,7 @@ import random
 
 from hicache.config import config_from_dict
 from hicache.tenants import tenant_salt
-from tests.scheduler.rigs import L2Rig, cold_tokens, gen
+from tests.support.rigs import L2Rig, cold_tokens, gen
 
 PAGE = 16
 

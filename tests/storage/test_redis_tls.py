@@ -563,7 +563,7 @@ def _attach(d: Any, store: str) -> tuple[int, Any]:
 
 def test_daemon_refused_by_the_store_at_attach_says_why_and_keeps_serving(tls_server: TlsRedis, pki: Pki,
                                                                          tmp_path: Path) -> None:
-    from tests.e2e.daemon import Daemon
+    from tests.support.daemon import Daemon
 
     secret = tmp_path / "redis.pw"
     secret.write_text(PASSWORD + "\n")
@@ -619,7 +619,7 @@ def test_daemon_started_with_refused_credentials_serves_without_l3_and_says_why(
     """At start a store that refuses our credentials does not stop the daemon: it serves
     without L3 (no L3 op is issued), ``GET /cache/storage`` names the cause, the secret is
     in no log line; a later ``PUT /cache/storage`` with the right settings attaches the store."""
-    from tests.e2e.daemon import Daemon
+    from tests.support.daemon import Daemon
 
     section = {"url": tls_server.url(), "password": WRONG, "tls_ca_file": str(pki.ca), "timeout_s": 1.0}
     needle = "authentication failed"

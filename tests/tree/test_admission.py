@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hicache.tree.admission import Doorkeeper
-
-from .helpers import cache_seq, full_cache, toks
+from tests.support.tree import cache_seq, full_cache, toks
 
 
 def test_doorkeeper_remembers_other_owners_within_two_generations():

@@ -7,8 +7,7 @@ import pytest
 from hicache.hashing import HashNamespace, PageHasher
 from hicache.memory.allocator import AllocatorError, PageAllocator
 from hicache.tree import FullComponent, UnifiedRadixCache
-
-from .helpers import cache_seq, full_cache, toks
+from tests.support.tree import cache_seq, full_cache, toks
 
 
 def test_seed_split_bug_match_stops_at_fork():

@@ -13,8 +13,7 @@ from hicache.tree import (
     SWAComponent,
     UnifiedRadixCache,
 )
-
-from .helpers import full_cache, toks
+from tests.support.tree import full_cache, toks
 
 
 def _decode(cache: UnifiedRadixCache, dev: PageAllocator, tokens: array, first: int, step: int) -> RequestState:

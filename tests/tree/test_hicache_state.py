@@ -6,8 +6,7 @@ import pytest
 
 from hicache.memory.allocator import PageAllocator
 from hicache.tree import FullComponent, IntegrityError, UnifiedRadixCache
-
-from .helpers import cache_seq, full_cache, toks
+from tests.support.tree import cache_seq, full_cache, toks
 
 
 def _write_all(cache, ok=True):

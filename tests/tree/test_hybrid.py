@@ -12,8 +12,7 @@ from hicache.tree import (
     SWAComponent,
     UnifiedRadixCache,
 )
-
-from .helpers import toks
+from tests.support.tree import toks
 
 SWA = ComponentType.SWA
 MAMBA = ComponentType.MAMBA

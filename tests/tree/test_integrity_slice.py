@@ -9,8 +9,7 @@ import pytest
 
 from hicache.runtime.gc_guard import GcGuard
 from hicache.tree import IntegrityError
-
-from .helpers import cache_seq, full_cache
+from tests.support.tree import cache_seq, full_cache
 
 
 def _filled(n_seqs: int = 12):

@@ -17,8 +17,7 @@ from hicache.tree import (
     SWAComponent,
     UnifiedRadixCache,
 )
-
-from .helpers import toks
+from tests.support.tree import toks
 
 KEY = toks("aaaabbbbcccc")  # 12 tokens, page size 1
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from hicache.tree import POLICIES, TreeNode, make_policy
-
-from .helpers import cache_seq, full_cache, toks
+from tests.support.tree import cache_seq, full_cache, toks
 
 
 def test_policy_lists_are_consistent():

@@ -13,8 +13,7 @@ import random
 
 from hicache.tenants import tenant_salt
 from hicache.tree.quotas import TenantQuotas
-
-from .helpers import cache_seq, full_cache
+from tests.support.tree import cache_seq, full_cache
 
 QUOTA = 8
 SA, SB = tenant_salt("a", ""), tenant_salt("b", "")

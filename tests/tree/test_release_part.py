@@ -14,8 +14,7 @@ from hicache.tree import (
     SWAComponent,
     UnifiedRadixCache,
 )
-
-from .helpers import toks
+from tests.support.tree import toks
 
 FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
 

@@ -1,4 +1,10 @@
-"""Start a real ``hicache serve`` as a subprocess and talk to it over HTTP (test helper)."""
+"""A real ``hicache serve`` as a subprocess, talked to over HTTP, and the checks of its stop.
+
+``Daemon`` owns its process group: ``stop`` sends SIGTERM and waits, ``kill_all`` kills what is
+left. ``check_stopped_cleanly`` is the rule every stopped daemon meets: exit 0, no child left,
+no shared-memory segment of its launcher left, its ``ipc.dir`` empty. The ``daemons`` fixture
+(tests/e2e/conftest.py) applies it at teardown; ``DaemonFactory`` is that fixture's type.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -195,3 +202,30 @@ def alive(pid: int) -> bool:
             return fh.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def segments_of(launcher_pid: int) -> set[str]:
+    """The shared-memory segments created by the daemon whose launcher has this pid."""
+    return shm_segments(f"hicache-{launcher_pid}-")
+
+
+def check_stopped_cleanly(d: Daemon, code: int, pids: dict[str, int]) -> None:
+    """Exit code 0, every child gone, no shared memory of this daemon left, and nothing of it
+    left in a configured ``ipc.dir``."""
+    assert d.proc is not None
+    assert code == 0, f"daemon {d.dir.name} exited with {code}:\n{d.log()}"
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = {n: p for n, p in pids.items() if alive(p)}
+    assert not left, f"processes left running after the stop: {left}\n{d.log()}"
+    leaked = segments_of(d.proc.pid)
+    assert not leaked, f"shared memory left behind: {sorted(leaked)}\n{d.log()}"
+    ipc_dir = (yaml.safe_load(d.config_path.read_text()).get("ipc") or {}).get("dir")
+    if ipc_dir and os.path.isdir(ipc_dir):  # a configured ipc.dir: the daemon's files removed
+        left = sorted(os.listdir(ipc_dir))
+        assert not left, f"left in ipc.dir {ipc_dir}: {left}\n{d.log()}"
+
+
+DaemonFactory = Callable[..., Daemon]
+"""``daemons(config, name="d", start=True, env=None)``: the ``daemons`` fixture's factory."""
