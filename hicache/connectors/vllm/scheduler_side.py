@@ -43,7 +43,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed import kv_events as vllm_events
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -62,6 +61,7 @@ from hicache.connectors.kv_copy import NO_BLOCK, PoolRef
 from hicache.connectors.runtime_identity import runtime_identity
 from hicache.connectors.stale_blocks import StaleBlocks, StepWrite
 from hicache.connectors.token_pack import PackedTokens
+from hicache.connectors.vllm.events import EventRelay
 from hicache.connectors.vllm.layout import ConnectorRefused
 from hicache.connectors.vllm.plans import (
     VLLM_NULL_BLOCK,
@@ -74,8 +74,6 @@ from hicache.connectors.vllm.plans import (
 )
 from hicache.connectors.vllm.settings import ConnectorSettings
 from hicache.connectors.vllm.stats import HiCacheStats
-from hicache.kv_events.follower import EventFollower, connect_address
-from hicache.kv_events.format import BlockRemoved, BlockStored, KVEvent
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -140,17 +138,6 @@ class _Tracked:
     loaded_storage_tokens: int = 0
 
 
-def _vllm_event(event: KVEvent) -> KVCacheEvent:
-    """One of hicache's KV events as vLLM's class of it."""
-    if isinstance(event, BlockStored):
-        return vllm_events.BlockStored(block_hashes=list(event.block_hashes), parent_block_hash=event.parent_block_hash,
-                                       token_ids=list(event.token_ids), block_size=event.block_size, lora_id=None,
-                                       medium=event.medium, lora_name=None, extra_keys=event.extra_keys)
-    if isinstance(event, BlockRemoved):
-        return vllm_events.BlockRemoved(block_hashes=list(event.block_hashes), medium=event.medium)
-    return vllm_events.AllBlocksCleared()
-
-
 class SchedulerSide:
     """The scheduler role's state and calls (see the module docstring)."""
 
@@ -173,8 +160,7 @@ class SchedulerSide:
         self._failures_learned: set[int] = set()  # failed steps learned since the last step's metadata
         self._stale = StaleBlocks(self.layout.block_size)  # blocks a failed load left without their KV
         self._loads: list[LoadPlan] = []
-        self.events = self._follow_events(vllm_config)
-        self._events_run = 0  # the daemon run the follower's numbering belongs to
+        self.events = EventRelay.follow(vllm_config, self.hicache, self._namespace())
         try:
             if self.session.ensure(timeout_ms=max(timeout, 2000)) is None:
                 log.warning("hicache: the daemon at %s is not answering; serving without it until it does",
@@ -183,43 +169,13 @@ class SchedulerSide:
             raise ConnectorRefused(f"the hicache daemon at {self.address} refused this engine: {exc}") from exc
         self.session.start()  # from now on the heartbeat thread registers whenever no session is open
 
-    def _follow_events(self, vllm_config: VllmConfig) -> EventFollower | None:
-        """With vLLM's KV events on and the daemon's ``events`` on: a follower of the daemon's
-        stream, whose events ``take_events`` hands to vLLM's publisher (docs/architecture.md §14)."""
-        wanted = vllm_config.kv_events_config
-        ev = self.hicache.events
-        if wanted is None or not wanted.enable_kv_cache_events or not ev.enabled:
-            return None
-        host = self.hicache.runtime.ipc.tcp_host
-        try:
-            follower = EventFollower(connect_address(ev.endpoint, host),
-                                     connect_address(ev.replay_endpoint, host) if ev.replay_endpoint else None,
-                                     self._namespace())
-        except Exception as exc:  # the events are a view for routers, never a reason not to serve
-            log.error("hicache: cannot follow the daemon's KV events at %s (%s); vLLM publishes its own only",
-                      ev.endpoint, exc)
-            return None
-        log.info("hicache: handing the daemon's KV events (%s) to vLLM's publisher", ev.endpoint)
-        return follower
-
     def _namespace(self) -> str:
         return namespace_of(runtime_identity(self.runtime, self.reset_generation))
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The daemon's L2 and L3 events for this engine's pages since the last call, as
-        vLLM's events (see ``hicache.kv_events.follower``); never raises."""
-        if self.events is None:
-            return ()
-        try:
-            reg = self._registered
-            if reg is not None and reg.run != self._events_run:
-                if self._events_run:
-                    self.events.restart()
-                self._events_run = reg.run
-            return [_vllm_event(e) for e in self.events.take()]
-        except Exception:  # the events are a view for routers: never a reason to fail a step
-            log.exception("hicache: cannot hand on the daemon's KV events")
-            return ()
+        vLLM's events (``events``); never raises."""
+        return self.events.take(self._registered) if self.events is not None else ()
 
     def _register_msg(self) -> protos.EngineRegister:
         g = self.geometry
@@ -259,7 +215,6 @@ class SchedulerSide:
             tracked.saves_closed = True
         log.info("hicache: cache reset: this engine's pages have a new namespace")
         return True
-
 
     def _call(self, make: Callable[[int, protos.EngineRegistered], EngineCall],
               timeout_ms: int | None = None) -> SessionAnswer:
@@ -597,7 +552,6 @@ class SchedulerSide:
             meta.saves.append(plan)
             self.stats.add("reserved_blocks", len(got.host_pages))
 
-
     def _reserve(self, items: list[protos.SaveRange]
                  ) -> list[tuple[protos.Reservation | None, protos.EngineRegistered | None]]:
         """The daemon's reservation for each item, with the registration it was asked under
@@ -617,7 +571,6 @@ class SchedulerSide:
                     if item.lease:
                         self.session.send(protos.Commit(reg.session, reg.run, item.lease, False, protos.ALL_RANKS))
         return [(None, None)] * len(items)
-
 
     def request_finished(self, request: Request) -> None:
         tracked = self._requests.pop(request.request_id, None)
