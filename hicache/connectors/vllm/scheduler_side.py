@@ -4,33 +4,50 @@ It holds the engine's session with the daemon (``CacheSession``: registered with
 engine's runtime identity, re-registered by its heartbeat thread whenever none is open) and
 one ``_Tracked`` per request vLLM asked about. Per step:
 
-=============================  ===========================================================
-vLLM calls                     this side
-=============================  ===========================================================
-``get_num_new_matched_tokens`` looks up the prompt's pages beyond vLLM's own hit (``Lookup``)
-                               and holds the answer (``Hit``, its lease locking the pages);
-                               *pending* (an L3 prefetch runs): None, ask again later
-``update_state_after_alloc``   turns the held hit into a ``LoadPlan`` (``plans.load_plan``)
-``build_connector_meta``       one ``Reserve`` for every block that becomes full in the step
-                               and that the daemon lacks; the step's plans as metadata
-``update_connector_output``    learns failed loads: stale blocks, closed lookups
-``request_finished``           gives back a held hit; ``Finished``: the daemon forgets it
-``reset_cache``                a new reset generation: a new namespace, old requests' saves
-                               closed
-=============================  ===========================================================
+==================================  =======================================================
+vLLM calls                          this side
+==================================  =======================================================
+``get_num_new_matched_tokens``      looks up the prompt's pages beyond vLLM's own hit
+                                    (``Lookup``) and holds the answer (``Hit``); *pending*
+                                    (the daemon never waits for L3 to answer; its prefetch
+                                    policy bounds the wait): None, ask again later
+``update_state_after_alloc``        turns the held hit into a ``LoadPlan``
+``get_external_cache_hit_sources``  L2 hits as ``host``, the hit's tail that a prefetch
+                                    brought from L3 as ``disk``
+``build_connector_meta``            one ``Reserve`` for every block that becomes full in
+                                    the step and that the daemon lacks; the step's plans
+``update_connector_output``         learns failed loads: their blocks, and what is computed
+                                    on them, stay out of every save until computed again
+                                    (``StaleBlocks``); a failed asynchronous load closes
+                                    its request's lookups
+``request_finished``                ``Finished``: the daemon forgets the request; never
+                                    delays freeing (saves complete inside their step)
+``reset_cache``                     a new reset generation, so a new namespace; requests
+                                    that began before it save nothing more
+==================================  =======================================================
 
-Who frees what: a held hit's lease is given back here (``_release``: vLLM's own hit covers
-it, it is old, the session changed, the request finished or the cache was reset) unless
-it became a ``LoadPlan``, whose lease each worker releases. A reservation's lease is
-committed by the workers once it is a ``SavePlan``, else here as failed (the plan does
-not fit the request's blocks, or the daemon answered more reservations than asked). A
-request's tokens travel once: each message names the tokens the daemon holds for it
-(``base``) and sends those after them (``PackedTokens``). Requests whose KV depends on
-more than their tokens are neither looked up nor saved. A daemon that is absent or slow
-costs hits, never correctness (a call waits at most ``engine.lookup_timeout_ms``; then a
-miss); one answering ``protos.BUSY`` costs that lookup or that step's saves, with no
-backoff. ``request_finished`` never delays freeing: saves complete inside the step that
-computed them. docs/architecture.md §13.
+Who frees what:
+
+=======================  ===================================================================
+held                     freed by
+=======================  ===================================================================
+a hit's lease            this side (``_release``, ``ALL_RANKS``) when vLLM's own hit covers
+                         it, it is old or of another session, the request finished or the
+                         cache was reset; once it is a ``LoadPlan``, each worker's ``Release``
+a reservation's lease    each worker's ``Commit`` once it is a ``SavePlan``; else this side's
+                         ``Commit`` not ok (the plan does not fit the request's blocks, or
+                         the daemon answered more reservations than asked for)
+a late answer's lease    ``CacheSession`` (its client's ``drain``, each ``build_connector_meta``)
+=======================  ===================================================================
+
+A request's tokens travel once: each message names the tokens the daemon holds for it
+(``base``) and sends only those after them (``PackedTokens``), so a block filled during
+decode costs the same at any context length. Requests whose KV depends on more than their
+tokens are neither looked up nor saved. A daemon that serves another model or KV geometry
+refuses the registration: the engine is refused at start. A daemon absent or slow costs
+hits, never correctness (a call waits at most ``engine.lookup_timeout_ms``, then is a miss
+and the client backs off); one answering ``protos.BUSY`` costs that lookup or that step's
+saves, with no backoff. docs/architecture.md §13.
 """
 
 from __future__ import annotations

@@ -27,7 +27,9 @@ daemon run            daemon's pool
 a failed synchronous  no save of that step is committed ok, nor of any later step until a
 load                  step's metadata names it (``failures_known``, from this side's
                       ``HiCacheWorkerMeta``): every request of the step may attend to the
-                      failed blocks, which vLLM caches when it allocates them
+                      failed blocks, which vLLM caches when it allocates them. A rank's
+                      failed load is released as loading nothing; vLLM joins the ranks'
+                      load errors, so every rank recomputes
 tensor parallelism    each rank copies its own heads of every layer (``BlockCopier``'s
                       shard: a page has one layout at any rank count) and its heads'
                       share of each state; the daemon inserts a page when every rank
