@@ -17,7 +17,9 @@ module              owns
 ``settings``        what both sides read at start (config, layout, faults, runtime
                     identity, address, keys) and the refusals that come with it
 ``layout``          ``check_setup`` (the engines refused) and ``VllmKVLayout``
-``scheduler_side``  lookups, held hits, tracked requests, reserves, the step's metadata
+``scheduler_side``  the session: lookups, held hits, reserves, the step's metadata
+``tracked``         each request's view there: block tables, saved pages, save ranges
+``events``          the daemon's KV events handed to vLLM's publisher
 ``worker_side``     the KV checks at registration, the copies, ``Release`` / ``Commit``
 ``plans``           the step's plans and metadata, and how a hit or a reservation
                     becomes one

@@ -2,7 +2,7 @@
 
 It holds the engine's session with the daemon (``CacheSession``: registered with the
 engine's runtime identity, re-registered by its heartbeat thread whenever none is open) and
-one ``_Tracked`` per request vLLM asked about. Per step:
+one ``Tracked`` per request vLLM asked about. Per step:
 
 ==================================  =======================================================
 vLLM calls                          this side
@@ -57,7 +57,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import KVCacheEvent
@@ -74,14 +74,12 @@ from hicache.connectors.engine_client import (
     SessionAnswer,
     engine_name,
 )
-from hicache.connectors.kv_copy import NO_BLOCK, PoolRef
+from hicache.connectors.kv_copy import PoolRef
 from hicache.connectors.runtime_identity import runtime_identity
 from hicache.connectors.stale_blocks import StaleBlocks, StepWrite
-from hicache.connectors.token_pack import PackedTokens
 from hicache.connectors.vllm.events import EventRelay
 from hicache.connectors.vllm.layout import ConnectorRefused
 from hicache.connectors.vllm.plans import (
-    VLLM_NULL_BLOCK,
     HiCacheConnectorMetadata,
     HiCacheWorkerMeta,
     Hit,
@@ -91,6 +89,7 @@ from hicache.connectors.vllm.plans import (
 )
 from hicache.connectors.vllm.settings import ConnectorSettings
 from hicache.connectors.vllm.stats import HiCacheStats
+from hicache.connectors.vllm.tracked import StepRange, Tracked, follow_step, take_state_offers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -122,39 +121,6 @@ BUSY_LOG_EVERY_S = 10.0
 """The shortest time between two log lines about ``busy`` answers."""
 
 
-@dataclass
-class _StepRange:
-    """A request scheduled in this step: the tokens it had computed before the step and will
-    have computed after it."""
-
-    tracked: _Tracked
-    computed_before: int
-    computed_after: int
-
-
-@dataclass
-class _Tracked:
-    """The scheduler side's view of one request."""
-
-    request: Request
-    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group, as vLLM gave them
-    saved_pages: int = 0  # pages [0, saved_pages) are in the daemon or planned for saving
-    known_tokens: int = 0  # tokens the daemon holds for this request (a message's base counts from them)
-    packed: PackedTokens = field(default_factory=PackedTokens)  # its prompt and the tokens its saves named,
-    # packed once: every message's tokens are a span of these
-    saves_closed: bool = False  # began before a cache reset (its KV may be of the old weights)
-    retry_at: float = 0.0  # pending on an L3 prefetch: not asked again before this (monotonic)
-    pending_wait: float = 0.0  # the current wait between two asks while pending
-    pending_since: float = 0.0  # when its lookup was first answered pending (0: it was not)
-    lookups_closed: bool = False  # an asynchronous load of it failed: it computes its prompt itself
-    hit: Hit | None = None
-    state_offers: dict[int, list[int]] = field(default_factory=dict)  # page j -> per group, the block
-    # holding the state after it, offered by vLLM in this step (state layers only) ...
-    state_blocks: dict[int, list[int]] = field(default_factory=dict)  # ... and those its save range names
-    loaded_tokens: int = 0
-    loaded_storage_tokens: int = 0
-
-
 class SchedulerSide:
     """The scheduler role's state and calls (see the module docstring)."""
 
@@ -172,7 +138,7 @@ class SchedulerSide:
         self._late_seen = 0
         timeout = settings.timeout_ms
         self.session = CacheSession(self.address, timeout, self._register_msg(), curve=settings.curve)
-        self._requests: dict[str, _Tracked] = {}
+        self._requests: dict[str, Tracked] = {}
         self._step = 0  # the last step numbered (HiCacheConnectorMetadata.step)
         self._failures_learned: set[int] = set()  # failed steps learned since the last step's metadata
         self._stale = StaleBlocks(self.layout.block_size)  # blocks a failed load left without their KV
@@ -276,7 +242,7 @@ class SchedulerSide:
         rid = request.request_id
         tracked = self._requests.get(rid)
         if tracked is None:
-            tracked = self._requests[rid] = _Tracked(request)
+            tracked = self._requests[rid] = Tracked(request)
         held, tracked.hit = tracked.hit, None  # asked again before vLLM allocated its blocks
         bs = self.layout.block_size
         tokens = request.prompt_token_ids or []
@@ -324,7 +290,7 @@ class SchedulerSide:
         tracked.saved_pages = max(tracked.saved_pages, len(hit.pages))
         return self._held_answer(tracked, hit, num_computed_tokens)
 
-    def _held_answer(self, tracked: _Tracked, hit: Hit, num_computed_tokens: int) -> tuple[int, bool]:
+    def _held_answer(self, tracked: Tracked, hit: Hit, num_computed_tokens: int) -> tuple[int, bool]:
         """``hit`` (its lease held) as the answer beyond vLLM's own hit of ``num_computed_tokens``
         tokens, kept for ``update_state_after_alloc``; given back when it adds nothing."""
         external = len(hit.pages) * self.layout.block_size - num_computed_tokens
@@ -335,7 +301,7 @@ class SchedulerSide:
         tracked.hit = hit
         return external, self.layout.load_async
 
-    def _lookup(self, tracked: _Tracked, tokens: list[int], usable: int,
+    def _lookup(self, tracked: Tracked, tokens: list[int], usable: int,
                 timeout_ms: int | None = None) -> tuple[EngineAnswer | None, protos.EngineRegistered | None]:
         """Ask about the request's first ``usable`` prompt tokens, sending only those the
         daemon does not hold for it yet (all of them again if it forgot them); the answer and
@@ -420,30 +386,8 @@ class SchedulerSide:
         self.session.client.drain()  # late answers: their leases are given back now
         # the block tables, state offers and stale blocks follow every step, with or without a
         # session: a step missed would shift later blocks against their pages
-        scheduled = scheduler_output.num_scheduled_tokens
-        ranges: list[_StepRange] = []
-        for new in scheduler_output.scheduled_new_reqs:
-            tracked = self._requests.get(new.req_id)
-            if tracked is not None:
-                tracked.block_ids = [list(ids) for ids in new.block_ids]
-                ranges.append(_StepRange(tracked, new.num_computed_tokens,
-                                         new.num_computed_tokens + scheduled.get(new.req_id, 0)))
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            tracked = self._requests.get(rid)
-            if tracked is None:
-                continue
-            new_blocks = cached.new_block_ids[i]
-            if rid in cached.resumed_req_ids:
-                tracked.block_ids = [list(ids) for ids in new_blocks] if new_blocks else []
-            elif new_blocks:
-                if not tracked.block_ids:
-                    tracked.block_ids = [[] for _ in new_blocks]
-                for held, more in zip(tracked.block_ids, new_blocks, strict=True):
-                    held.extend(more)
-            computed = cached.num_computed_tokens[i]
-            ranges.append(_StepRange(tracked, computed, computed + scheduled.get(rid, 0)))
-        offered = self._take_state_offers(scheduler_output) if self.layout.state_layer_names else []
+        ranges = follow_step(self._requests, scheduler_output)
+        offered = take_state_offers(self._requests, self.layout, scheduler_output) if self.layout.state_layer_names else []
         if self._stale:  # the step's writes first: its saves copy what its forward pass leaves
             g = self.layout.kv_groups[0]
             self._stale.step([StepWrite(r.tracked.block_ids[g] if r.tracked.block_ids else [], r.computed_before,
@@ -464,63 +408,7 @@ class SchedulerSide:
                 meta.state_pool = PoolRef(p.instance, p.state_segment, p.directory, p.state_slots, p.state_bytes)
         return meta
 
-    def _take_state_offers(self, scheduler_output: SchedulerOutput) -> list[_Tracked]:
-        """Note the states vLLM offers in this step (``boundary_state_offloads``: in align
-        mode, the block holding each state it keeps, at the end of the step that computes
-        it, whose bytes stay until the step ends): per request, the pages after which every
-        state group offered its block. States inside a block (vLLM's partial tails) are not
-        kept: a page is a whole block. Returns the requests noted (their offers are dropped
-        at the end of the pass, whether their save range took them or not)."""
-        block_state = scheduler_output.kv_connector_block_state
-        offers = block_state.boundary_state_offloads if block_state is not None else {}
-        bs = self.layout.block_size
-        noted: list[_Tracked] = []
-        for rid, entries in offers.items():
-            tracked = self._requests.get(rid)
-            if tracked is None:
-                continue
-            noted.append(tracked)
-            by_page: dict[int, list[int]] = {}
-            for group, block, tokens in entries:
-                if tokens <= 0 or tokens % bs or group not in self.layout.state_groups:
-                    continue
-                by_page.setdefault(tokens // bs - 1, [NO_BLOCK] * self.layout.num_groups)[group] = block
-            tracked.state_offers = {j: blocks for j, blocks in by_page.items()
-                                    if all(blocks[g] not in (NO_BLOCK, VLLM_NULL_BLOCK) for g in self.layout.state_groups)}
-        return noted
-
-    def _save_range(self, tracked: _Tracked, computed_before_step: int, computed_after_step: int
-                    ) -> tuple[protos.SaveRange, int] | None:
-        """The save range of the blocks that are full once this step ran, beyond
-        ``saved_pages``, with the tokens it ends at; None when there are none. With window
-        layers, the range names the first page whose window blocks the request holds in this
-        step: vLLM freed those wholly more than the window behind ``computed_before_step``."""
-        offers, tracked.state_offers = tracked.state_offers, {}
-        if tracked.saves_closed or not tracked.block_ids:
-            return None
-        bs = self.layout.block_size
-        tokens = tracked.request.all_token_ids
-        if not offers and min(computed_after_step, len(tokens)) // bs <= tracked.saved_pages:
-            return None  # no block becomes full in this step (most decode steps): nothing to ask
-        full = min(computed_after_step, len(tokens), min(len(tracked.block_ids[g]) for g in self.layout.kv_groups) * bs) // bs
-        full = self._stale.first_stale(tracked.block_ids[self.layout.kv_groups[0]], full)  # never a stale block
-        start = tracked.saved_pages
-        state_pages = sorted(j for j in offers if j < full)
-        if full <= start and not state_pages:
-            return None
-        tracked.saved_pages = max(start, full)
-        end = full * bs
-        base = min(tracked.known_tokens, end)  # the daemon holds these: send only the tokens after them
-        window_from = max(0, computed_before_step - self.layout.window_tokens + 1) // bs if self.layout.windowed else 0
-        prompt = len(tracked.request.prompt_token_ids or ())
-        repeat_end = (prompt - 1) // bs if self.layout.windowed and full == prompt // bs else 0
-        tracked.packed.extend(tokens, end)  # computed tokens: vLLM never rewrites them
-        item = protos.SaveRange(tracked.request.request_id, tracked.packed.span(base, end), start,
-                                tracked.request.cache_salt or "", base, window_from, repeat_end, state_pages)
-        tracked.state_blocks = {j: offers[j] for j in state_pages}
-        return item, end
-
-    def _plan_saves(self, ranges: list[_StepRange], meta: HiCacheConnectorMetadata) -> None:
+    def _plan_saves(self, ranges: list[StepRange], meta: HiCacheConnectorMetadata) -> None:
         """Reserve L2 pages for the step's new full blocks, one ``Reserve`` for every request
         (a second one only for requests whose tokens the daemon forgot), and plan the saves.
         The daemon reserves from the first page it lacks, which covers a gap a short or
@@ -531,9 +419,9 @@ class SchedulerSide:
         ``window_from`` on, whose blocks the group holds in this step; a reservation whose
         window blocks are not all held is given back unsaved (the next step's range, ending
         later, tries again)."""
-        asks: list[tuple[_StepRange, protos.SaveRange, int]] = []  # (request, its range, the tokens it ends at)
+        asks: list[tuple[StepRange, protos.SaveRange, int]] = []  # (request, its range, the tokens it ends at)
         for step in ranges:
-            planned = self._save_range(step.tracked, step.computed_before, step.computed_after)
+            planned = step.tracked.save_range(self.layout, self._stale, step.computed_before, step.computed_after)
             if planned is not None:
                 asks.append((step, *planned))
         if not asks:
