@@ -46,14 +46,14 @@ class EventRelay:
         self._run = 0  # the daemon run the follower's numbering belongs to
 
     @classmethod
-    def follow(cls, vllm_config: VllmConfig, hicache: Any, namespace: str) -> EventRelay | None:
+    def follow(cls, vllm_config: VllmConfig, config: Any, namespace: str) -> EventRelay | None:
         """With vLLM's KV events on and the daemon's ``events`` on: a relay of the daemon's
         stream, else None (also when the stream cannot be followed: vLLM publishes its own only)."""
         wanted = vllm_config.kv_events_config
-        ev = hicache.events
+        ev = config.events
         if wanted is None or not wanted.enable_kv_cache_events or not ev.enabled:
             return None
-        host = hicache.runtime.ipc.tcp_host
+        host = config.ipc.tcp_host
         try:
             follower = EventFollower(connect_address(ev.endpoint, host),
                                      connect_address(ev.replay_endpoint, host) if ev.replay_endpoint else None,

@@ -125,7 +125,7 @@ class SchedulerSide:
     """The scheduler role's state and calls (see the module docstring)."""
 
     def __init__(self, vllm_config: VllmConfig, settings: ConnectorSettings, stats: HiCacheStats) -> None:
-        self.hicache = settings.hicache
+        self.config = settings.config
         self.layout = settings.layout
         self.geometry = settings.layout.geometry
         self.faults = settings.faults
@@ -143,7 +143,7 @@ class SchedulerSide:
         self._failures_learned: set[int] = set()  # failed steps learned since the last step's metadata
         self._stale = StaleBlocks(self.layout.block_size)  # blocks a failed load left without their KV
         self._loads: list[LoadPlan] = []
-        self.events = EventRelay.follow(vllm_config, self.hicache, self._namespace())
+        self.events = EventRelay.follow(vllm_config, self.config, self._namespace())
         try:
             if self.session.ensure(timeout_ms=max(timeout, 2000)) is None:
                 log.warning("hicache: the daemon at %s is not answering; serving without it until it does",

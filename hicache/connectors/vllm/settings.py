@@ -26,12 +26,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ConnectorSettings:
-    """``hicache``: the daemon's config (``kv_connector_extra_config.hicache_config``);
+    """``config``: the daemon's config (``kv_connector_extra_config.hicache_config``);
     ``runtime``: the engine's runtime identity entries (``runtime_identity``); ``address``:
     the daemon's engine socket; ``curve``: the client keys when the daemon uses CURVE;
     ``timeout_ms``: ``engine.lookup_timeout_ms``, every call's wait."""
 
-    hicache: Any
+    config: Any
     layout: VllmKVLayout
     faults: ConnectorFaults
     runtime: dict[str, Any]
@@ -42,9 +42,9 @@ class ConnectorSettings:
     @classmethod
     def read(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, extra: dict[str, Any]) -> ConnectorSettings:
         check_setup(vllm_config, kv_cache_config)
-        hicache = _load_hicache_config(extra)
-        if hicache.engine.kind != "vllm":
-            raise ConnectorRefused(f"{extra['hicache_config']}: engine.kind is {hicache.engine.kind!r}; "
+        config = _load_hicache_config(extra)
+        if config.engine.kind != "vllm":
+            raise ConnectorRefused(f"{extra['hicache_config']}: engine.kind is {config.engine.kind!r}; "
                                    "the daemon must run in engine mode (engine.kind: vllm)")
         layout = VllmKVLayout.of(vllm_config, kv_cache_config)
         try:
@@ -55,12 +55,12 @@ class ConnectorSettings:
             runtime = runtime_entries(vllm_config, layout.head_size, faults.runtime)
         except UnclassifiedOption as exc:
             raise ConnectorRefused(f"cannot tell which KV pages this engine may share: {exc}") from None
-        address = engine_address(hicache)
+        address = engine_address(config)
         try:
-            curve = curve_keys_for(extra, hicache.runtime.ipc.curve_keys_dir)
+            curve = curve_keys_for(extra, config.ipc.curve_keys_dir)
         except ValueError as exc:
             raise ConnectorRefused(str(exc)) from None
-        return cls(hicache, layout, faults, runtime, address, curve, hicache.engine.lookup_timeout_ms)
+        return cls(config, layout, faults, runtime, address, curve, config.engine.lookup_timeout_ms)
 
 
 def _load_hicache_config(extra: dict[str, Any]) -> Any:
