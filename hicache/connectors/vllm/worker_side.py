@@ -1,0 +1,232 @@
+"""The worker side of ``HiCacheConnector`` (one per vLLM worker process: one per tensor-parallel rank).
+
+It copies between vLLM's KV tensors and the daemon's L2 pool as the step's
+``HiCacheConnectorMetadata`` plans, and ends each plan's lease with its own rank:
+
+=======================  ==============================================================
+vLLM calls               this side
+=======================  ==============================================================
+``register_kv_caches``   checks the KV layout (CPU, block index first, contiguous
+                         blocks) and the state layers; builds the copiers
+``start_load_kv``        copies every planned load before the forward pass (so
+                         ``wait_for_layer_load`` waits for nothing); ``Release`` each
+``wait_for_save``        copies the step's new full blocks into their reserved pages;
+                         ``Commit`` each (ok or not)
+``get_finished`` ...     reports asynchronous loads done (``failed_recving``: failed)
+``get_block_ids_with_    reports a failed synchronous load's blocks: vLLM recomputes
+load_errors``            them (the connector sets ``kv_load_failure_policy: recompute``)
+=======================  ==============================================================
+
+Rules:
+
+====================  ===================================================================
+what                  rule
+====================  ===================================================================
+a plan of another     fails (load) or is not saved: its page numbers index another
+daemon run            daemon's pool
+a failed synchronous  no save of that step is committed ok, nor of any later step until a
+load                  step's metadata names it (``failures_known``, from this side's
+                      ``HiCacheWorkerMeta``): every request of the step may attend to the
+                      failed blocks, which vLLM caches when it allocates them. A rank's
+                      failed load is released as loading nothing; vLLM joins the ranks'
+                      load errors, so every rank recomputes
+tensor parallelism    each rank copies its own heads of every layer (``BlockCopier``'s
+                      shard: a page has one layout at any rank count) and its heads'
+                      share of each state; the daemon inserts a page when every rank
+                      committed it, unlocks it when every rank released it. Before its
+                      first copy under a daemon run a rank announces its process
+                      (``EngineWorker``): a dead engine's pages are freed only once its
+                      workers are gone too
+MLA                   every rank holds the whole latent: rank 0 alone saves it (the others
+                      commit without copying), every rank loads it
+====================  ===================================================================
+
+docs/architecture.md §13.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+import protos
+from hicache.cache_server.leases import own_pid_namespace, process_start_time
+from hicache.connectors.engine_client import EngineClient
+from hicache.connectors.faults import FAIL_LOADS_ENV
+from hicache.connectors.kv_copy import NO_BLOCK, NO_PAGE, BlockCopier, StateCopier, kv_problem, state_problem
+from hicache.connectors.vllm.layout import ConnectorRefused
+from hicache.connectors.vllm.plans import HiCacheConnectorMetadata, HiCacheWorkerMeta, StateCopy
+from hicache.connectors.vllm.settings import ConnectorSettings
+from hicache.connectors.vllm.stats import HiCacheStats
+
+log = logging.getLogger("hicache.connector")
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """A layer's KV cache entry as a list of tensors (a state layer's is a list or tuple)."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+class WorkerSide:
+    """The worker role's state and calls (see the module docstring)."""
+
+    def __init__(self, settings: ConnectorSettings, stats: HiCacheStats) -> None:
+        self.layout = settings.layout
+        self.geometry = settings.layout.geometry
+        self.faults = settings.faults
+        self.stats = stats
+        self.worker_client = EngineClient(settings.address, settings.timeout_ms, curve=settings.curve)
+        self.copier: BlockCopier | None = None
+        self.state_copier: StateCopier | None = None
+        self.rank = get_tensor_model_parallel_rank()
+        self._announced_run = 0  # the daemon run this worker announced its process to (EngineWorker)
+        self._load_errors: set[int] = set()
+        self._unknown_failures: set[int] = set()  # steps whose load failed here, not yet known to the
+        # scheduler side: nothing computed since may be saved (it may attend to the failed blocks)
+        self._failures_to_report: set[int] = set()  # for the next HiCacheWorkerMeta
+        self._loaded_async: set[str] = set()  # asynchronous loads done (or failed) since the last report
+        self._failed_async: set[str] = set()  # of which these failed
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        missing = [n for n in self.layout.layer_names if n not in kv_caches]
+        if missing:
+            raise ConnectorRefused(f"vLLM registered no KV tensor for layers {missing}")
+        layers = [kv_caches[n] for n in self.layout.layer_names]
+        shards = 1 if self.layout.mla else self.layout.tp  # MLA: each rank holds the whole latent
+        problem = kv_problem(layers, self.layout.num_blocks, self.geometry.layer_block_bytes // shards, self.layout.kv_dtype)
+        if problem:
+            raise ConnectorRefused(f"hicache cannot copy this KV cache: {problem}")
+        self.copier = BlockCopier(layers, self.layout.layer_groups, window=self.layout.layer_window,
+                                  rank=0 if self.layout.mla else self.rank, ranks=shards, num_groups=self.layout.num_groups)
+        self.state_copier = None
+        if self.layout.state_layer_names:
+            missing = [n for n in self.layout.state_layer_names if n not in kv_caches]
+            if missing:
+                raise ConnectorRefused(f"vLLM registered no state tensor for layers {missing}")
+            states = [_tensors(kv_caches[n]) for n in self.layout.state_layer_names]
+            problem = state_problem(states, self.layout.num_blocks, self.layout.state_bytes)
+            if problem:
+                raise ConnectorRefused(f"hicache cannot copy this engine's state: {problem}")
+            self.state_copier = StateCopier(states, self.layout.state_layer_groups, rank=self.rank, ranks=self.layout.tp)
+
+    def start_load_kv(self, meta: HiCacheConnectorMetadata) -> None:
+        self._unknown_failures -= meta.failures_known
+        for plan in meta.loads:
+            loaded = 0
+            began = time.perf_counter()
+            try:
+                if plan.run != meta.run:
+                    raise RuntimeError("planned under another daemon run (the daemon restarted)")
+                if self.faults.take_load_failure():
+                    raise RuntimeError(f"fault point {FAIL_LOADS_ENV}")
+                if plan.unloadable:
+                    raise RuntimeError(plan.unloadable)
+                copied = self._attach(meta).load(plan.pages, plan.blocks, plan.window_pages or None)
+                copied += self._copy_states(meta, plan.states, load=True)
+                loaded = len(plan.pages)
+                self.stats.add("loaded_blocks", loaded)
+                self.stats.add("loaded_bytes", copied)
+            except Exception as exc:  # vLLM recomputes what could not be loaded
+                log.warning("hicache: loading %d blocks of %s failed (%s): vLLM recomputes them",
+                            len(plan.pages), plan.rid, exc)
+                if self.layout.load_async:
+                    self._failed_async.add(plan.rid)
+                else:
+                    self._load_errors.update(b for ids in plan.blocks for b in ids if b != NO_BLOCK)
+                    self._unknown_failures.add(meta.step)
+                    self._failures_to_report.add(meta.step)
+                self.stats.add("load_errors", len(plan.pages))
+            if self.layout.load_async:
+                self._loaded_async.add(plan.rid)
+            self.stats.add("load_seconds", time.perf_counter() - began)
+            self.worker_client.send(protos.Release(plan.session, plan.run, plan.lease, loaded, self.rank))
+
+    def _attach(self, meta: HiCacheConnectorMetadata) -> BlockCopier:
+        """The copier, attached to the step's L2 pool (a worker of a tensor-parallel engine
+        announces its process to that daemon run first, and copies nothing until that
+        message is sent)."""
+        if self.copier is None:
+            raise RuntimeError("register_kv_caches was not called")
+        if meta.pool is None:
+            raise RuntimeError("no L2 pool is known")
+        if self.layout.tp > 1 and meta.run != self._announced_run:
+            engine = os.getppid()  # vLLM's executor, where the scheduler side runs, started this worker
+            if not self.worker_client.send(protos.EngineWorker(meta.run, engine, process_start_time(engine) or 0,
+                                                               own_pid_namespace(), self.rank, os.getpid(),
+                                                               process_start_time(os.getpid()) or 0)):
+                # a worker the daemon does not know of could still copy after the engine's
+                # orphans were freed: no copy until it is announced (the next copy tries again)
+                raise RuntimeError("this worker could not announce its process to the daemon")
+            self._announced_run = meta.run
+        self.copier.attach(meta.pool, meta.window_pool)
+        return self.copier
+
+    def _copy_states(self, meta: HiCacheConnectorMetadata, states: list[StateCopy], *, load: bool) -> int:
+        """Copy a plan's states (state slot <-> the blocks of the state groups); bytes copied."""
+        if not states:
+            return 0
+        if self.state_copier is None or meta.state_pool is None:
+            raise RuntimeError("states to copy, but no state layers or no state pool is known")
+        self.state_copier.attach(meta.state_pool)
+        copied = 0
+        for st in states:
+            copied += (self.state_copier.load(st.slot, st.blocks) if load
+                       else self.state_copier.save(st.blocks, st.slot))
+        return copied
+
+    def wait_for_save(self, meta: HiCacheConnectorMetadata) -> None:
+        if meta.saves:
+            self.faults.stall_saves(self.rank)
+        for plan in meta.saves:
+            blocks = sum(1 for p in plan.pages if p != NO_PAGE)  # the span may start at a window part only
+            ok = False
+            began = time.perf_counter()
+            try:
+                if self._unknown_failures:
+                    raise RuntimeError("a load failed in this step or was not known when the save was planned: "
+                                       "its blocks may attend to KV that never arrived")
+                if plan.run != meta.run:
+                    raise RuntimeError("planned under another daemon run (the daemon restarted)")
+                copier = self._attach(meta)
+                copied = (copier.save(plan.blocks, plan.pages, plan.window_pages or None)
+                          if self.rank == 0 or not self.layout.mla else 0)
+                copied += self._copy_states(meta, plan.states, load=False)
+                ok = True
+                self.stats.add("saved_blocks", blocks)
+                self.stats.add("saved_bytes", copied)
+            except Exception as exc:
+                log.warning("hicache: saving %d blocks of %s skipped: %s", blocks, plan.rid, exc)
+                self.stats.add("save_skipped_blocks", blocks)
+            self.stats.add("save_seconds", time.perf_counter() - began)
+            self.worker_client.send(protos.Commit(plan.session, plan.run, plan.lease, ok, self.rank))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The requests whose asynchronous load ran since the last call (failed ones too, as
+        vLLM wants: ``get_transfer_results`` names those). Saves never delay freeing."""
+        done, self._loaded_async = self._loaded_async, set()
+        return None, done or None
+
+    def take_failed_async(self) -> set[str]:
+        """The requests whose asynchronous load failed since the last call (``failed_recving``)."""
+        failed, self._failed_async = self._failed_async, set()
+        return failed
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_connector_worker_meta(self) -> HiCacheWorkerMeta | None:
+        """The steps whose synchronous load failed here since the last call, for the scheduler
+        side (``update_connector_output``); None when there were none."""
+        if not self._failures_to_report:
+            return None
+        failed, self._failures_to_report = frozenset(self._failures_to_report), set()
+        return HiCacheWorkerMeta(failed)
+
+    def shutdown(self) -> None:
+        self.worker_client.close()
