@@ -201,6 +201,15 @@ def geometry_from_config(cfg: Any) -> EngineKVGeometry:
                             kv_heads, head_dim, e.kv_layout, kind, window_layers, state_layers, state_bytes)
 
 
+def block_size_hint(daemon: int, engine: int) -> str:
+    """What a refusal for another page size (``EngineKVGeometry.block_size``: tokens per page,
+    the engine's block) adds: the setting to change on either side."""
+    return (f"the daemon's pages are cache.page_size tokens: set cache.page_size: {engine} in its YAML "
+            f"(and cache.l2.tokens a multiple of it), or start the engine with --block-size {daemon} where "
+            f"vLLM keeps that block (it raises a hybrid model's; `hicache check-config` prints the block "
+            f"vLLM runs engine.model with)")
+
+
 def sliding_window_from_config(cfg: Any) -> int:
     """The sliding window (tokens) of ``engine.model``'s window layers, 0 without any: the
     window of the daemon's SWA component (a hit is valid where that many tokens before it

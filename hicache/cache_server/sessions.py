@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import protos
 from hicache.cache_server.counters import EngineCounters
-from hicache.cache_server.geometry import namespace_of
+from hicache.cache_server.geometry import block_size_hint, namespace_of
 from hicache.cache_server.leases import EngineProcess, Lease, LeaseKind, LeaseTable, Report, Session
 from hicache.cache_server.pins import EnginePins
 
@@ -128,6 +128,8 @@ class Sessions:
             return protos.EngineError(msg.req, "bad_request", f"tensor_parallel {msg.tensor_parallel}: must be in "
                                       f"[1, {MAX_TENSOR_PARALLEL}] and divide num_kv_heads ({theirs.num_kv_heads})")
         problem = self.geometry.mismatch(theirs)
+        if problem is not None and theirs.block_size != self.geometry.block_size:
+            problem += f"; {block_size_hint(self.geometry.block_size, theirs.block_size)}"
         if problem is None and msg.page_bytes != self.geometry.page_bytes:
             problem = f"page_bytes: daemon {self.geometry.page_bytes}, engine {msg.page_bytes}"
         if problem is None and self.window and not 0 < msg.window_tokens <= self.window + 1:

@@ -142,6 +142,18 @@ def test_registration_is_refused_with_the_fields_that_differ() -> None:
     assert isinstance(ans, protos.EngineError) and "page_bytes" in ans.reason
 
 
+def test_a_refusal_for_another_block_size_names_the_setting_to_change() -> None:
+    """A hybrid model's engine whose vLLM raised the block: the refusal says which
+    ``cache.page_size`` to set (the engine's block) or which ``--block-size`` to start with."""
+    server, _ = make_server()
+    ans = register(server, replace(GEOMETRY, block_size=3 * PS))
+    assert isinstance(ans, protos.EngineError) and ans.code == "refused"
+    assert f"block_size: daemon {PS}, engine {3 * PS}" in ans.reason
+    assert f"cache.page_size: {3 * PS}" in ans.reason and f"--block-size {PS}" in ans.reason
+    ans = register(server, replace(GEOMETRY, kv_dtype="float16"))  # the block matches: no such advice
+    assert isinstance(ans, protos.EngineError) and "kv_dtype" in ans.reason and "cache.page_size" not in ans.reason
+
+
 def test_unknown_session_and_bad_tokens_are_answered_not_raised() -> None:
     server, _ = make_server()
     ans = server.handle(protos.Lookup(5, 99, RUN, "r", protos.pack_tokens([1, 2, 3, 4])))
