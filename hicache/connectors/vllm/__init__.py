@@ -24,6 +24,8 @@ module              owns
 ``plans``           the step's plans and metadata, and how a hit or a reservation
                     becomes one
 ``stats``           hicache's counters in vLLM's stats and ``/metrics``
+``block_size``      the block vLLM runs a model with, asked without an engine
+                    (``hicache check-config``)
 ==================  ======================================================================
 
 docs/architecture.md §13.
