@@ -224,10 +224,15 @@ class FileBackend(StorageBackend):
         if self._closed or not self._breaker.up:
             self._counters.add(dropped_writes=len(hashes))
             return [False] * len(hashes)
-        self._usage.reserve(len(hashes) * layout.object_size)  # before any file (file_usage)
-        batch = self._runner.run(hashes, lambda i, h: self._write_one(layout, h, views[i]),
-                                 self._inline(layout, len(hashes)))
-        return self._account_writes(batch, layout)
+        # before any file (file_usage); the batch is in flight until it is counted (file_index)
+        self._usage.reserve(len(hashes) * layout.object_size, then=lambda: self._index.writing(hashes))
+        try:
+            batch = self._runner.run(hashes, lambda i, h: self._write_one(layout, h, views[i]),
+                                     self._inline(layout, len(hashes)))
+        except BaseException:
+            self._index.settled(hashes)  # a bug: what it published is measured by the next scan
+            raise
+        return self._account_writes(batch, layout, hashes)
 
     def delete(self, hashes: Sequence[str]) -> int:
         hashes = check_hashes(hashes)
@@ -373,7 +378,7 @@ class FileBackend(StorageBackend):
         self._record(errors + timeouts)
         return out
 
-    def _account_writes(self, batch: Batch, layout: PageLayout) -> list[bool]:
+    def _account_writes(self, batch: Batch, layout: PageLayout, hashes: list[str]) -> list[bool]:
         out = [o in (Outcome.HIT, Outcome.EXISTED) for o in batch.outcomes]
         written = batch.count(Outcome.HIT)
         full = batch.count(Outcome.FULL)
@@ -387,7 +392,8 @@ class FileBackend(StorageBackend):
             timeouts=timeouts,
         )
         self._record(errors + timeouts)
-        self._evictor.after_writes((len(out) - written) * layout.object_size, written, full, layout.object_size)
+        self._evictor.after_writes((len(out) - written) * layout.object_size, written, full, layout.object_size,
+                                   settled=lambda: self._index.settled(hashes))
         return out
 
     def _record(self, failures: int) -> None:

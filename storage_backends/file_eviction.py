@@ -61,11 +61,13 @@ class Evictor:
         self._usage = usage
         self._lock = threading.Lock()
 
-    def after_writes(self, unused_bytes: int, written: int, full: int, object_size: int) -> None:
+    def after_writes(self, unused_bytes: int, written: int, full: int, object_size: int,
+                     settled: Callable[[], None] | None = None) -> None:
         """Settle a batch of writes (``written`` published, ``unused_bytes`` of its reservation
-        not used, ``full`` failed for lack of space) and evict what that claims."""
+        not used, ``full`` failed for lack of space; ``settled`` runs under the record's lock
+        once they are counted) and evict what that claims."""
         claim = self._usage.settle(unused_bytes, written, self._max_bytes, self._low_bytes,
-                                   self._full_disk_need(full, object_size))
+                                   self._full_disk_need(full, object_size), then=settled)
         if claim:
             self.evict(claim)
 

@@ -94,8 +94,9 @@ class Housekeeper:
     def scan(self) -> None:
         """One scan (module doc)."""
         started = time.monotonic()
-        since = self._usage.read()
-        self._index.scan_started()
+        # One instant for both (file_index): a batch is counted either before the reading and
+        # found by the walk, or after it and left out of what the walk found.
+        since = self._usage.read(then=self._index.scan_started)
         result = None
         try:
             result = walk(self.root, self._leftover(time.time() - self.settings.stale_tmp_s),
@@ -107,9 +108,12 @@ class Housekeeper:
             self.failed_scans += 1
             log.warning("file store %s: the scan did not finish; the store is measured again later", self.root)
             return
-        # What this process removed or published while the walk ran, the record counted already.
-        seen = [size for _atime, h, size in result.pages if h in counted]
-        usage = self._usage.measured(result.bytes - sum(seen), len(result.pages) - len(seen), since)
+        # What the record counts apart from the walk (file_index): this process's removals,
+        # and its writes counted or reserved after the reading.
+        pages_apart, bytes_apart = counted
+        seen_pages = sum(1 for _atime, h, _size in result.pages if h in pages_apart)
+        seen_bytes = sum(size for _atime, h, size in result.pages if h in bytes_apart)
+        usage = self._usage.measured(result.bytes - seen_bytes, len(result.pages) - seen_pages, since)
         took = time.monotonic() - started
         self._last_scan = (time.monotonic(), took)
         self._scan_wanted = False
