@@ -114,15 +114,16 @@ class UsageRecord:
         """The record's numbers. ``then`` runs under the record's lock right after the
         reading (after the failure, when it cannot be read): no count of this process's
         comes between the two."""
+        ran = False
         try:
             with self._locked() as v:
                 usage = Usage(*v)
                 if then is not None:
-                    then, run = None, then
-                    run()
+                    ran = True
+                    then()
         except OSError as exc:
             self._failed("read", exc)
-            if then is not None:
+            if then is not None and not ran:
                 then()
             return _ZERO
         self._failing = False
@@ -131,16 +132,17 @@ class UsageRecord:
     def reserve(self, nbytes: int, then: Callable[[], None] | None = None) -> None:
         """Count ``nbytes`` about to be written (before the first temporary file); ``then``
         as ``read``'s."""
+        ran = False
         try:
             with self._locked() as v:
                 v[0] += nbytes
                 v[2] += nbytes
                 if then is not None:
-                    then, run = None, then
-                    run()
+                    ran = True
+                    then()
         except OSError as exc:
             self._failed("reserve", exc)
-            if then is not None:
+            if then is not None and not ran:
                 then()
 
     def settle(self, unused_bytes: int, pages: int, cap: int, low: int, at_least: int = 0,
@@ -150,6 +152,7 @@ class UsageRecord:
         above ``cap`` (0: no cap), and at least ``at_least``, never more than the store
         holds. ``then`` runs under the record's lock once the counts are in (as ``read``'s).
         Returns the bytes claimed (the caller evicts them, then ``adjust``)."""
+        ran = False
         try:
             with self._locked() as v:
                 v[0] -= unused_bytes
@@ -159,11 +162,11 @@ class UsageRecord:
                 claim = max(0, min(claim, v[0]))
                 v[0] -= claim
                 if then is not None:
-                    then, run = None, then
-                    run()
+                    ran = True
+                    then()
         except OSError as exc:
             self._failed("settle", exc)
-            if then is not None:
+            if then is not None and not ran:
                 then()
             return 0
         return claim

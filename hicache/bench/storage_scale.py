@@ -176,9 +176,9 @@ def run_scale(args: argparse.Namespace) -> int:
                for name, unit, key in FIGURES]
     print_table("hicache bench storage --parts scale (references measured in the same run)", figures)
     for res in results:
-        n = res["objects"]
-        print(f"  {int(n):>9,} objects: {res['start_held_bytes'] / n:,.0f} B/object held after the scan, "
-              f"{res['start_peak_bytes'] / n:,.0f} B/object at its peak")
+        objects = res["objects"]
+        print(f"  {int(objects):>9,} objects: {res['start_held_bytes'] / objects:,.0f} B/object held after the "
+              f"scan, {res['start_peak_bytes'] / objects:,.0f} B/object at its peak")
     if args.json:
         write_json(args.json, "storage-scale", figures, {"per_size": results, "object_bytes": _layout().object_size})
     return 0

@@ -470,3 +470,31 @@ def test_a_batch_published_before_a_scan_and_counted_after_its_start_is_counted_
     assert size is not None and (size.pages, size.bytes) == (5, 5 * LAYOUT.object_size) == _on_disk(root)[::2]
     assert be.page_count == 5
     be.close()
+
+
+def test_a_long_scan_logs_its_progress_and_the_walks_report_theirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    from storage_backends import file_housekeeping
+
+    root = tmp_path / "l3"
+    first = _backend(root)
+    assert first.batch_set(random_hashes(6), random_pages(6)) == [True] * 6
+    first.close()
+    monkeypatch.setattr(file_housekeeping, "PROGRESS_LOG_S", 0.0)  # every shard counts as long
+    with caplog.at_level("INFO", logger="storage_backends.file_housekeeping"):
+        be = _backend(root)
+        assert be.wait_scan(10)
+    lines = [r.getMessage() for r in caplog.records if "scanning" in r.getMessage()]
+    assert len(lines) == 256 and lines[-1].endswith("256 of 256 shards, 6 pages so far")
+    assert be.scan_progress == (256, 6)
+    told: list[tuple[int, int]] = []
+    usage = be.usage(progress=lambda shards, pages: told.append((shards, pages)))
+    assert (usage.pages, usage.bytes) == (6, 6 * LAYOUT.object_size)
+    assert [s for s, _ in told] == list(range(1, 257)) and told[-1] == (256, 6)
+    evicted: list[int] = []
+    assert be.gc(3 * LAYOUT.object_size, progress=evicted.append) == (3, 3 * LAYOUT.object_size)
+    assert evicted[-1] == 3
+    told.clear()
+    assert be.clear(progress=lambda shards, pages: told.append((shards, pages))) == 3
+    assert told[-1] == (256, 3) and [s for s, _ in told] == list(range(1, 257))
+    be.close()
