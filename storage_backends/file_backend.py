@@ -35,7 +35,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from storage_backends.base import Buffer, StorageBackend, StoreUsage
 from storage_backends.errors import StorageUnavailable
@@ -46,6 +46,7 @@ from storage_backends.file_index import ATIME_REFRESH_S, PageIndex
 from storage_backends.file_layout import (
     PAGE_SUFFIX,
     SHARDS,
+    Progress,
     fsync_dir,
     list_shard,
     make_dirs,
@@ -224,10 +225,15 @@ class FileBackend(StorageBackend):
         if self._closed or not self._breaker.up:
             self._counters.add(dropped_writes=len(hashes))
             return [False] * len(hashes)
-        self._usage.reserve(len(hashes) * layout.object_size)  # before any file (file_usage)
-        batch = self._runner.run(hashes, lambda i, h: self._write_one(layout, h, views[i]),
-                                 self._inline(layout, len(hashes)))
-        return self._account_writes(batch, layout)
+        # before any file (file_usage); the batch is in flight until it is counted (file_index)
+        self._usage.reserve(len(hashes) * layout.object_size, then=lambda: self._index.writing(hashes))
+        try:
+            batch = self._runner.run(hashes, lambda i, h: self._write_one(layout, h, views[i]),
+                                     self._inline(layout, len(hashes)))
+        except BaseException:
+            self._index.settled(hashes)  # a bug: what it published is measured by the next scan
+            raise
+        return self._account_writes(batch, layout, hashes)
 
     def delete(self, hashes: Sequence[str]) -> int:
         hashes = check_hashes(hashes)
@@ -252,14 +258,16 @@ class FileBackend(StorageBackend):
         self._usage.adjust(-freed, -removed)
         return removed
 
-    def clear(self) -> int:
+    def clear(self, progress: Progress | None = None) -> int:
         """Remove every page file (temporary files are their writers', or reclaimed as a
-        dead writer's)."""
+        dead writer's); ``progress`` is told after each shard (shards done, pages removed)."""
         self._ensure_process()
         if self._closed:
             return 0
         removed = freed = 0
-        for shard in SHARDS:
+        for i, shard in enumerate(SHARDS):
+            if progress is not None and i:
+                progress(i, removed)
             for name, path in self._list_shard(shard):
                 if name.endswith(PAGE_SUFFIX):
                     try:
@@ -275,6 +283,8 @@ class FileBackend(StorageBackend):
                     freed += size
         self._index.clear()
         self._usage.adjust(-freed, -removed)
+        if progress is not None:
+            progress(len(SHARDS), removed)
         return removed
 
     def stats(self) -> StorageStats:
@@ -323,13 +333,19 @@ class FileBackend(StorageBackend):
         """Wait for the start-up scan; True once it is complete."""
         return self._housekeeper.scan_done.wait(timeout)
 
-    def gc(self, target_bytes: int) -> tuple[int, int]:
-        """Evict least recently used pages until the store holds at most ``target_bytes``.
+    @property
+    def scan_progress(self) -> tuple[int, int]:
+        """The scan in progress (or the last one): (shards listed of 256, pages found)."""
+        return self._housekeeper.progress
+
+    def gc(self, target_bytes: int, progress: Callable[[int], None] | None = None) -> tuple[int, int]:
+        """Evict least recently used pages until the store holds at most ``target_bytes``;
+        ``progress`` is told the pages removed so far, every few thousand.
 
         Waits for the start-up scan first. Returns (pages removed, bytes removed)."""
         self._housekeeper.scan_done.wait()
         self._ensure_process()
-        return self._evictor.gc(target_bytes)
+        return self._evictor.gc(target_bytes, progress)
 
     def iter_hashes(self) -> Iterator[str]:
         for shard in SHARDS:
@@ -347,13 +363,13 @@ class FileBackend(StorageBackend):
         except OSError as exc:
             raise StorageUnavailable(f"file store: cannot read page {h}: {exc}") from exc
 
-    def usage(self) -> StoreUsage:
-        """A walk of the files: pages, bytes of pages and temporary files, temporary files.
-        Removes nothing."""
-        found = walk(self.root)
+    def usage(self, progress: Progress | None = None) -> StoreUsage:
+        """A walk of the files: pages, bytes of pages and temporary files, temporary files
+        (``progress``: ``file_layout.walk``'s). Removes nothing; holds nothing per file."""
+        found = walk(self.root, collect=False, progress=progress)
         if not found.complete:
             raise StorageUnavailable(f"file store: cannot list every shard of {self.root} (see the log)")
-        return StoreUsage(len(found.pages), found.bytes, found.temp_files)
+        return StoreUsage(found.page_count, found.bytes, found.temp_files)
 
     # -- accounting -------------------------------------------------------------------
 
@@ -373,7 +389,7 @@ class FileBackend(StorageBackend):
         self._record(errors + timeouts)
         return out
 
-    def _account_writes(self, batch: Batch, layout: PageLayout) -> list[bool]:
+    def _account_writes(self, batch: Batch, layout: PageLayout, hashes: list[str]) -> list[bool]:
         out = [o in (Outcome.HIT, Outcome.EXISTED) for o in batch.outcomes]
         written = batch.count(Outcome.HIT)
         full = batch.count(Outcome.FULL)
@@ -387,7 +403,8 @@ class FileBackend(StorageBackend):
             timeouts=timeouts,
         )
         self._record(errors + timeouts)
-        self._evictor.after_writes((len(out) - written) * layout.object_size, written, full, layout.object_size)
+        self._evictor.after_writes((len(out) - written) * layout.object_size, written, full, layout.object_size,
+                                   settled=lambda: self._index.settled(hashes))
         return out
 
     def _record(self, failures: int) -> None:

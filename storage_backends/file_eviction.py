@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 MAX_EVICTED_KEPT = 100_000
 """Evicted hashes kept for ``take_evicted`` at most (older ones are dropped untold)."""
+PROGRESS_EVERY = 4096
 
 
 class Evictor:
@@ -61,11 +62,13 @@ class Evictor:
         self._usage = usage
         self._lock = threading.Lock()
 
-    def after_writes(self, unused_bytes: int, written: int, full: int, object_size: int) -> None:
+    def after_writes(self, unused_bytes: int, written: int, full: int, object_size: int,
+                     settled: Callable[[], None] | None = None) -> None:
         """Settle a batch of writes (``written`` published, ``unused_bytes`` of its reservation
-        not used, ``full`` failed for lack of space) and evict what that claims."""
+        not used, ``full`` failed for lack of space; ``settled`` runs under the record's lock
+        once they are counted) and evict what that claims."""
         claim = self._usage.settle(unused_bytes, written, self._max_bytes, self._low_bytes,
-                                   self._full_disk_need(full, object_size))
+                                   self._full_disk_need(full, object_size), then=settled)
         if claim:
             self.evict(claim)
 
@@ -78,19 +81,23 @@ class Evictor:
         step = max(object_size, int((1 - self._low_water) * base))
         return min(failed * object_size, step)
 
-    def gc(self, target_bytes: int) -> tuple[int, int]:
-        """Evict until the store holds at most ``target_bytes``: (pages, bytes) removed."""
+    def gc(self, target_bytes: int, progress: Callable[[int], None] | None = None) -> tuple[int, int]:
+        """Evict until the store holds at most ``target_bytes``: (pages, bytes) removed;
+        ``progress`` as ``evict``'s."""
         claim = self._usage.claim_above(target_bytes)
-        return self.evict(claim) if claim else (0, 0)
+        return self.evict(claim, progress) if claim else (0, 0)
 
-    def evict(self, claim: int) -> tuple[int, int]:
+    def evict(self, claim: int, progress: Callable[[int], None] | None = None) -> tuple[int, int]:
         """Unlink least recently used pages for the ``claim`` taken off the record; give the
-        record back what was not freed. Returns (pages, bytes) this process removed."""
+        record back what was not freed. ``progress`` is told the pages removed so far every
+        ``PROGRESS_EVERY`` unlinks. Returns (pages, bytes) this process removed."""
         victims = self._index.take_victims(claim)
         freed = pages = 0
         gone: list[str] = []
         kept: list[tuple[str, int]] = []
-        for h, size in victims:
+        for i, (h, size) in enumerate(victims):
+            if progress is not None and i % PROGRESS_EVERY == 0 and i:
+                progress(pages)
             try:
                 os.unlink(page_path(self._root_slash, h))
             except FileNotFoundError:
@@ -113,6 +120,8 @@ class Evictor:
         if gone:
             with self._lock:
                 self._evicted.extend(gone)
+        if progress is not None:
+            progress(pages)
         return pages, freed
 
     def take_evicted(self) -> list[str]:

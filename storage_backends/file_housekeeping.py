@@ -9,7 +9,8 @@ A scan (``scan``) walks the directory (``file_layout.walk``): removes the tempor
 of dead writers (and, without a writer token, those older than ``stale_tmp_s``), measures
 pages and temporary files into the shared record (``UsageRecord.measured``: the pages this
 process removed or published meanwhile left out, what anyone reserved meanwhile added),
-rebuilds the index, and evicts if the store is above its cap. The record is then exact but
+rebuilds the index, and evicts if the store is above its cap. A long scan logs its
+progress every ``PROGRESS_LOG_S``. The record is then exact but
 for other processes' writes and removals during the walk, which it counts once too many
 (the safe side: the store then holds a little less than its cap until the next scan).
 
@@ -27,11 +28,14 @@ import time
 from collections.abc import Callable
 
 from storage_backends.file_index import PageIndex
-from storage_backends.file_layout import tmp_token, walk
+from storage_backends.file_layout import SHARDS, tmp_token, walk
 from storage_backends.file_usage import UsageRecord, WriterRegistry
 from storage_backends.settings import FileSettings
 
 log = logging.getLogger(__name__)
+
+PROGRESS_LOG_S = 5.0
+"""A scan longer than this logs its progress this often (``Housekeeper.progress`` always has it)."""
 
 
 class Housekeeper:
@@ -49,6 +53,8 @@ class Housekeeper:
         self._stop = threading.Event()
         self._scan_wanted = False
         self._last_scan = (0.0, 0.0)  # (monotonic end, seconds it took)
+        self.progress = (0, 0)
+        """The scan in progress, or the last one: (shards listed, pages found)."""
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -94,12 +100,23 @@ class Housekeeper:
     def scan(self) -> None:
         """One scan (module doc)."""
         started = time.monotonic()
-        since = self._usage.read()
-        self._index.scan_started()
+        self.progress = (0, 0)
+        logged = [started]
+
+        def progress(shards: int, pages: int) -> None:
+            self.progress = (shards, pages)
+            now = time.monotonic()
+            if now - logged[0] >= PROGRESS_LOG_S:
+                logged[0] = now
+                log.info("file store %s: scanning, %d of %d shards, %d pages so far", self.root, shards,
+                         len(SHARDS), pages)
+        # One instant for both (file_index): a batch is counted either before the reading and
+        # found by the walk, or after it and left out of what the walk found.
+        since = self._usage.read(then=self._index.scan_started)
         result = None
         try:
             result = walk(self.root, self._leftover(time.time() - self.settings.stale_tmp_s),
-                          stop=lambda: self._closed() or self._stop.is_set())
+                          stop=lambda: self._closed() or self._stop.is_set(), progress=progress)
         finally:
             counted = self._index.scan_found(result.pages if result is not None and result.complete else None)
             self._writers.release_dead()
@@ -107,9 +124,12 @@ class Housekeeper:
             self.failed_scans += 1
             log.warning("file store %s: the scan did not finish; the store is measured again later", self.root)
             return
-        # What this process removed or published while the walk ran, the record counted already.
-        seen = [size for _atime, h, size in result.pages if h in counted]
-        usage = self._usage.measured(result.bytes - sum(seen), len(result.pages) - len(seen), since)
+        # What the record counts apart from the walk (file_index): this process's removals,
+        # and its writes counted or reserved after the reading.
+        pages_apart, bytes_apart = counted
+        seen_pages = sum(1 for _atime, h, _size in result.pages if h in pages_apart)
+        seen_bytes = sum(size for _atime, h, size in result.pages if h in bytes_apart)
+        usage = self._usage.measured(result.bytes - seen_bytes, len(result.pages) - seen_pages, since)
         took = time.monotonic() - started
         self._last_scan = (time.monotonic(), took)
         self._scan_wanted = False

@@ -18,13 +18,28 @@ a page removed by this process   taken out; while a scan runs, remembered, so th
                                  merge does not bring it back (and its measurement leaves out
                                  what this process removed or published meanwhile: the shared
                                  record counted those already)
+a batch of writes                in flight from its reservation in the shared record
+                                 (``writing``) until the record counted its pages (``settled``);
+                                 both are called under the record's lock
 a scan's merge                   what it found (oldest first), less what was removed while it
                                  ran, then what this process touched since (more recent)
 ===============================  ==============================================================
 
+A scan's measurement leaves out what the shared record counts apart from it
+(``file_housekeeping``): the pages and bytes of those this process removed while it ran;
+the pages of those the record counts as published after the scan's reading of it
+(published while it runs, or in flight when it began); the bytes of those reserved after
+that reading (published while it runs, not in flight when it began). ``scan_started`` runs
+under the record's lock at the scan's reading, so a batch's reservation and its count each
+fall either before both or after both. (Without the batches in flight, a page published
+just before a scan and counted just after it was counted twice: found, and counted as a
+write made while the scan ran.)
+
 Pages other processes write are not in it until a scan or a read finds them.
 
 Lock: one ``threading.Lock`` guards everything here; it is never held across I/O.
+``writing``, ``settled`` and ``scan_started`` are called with the shared record's lock held (lock order:
+record, then index; nothing here calls out).
 """
 
 from __future__ import annotations
@@ -43,10 +58,14 @@ class PageIndex:
         self._doomed: set[str] = set()
         self._removed_in_scan: set[str] | None = None  # while a scan runs
         self._published_in_scan: set[str] = set()
+        self._in_flight: set[str] = set()  # batches reserved, not yet counted (module doc)
+        self._in_flight_at_scan: set[str] = set()
 
     def after_fork(self) -> None:
-        """In a forked child: a fresh lock (the parent's may have been held at the fork)."""
+        """In a forked child: a fresh lock (the parent's may have been held at the fork), and
+        no batch in flight (its threads stayed in the parent)."""
         self._lock = threading.Lock()
+        self._in_flight = set()
 
     def __len__(self) -> int:
         return len(self._pages)
@@ -61,6 +80,16 @@ class PageIndex:
             self._pages.move_to_end(h)
             if self._removed_in_scan is not None:
                 self._published_in_scan.add(h)
+
+    def writing(self, hashes: list[str]) -> None:
+        """The shared record reserved a batch of writes of ``hashes`` (under its lock)."""
+        with self._lock:
+            self._in_flight.update(hashes)
+
+    def settled(self, hashes: list[str]) -> None:
+        """The shared record counted the batch of writes of ``hashes`` (under its lock)."""
+        with self._lock:
+            self._in_flight.difference_update(hashes)
 
     def read(self, h: str, now: float) -> bool:
         """A verified read of ``h``: mark it most recent. True when the caller should look
@@ -118,26 +147,32 @@ class PageIndex:
                     self._pages.move_to_end(h, last=False)
 
     def scan_started(self) -> None:
+        """A scan read the shared record (called under its lock): from now on remember what
+        this process removes and publishes, and which batches were in flight (module doc)."""
         with self._lock:
             self._removed_in_scan = set()
             self._published_in_scan = set()
+            self._in_flight_at_scan = set(self._in_flight)
 
-    def scan_found(self, found: list[tuple[float, str, int]] | None) -> set[str]:
+    def scan_found(self, found: list[tuple[float, str, int]] | None) -> tuple[set[str], set[str]]:
         """Merge what a scan found (``(atime, hash, bytes)``, oldest first; None: the scan
-        failed, keep the index as it is) and stop remembering. Returns the pages this
-        process removed or published while the scan ran (the record counted them already)."""
+        failed, keep the index as it is) and stop remembering. Returns the pages whose count
+        and those whose bytes the record keeps apart from the scan (module doc)."""
         with self._lock:
             gone, self._removed_in_scan = self._removed_in_scan or set(), None
-            touched, self._published_in_scan = gone | self._published_in_scan, set()
+            published, self._published_in_scan = self._published_in_scan, set()
+            in_flight, self._in_flight_at_scan = self._in_flight_at_scan, set()
+            counted = gone | published | in_flight
+            reserved = gone | (published - in_flight)
             if found is None:
-                return touched
+                return counted, reserved
             merged: OrderedDict[str, tuple[int, float]] = OrderedDict(
                 (h, (size, atime)) for atime, h, size in found if h not in gone and h not in self._doomed)
             for h, known in self._pages.items():  # touched since the scan began: more recent
                 merged.pop(h, None)
                 merged[h] = known
             self._pages = merged
-        return touched
+        return counted, reserved
 
     def clear(self) -> None:
         with self._lock:

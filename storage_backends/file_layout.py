@@ -16,8 +16,10 @@ Directories are made durable by whoever creates them: with ``durable``, ``make_d
 fsyncs the parent of every directory it creates (or finds just created by another
 process), so a directory, and every page in it reported durable, survives a power loss.
 
-``list_shard`` lists one shard; ``walk`` lists every shard once: the pages with their sizes and access times, the
-temporary files, and (when ``reclaim`` says so) removes the leftovers of dead writers.
+``list_shard`` lists one shard; ``walk`` lists every shard once: the pages with their sizes
+and access times (or only their count and bytes), the temporary files, and (when
+``reclaim`` says so) removes the leftovers of dead writers, telling ``progress`` after
+each shard.
 Nothing here holds state or locks.
 """
 
@@ -100,12 +102,17 @@ def list_shard(root: str, shard: str) -> list[tuple[str, str]] | None:
         return None
 
 
+Progress = Callable[[int, int], None]
+"""Called after each shard a walk lists: (shards listed, pages found so far)."""
+
+
 @dataclass
 class Walk:
     """What one walk over the shards found."""
 
     pages: list[tuple[float, str, int]] = field(default_factory=list)
-    """(access time, hash, bytes) of every page file."""
+    """(access time, hash, bytes) of every page file, oldest first (empty unless collected)."""
+    page_count: int = 0
     page_bytes: int = 0
     temp_files: int = 0
     temp_bytes: int = 0
@@ -121,29 +128,35 @@ class Walk:
 
 
 def walk(root: str, reclaim: Callable[[str, os.stat_result], bool] | None = None,
-         stop: Callable[[], bool] = lambda: False) -> Walk:
+         stop: Callable[[], bool] = lambda: False, collect: bool = True,
+         progress: Progress | None = None) -> Walk:
     """List every shard of the store at ``root``.
 
     ``reclaim(name, stat)`` decides for each temporary file whether it is a dead writer's
-    leftover, which the walk then removes (None: remove nothing). A shard that cannot be
-    listed is logged and makes the walk incomplete; ``stop()`` is asked before each shard.
+    leftover, which the walk then removes (None: remove nothing). ``collect``: keep every
+    page (``Walk.pages``, sorted); without it the walk only counts, in memory that does not
+    grow with the store. A shard that cannot be listed is logged and makes the walk
+    incomplete; ``stop()`` is asked before each shard, ``progress`` told after each.
     Never raises for store trouble."""
     out = Walk()
-    for shard in SHARDS:
+    for i, shard in enumerate(SHARDS):
         if stop():
             out.complete = False
             break
         try:
             it = os.scandir(os.path.join(root, shard))
         except (FileNotFoundError, NotADirectoryError):
-            continue
+            it = None
         except OSError as exc:
             log.warning("file store %s: cannot list shard %s: %s", root, shard, exc)
             out.complete = False
-            continue
-        with it:
-            for entry in _entries(it, root, shard, out):
-                _take(entry, out, reclaim)
+            it = None
+        if it is not None:
+            with it:
+                for entry in _entries(it, root, shard, out):
+                    _take(entry, out, reclaim, collect)
+        if progress is not None:
+            progress(i + 1, out.page_count)
     out.pages.sort()
     return out
 
@@ -156,14 +169,17 @@ def _entries(it: Iterator[os.DirEntry[str]], root: str, shard: str, out: Walk) -
         out.complete = False
 
 
-def _take(entry: os.DirEntry[str], out: Walk, reclaim: Callable[[str, os.stat_result], bool] | None) -> None:
+def _take(entry: os.DirEntry[str], out: Walk, reclaim: Callable[[str, os.stat_result], bool] | None,
+          collect: bool) -> None:
     name = entry.name
     try:
         if name.endswith(PAGE_SUFFIX):
             h = name[: -len(PAGE_SUFFIX)]
             if is_page_hash(h):
                 st = entry.stat(follow_symlinks=False)
-                out.pages.append((max(st.st_atime, st.st_mtime), h, st.st_size))
+                if collect:
+                    out.pages.append((max(st.st_atime, st.st_mtime), h, st.st_size))
+                out.page_count += 1
                 out.page_bytes += st.st_size
         elif name.endswith(TMP_SUFFIX):
             st = entry.stat(follow_symlinks=False)

@@ -32,7 +32,8 @@ a dead writer's leftover: any process may remove it at once, without waiting for
 however it dies, and it works across pid namespaces on one host.
 
 Locks: each class has a ``threading.Lock`` (``flock`` does not exclude the threads of one
-process), held only around its own few syscalls. Both are per process: a backend makes new
+process), held only around its own few syscalls and the ``then`` callbacks of ``read``,
+``reserve`` and ``settle`` (the index's, ``file_index``: no I/O). Both are per process: a backend makes new
 ones after ``fork``.
 """
 
@@ -45,7 +46,7 @@ import os
 import secrets
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -109,30 +110,49 @@ class UsageRecord:
                         self.path, what, exc)
         self._failing = True
 
-    def read(self) -> Usage:
+    def read(self, then: Callable[[], None] | None = None) -> Usage:
+        """The record's numbers. ``then`` runs under the record's lock right after the
+        reading (after the failure, when it cannot be read): no count of this process's
+        comes between the two."""
+        ran = False
         try:
             with self._locked() as v:
                 usage = Usage(*v)
+                if then is not None:
+                    ran = True
+                    then()
         except OSError as exc:
             self._failed("read", exc)
+            if then is not None and not ran:
+                then()
             return _ZERO
         self._failing = False
         return usage
 
-    def reserve(self, nbytes: int) -> None:
-        """Count ``nbytes`` about to be written (before the first temporary file)."""
+    def reserve(self, nbytes: int, then: Callable[[], None] | None = None) -> None:
+        """Count ``nbytes`` about to be written (before the first temporary file); ``then``
+        as ``read``'s."""
+        ran = False
         try:
             with self._locked() as v:
                 v[0] += nbytes
                 v[2] += nbytes
+                if then is not None:
+                    ran = True
+                    then()
         except OSError as exc:
             self._failed("reserve", exc)
+            if then is not None and not ran:
+                then()
 
-    def settle(self, unused_bytes: int, pages: int, cap: int, low: int, at_least: int = 0) -> int:
+    def settle(self, unused_bytes: int, pages: int, cap: int, low: int, at_least: int = 0,
+               then: Callable[[], None] | None = None) -> int:
         """After a batch: give back ``unused_bytes`` of its reservation, count ``pages``
         published. Then claim the bytes to evict: those above ``low`` when the store is
         above ``cap`` (0: no cap), and at least ``at_least``, never more than the store
-        holds. Returns the bytes claimed (the caller evicts them, then ``adjust``)."""
+        holds. ``then`` runs under the record's lock once the counts are in (as ``read``'s).
+        Returns the bytes claimed (the caller evicts them, then ``adjust``)."""
+        ran = False
         try:
             with self._locked() as v:
                 v[0] -= unused_bytes
@@ -141,8 +161,13 @@ class UsageRecord:
                 claim = max(at_least, v[0] - low if cap and v[0] > cap else 0)
                 claim = max(0, min(claim, v[0]))
                 v[0] -= claim
+                if then is not None:
+                    ran = True
+                    then()
         except OSError as exc:
             self._failed("settle", exc)
+            if then is not None and not ran:
+                then()
             return 0
         return claim
 

@@ -19,6 +19,9 @@ port (and killed at the end) when one is installed. ``--cluster`` adds the backe
 Redis Cluster (``--cluster-url``, or a private 3-master cluster started with
 ``redis-cli --cluster create``), measured against redis-py's ``RedisCluster`` pipeline
 doing the same ``SET`` / ``GET`` on the same cluster.
+
+``--parts scale`` measures instead the file store at 10^5 and 10^6 objects (its start-up
+scan, its memory, and each ``hicache storage`` command): ``hicache.bench.storage_scale``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hicache.bench import storage_scale
 from hicache.bench.local_redis import started, started_cluster
 
 DEFAULT_SIZES = "64K,256K,1M"
@@ -56,7 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", help="use this Redis instead of starting a private redis-server")
     parser.add_argument("--cluster", action="store_true", help="also benchmark Redis Cluster (backend redis-cluster)")
     parser.add_argument("--cluster-url", help="a node of the Redis Cluster to use instead of a private 3-master one")
-    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--parts", default="throughput",
+                        help="comma list of throughput (backends vs raw I/O) and scale (the file store at "
+                             "--objects page files) (default throughput)")
+    storage_scale.add_arguments(parser)
+    parser.add_argument("--json", metavar="PATH",
+                        help="also write the figures as JSON (with both parts, scale's to PATH-scale.json)")
 
 
 @dataclass
@@ -195,6 +204,21 @@ def _check(results: list[bool]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if not parts or set(parts) - {"throughput", "scale"}:
+        print(f"error: bad --parts {args.parts!r} (throughput, scale)", file=sys.stderr)
+        return 2
+    rc = 0
+    if "throughput" in parts:
+        rc = _run_throughput(args)
+    if "scale" in parts and rc == 0:
+        if "throughput" in parts and args.json:
+            args = argparse.Namespace(**{**vars(args), "json": str(Path(args.json).with_suffix("")) + "-scale.json"})
+        rc = storage_scale.run_scale(args)
+    return rc
+
+
+def _run_throughput(args: argparse.Namespace) -> int:
     sizes = [_parse_size(s) for s in args.sizes.split(",") if s.strip()]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if args.cluster and "redis-cluster" not in backends:

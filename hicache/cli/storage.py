@@ -17,6 +17,9 @@ left). ``stats`` and ``verify`` change nothing but the objects ``verify --delete
 corrupt, whatever the store's size against the config's cap (another daemon's store, a
 ``--set`` override, a cap lowered since), so what they print is what the files hold.
 
+On a terminal, every subcommand shows its progress on stderr (the file store's by shard:
+a scan, ``clear``; ``verify`` and ``gc``'s evictions by page).
+
 Exit codes: 0 success, 1 store trouble or (``verify``) bad objects found, 2 bad usage or
 config.
 """
@@ -96,10 +99,24 @@ def _settings(args: argparse.Namespace) -> Any:
     return base  # None (no L3), or a plug-in's settings from the config
 
 
-def _progress(iterable: Any, desc: str) -> Any:
+def _progress(iterable: Any, desc: str, **kw: Any) -> Any:
+    """A progress bar on stderr (shown on a terminal only)."""
     from tqdm import tqdm
 
-    return tqdm(iterable, desc=desc, unit=" pages", file=sys.stderr, disable=None, mininterval=0.5)
+    return tqdm(iterable, desc=desc, **{"unit": " pages", "file": sys.stderr, "disable": None, "mininterval": 0.5, **kw})
+
+
+def _shard_progress(desc: str, done: str) -> Any:
+    """A bar over the file store's 256 shards and a callback for it: (shards, pages)."""
+    from storage_backends.file_layout import SHARDS
+
+    bar = _progress(None, desc, total=len(SHARDS), unit=" shards")
+
+    def update(shards: int, pages: int) -> None:
+        bar.update(shards - bar.n)
+        bar.set_postfix_str(f"{pages} pages {done}", refresh=False)
+
+    return bar, update
 
 
 def _file_store(be: StorageBackend) -> FileBackend:
@@ -119,7 +136,12 @@ def _redis_store(be: StorageBackend) -> RedisBackend:
 
 
 def _stats(be: StorageBackend, args: argparse.Namespace) -> int:
-    usage = be.usage()
+    if be.kind == "file":
+        bar, update = _shard_progress("stats", "found")
+        with bar:
+            usage = _file_store(be).usage(progress=update)
+    else:
+        usage = be.usage()
     out: dict[str, Any] = {"backend": be.kind, "pages": usage.pages, "bytes": usage.bytes}
     if be.kind == "file":
         store = _file_store(be)
@@ -182,7 +204,13 @@ def _clear(be: StorageBackend, args: argparse.Namespace) -> int:
     if not args.yes:
         print("refusing to clear without --yes", file=sys.stderr)
         return 2
-    print(f"removed {be.clear()} pages")
+    if be.kind == "file":
+        bar, update = _shard_progress("clear", "removed")
+        with bar:
+            removed = _file_store(be).clear(progress=update)
+    else:
+        removed = be.clear()
+    print(f"removed {removed} pages")
     return 0
 
 
@@ -194,9 +222,14 @@ def _gc(be: StorageBackend, args: argparse.Namespace) -> int:
         print("--to-gb must be >= 0", file=sys.stderr)
         return 2
     store = _file_store(be)
-    store.wait_scan()
+    bar, update = _shard_progress("scan", "found")
+    with bar:
+        while not store.wait_scan(0.2):
+            update(*store.scan_progress)
+        update(*store.scan_progress)
     before = store.used_bytes
-    pages, freed = store.gc(int(args.to_gb * 2**30))
+    with _progress(None, "gc", total=store.page_count) as evicted:
+        pages, freed = store.gc(int(args.to_gb * 2**30), progress=lambda n: evicted.update(n - evicted.n))
     print(f"evicted {pages} pages, {freed / 2**30:.3f} GiB; {(before - freed) / 2**30:.3f} GiB remain")
     return 0
 

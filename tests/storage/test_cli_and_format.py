@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
 import random
+import sys
 import threading
 import time
 from pathlib import Path
@@ -278,3 +280,30 @@ def test_cli_verify_deletes_only_what_it_proves_corrupt_and_says_so(tmp_path: Pa
     out = capsys.readouterr().out
     assert h[3] in out and "7 ok, 1 bad, 1 deleted" in out, out
     assert {p.name for p in _files(store)} == {f"{x}.page" for x in h if x != h[3]}
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_cli_file_commands_show_their_progress_on_a_terminal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Every command whose work grows with the store shows its progress: the file store's
+    walks by shard (``stats``, ``gc``'s scan, ``clear``), ``verify`` and ``gc``'s evictions by page."""
+    store = tmp_path / "l3"
+    _fill(store, 6)
+    base = ["storage", "--backend", "file", "--dir", str(store)]
+    shown = {}
+    for action in (["stats"], ["verify"], ["gc", "--to-gb", str(2 * LAYOUT.object_size / 2**30)], ["clear", "--yes"]):
+        err = _Terminal()
+        monkeypatch.setattr(sys, "stderr", err)
+        assert main([*base, *action]) == 0
+        shown[action[0]] = err.getvalue()
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert "stats" in shown["stats"] and "256/256" in shown["stats"] and "6 pages found" in shown["stats"]
+    assert "verify" in shown["verify"] and "6" in shown["verify"]
+    assert "scan" in shown["gc"] and "256/256" in shown["gc"] and "6 pages found" in shown["gc"]
+    assert "gc" in shown["gc"] and "4/6" in shown["gc"]
+    assert "clear" in shown["clear"] and "256/256" in shown["clear"] and "2 pages removed" in shown["clear"]

@@ -428,3 +428,73 @@ def test_the_scan_counts_pages_written_while_it_runs_once(tmp_path: Path, monkey
     size = be.size()
     assert size is not None and (size.pages, size.bytes) == (9, 9 * LAYOUT.object_size) == _on_disk(root)[::2]
     be.close()
+
+
+@pytest.mark.parametrize("counted", ["while the scan runs", "after the scan"])
+def test_a_batch_published_before_a_scan_and_counted_after_its_start_is_counted_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, counted: str) -> None:
+    """A batch of writes publishes its pages, then counts them in the shared record. A scan
+    that begins between the two finds the pages, and the record counts them after the
+    scan's reading (while the scan runs, or after it): each is counted once."""
+    root = tmp_path / "l3"
+    first = _backend(root)
+    assert first.batch_set(random_hashes(4), random_pages(4)) == [True] * 4
+    first.close()
+    be = _backend(root, scan_on_start=False)
+    published, go = threading.Event(), threading.Event()
+    settle = be._evictor.after_writes
+
+    def held(*a: object, **kw: object) -> None:
+        published.set()  # the batch's page is linked under its name by now
+        assert go.wait(10)
+        settle(*a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(be._evictor, "after_writes", held)
+    writer = threading.Thread(target=lambda: be.batch_set(random_hashes(1), random_pages(1)))
+    writer.start()
+    assert published.wait(10)
+    if counted == "while the scan runs":
+        with _scan_held_at(monkeypatch, "00") as reached:  # the record is read by then
+            scan = threading.Thread(target=be._housekeeper.scan)
+            scan.start()
+            assert reached.wait(10)
+            go.set()
+            writer.join(10)
+        scan.join(10)
+    else:
+        be._housekeeper.scan()
+        go.set()
+        writer.join(10)
+    monkeypatch.undo()
+    size = be.size()
+    assert size is not None and (size.pages, size.bytes) == (5, 5 * LAYOUT.object_size) == _on_disk(root)[::2]
+    assert be.page_count == 5
+    be.close()
+
+
+def test_a_long_scan_logs_its_progress_and_the_walks_report_theirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    from storage_backends import file_housekeeping
+
+    root = tmp_path / "l3"
+    first = _backend(root)
+    assert first.batch_set(random_hashes(6), random_pages(6)) == [True] * 6
+    first.close()
+    monkeypatch.setattr(file_housekeeping, "PROGRESS_LOG_S", 0.0)  # every shard counts as long
+    with caplog.at_level("INFO", logger="storage_backends.file_housekeeping"):
+        be = _backend(root)
+        assert be.wait_scan(10)
+    lines = [r.getMessage() for r in caplog.records if "scanning" in r.getMessage()]
+    assert len(lines) == 256 and lines[-1].endswith("256 of 256 shards, 6 pages so far")
+    assert be.scan_progress == (256, 6)
+    told: list[tuple[int, int]] = []
+    usage = be.usage(progress=lambda shards, pages: told.append((shards, pages)))
+    assert (usage.pages, usage.bytes) == (6, 6 * LAYOUT.object_size)
+    assert [s for s, _ in told] == list(range(1, 257)) and told[-1] == (256, 6)
+    evicted: list[int] = []
+    assert be.gc(3 * LAYOUT.object_size, progress=evicted.append) == (3, 3 * LAYOUT.object_size)
+    assert evicted[-1] == 3
+    told.clear()
+    assert be.clear(progress=lambda shards, pages: told.append((shards, pages))) == 3
+    assert told[-1] == (256, 3) and [s for s, _ in told] == list(range(1, 257))
+    be.close()
