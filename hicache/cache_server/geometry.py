@@ -66,11 +66,23 @@ engine mode holds (``state_shape``)."""
 STATE_LAYER_TYPE = "linear_attention"
 """The ``layer_types`` value of a GDN layer."""
 
-GDN_SSM_DTYPE_BYTES = 4
-"""vLLM 0.32's CPU build keeps a GDN layer's recurrent (SSM) state in float32 whatever the
-model's dtype (it resets ``mamba_ssm_cache_dtype`` to float32); its conv state is in the
-model's dtype. The engine states its own bytes when it registers, so another choice is
-refused by name, never misread."""
+def gdn_ssm_dtype_bytes(kv_dtype: str) -> int:
+    """Bytes of one element of a GDN layer's recurrent (SSM) state as vLLM 0.32's CPU build
+    keeps it with ``mamba_ssm_cache_dtype`` left at ``auto``: on a host with AVX-512 BF16 it
+    resets the state to float32 for its accelerated GDN kernel (4 bytes); elsewhere the state
+    has the model's dtype. The conv state always has the model's dtype. The engine states its
+    own bytes when it registers, so a rule that drifts is refused by name, never misread."""
+    return 4 if _cpu_has_avx512_bf16() else KV_DTYPE_BYTES[kv_dtype]
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    """The ``avx512_bf16`` CPU flag, which vLLM tests (through torch) before that reset; read
+    from ``/proc/cpuinfo`` so that the daemon need not import torch."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in f)
+    except OSError:
+        return False
 
 
 def state_shape(raw: dict[str, Any], kv_dtype: str, where: str = "config.json") -> tuple[int, int]:
@@ -78,7 +90,7 @@ def state_shape(raw: dict[str, Any], kv_dtype: str, where: str = "config.json") 
     ``linear_attention`` layers and the bytes of one such layer's state as vLLM keeps it per
     block (the conv state, ``linear_conv_kernel_dim - 1`` rows of the query, key and value
     channels, in ``kv_dtype``, then the SSM state, ``value heads x key dim x value dim`` in
-    float32); ``(0, 0)`` for another model."""
+    ``gdn_ssm_dtype_bytes``); ``(0, 0)`` for another model."""
     if raw.get("model_type") not in GDN_MODEL_TYPES:
         return 0, 0
     types = raw.get("layer_types")
@@ -94,7 +106,7 @@ def state_shape(raw: dict[str, Any], kv_dtype: str, where: str = "config.json") 
     except CheckpointError as exc:
         raise EngineModelError(str(exc)) from None
     conv = (kernel - 1) * (2 * kheads * kdim + vheads * vdim) * KV_DTYPE_BYTES[kv_dtype]
-    ssm = vheads * kdim * vdim * GDN_SSM_DTYPE_BYTES
+    ssm = vheads * kdim * vdim * gdn_ssm_dtype_bytes(kv_dtype)
     return layers, conv + ssm
 
 

@@ -35,6 +35,7 @@ import pytest
 from hicache.bench.engine import hybrid_block_size
 from hicache.bench.engine_lib.vllm_driver import VllmProcess, save_random_model
 from hicache.bench.local_redis import RedisProcess
+from hicache.cache_server.geometry import gdn_ssm_dtype_bytes
 from tests.support.daemon import Daemon
 from tests.support.vllm_engines import (
     Engines,
@@ -50,7 +51,9 @@ BLOCK = 64  # vLLM raises the block to fit a GDN layer's state in one attention 
 LAYERS = 4  # linear, full, linear, full
 KV_HEADS, HEAD_DIM = 4, 128
 PAGE_BYTES = 2 * KV_HEADS * BLOCK * 2 * HEAD_DIM * 2  # the two full-attention layers' blocks, bfloat16
-STATE_BYTES = 3 * (2 * 128 + 128) * 2 + 128 * 128 * 4  # conv (kernel 4 - 1 rows, bf16) + SSM (float32)
+# conv (kernel 4 - 1 rows, bf16) + SSM (float32 where vLLM's CPU build resets it, else bf16); the
+# engine registers its own size, which the daemon refuses unless it is this one
+STATE_BYTES = 3 * (2 * 128 + 128) * 2 + 128 * 128 * gdn_ssm_dtype_bytes("bfloat16")
 STATE_LAYERS = 2
 MAX_TOKENS = 8
 ENGINE = {"dtype": "bfloat16", "block_size": BLOCK, "prefix_caching": True}
