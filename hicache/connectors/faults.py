@@ -13,6 +13,9 @@ variable                            effect
 ``HICACHE_FAULT_STALL_SAVES_RANK=R``  the worker of tensor-parallel rank ``R`` stops before
                                     its first save and never copies again (a rank that
                                     hangs or is killed mid-save; the other ranks commit)
+``HICACHE_FAULT_SLOW_COPIES_S=X``  the copy thread (``hicache_copy: async``) sleeps ``X``
+                                    seconds before each save's copy (a copy that lags
+                                    behind the steps: the blocks it reads are reused)
 ``HICACHE_FAULT_SLOW_PENDING_ASKS=N``  the scheduler half's first ``N`` asks again about a
                                     request whose lookup was answered pending do not wait
                                     for their answer (as against a daemon loop that answers
@@ -35,6 +38,7 @@ FAIL_LOADS_ENV = "HICACHE_FAULT_FAIL_LOADS"
 RUNTIME_ENV = "HICACHE_FAULT_RUNTIME"
 STALL_SAVES_RANK_ENV = "HICACHE_FAULT_STALL_SAVES_RANK"
 SLOW_PENDING_ASKS_ENV = "HICACHE_FAULT_SLOW_PENDING_ASKS"
+SLOW_COPIES_ENV = "HICACHE_FAULT_SLOW_COPIES_S"
 STALL_S = 3600.0
 """How long a stalled rank sleeps: until the test kills it."""
 
@@ -60,6 +64,7 @@ class ConnectorFaults:
     runtime: dict[str, Any] = field(default_factory=dict)
     stall_saves_rank: int | None = None
     slow_pending_asks: int = 0
+    slow_copies_s: float = 0.0
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> ConnectorFaults:
@@ -77,7 +82,13 @@ class ConnectorFaults:
             out.runtime = runtime
         out.stall_saves_rank = _int_env(env, STALL_SAVES_RANK_ENV)
         out.slow_pending_asks = _int_env(env, SLOW_PENDING_ASKS_ENV) or 0
-        for name in (FAIL_LOADS_ENV, RUNTIME_ENV, STALL_SAVES_RANK_ENV, SLOW_PENDING_ASKS_ENV):
+        raw = env.get(SLOW_COPIES_ENV)
+        if raw:
+            try:
+                out.slow_copies_s = float(raw)
+            except ValueError:
+                raise FaultConfigError(f"{SLOW_COPIES_ENV} must be a number of seconds, got {raw!r}") from None
+        for name in (FAIL_LOADS_ENV, RUNTIME_ENV, STALL_SAVES_RANK_ENV, SLOW_PENDING_ASKS_ENV, SLOW_COPIES_ENV):
             if env.get(name):
                 log.warning("hicache: fault point %s=%r is set (testing only)", name, env[name])
         return out
@@ -101,3 +112,8 @@ class ConnectorFaults:
         if self.stall_saves_rank == rank:
             log.warning("hicache: fault point %s: rank %d stalls before its save", STALL_SAVES_RANK_ENV, rank)
             time.sleep(STALL_S)
+
+    def slow_copy(self) -> None:
+        """Sleep ``slow_copies_s`` (the copy thread's fault point, before each save's copy)."""
+        if self.slow_copies_s > 0:
+            time.sleep(self.slow_copies_s)

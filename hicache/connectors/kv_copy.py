@@ -195,6 +195,10 @@ class BlockCopier:
     def pool(self) -> PoolRef | None:
         return self.l2.pool
 
+    def maps(self, pool: PoolRef, window: PoolRef | None = None) -> bool:
+        """Whether these pools are the ones mapped (``attach`` would change nothing)."""
+        return self.l2.pool == pool and (not self.windowed or self.parts[1].pool == window)
+
     def attach(self, pool: PoolRef, window: PoolRef | None = None) -> None:
         """Map the L2 pool of full parts and, with window layers, ``window``'s pool of window parts."""
         if self.windowed and window is None:
@@ -308,6 +312,10 @@ class StateCopier:
         self.state_bytes = sum(t[0].numel() * t.element_size() for t in layers[0])
         self.offset = rank * self.state_bytes  # this rank's share within a layer's part of a slot
         self.slots = L2Pages(len(layers), self.state_bytes * ranks, torch.uint8)
+
+    @property
+    def pool(self) -> PoolRef | None:
+        return self.slots.pool
 
     def attach(self, pool: PoolRef) -> None:
         self.slots.attach(pool)

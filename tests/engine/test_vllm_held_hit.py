@@ -55,6 +55,7 @@ def _connector() -> tuple[SchedulerSide, _Session]:
     c.stats = HiCacheStats()
     c.faults = ConnectorFaults()
     c._requests = {}
+    c.loads, c.saves, c.copy_async, c.load_async = True, True, False, False
     return c, session
 
 
@@ -97,3 +98,13 @@ def test_a_held_hit_of_another_session_or_too_old_is_given_back_and_the_daemon_a
     monkeypatch.setattr(scheduler_side.time, "monotonic", lambda: now + scheduler_side.HELD_HIT_MAX_AGE_S + 1)
     assert c.get_num_new_matched_tokens(req, 0) == (4 * BS, False)
     assert len(session.calls) == 3 and _released(session) == [1, 2]
+
+
+def test_a_producer_never_looks_up_and_an_asynchronous_copy_mode_loads_asynchronously() -> None:
+    c, session = _connector()
+    c.loads = False  # kv_role: kv_producer
+    assert c.get_num_new_matched_tokens(_request("p"), 0) == (0, False)
+    assert session.calls == []
+    c, session = _connector()
+    c.load_async = True  # hicache_copy: async
+    assert c.get_num_new_matched_tokens(_request("a"), 0) == (4 * BS, True)

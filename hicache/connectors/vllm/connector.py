@@ -98,7 +98,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.scheduler.request_finished(request)
-        return False, None  # saves complete inside the step that computed them: never delay freeing
+        return False, None  # never delays freeing: a save still copying fences its blocks' reuse instead
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self._scheduler.take_events() if self._scheduler is not None else ()
@@ -122,11 +122,16 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.worker.register_kv_caches(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM's call before a step's forward pass: the fence of the copy thread's saves."""
+        assert isinstance(kv_connector_metadata, HiCacheConnectorMetadata)
+        self.worker.fence(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.start_load_kv(self._metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # every load completed in start_load_kv, before the forward pass
+        return  # a synchronous load completed in start_load_kv; an asynchronous one's request is not in the step
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # saves are copied in wait_for_save, once every layer has been computed

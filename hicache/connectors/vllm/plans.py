@@ -91,10 +91,13 @@ class HiCacheConnectorMetadata(KVConnectorMetadata):
     another run is refused by the worker. ``step``: the scheduler side's number of the step;
     ``failures_known``: the steps whose synchronous load failed (``HiCacheWorkerMeta``) that
     the scheduler side learned of since the last step's metadata, so that the saves planned
-    here already avoid the blocks those failures left stale."""
+    here already avoid the blocks those failures left stale. ``fresh_blocks`` (copy mode
+    ``async`` only): every block vLLM gave a request in this step, of every group; the worker
+    lets no forward pass write them while a save of the copy thread still reads them."""
 
     step: int = 0
     failures_known: frozenset[int] = frozenset()
+    fresh_blocks: frozenset[int] = frozenset()
     run: int = 0
     pool: PoolRef | None = None
     window_pool: PoolRef | None = None

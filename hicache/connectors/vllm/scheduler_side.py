@@ -89,7 +89,7 @@ from hicache.connectors.vllm.plans import (
 )
 from hicache.connectors.vllm.settings import ConnectorSettings
 from hicache.connectors.vllm.stats import HiCacheStats
-from hicache.connectors.vllm.tracked import StepRange, Tracked, follow_step, take_state_offers
+from hicache.connectors.vllm.tracked import StepRange, Tracked, follow_step, fresh_blocks, take_state_offers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -132,6 +132,9 @@ class SchedulerSide:
         self.runtime = settings.runtime
         self.address = settings.address
         self.stats = stats
+        self.loads, self.saves = settings.loads, settings.saves  # the engine's kv_role
+        self.copy_async = settings.copy_mode == "async"
+        self.load_async = self.copy_async or self.layout.load_async  # a hit's request waits for its own load
         self._busy_count = 0  # busy answers since the last log line about them
         self._busy_logged_at = -BUSY_LOG_EVERY_S
         self.reset_generation = ""
@@ -251,7 +254,7 @@ class SchedulerSide:
         # layers a daemon hit could not be loaded from there (a state is kept at page ends only),
         # so it is not asked for: vLLM keeps its own hit and computes the rest
         inside = bool(self.layout.state_layer_names and num_computed_tokens % bs)
-        if tracked.lookups_closed or usable <= num_computed_tokens or inside:
+        if tracked.lookups_closed or usable <= num_computed_tokens or inside or not self.loads:
             self._release(held)
             return 0, False
         now = time.monotonic()
@@ -299,7 +302,7 @@ class SchedulerSide:
             return 0, False
         hit.first_page = num_computed_tokens // self.layout.block_size
         tracked.hit = hit
-        return external, self.layout.load_async
+        return external, self.load_async
 
     def _lookup(self, tracked: Tracked, tokens: list[int], usable: int,
                 timeout_ms: int | None = None) -> tuple[EngineAnswer | None, protos.EngineRegistered | None]:
@@ -392,7 +395,9 @@ class SchedulerSide:
             g = self.layout.kv_groups[0]
             self._stale.step([StepWrite(r.tracked.block_ids[g] if r.tracked.block_ids else [], r.computed_before,
                                         r.computed_after) for r in ranges])
-        if self.session.registered is not None:
+        if self.copy_async:
+            meta.fresh_blocks = fresh_blocks(scheduler_output)
+        if self.saves and self.session.registered is not None:
             self._plan_saves(ranges, meta)
         for tracked in offered:  # an offer holds for this step only (its block's bytes change after it)
             tracked.state_offers = {}

@@ -26,6 +26,9 @@ key                        half        counts
 ``save_skipped_blocks``    both        blocks of a save that was not done (committed as failed;
                                        scheduler: a sliding-window group no longer held them)
 ``save_seconds``           worker      time spent copying saves
+``fence_waits``            worker      forward passes that waited for the copy thread's saves
+                                       (``hicache_copy: async``): a block they read was reused
+``fence_seconds``          worker      time those waits took
 ``loaded_bytes``           worker      bytes copied by loads (a sliding-window group's layers of
                                        the pages before its window are not copied)
 ``saved_bytes``            worker      bytes of ``saved_blocks``
@@ -46,7 +49,7 @@ KEYS: tuple[str, ...] = (
     "lookups", "lookup_misses", "lookups_pending", "lookups_unanswered_pending", "hit_tokens_host", "hit_tokens_disk",
     "reserved_blocks", "late_answers", "busy_answers",
     "loaded_blocks", "load_errors", "load_seconds", "saved_blocks", "save_skipped_blocks", "save_seconds",
-    "loaded_bytes", "saved_bytes",
+    "loaded_bytes", "saved_bytes", "fence_waits", "fence_seconds",
 )
 HIT_TIERS = {"hit_tokens_host": "host", "hit_tokens_disk": "disk"}
 
@@ -66,6 +69,8 @@ _HELP = {
     "saved_blocks": "KV blocks copied into hicache's L2 and committed.",
     "save_skipped_blocks": "KV blocks of saves that were not done (committed as failed).",
     "save_seconds": "Seconds spent copying KV blocks into hicache's L2.",
+    "fence_waits": "Forward passes that waited for a save of the copy thread (a block it read was reused).",
+    "fence_seconds": "Seconds forward passes waited for saves of the copy thread.",
     "loaded_bytes": "Bytes copied from hicache's L2 into vLLM's KV cache.",
     "saved_bytes": "Bytes copied from vLLM's KV cache into hicache's L2.",
 }

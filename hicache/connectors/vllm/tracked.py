@@ -118,6 +118,21 @@ def follow_step(requests: dict[str, Tracked], scheduler_output: SchedulerOutput)
     return ranges
 
 
+def fresh_blocks(scheduler_output: SchedulerOutput) -> frozenset[int]:
+    """Every block vLLM gives a scheduled request in this step, of every KV cache group, tracked
+    or not (vLLM's null block aside): the blocks a forward pass may write for the first time
+    since vLLM freed them."""
+    fresh: set[int] = set()
+    for new in scheduler_output.scheduled_new_reqs:
+        for ids in new.block_ids:
+            fresh.update(ids)
+    for more in scheduler_output.scheduled_cached_reqs.new_block_ids:
+        for ids in more or ():
+            fresh.update(ids)
+    fresh.discard(VLLM_NULL_BLOCK)
+    return frozenset(fresh)
+
+
 def take_state_offers(requests: dict[str, Tracked], layout: VllmKVLayout, scheduler_output: SchedulerOutput
                       ) -> list[Tracked]:
     """Note the states vLLM offers in this step (``boundary_state_offloads``: in align

@@ -56,11 +56,18 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
 import protos
 from hicache.cache_server.leases import own_pid_namespace, process_start_time
+from hicache.connectors.copy_thread import CopyJob, CopyThread
 from hicache.connectors.engine_client import EngineClient
 from hicache.connectors.faults import FAIL_LOADS_ENV
 from hicache.connectors.kv_copy import NO_BLOCK, NO_PAGE, BlockCopier, StateCopier, kv_problem, state_problem
 from hicache.connectors.vllm.layout import ConnectorRefused
-from hicache.connectors.vllm.plans import HiCacheConnectorMetadata, HiCacheWorkerMeta, StateCopy
+from hicache.connectors.vllm.plans import (
+    HiCacheConnectorMetadata,
+    HiCacheWorkerMeta,
+    LoadPlan,
+    SavePlan,
+    StateCopy,
+)
 from hicache.connectors.vllm.settings import ConnectorSettings
 from hicache.connectors.vllm.stats import HiCacheStats
 
@@ -91,6 +98,10 @@ class WorkerSide:
         self._failures_to_report: set[int] = set()  # for the next HiCacheWorkerMeta
         self._loaded_async: set[str] = set()  # asynchronous loads done (or failed) since the last report
         self._failed_async: set[str] = set()  # of which these failed
+        self.copies: CopyThread | None = None  # hicache_copy: async
+        if settings.copy_mode == "async":
+            self.copies = CopyThread(settings.address, settings.timeout_ms, curve=settings.curve,
+                                     before_save=settings.faults.slow_copy)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         missing = [n for n in self.layout.layer_names if n not in kv_caches]
@@ -114,37 +125,84 @@ class WorkerSide:
                 raise ConnectorRefused(f"hicache cannot copy this engine's state: {problem}")
             self.state_copier = StateCopier(states, self.layout.state_layer_groups, rank=self.rank, ranks=self.layout.tp)
 
+    def fence(self, meta: HiCacheConnectorMetadata) -> None:
+        """Before the step's forward pass writes anything: wait for the copy thread's saves
+        that read a block vLLM gave out in this step (``fresh_blocks``: freed by a finished or
+        preempted request, or out of a sliding window, then reused)."""
+        if self.copies is not None and meta.fresh_blocks:
+            waited = self.copies.wait_for_blocks(meta.fresh_blocks)
+            if waited:
+                self.stats.add("fence_waits")
+                self.stats.add("fence_seconds", waited)
+
     def start_load_kv(self, meta: HiCacheConnectorMetadata) -> None:
         self._unknown_failures -= meta.failures_known
+        self.fence(meta)  # vLLM calls handle_preemptions first; a load must not overtake a fence either
         for plan in meta.loads:
-            loaded = 0
-            began = time.perf_counter()
-            try:
-                if plan.run != meta.run:
-                    raise RuntimeError("planned under another daemon run (the daemon restarted)")
-                if self.faults.take_load_failure():
-                    raise RuntimeError(f"fault point {FAIL_LOADS_ENV}")
-                if plan.unloadable:
-                    raise RuntimeError(plan.unloadable)
-                copied = self._attach(meta).load(plan.pages, plan.blocks, plan.window_pages or None)
-                copied += self._copy_states(meta, plan.states, load=True)
-                loaded = len(plan.pages)
-                self.stats.add("loaded_blocks", loaded)
-                self.stats.add("loaded_bytes", copied)
-            except Exception as exc:  # vLLM recomputes what could not be loaded
-                log.warning("hicache: loading %d blocks of %s failed (%s): vLLM recomputes them",
-                            len(plan.pages), plan.rid, exc)
-                if self.layout.load_async:
-                    self._failed_async.add(plan.rid)
-                else:
-                    self._load_errors.update(b for ids in plan.blocks for b in ids if b != NO_BLOCK)
-                    self._unknown_failures.add(meta.step)
-                    self._failures_to_report.add(meta.step)
-                self.stats.add("load_errors", len(plan.pages))
-            if self.layout.load_async:
-                self._loaded_async.add(plan.rid)
-            self.stats.add("load_seconds", time.perf_counter() - began)
-            self.worker_client.send(protos.Release(plan.session, plan.run, plan.lease, loaded, self.rank))
+            if self.copies is not None:
+                self._load_on_copy_thread(meta, plan)
+            else:
+                self._load_now(meta, plan)
+
+    def _load_check(self, meta: HiCacheConnectorMetadata, plan: LoadPlan) -> None:
+        """Raise when ``plan`` must fail instead of loading."""
+        if plan.run != meta.run:
+            raise RuntimeError("planned under another daemon run (the daemon restarted)")
+        if self.faults.take_load_failure():
+            raise RuntimeError(f"fault point {FAIL_LOADS_ENV}")
+        if plan.unloadable:
+            raise RuntimeError(plan.unloadable)
+
+    def _load_failed(self, meta: HiCacheConnectorMetadata, plan: LoadPlan, why: str, *, reported_async: bool) -> None:
+        log.warning("hicache: loading %d blocks of %s failed (%s): vLLM recomputes them", len(plan.pages), plan.rid, why)
+        if reported_async:
+            self._failed_async.add(plan.rid)
+        else:
+            self._load_errors.update(b for ids in plan.blocks for b in ids if b != NO_BLOCK)
+            self._unknown_failures.add(meta.step)
+            self._failures_to_report.add(meta.step)
+        self.stats.add("load_errors", len(plan.pages))
+
+    def _load_now(self, meta: HiCacheConnectorMetadata, plan: LoadPlan) -> None:
+        """Copy ``plan`` before the forward pass, then release its lease."""
+        loaded = 0
+        began = time.perf_counter()
+        try:
+            self._load_check(meta, plan)
+            copied = self._attach(meta).load(plan.pages, plan.blocks, plan.window_pages or None)
+            copied += self._copy_states(meta, plan.states, load=True)
+            loaded = len(plan.pages)
+            self.stats.add("loaded_blocks", loaded)
+            self.stats.add("loaded_bytes", copied)
+        except Exception as exc:  # vLLM recomputes what could not be loaded
+            self._load_failed(meta, plan, str(exc), reported_async=self.layout.load_async)
+        if self.layout.load_async:
+            self._loaded_async.add(plan.rid)
+        self.stats.add("load_seconds", time.perf_counter() - began)
+        self.worker_client.send(protos.Release(plan.session, plan.run, plan.lease, loaded, self.rank))
+
+    def _load_on_copy_thread(self, meta: HiCacheConnectorMetadata, plan: LoadPlan) -> None:
+        """Hand ``plan`` to the copy thread (its request waits for it alone); a plan that
+        cannot load fails at once."""
+        assert self.copies is not None
+        try:
+            self._load_check(meta, plan)
+            copier = self._attach(meta)
+            states = self._attach_states(meta, plan.states)
+        except Exception as exc:
+            self._load_failed(meta, plan, str(exc), reported_async=True)
+            self._loaded_async.add(plan.rid)
+            self.worker_client.send(protos.Release(plan.session, plan.run, plan.lease, 0, self.rank))
+            return
+
+        def copy() -> int:
+            copied = copier.load(plan.pages, plan.blocks, plan.window_pages or None)
+            return copied + sum(states.load(st.slot, st.blocks) for st in plan.states) if states else copied
+
+        def end_lease(ok: bool) -> protos.Message:
+            return protos.Release(plan.session, plan.run, plan.lease, len(plan.pages) if ok else 0, self.rank)
+
+        self.copies.submit(CopyJob(plan.rid, "load", len(plan.pages), copy, end_lease))
 
     def _attach(self, meta: HiCacheConnectorMetadata) -> BlockCopier:
         """The copier, attached to the step's L2 pool (a worker of a tensor-parallel engine
@@ -163,53 +221,128 @@ class WorkerSide:
                 # orphans were freed: no copy until it is announced (the next copy tries again)
                 raise RuntimeError("this worker could not announce its process to the daemon")
             self._announced_run = meta.run
+        if self.copies is not None and not self.copier.maps(meta.pool, meta.window_pool):
+            self.copies.drain()  # the copy thread still copies through the mapping about to change
         self.copier.attach(meta.pool, meta.window_pool)
         return self.copier
 
-    def _copy_states(self, meta: HiCacheConnectorMetadata, states: list[StateCopy], *, load: bool) -> int:
-        """Copy a plan's states (state slot <-> the blocks of the state groups); bytes copied."""
+    def _attach_states(self, meta: HiCacheConnectorMetadata, states: list[StateCopy]) -> StateCopier | None:
+        """The state copier, attached to the step's state pool; None when ``states`` is empty."""
         if not states:
-            return 0
+            return None
         if self.state_copier is None or meta.state_pool is None:
             raise RuntimeError("states to copy, but no state layers or no state pool is known")
+        if self.copies is not None and self.state_copier.pool != meta.state_pool:
+            self.copies.drain()
         self.state_copier.attach(meta.state_pool)
-        copied = 0
-        for st in states:
-            copied += (self.state_copier.load(st.slot, st.blocks) if load
-                       else self.state_copier.save(st.blocks, st.slot))
-        return copied
+        return self.state_copier
+
+    def _copy_states(self, meta: HiCacheConnectorMetadata, states: list[StateCopy], *, load: bool) -> int:
+        """Copy a plan's states (state slot <-> the blocks of the state groups); bytes copied."""
+        copier = self._attach_states(meta, states)
+        if copier is None:
+            return 0
+        return sum(copier.load(st.slot, st.blocks) if load else copier.save(st.blocks, st.slot) for st in states)
 
     def wait_for_save(self, meta: HiCacheConnectorMetadata) -> None:
         if meta.saves:
             self.faults.stall_saves(self.rank)
         for plan in meta.saves:
-            blocks = sum(1 for p in plan.pages if p != NO_PAGE)  # the span may start at a window part only
-            ok = False
-            began = time.perf_counter()
-            try:
-                if self._unknown_failures:
-                    raise RuntimeError("a load failed in this step or was not known when the save was planned: "
-                                       "its blocks may attend to KV that never arrived")
-                if plan.run != meta.run:
-                    raise RuntimeError("planned under another daemon run (the daemon restarted)")
-                copier = self._attach(meta)
-                copied = (copier.save(plan.blocks, plan.pages, plan.window_pages or None)
-                          if self.rank == 0 or not self.layout.mla else 0)
-                copied += self._copy_states(meta, plan.states, load=False)
-                ok = True
-                self.stats.add("saved_blocks", blocks)
-                self.stats.add("saved_bytes", copied)
-            except Exception as exc:
-                log.warning("hicache: saving %d blocks of %s skipped: %s", blocks, plan.rid, exc)
-                self.stats.add("save_skipped_blocks", blocks)
-            self.stats.add("save_seconds", time.perf_counter() - began)
-            self.worker_client.send(protos.Commit(plan.session, plan.run, plan.lease, ok, self.rank))
+            # a state offer holds for this step only (vLLM rewrites its block after it): copied now
+            if self.copies is not None and not plan.states:
+                self._save_on_copy_thread(meta, plan)
+            else:
+                self._save_now(meta, plan)
+
+    def _save_check(self, meta: HiCacheConnectorMetadata, plan: SavePlan) -> BlockCopier:
+        """The attached copier; raises when ``plan`` must not be saved."""
+        if self._unknown_failures:
+            raise RuntimeError("a load failed in this step or was not known when the save was planned: "
+                               "its blocks may attend to KV that never arrived")
+        if plan.run != meta.run:
+            raise RuntimeError("planned under another daemon run (the daemon restarted)")
+        return self._attach(meta)
+
+    def _copies_page_data(self) -> bool:
+        """MLA: every rank holds the whole latent, rank 0 alone copies it (the others commit)."""
+        return self.rank == 0 or not self.layout.mla
+
+    def _save_now(self, meta: HiCacheConnectorMetadata, plan: SavePlan) -> None:
+        """Copy ``plan`` after the forward pass, then commit its lease."""
+        blocks = sum(1 for p in plan.pages if p != NO_PAGE)  # the span may start at a window part only
+        ok = False
+        began = time.perf_counter()
+        try:
+            copier = self._save_check(meta, plan)
+            copied = copier.save(plan.blocks, plan.pages, plan.window_pages or None) if self._copies_page_data() else 0
+            copied += self._copy_states(meta, plan.states, load=False)
+            ok = True
+            self.stats.add("saved_blocks", blocks)
+            self.stats.add("saved_bytes", copied)
+        except Exception as exc:
+            log.warning("hicache: saving %d blocks of %s skipped: %s", blocks, plan.rid, exc)
+            self.stats.add("save_skipped_blocks", blocks)
+        self.stats.add("save_seconds", time.perf_counter() - began)
+        self.worker_client.send(protos.Commit(plan.session, plan.run, plan.lease, ok, self.rank))
+
+    def _save_on_copy_thread(self, meta: HiCacheConnectorMetadata, plan: SavePlan) -> None:
+        """Hand ``plan`` to the copy thread, which commits it once copied; a plan that must
+        not be saved is committed not ok at once."""
+        assert self.copies is not None
+        blocks = sum(1 for p in plan.pages if p != NO_PAGE)
+        try:
+            copier = self._save_check(meta, plan)
+        except Exception as exc:
+            log.warning("hicache: saving %d blocks of %s skipped: %s", blocks, plan.rid, exc)
+            self.stats.add("save_skipped_blocks", blocks)
+            self.worker_client.send(protos.Commit(plan.session, plan.run, plan.lease, False, self.rank))
+            return
+        copies_data = self._copies_page_data()
+
+        def copy() -> int:
+            return copier.save(plan.blocks, plan.pages, plan.window_pages or None) if copies_data else 0
+
+        def end_lease(ok: bool) -> protos.Message:
+            return protos.Commit(plan.session, plan.run, plan.lease, ok, self.rank)
+
+        reads = frozenset(b for ids in plan.blocks for b in ids if b != NO_BLOCK)
+        self.copies.submit(CopyJob(plan.rid, "save", blocks, copy, end_lease, reads))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """The requests whose asynchronous load ran since the last call (failed ones too, as
-        vLLM wants: ``get_transfer_results`` names those). Saves never delay freeing."""
+        vLLM wants: ``get_transfer_results`` names those). Saves never delay freeing: a block
+        a save still reads is fenced instead (``fence``)."""
+        if self.copies is not None:
+            self._take_copies()
         done, self._loaded_async = self._loaded_async, set()
         return None, done or None
+
+    def _take_copies(self) -> None:
+        """Count the copy thread's finished copies; note its loads as done (or failed)."""
+        assert self.copies is not None
+        for job in self.copies.take_done():
+            if job.kind == "load":
+                self._loaded_async.add(job.rid)
+                self.stats.add("load_seconds", job.seconds)
+                if job.ok:
+                    self.stats.add("loaded_blocks", job.pages)
+                    self.stats.add("loaded_bytes", job.copied)
+                else:
+                    log.warning("hicache: loading %d blocks of %s failed (%s): vLLM recomputes them",
+                                job.pages, job.rid, job.error)
+                    self._failed_async.add(job.rid)
+                    self.stats.add("load_errors", job.pages)
+            else:
+                self.stats.add("save_seconds", job.seconds)
+                if job.ok:
+                    self.stats.add("saved_blocks", job.pages)
+                    self.stats.add("saved_bytes", job.copied)
+                else:
+                    log.warning("hicache: saving %d blocks of %s failed: %s", job.pages, job.rid, job.error)
+                    self.stats.add("save_skipped_blocks", job.pages)
+            if not job.lease_ended:
+                log.warning("hicache: the end of a %s lease of %s could not be sent (the daemon is not connected)",
+                            job.kind, job.rid)
 
     def take_failed_async(self) -> set[str]:
         """The requests whose asynchronous load failed since the last call (``failed_recving``)."""
@@ -229,4 +362,6 @@ class WorkerSide:
         return HiCacheWorkerMeta(failed)
 
     def shutdown(self) -> None:
+        if self.copies is not None:
+            self.copies.close()
         self.worker_client.close()
