@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from hicache.bench.engine_lib.vllm_driver import VllmProcess
+from hicache.bench.engine_lib.vllm_driver import VllmProcess, connector_config
 from hicache.connectors.faults import FAIL_LOADS_ENV, SLOW_COPIES_ENV
 from tests.support.daemon import Daemon
 from tests.support.vllm_engines import Engines, engine_config, expected_hit
@@ -41,9 +41,7 @@ def _pages(prompt: list[int]) -> int:
 
 
 def _connector(daemon: Daemon, role: str) -> dict[str, Any]:
-    return {"kv_connector": "HiCacheConnector", "kv_connector_module_path": "hicache.connectors.vllm",
-            "kv_role": role,
-            "kv_connector_extra_config": {"hicache_config": str(daemon.config_path), "hicache_copy": "async"}}
+    return connector_config(str(daemon.config_path), copy_mode="async", role=role)
 
 
 def _wait(cond: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:

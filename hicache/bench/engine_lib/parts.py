@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hicache.bench.engine_lib.harness import Bench, median, percentile, round_up
-from hicache.bench.engine_lib.vllm_driver import VllmProcess
+from hicache.bench.engine_lib.vllm_driver import VllmProcess, connector_config
 from hicache.bench.report import Figure
 
 # ---------------------------------------------------------------------- ttft
@@ -315,7 +315,8 @@ STEP_KINDS = ("l3", "l2", "miss")
 """The mixed workload of ``run_steps``: request ``i`` is a ``STEP_KINDS[i % 3]``."""
 
 
-def run_steps(b: Bench, *, requests: int, prompt_tokens: int, max_tokens: int) -> tuple[list[Figure], dict[str, Any]]:
+def run_steps(b: Bench, *, requests: int, prompt_tokens: int, max_tokens: int,
+              copy_modes: tuple[str, ...] = ("sync",)) -> tuple[list[Figure], dict[str, Any]]:
     """vLLM's step time under a mixed workload, with hicache against vLLM alone.
 
     ``requests`` prompts arrive two engine steps apart (``VllmProcess.steps``: the engine
@@ -325,8 +326,9 @@ def run_steps(b: Bench, *, requests: int, prompt_tokens: int, max_tokens: int) -
     prefetches them while vLLM goes on with the others), a third L2 hits, a third misses.
     The reference is vLLM alone serving the same hits from its own prefix cache (it
     computed those prompts first), so both engines do the same model work and the ratio is
-    what hicache costs per step: lookups, reserves, loads, saves and the wait for L3.
-    Both engines' greedy outputs are compared."""
+    what hicache costs per step: lookups, reserves, loads, saves and the wait for L3. The
+    hicache engine runs once per ``copy_modes`` entry (``hicache_copy``), each with a new
+    daemon, against the one reference. Every run's greedy outputs are compared with it."""
     prompts = b.prompts(requests, prompt_tokens, seed=40)
     kinds = [STEP_KINDS[i % len(STEP_KINDS)] for i in range(requests)]
     arrivals = [2 * i for i in range(requests)]
@@ -343,10 +345,38 @@ def run_steps(b: Bench, *, requests: int, prompt_tokens: int, max_tokens: int) -
     finally:
         alone.stop()
     b.progress(f"steps vLLM alone: {len(ref['step_s'])} steps")
-    daemon = b.daemon("steps-hicache", round_up(2 * requests * max_len + 4096, b.block_size))
+    figures = []
+    extra: dict[str, Any] = {"requests": requests, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
+                             "kinds": kinds, "vllm_cached": ref["cached"], "vllm_steps": len(ref["step_s"]),
+                             "vllm_step_s": ref["step_s"], "vllm_schedule_s": ref["schedule_s"]}
+    for mode in copy_modes:
+        got, counters = _steps_with_hicache(b, mode, prompts, arrivals, max_tokens, hits, common,
+                                            round_up(2 * requests * max_len + 4096, b.block_size))
+        for name, key in (("step time", "step_s"), ("scheduler time per step", "schedule_s")):
+            mine, theirs = got[key], ref[key]
+            for q, label in ((0.5, "p50"), (0.99, "p99")):
+                figures.append(Figure(f"steps ({mode} copies): vLLM {name} {label} (a third L3 hits)", "ms",
+                                      percentile(mine, q) * 1000, "vLLM alone (own prefix hits)",
+                                      percentile(theirs, q) * 1000, higher_is_better=False,
+                                      goal=1.1 if key == "step_s" and label == "p99" else None))
+        extra[mode] = {"same_output_tokens": got["outputs"] == ref["outputs"],
+                       "hicache_cached": {k: [c for c, kind in zip(got["cached"], kinds, strict=True) if kind == k]
+                                          for k in STEP_KINDS},
+                       "steps": len(got["step_s"]), "daemon": counters, "step_s": got["step_s"],
+                       "schedule_s": got["schedule_s"]}
+    return figures, extra
+
+
+def _steps_with_hicache(b: Bench, mode: str, prompts: list[list[int]], arrivals: list[int], max_tokens: int,
+                        hits: dict[str, list[list[int]]], common: dict[str, Any],
+                        l2_tokens: int) -> tuple[dict[str, Any], dict[str, int]]:
+    """``run_steps``'s hicache run with ``hicache_copy: mode``: its L3 and L2 hits placed, then
+    the steps; the engine's answers and the daemon's counters over the steps."""
+    daemon = b.daemon(f"steps-hicache-{mode}", l2_tokens)
     eng: VllmProcess | None = None
     try:
-        eng = b.engine("steps-hicache", hicache_config=str(daemon.config), **common)
+        eng = b.engine(f"steps-hicache-{mode}", kv_transfer=connector_config(str(daemon.config), copy_mode=mode),
+                       **common)
         eng.generate(hits["l3"], 1, timeout_s=3600)
         daemon.wait_backups()
         daemon.flush()  # L2 forgets them; the file L3 keeps them
@@ -360,20 +390,7 @@ def run_steps(b: Bench, *, requests: int, prompt_tokens: int, max_tokens: int) -
         if eng is not None:
             eng.stop()
         daemon.stop()
-    b.progress(f"steps vLLM + hicache: {len(got['step_s'])} steps")
+    b.progress(f"steps vLLM + hicache ({mode} copies): {len(got['step_s'])} steps")
     counters = {k: after[k] - before[k] for k in ("lookups", "lookup_pending", "lookup_storage_pages",
                                                   "lookup_hit_pages", "reserves", "save_ranges")}
-    cached = {k: [c for c, kind in zip(got["cached"], kinds, strict=True) if kind == k] for k in STEP_KINDS}
-    figures = []
-    for name, key in (("step time", "step_s"), ("scheduler time per step", "schedule_s")):
-        mine, theirs = got[key], ref[key]
-        for q, label in ((0.5, "p50"), (0.99, "p99")):
-            figures.append(Figure(f"steps: vLLM {name} {label} (a third L3 hits)", "ms", percentile(mine, q) * 1000,
-                                  "vLLM alone (own prefix hits)", percentile(theirs, q) * 1000,
-                                  higher_is_better=False, goal=1.1 if key == "step_s" and label == "p99" else None))
-    extra = {"requests": requests, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "kinds": kinds,
-             "same_output_tokens": got["outputs"] == ref["outputs"], "hicache_cached": cached,
-             "vllm_cached": ref["cached"], "steps": {"hicache": len(got["step_s"]), "vllm": len(ref["step_s"])},
-             "daemon": counters, "step_s": {"hicache": got["step_s"], "vllm": ref["step_s"]},
-             "schedule_s": {"hicache": got["schedule_s"], "vllm": ref["schedule_s"]}}
-    return figures, extra
+    return got, counters

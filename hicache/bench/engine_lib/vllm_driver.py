@@ -47,9 +47,11 @@ from pathlib import Path
 from typing import Any
 
 
-def _connector_config(hicache_config: str) -> dict[str, Any]:
+def connector_config(hicache_config: str, copy_mode: str = "sync", role: str = "kv_both") -> dict[str, Any]:
+    """The ``kv_transfer_config`` of an engine with the connector (docs/engine-mode.md)."""
     return {"kv_connector": "HiCacheConnector", "kv_connector_module_path": "hicache.connectors.vllm",
-            "kv_role": "kv_both", "kv_connector_extra_config": {"hicache_config": hicache_config}}
+            "kv_role": role,
+            "kv_connector_extra_config": {"hicache_config": hicache_config, "hicache_copy": copy_mode}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     kw: dict[str, Any] = {}
     if args.hicache_config:
-        kw["kv_transfer_config"] = _connector_config(args.hicache_config)
+        kw["kv_transfer_config"] = connector_config(args.hicache_config)
     elif args.kv_transfer_json:
         kw["kv_transfer_config"] = json.loads(args.kv_transfer_json)
     if args.num_blocks:
