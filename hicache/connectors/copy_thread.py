@@ -32,7 +32,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -65,7 +65,7 @@ class CopyJob:
     copied: int = 0
     seconds: float = 0.0
     error: str = ""
-    lease_ended: bool = field(default=False)
+    lease_ended: bool = False
 
 
 class CopyThread:
@@ -108,13 +108,11 @@ class CopyThread:
         """Whether a pending save reads one of ``blocks`` (the caller holds the condition)."""
         return bool(blocks) and any(j.reads and not j.reads.isdisjoint(blocks) for j in self._pending)
 
-    def drain(self) -> float:
-        """Wait until every copy handed over is done; the seconds waited."""
-        began = time.perf_counter()
+    def drain(self) -> None:
+        """Wait until every copy handed over is done."""
         with self._cond:
             while self._pending:
                 self._cond.wait()
-        return time.perf_counter() - began
 
     def take_done(self) -> list[CopyJob]:
         """The copies done since the last call, in the order they ended."""

@@ -154,14 +154,20 @@ class WorkerSide:
             raise RuntimeError(plan.unloadable)
 
     def _load_failed(self, meta: HiCacheConnectorMetadata, plan: LoadPlan, why: str, *, reported_async: bool) -> None:
-        log.warning("hicache: loading %d blocks of %s failed (%s): vLLM recomputes them", len(plan.pages), plan.rid, why)
         if reported_async:
-            self._failed_async.add(plan.rid)
-        else:
-            self._load_errors.update(b for ids in plan.blocks for b in ids if b != NO_BLOCK)
-            self._unknown_failures.add(meta.step)
-            self._failures_to_report.add(meta.step)
+            self._async_load_failed(plan.rid, len(plan.pages), why)
+            return
+        log.warning("hicache: loading %d blocks of %s failed (%s): vLLM recomputes them", len(plan.pages), plan.rid, why)
+        self._load_errors.update(b for ids in plan.blocks for b in ids if b != NO_BLOCK)
+        self._unknown_failures.add(meta.step)
+        self._failures_to_report.add(meta.step)
         self.stats.add("load_errors", len(plan.pages))
+
+    def _async_load_failed(self, rid: str, pages: int, why: str) -> None:
+        """An asynchronous load of ``rid`` failed: reported as ``failed_recving``, recomputed."""
+        log.warning("hicache: loading %d blocks of %s failed (%s): vLLM recomputes them", pages, rid, why)
+        self._failed_async.add(rid)
+        self.stats.add("load_errors", pages)
 
     def _load_now(self, meta: HiCacheConnectorMetadata, plan: LoadPlan) -> None:
         """Copy ``plan`` before the forward pass, then release its lease."""
@@ -267,9 +273,18 @@ class WorkerSide:
         """MLA: every rank holds the whole latent, rank 0 alone copies it (the others commit)."""
         return self.rank == 0 or not self.layout.mla
 
+    def _save_skipped(self, rid: str, blocks: int, why: str) -> None:
+        log.warning("hicache: saving %d blocks of %s skipped: %s", blocks, rid, why)
+        self.stats.add("save_skipped_blocks", blocks)
+
+    @staticmethod
+    def _saved_blocks(plan: SavePlan) -> int:
+        """Blocks ``plan`` saves (its span may start at a window part only)."""
+        return sum(1 for p in plan.pages if p != NO_PAGE)
+
     def _save_now(self, meta: HiCacheConnectorMetadata, plan: SavePlan) -> None:
         """Copy ``plan`` after the forward pass, then commit its lease."""
-        blocks = sum(1 for p in plan.pages if p != NO_PAGE)  # the span may start at a window part only
+        blocks = self._saved_blocks(plan)
         ok = False
         began = time.perf_counter()
         try:
@@ -280,8 +295,7 @@ class WorkerSide:
             self.stats.add("saved_blocks", blocks)
             self.stats.add("saved_bytes", copied)
         except Exception as exc:
-            log.warning("hicache: saving %d blocks of %s skipped: %s", blocks, plan.rid, exc)
-            self.stats.add("save_skipped_blocks", blocks)
+            self._save_skipped(plan.rid, blocks, str(exc))
         self.stats.add("save_seconds", time.perf_counter() - began)
         self.worker_client.send(protos.Commit(plan.session, plan.run, plan.lease, ok, self.rank))
 
@@ -289,12 +303,11 @@ class WorkerSide:
         """Hand ``plan`` to the copy thread, which commits it once copied; a plan that must
         not be saved is committed not ok at once."""
         assert self.copies is not None
-        blocks = sum(1 for p in plan.pages if p != NO_PAGE)
+        blocks = self._saved_blocks(plan)
         try:
             copier = self._save_check(meta, plan)
         except Exception as exc:
-            log.warning("hicache: saving %d blocks of %s skipped: %s", blocks, plan.rid, exc)
-            self.stats.add("save_skipped_blocks", blocks)
+            self._save_skipped(plan.rid, blocks, str(exc))
             self.worker_client.send(protos.Commit(plan.session, plan.run, plan.lease, False, self.rank))
             return
         copies_data = self._copies_page_data()
@@ -328,18 +341,14 @@ class WorkerSide:
                     self.stats.add("loaded_blocks", job.pages)
                     self.stats.add("loaded_bytes", job.copied)
                 else:
-                    log.warning("hicache: loading %d blocks of %s failed (%s): vLLM recomputes them",
-                                job.pages, job.rid, job.error)
-                    self._failed_async.add(job.rid)
-                    self.stats.add("load_errors", job.pages)
+                    self._async_load_failed(job.rid, job.pages, job.error)
             else:
                 self.stats.add("save_seconds", job.seconds)
                 if job.ok:
                     self.stats.add("saved_blocks", job.pages)
                     self.stats.add("saved_bytes", job.copied)
                 else:
-                    log.warning("hicache: saving %d blocks of %s failed: %s", job.pages, job.rid, job.error)
-                    self.stats.add("save_skipped_blocks", job.pages)
+                    self._save_skipped(job.rid, job.pages, job.error)
             if not job.lease_ended:
                 log.warning("hicache: the end of a %s lease of %s could not be sent (the daemon is not connected)",
                             job.kind, job.rid)
