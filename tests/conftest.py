@@ -15,10 +15,16 @@
 An explicit `@pytest.mark.<marker>` adds to these where a rule cannot tell (a test that starts
 processes through a command, say). ``python -m pytest -m "not slow"`` is the fast loop; CI runs
 everything. The markers are registered in pyproject.toml (``--strict-markers``).
+
+Under ``pytest -n N`` (pytest-xdist; pyproject's addopts hand out whole files, in collection
+order) each worker collects the files heaviest first, by ``file_weight``: the long vLLM modules
+start at once on both workers, and the last files handed out are short, so neither worker idles
+for long at the end of the run.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -88,6 +94,29 @@ def needs(item: pytest.Item, module_cache: dict[str, bool]) -> set[str]:
     return found
 
 
+SECONDS_BY_MARK = {"vllm": 45.0, "slow": 12.0}
+"""A rough cost of one test by its heaviest marker, measured here (a real-vLLM test with its
+share of the module's engines, a listed slow test); any other test counts 0.1 s."""
+
+
+def file_weight(items: list[pytest.Item]) -> float:
+    """The rough seconds a file's tests take (``SECONDS_BY_MARK``): the order of xdist's work."""
+    def cost(item: pytest.Item) -> float:
+        marks = {m.name for m in item.iter_markers()}
+        return next((s for m, s in SECONDS_BY_MARK.items() if m in marks), 0.1)
+    return sum(cost(i) for i in items)
+
+
+def heaviest_files_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """``items`` with whole files ordered by ``file_weight``, heaviest first; a file's own tests
+    keep their order and stay together (module fixtures are set up once)."""
+    by_file: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    files = sorted(by_file.values(), key=file_weight, reverse=True)  # stable: ties keep their order
+    return [item for f in files for item in f]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     slow = slow_tests()
     module_cache: dict[str, bool] = {}
@@ -97,3 +126,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             marks.add("slow")
         for name in sorted(marks - {m.name for m in item.iter_markers()}):
             item.add_marker(name)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items[:] = heaviest_files_first(items)

@@ -13,6 +13,9 @@ chunk, connections dropped at once, invalid bodies) for ``--minutes``. Every
    Redis server killed and started again on its port (empty);
 3. the traffic resumes; the time until ``/health`` is ok again is recorded.
 
+Every fault kind runs at least once: a run whose ``--minutes`` end before that (a short run,
+a slow machine) goes on until the last kind has had its cycle.
+
 Continuously: every output of the checked kinds equals the reference daemon's cold output
 (token ids), no request fails but the invalid bodies (each must get a 400), and every
 ``--sample-s`` the processes' RSS, open files and the daemon's shared memory segments
@@ -31,6 +34,8 @@ from typing import Any
 
 PROGRESS_EVERY_S = 30.0
 PAUSE_TIMEOUT_S = 30.0
+FAULT_KINDS = ("controller SIGKILL", "redis restart")
+"""The fault cycles, in turn (``Soak._fault_cycle``)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -163,12 +168,12 @@ class Soak:
         next_sample = t0
         next_progress = t0 + PROGRESS_EVERY_S
         fault_no = 0
-        while time.monotonic() < end:
+        while time.monotonic() < end or fault_no < len(FAULT_KINDS):
             now = time.monotonic()
             if now >= next_sample:
                 self.samples.append(sample(self._processes(), launcher))
                 next_sample = now + self.args.sample_s
-            if now >= next_fault:
+            if now >= next_fault or now >= end:
                 self._fault_cycle(fault_no)
                 fault_no += 1
                 next_fault = time.monotonic() + self.args.fault_every_s
@@ -222,11 +227,10 @@ class Soak:
         self.paused.set()
         self._settle_integrity(f"fault cycle {n}")
         procs = self._processes()
-        if n % 2 == 0:
-            kind = "controller SIGKILL"
+        kind = FAULT_KINDS[n % len(FAULT_KINDS)]
+        if kind == "controller SIGKILL":
             os.kill(procs["controller"], signal.SIGKILL)
         else:
-            kind = "redis restart"
             self.redis.kill()
             time.sleep(1.0)
             self.redis.start()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.daemon import Daemon, alive, check_served_from_l3_after_restart, shm_segments
+from tests.support.daemon import Daemon, alive, check_served_from_l3_after_restart, segments_of, shm_segments
 
 
 def _config(tmp: Path, **cache: object) -> dict:
@@ -204,13 +204,12 @@ def test_a_port_in_use_is_refused_before_anything_starts(tmp_path: Path) -> None
         d = Daemon(tmp_path, _config(tmp_path))
         cfg_text = d.config_path.read_text().replace(f"port: {d.port}", f"port: {holder.getsockname()[1]}")
         d.config_path.write_text(cfg_text)
-        before = shm_segments()
         d.launch()
         assert d.proc is not None
         code = d.proc.wait(60)
         assert code == 1, d.log()
         assert f"cannot listen on 127.0.0.1:{holder.getsockname()[1]}" in d.log()
         assert "controller ready" not in d.log()  # no process was started
-        assert shm_segments() == before
+        assert not segments_of(d.proc.pid)
     finally:
         holder.close()

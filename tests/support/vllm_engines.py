@@ -31,6 +31,19 @@ stops in about 15 s instead of 35 here. The connector runs as it does under ``vl
 engine; the ranks of a tensor-parallel engine are worker processes either way)."""
 
 
+def worker_cores() -> dict[str, str]:
+    """Under ``pytest -n N`` (pytest-xdist), the one core a one-rank engine of this worker
+    computes on: worker ``gwK`` takes core K modulo the cores this process may use. vLLM's
+    OpenMP threads spin while they wait; two engines of two workers spinning on the same cores
+    slow each other several-fold, one core each does not. Empty outside xdist (the driver
+    binds every core) and for a tensor-parallel engine (one core list per rank)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(cores[int(worker[2:]) % len(cores)])}
+
+
 def engine_config(model: Path, run_dir: Path, *, page_size: int = 32, l2_tokens: int = 16384,
                   l3: dict[str, Any] | None = None, lease_ttl_s: float = 2.0) -> dict[str, Any]:
     """An engine-mode daemon config. Lookups may wait 3 s here: the test machine is small and
@@ -58,7 +71,8 @@ class Engines:
         if not HAVE_VLLM:
             pytest.skip(NO_VLLM)
         cfg = str(hicache.config_path) if hicache is not None else kw.pop("hicache_config", None)
-        kw["env"] = {**IN_PROCESS, **(kw.get("env") or {})}
+        pinned = worker_cores() if kw.get("tensor_parallel", 1) == 1 else {}
+        kw["env"] = {**IN_PROCESS, **pinned, **(kw.get("env") or {})}
         v = VllmProcess(str(model), self.log_dir / f"{name}.log", hicache_config=cfg, **kw)
         self.made.append(v)
         return v
