@@ -91,13 +91,19 @@ class Soak:
     def _processes(self) -> dict[str, int]:
         return dict(self._get(self.daemon.port, "/health")[1].get("processes", {}))
 
-    def _wait_healthy(self, timeout_s: float) -> float | None:
+    def _wait_healthy(self, timeout_s: float, replaced: tuple[str, int] | None = None) -> float | None:
+        """Seconds until ``/health`` is ok (and, with ``replaced`` = (process, old pid), names
+        another pid for that process: a killed process counts as recovered once its successor
+        is up, not while the launcher has yet to notice the kill); None if not within
+        ``timeout_s``."""
         import time
 
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
             try:
-                if self._get(self.daemon.port, "/health")[0] == 200:
+                status, body = self._get(self.daemon.port, "/health")
+                if status == 200 and (replaced is None
+                                      or body.get("processes", {}).get(replaced[0]) not in (None, replaced[1])):
                     return time.monotonic() - t0
             except OSError:
                 pass
@@ -237,7 +243,8 @@ class Soak:
         t = time.time()
         self.paused.clear()
         time.sleep(0.5)  # let /health see the loss before waiting for its recovery
-        recovery = self._wait_healthy(120.0)
+        recovery = self._wait_healthy(120.0, ("controller", procs["controller"]) if kind == "controller SIGKILL"
+                                      else None)
         after = self._processes()
         if recovery is None:
             self.problems.append(f"{kind} at cycle {n}: /health not ok within 120 s")
