@@ -101,9 +101,8 @@ def test_hybrid_outputs_equal_recomputed_ones_while_the_controller_is_killed(tmp
         # at least TRAFFIC_S, then on until enough happened (a busy machine restarts the controller
         # and serves requests more slowly), never past three times TRAFFIC_S
         while time.monotonic() < end or (not enough() and time.monotonic() < end + 2 * TRAFFIC_S):
-            back = time.monotonic() + 60
-            while killed is not None and d.pids().get("controller") in (None, killed) and time.monotonic() < back:
-                time.sleep(0.2)  # the next kill hits the restarted controller, not a corpse
+            if killed is not None:  # the next kill hits the restarted controller, not a corpse
+                d.wait_replaced("controller", killed, 60)
             time.sleep(rng.uniform(*KILL_EVERY_S))
             pid = d.pids().get("controller")
             if pid and alive(pid):

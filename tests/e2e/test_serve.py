@@ -117,10 +117,7 @@ def test_controller_killed_during_traffic_is_restarted(daemon: Daemon) -> None:
     os.kill(controller, signal.SIGKILL)
     outs = [daemon.generate(p, 6)["output_ids"] for p in prompts]
     assert outs == expected
-    deadline = time.monotonic() + 60
-    while daemon.pids().get("controller") in (None, controller) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert daemon.pids()["controller"] != controller
+    assert daemon.wait_replaced("controller", controller, 60) is not None
     metrics = {s.name: s.value for f in text_string_to_metric_families(daemon.get_text("/metrics"))
                for s in f.samples if s.name == "hicache_process_restarts_total"}
     assert metrics.get("hicache_process_restarts_total", 0) >= 1

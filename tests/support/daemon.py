@@ -157,6 +157,18 @@ class Daemon:
         _status, body = self.request("GET", "/health")
         return body["processes"]
 
+    def wait_replaced(self, name: str, old_pid: int, timeout_s: float) -> int | None:
+        """The pid /health names for ``name`` once it is neither missing nor ``old_pid`` (a
+        restarted process's successor); None if that did not happen within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pid = self.pids().get(name)
+            if pid not in (None, old_pid):
+                return pid
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.2)
+
     def stop(self, timeout_s: float = 120.0) -> int:
         assert self.proc is not None
         if self.proc.poll() is None:
