@@ -55,21 +55,22 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import zmq
 
 import protos
+from controller.args import ControllerArgs
 from controller.eviction_order import EvictionGate
 from controller.storage_io import StorageIO
 from controller.transfer import CopyPlan, TransferRefused, make_transfer_engine
 from hicache.config import MetricsConfig
-from hicache.memory.pools import PoolLayout, attach_pools
+from hicache.memory.pools import attach_pools
 from hicache.metrics import get_metrics, init_process_metrics
 from hicache.runtime.heartbeat import HeartbeatWriter
-from hicache.runtime.ipc import Endpoints, PullSocket, PushSocket, open_context
+from hicache.runtime.ipc import PullSocket, PushSocket, open_context
 from hicache.runtime.logging_setup import setup_logging
 from hicache.runtime.proc import die_with_parent
 from storage_backends.errors import StorageAuthError, StorageTLSError
@@ -78,19 +79,6 @@ log = logging.getLogger("hicache.controller")
 
 INLINE_COPY_BYTES = 4 * 1024 * 1024
 """Copies up to this size run on the main loop when no other copy is queued (saves a thread hop)."""
-
-COPY_THREADS = 1
-"""torch intra-op (OpenMP) threads of the controller process: the threads inside one ``copy_``.
-
-One, measured with ``hicache bench transfer`` on the 2-core development machine. The
-controller shares the cores with other processes that run torch (the model runner; in the
-benchmark, the benchmark process). With torch's default of one thread per core, a copy big
-enough for torch to split (a run of 64-token pages) left OpenMP workers of both processes
-competing for the two cores, and copies of 0.5-4 MiB stalled for a scheduler tick (~4 ms,
-0.13 GB/s instead of 3-9 GB/s) in both processes. With one thread those stalls are gone;
-16-token pages (128 KiB runs, below torch's split size) copy at the same speed either way.
-Alone on the machine, two threads copy multi-page 64-token runs up to ~1.5x faster: a host
-with cores to spare may raise this."""
 
 EVICTED_PER_FRAME = 4096
 """Hashes per ``StorageEvicted`` at most (about 270 kB, far below the frame limit)."""
@@ -101,27 +89,6 @@ ACCEPTS = protos.accepted_by("controller")
 _OP_MESSAGES = (protos.WriteToHost, protos.LoadToDevice, protos.BackupToStorage, protos.PrefetchFetch,
                 protos.PrefetchQuery)
 """The messages that start an op (each has an ``op_id``); ``ControllerServer._handlers`` starts them."""
-
-
-@dataclass(frozen=True)
-class ControllerArgs:
-    """What the controller process is started with (pickled by ``spawn``)."""
-
-    layout: PoolLayout
-    endpoints: Endpoints
-    storage: Any = None  # storage_backends settings, or None for no L3
-    ready_address: str | None = None
-    device: str = "cpu"
-    io_threads: int = 4
-    log_level: str = "info"
-    log_json: bool = False
-    metrics_enabled: bool = True
-    copy_threads: int = COPY_THREADS  # torch intra-op threads of the controller process
-    l3_quotas_gb: dict[str, float] = field(default_factory=dict)
-    """Per tenant, its L3 partition's size (``server.api_keys[].quota.l3_gb``)."""
-    run: int = 0
-    """This controller's run: the launcher draws a fresh one for every start, and ops
-    naming another run are refused (``protos.to_controller``)."""
 
 
 @dataclass(slots=True)

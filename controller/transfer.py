@@ -12,7 +12,7 @@ by two threads at once was measured on the 2-core development machine (0.5-16 Mi
 of scattered pages, page sizes 16 and 64): the hand-off to the second thread cost 20-60 us
 per op, more than it saved up to 4 MiB, and at 16 MiB it gained at most ~10%, so there is
 no such split. The threads torch uses inside one ``copy_`` are the controller process's
-setting (``controller.server.COPY_THREADS``).
+setting (``controller.args.COPY_THREADS``).
 
 Choosing the engine happens once, in ``make_transfer_engine``: the loop that calls it never
 branches on the device.

@@ -56,16 +56,12 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     import protos
-    from controller.server import ControllerArgs, controller_main
+    from controller.args import ControllerArgs
+    from controller.server import controller_main
     from hicache.bench.report import Figure, print_table, write_json
     from hicache.hashing import HashNamespace, PageHasher
-    from hicache.memory.pools import (
-        PoolLayout,
-        create_pools,
-        default_directory,
-        new_instance_id,
-        paged_layout,
-    )
+    from hicache.memory.layout import PoolLayout, default_directory, new_instance_id, paged_layout
+    from hicache.memory.pools import create_pools
     from hicache.runtime.ipc import Endpoints, PullSocket, PushSocket, make_runtime_dir
     from storage_backends import FileSettings, PageLayout, RedisSettings, create_backend
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hicache.connectors.kv_copy import PoolRef
+from hicache.memory.pools import segment_tensor
 from hicache.memory.shm import SharedSegment, TensorSpec
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, object] = {"ok": True, "device": torch.cuda.get_device_name(), "page_bytes": page_bytes}
     gen = torch.Generator().manual_seed(0)
     try:
-        pages = seg.tensor(TensorSpec(name, (args.pages, args.layers, block_elems), args.dtype))
+        pages = segment_tensor(seg, TensorSpec(name, (args.pages, args.layers, block_elems), args.dtype))
         pages.copy_(torch.randn(pages.shape, generator=gen).to(dtype))
         pool = PoolRef("gpucheck", name, seg.directory, args.pages, page_bytes)
         n = args.copy_pages

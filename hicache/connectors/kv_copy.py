@@ -43,8 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache.memory.pools import page_runs
-from hicache.memory.shm import TORCH_DTYPES, SharedSegment, TensorSpec
+from hicache.memory.pools import TORCH_DTYPES, page_runs, segment_tensor
+from hicache.memory.shm import SharedSegment, TensorSpec
 
 CUDA_REFUSAL = ("a CUDA KV cache is not supported yet: its copy path (hicache.connectors.kv_copy_cuda: pinned "
                 "L2, a side stream with events) has not run on a GPU (python -m hicache.connectors.gpu_check "
@@ -119,7 +119,7 @@ class L2Pages:
             seg.close()
             raise ValueError(f"segment {pool.segment} holds {seg.size} bytes, {pool.pages} pages need more")
         dtype_name = next(k for k, v in TORCH_DTYPES.items() if v == self.dtype)
-        pages = seg.tensor(TensorSpec(pool.segment, (pool.pages, self.num_layers, self.block_elems), dtype_name))
+        pages = segment_tensor(seg, TensorSpec(pool.segment, (pool.pages, self.num_layers, self.block_elems), dtype_name))
         self.detach()
         self._segment, self.tensor, self.pool = seg, pages, pool
         return True

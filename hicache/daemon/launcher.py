@@ -8,8 +8,11 @@ the process and the reason):
    (``hicache.daemon.startup_checks.startup_problems``: the model, its geometry, the memory its
    pools need); exit 2 with every problem and its key path;
 2. create the private runtime directory, the metrics directory and the shared-memory pools;
-3. spawn the cache controller (when L2 is on), then the scheduler, then the tokenizer, each
-   waiting for its ``Ready`` (``START_TIMEOUT_S``).
+3. spawn the cache controller (when L2 is on) and the scheduler side by side, wait for both
+   ``Ready``, then spawn the tokenizer (it opens the HTTP port once it is ready: nothing reaches
+   a scheduler that is not) and wait for its ``Ready`` (``START_TIMEOUT_S`` each wait). The
+   two first need nothing from each other to start: what one sends the other waits in its
+   socket until the other reads it.
 
 Supervision (the loop in ``Launcher.supervise``):
 
@@ -52,10 +55,11 @@ backups), each within ``STOP_TIMEOUT_S`` before SIGKILL; then the shared memory 
 and the runtime directory removed. Children die with the launcher (``die_with_parent``) if
 it is killed outright.
 
-Imports: this module is imported by ``hicache serve`` before the daemon starts, so its module-level
-imports stay light (no torch, no zmq); the pools (torch), the sockets (zmq)
-and the children's modules are imported where they are used, and for the annotations only
-under ``TYPE_CHECKING``.
+Imports: the launcher never imports torch (about 3 s of CPU per start on the development
+machine): it creates the pools' segments from their layout (``hicache.memory.layout``) and
+starts the children through ``hicache.daemon.entrypoints``, which import their modules in the
+child. Module-level imports stay light (no zmq either); the sockets and the start checks are
+imported where they are used, and the annotations' types only under ``TYPE_CHECKING``.
 """
 
 from __future__ import annotations
@@ -79,10 +83,11 @@ if TYPE_CHECKING:
     import zmq
 
     import protos
-    from controller.server import ControllerArgs
+    from controller.args import ControllerArgs
     from hicache.api_server.args import TokenizerArgs
     from hicache.config import HicacheConfig, IpcConfig
-    from hicache.memory.pools import PoolLayout
+    from hicache.memory.layout import PoolLayout
+    from hicache.memory.shm import SharedSegment
     from hicache.runtime.ipc import Endpoints, PullSocket
     from hicache.scheduler.loop import SchedulerArgs
 
@@ -191,12 +196,12 @@ class Launcher:
 
         prepare_multiprocess_dir(runtime / "metrics")
         init_process_metrics(cfg.metrics, "launcher")
-        from hicache.memory.pools import create_pools, remove_stale_segments
+        from hicache.memory.layout import create_segments, remove_stale_segments, unlink_segments
 
         stale = remove_stale_segments(layout.directory)
         if stale:
             log.warning("removed %d shared-memory segments of a daemon that did not stop cleanly", len(stale))
-        pools = None
+        segments: list[SharedSegment] | None = None
         ctx: zmq.Context[Any] | None = None
         inbox: PullSocket[protos.Message] | None = None
         signal.signal(signal.SIGTERM, self._on_signal)
@@ -207,12 +212,11 @@ class Launcher:
                 ctx = open_context(endpoints)
             except CurveKeyError as exc:  # the start checks loaded them: changed on disk since
                 raise StartError(f"cannot load the CURVE keys (ipc.curve_keys_dir): {exc}") from None
-            pools = create_pools(layout)
+            segments = create_segments(layout)
             inbox = PullSocket(ctx, endpoints.address("launcher"), self._accepts(), bind=True)
             self._define_children(layout, endpoints)
-            for name in ("controller", "scheduler", "tokenizer"):
-                if name in self.children:
-                    self._start(self.children[name], inbox)
+            self._start([c for n, c in self.children.items() if n != "tokenizer"], inbox)
+            self._start([self.children["tokenizer"]], inbox)
             log.info("hicache is serving on http://%s:%d (pids: %s)", cfg.server.host, cfg.server.port,
                      {n: c.pid for n, c in self.children.items()})
             code = self.supervise(inbox, ctx, endpoints)
@@ -225,9 +229,10 @@ class Launcher:
                 inbox.close()
             if ctx is not None:
                 ctx.term()
-            if pools is not None:
-                pools.close()
-                pools.unlink()
+            if segments is not None:
+                for seg in segments:
+                    seg.close()
+                unlink_segments(layout)
             if fixed is None:
                 shutil.rmtree(runtime, ignore_errors=True)
             else:  # a configured directory: remove what this daemon put there, nothing else
@@ -248,15 +253,14 @@ class Launcher:
         segment).
         Raises ValueError for a model the scheduler cannot serve."""
         from hicache.config import swa_pool_tokens
-        from hicache.memory.pools import (
+        from hicache.memory.layout import (
             PoolLayout,
             default_directory,
             new_instance_id,
             paged_layout,
             state_layout,
         )
-        from hicache.model.geometry import geometry_for
-        from hicache.scheduler.assembly import unsupported_reason
+        from hicache.model.geometry import geometry_for, unsupported_reason
 
         cfg = self.cfg
         if cfg.engine.kind != "builtin":
@@ -294,11 +298,10 @@ class Launcher:
         return protos.accepted_by("launcher")
 
     def _define_children(self, layout: PoolLayout, endpoints: Endpoints) -> None:
-        from controller.server import ControllerArgs, controller_main
+        from controller.args import ControllerArgs
         from hicache.api_server.args import TokenizerArgs
-        from hicache.api_server.process import tokenizer_main
+        from hicache.daemon.entrypoints import run_cache_server, run_controller, run_scheduler, run_tokenizer
         from hicache.scheduler.loop import SchedulerArgs
-        from hicache.scheduler.process import scheduler_main
         from hicache.storage_settings import l3_quotas_gb, storage_settings_from_config
 
         cfg = self.cfg
@@ -307,46 +310,47 @@ class Launcher:
         if cfg.cache.l2.enabled:
             storage = storage_settings_from_config(cfg.cache.l3)
             run = new_controller_run()
-            self.children["controller"] = _Child("controller", controller_main, ControllerArgs(
+            self.children["controller"] = _Child("controller", run_controller, ControllerArgs(
                 layout, endpoints, storage, ready, "cpu", log_level=cfg.logging.level, log_json=cfg.logging.json,
                 metrics_enabled=cfg.metrics.enabled, l3_quotas_gb=l3_quotas_gb(cfg), run=run))
-        target: Callable[[SchedulerArgs], None]
-        if cfg.engine.kind == "builtin":
-            target = scheduler_main
-        else:  # engine mode: the scheduler process is the cache server
-            from hicache.cache_server.process import cache_server_main
-
-            target = cache_server_main
+        # engine mode: the scheduler process is the cache server
+        target: Callable[[SchedulerArgs], None] = run_scheduler if cfg.engine.kind == "builtin" else run_cache_server
         self.children["scheduler"] = _Child("scheduler", target, SchedulerArgs(cfg, layout, endpoints, ready,
                                                                                controller_run=run))
-        self.children["tokenizer"] = _Child("tokenizer", tokenizer_main, TokenizerArgs(cfg, endpoints, ready))
+        self.children["tokenizer"] = _Child("tokenizer", run_tokenizer, TokenizerArgs(cfg, endpoints, ready))
 
     def _spawn(self, child: _Child) -> None:
         child.proc = mp.get_context("spawn").Process(target=child.target, args=(child.args,), name=child.name)
         child.proc.start()
 
-    def _start(self, child: _Child, inbox: PullSocket[protos.Message]) -> None:
+    def _start(self, children: list[_Child], inbox: PullSocket[protos.Message]) -> None:
+        """Spawn ``children`` side by side and return once each has sent its ``Ready``; raises
+        StartError naming the first that fails, exits or is late (``START_TIMEOUT_S``), or
+        when a stop signal arrives. Messages on the inbox other than these are dropped."""
         import protos
         from hicache.api_server.args import TokenizerArgs
 
-        if isinstance(child.args, TokenizerArgs):  # /health shows the pids of the others
-            pids = {n: c.pid for n, c in self.children.items() if c.proc is not None}
-            child.args = dataclasses.replace(child.args, process_pids=pids)
-        self._spawn(child)
-        proc = child.process
+        for child in children:
+            if isinstance(child.args, TokenizerArgs):  # /health shows the pids of the others
+                pids = {n: c.pid for n, c in self.children.items() if c.proc is not None}
+                child.args = dataclasses.replace(child.args, process_pids=pids)
+            self._spawn(child)
+        waiting = {c.name: c for c in children}
         deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
+        while waiting and time.monotonic() < deadline:
             if self.stop_signal is not None:
-                raise StartError(f"interrupted while starting the {child.name}")
+                raise StartError(f"interrupted while starting the {' and the '.join(waiting)}")
             msg = _recv(inbox, INBOX_POLL_MS)
-            if isinstance(msg, protos.Ready) and msg.process == child.name:
-                return
-            if isinstance(msg, protos.ProcessEvent) and msg.process == child.name and msg.event == "failed":
-                raise StartError(f"the {child.name} failed to start: {msg.detail}")
-            if not proc.is_alive():
-                raise StartError(f"the {child.name} exited during start with code {proc.exitcode} "
-                                 "(see its log above)")
-        raise StartError(f"the {child.name} did not report ready within {START_TIMEOUT_S:.0f} s")
+            if isinstance(msg, protos.Ready) and msg.process in waiting:
+                del waiting[msg.process]
+            elif isinstance(msg, protos.ProcessEvent) and msg.process in waiting and msg.event == "failed":
+                raise StartError(f"the {msg.process} failed to start: {msg.detail}")
+            for child in waiting.values():
+                if not child.process.is_alive():
+                    raise StartError(f"the {child.name} exited during start with code {child.process.exitcode} "
+                                     "(see its log above)")
+        if waiting:
+            raise StartError(f"the {' and the '.join(waiting)} did not report ready within {START_TIMEOUT_S:.0f} s")
 
     # ------------------------------------------------------------------ running
     def _on_signal(self, signum: int, _frame: object) -> None:
@@ -390,7 +394,7 @@ class Launcher:
                     get_metrics().process_restarted("controller")
                     child.args = dataclasses.replace(child.args, run=new_controller_run())  # type: ignore[arg-type]
                     try:
-                        self._start(child, inbox)
+                        self._start([child], inbox)
                     except StartError as exc:
                         if self.stop_signal is not None:
                             break  # asked to stop while restarting: an orderly stop
@@ -492,7 +496,7 @@ def engine_layout(cfg: HicacheConfig) -> PoolLayout:
     when the engine model cannot be served or L2 does not fit in the host's available memory."""
     from hicache.config import engine_window_pages
     from hicache.daemon.startup_checks import engine_geometry
-    from hicache.memory.pools import (
+    from hicache.memory.layout import (
         PoolLayout,
         default_directory,
         new_instance_id,

@@ -1,150 +1,47 @@
-"""The L1 and L2 pools of every cache component, in shared memory, and page copies between them.
+"""The daemon's pools mapped as torch tensors, and page copies between L1 and L2.
 
-Layout (the contract with the model runner, ``hicache.model.geometry``; ``ps`` = page size):
-
-=========  ==========================================  ===========================================
-component  L1 (what the model reads and writes)        L2 (page-contiguous host copy)
-=========  ==========================================  ===========================================
-full, swa  ``kv [layers, 2, l1_pages*ps, heads, dim]``  ``kv [l2_pages, layers, 2, ps, heads, dim]``
-mamba      ``conv [layers, l1_slots, *conv_shape]``     ``conv [l2_slots, layers, *conv_shape]``
-           ``ssm  [layers, l1_slots, *ssm_shape]``      ``ssm  [l2_slots, layers, *ssm_shape]``
-=========  ==========================================  ===========================================
-
-For an attention component one L2 page is one contiguous byte range, so an L3 object is
-written from and read into L2 without an extra copy (``host_page_view``). A Mamba "page" is
-one state slot. Each tensor lives in its own segment named ``{instance}-{component}-{tier}-{i}``.
+The layout (shapes, segment names, who creates and removes the segments) is
+``hicache.memory.layout``; this module maps the segments of a layout in a process that copies
+(the scheduler, the cache controller, a test harness) and plans the copies.
 
 A tensor of zero bytes (the index-only Full component of a model without full-attention
 layers: ``[0, 2, ...]``, see ``hicache.model.geometry``) has no segment: each process makes
 its own empty tensor, the copy plans of such a component are empty and its L2 page views
 are empty (``MappedComponent.holds_bytes``).
 
-Who does what: the process that owns the daemon creates the segments (``create_pools``) and
-unlinks them at shutdown (``SharedPools.unlink``); the scheduler and the cache controller
-attach (``attach_pools``). Page *indices* are allocated and freed by the scheduler alone
-(``hicache.memory.allocator``); this module only moves bytes between indices it is given,
-after checking they are in range.
+Page *indices* are allocated and freed by the scheduler alone (``hicache.memory.allocator``);
+this module only moves bytes between indices it is given, after checking they are in range.
 """
 
 from __future__ import annotations
 
-import os
-import secrets
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal
 
 import torch
 
-from hicache.memory.shm import TORCH_DTYPES, SharedSegment, TensorSpec, shm_dir
+from hicache.memory.layout import ComponentLayout, PoolLayout, Tier, create_segments, unlink_segments
+from hicache.memory.shm import SharedSegment, TensorSpec
 
-Tier = Literal["l1", "l2"]
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "uint8": torch.uint8,
+}
+"""The torch dtype of each dtype name a ``TensorSpec`` may carry (``hicache.memory.shm.DTYPE_BYTES``)."""
+
+
+def segment_tensor(segment: SharedSegment, spec: TensorSpec) -> torch.Tensor:
+    """A tensor of ``spec``'s shape and dtype viewing the start of ``segment`` (no copy); drop
+    it before ``segment.close()``."""
+    if spec.nbytes > segment.size:
+        raise ValueError(f"segment {segment.name} has {segment.size} bytes; {spec} needs {spec.nbytes}")
+    flat = torch.frombuffer(segment.buffer, dtype=torch.uint8, count=spec.nbytes)
+    return flat.view(TORCH_DTYPES[spec.dtype]).view(spec.shape)
 
 CopyPair = tuple[torch.Tensor, torch.Tensor]
 """``(dst, src)``: two views of equal shape; ``dst.copy_(src)`` moves the bytes."""
-
-
-@dataclass(frozen=True)
-class ComponentLayout:
-    """Shapes of one component's pools. ``kind`` is ``paged`` (attention KV) or ``state`` (Mamba)."""
-
-    name: str
-    kind: Literal["paged", "state"]
-    page_size: int
-    l1_pages: int
-    l2_pages: int
-    l1: tuple[TensorSpec, ...]
-    l2: tuple[TensorSpec, ...]
-
-    @cached_property
-    def l2_page_bytes(self) -> int:
-        """Bytes of one page (or state slot) over all of the component's tensors, in either tier.
-
-        Computed once per layout object (the copy path asks for it on every op)."""
-        if self.l1_pages:
-            return sum(spec.nbytes for spec in self.l1) // self.l1_pages
-        return sum(spec.nbytes for spec in self.l2) // self.l2_pages
-
-    @property
-    def l2_page_shape(self) -> tuple[int, ...]:
-        """Shape of one L2 page (paged components: ``[layers, 2, ps, heads, dim]``)."""
-        if not self.l1:
-            return self.l2[0].shape[1:]
-        layers, two, _slots, heads, dim = self.l1[0].shape
-        return (layers, two, self.page_size, heads, dim)
-
-    @property
-    def dtype(self) -> str:
-        return (self.l1 or self.l2)[0].dtype
-
-
-@dataclass(frozen=True)
-class PoolLayout:
-    """Everything a process needs to map the pools; picklable, so it travels as a spawn argument.
-
-    A component with ``l2_pages == 0`` has no L2 tensors (L2 disabled); one with
-    ``l1_pages == 0`` has no L1 tensors (engine mode: L1 is the engine's own KV)."""
-
-    instance: str
-    directory: str
-    components: tuple[ComponentLayout, ...]
-
-    def component(self, name: str) -> ComponentLayout:
-        for c in self.components:
-            if c.name == name:
-                return c
-        raise KeyError(f"no pool for component {name!r} (have: {', '.join(c.name for c in self.components)})")
-
-    @property
-    def segments(self) -> list[str]:
-        """The shared-memory segments (a zero-byte tensor has none)."""
-        return [spec.segment for c in self.components for spec in (*c.l1, *c.l2) if spec.nbytes]
-
-
-def new_instance_id() -> str:
-    """``hicache-{pid}-{random}``: the creating process's pid lets a later start find and remove
-    the segments of a daemon that was killed before it could clean up (``remove_stale_segments``)."""
-    return f"hicache-{os.getpid()}-{secrets.token_hex(4)}"
-
-
-def remove_stale_segments(directory: str | None = None) -> list[str]:
-    """Unlink the segments of daemons whose creating process no longer exists."""
-    d = directory or shm_dir()
-    removed = []
-    for entry in os.listdir(d):
-        parts = entry.split("-")
-        if len(parts) < 3 or parts[0] != "hicache" or not parts[1].isdigit():
-            continue
-        pid = int(parts[1])
-        try:
-            os.kill(pid, 0)
-            continue  # its creator is alive
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # alive, another user's
-        try:
-            os.unlink(os.path.join(d, entry))
-            removed.append(entry)
-        except FileNotFoundError:
-            pass
-    return removed
-
-
-def paged_layout(instance: str, name: str, page_size: int, l1_pages: int, l2_pages: int,
-                 num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> ComponentLayout:
-    l1 = TensorSpec(f"{instance}-{name}-l1-0", (num_layers, 2, l1_pages * page_size, num_kv_heads, head_dim), dtype)
-    l2 = TensorSpec(f"{instance}-{name}-l2-0", (l2_pages, num_layers, 2, page_size, num_kv_heads, head_dim), dtype)
-    return ComponentLayout(name, "paged", page_size, l1_pages, l2_pages, (l1,) if l1_pages else (),
-                           (l2,) if l2_pages else ())
-
-
-def state_layout(instance: str, name: str, l1_slots: int, l2_slots: int, num_layers: int,
-                 shapes: tuple[tuple[int, ...], ...], dtype: str) -> ComponentLayout:
-    l1 = tuple(TensorSpec(f"{instance}-{name}-l1-{i}", (num_layers, l1_slots, *s), dtype) for i, s in enumerate(shapes))
-    l2 = tuple(TensorSpec(f"{instance}-{name}-l2-{i}", (l2_slots, num_layers, *s), dtype)
-               for i, s in enumerate(shapes)) if l2_slots else ()
-    return ComponentLayout(name, "state", 1, l1_slots, l2_slots, l1, l2)
 
 
 @dataclass
@@ -252,7 +149,7 @@ class SharedPools:
         def mapped(spec: TensorSpec) -> torch.Tensor:
             if not spec.nbytes:  # no segment: an empty tensor of the right shape, local to this process
                 return torch.empty(spec.shape, dtype=TORCH_DTYPES[spec.dtype])
-            return by_name[spec.segment].tensor(spec)
+            return segment_tensor(by_name[spec.segment], spec)
 
         self.components: dict[str, MappedComponent] = {}
         for c in layout.components:
@@ -278,31 +175,16 @@ class SharedPools:
         self._segments = []
 
     def unlink(self) -> None:
-        for name in self.layout.segments:
-            SharedSegment(name, 0, None, self.layout.directory, owner=True).unlink()
+        """Remove the segments' names (the creator, at shutdown)."""
+        unlink_segments(self.layout)
 
 
 def create_pools(layout: PoolLayout) -> SharedPools:
-    """Create every segment (zero-filled) and map it. On failure, removes what it created."""
-    made: list[SharedSegment] = []
-    try:
-        for c in layout.components:
-            for spec in (*c.l1, *c.l2):
-                if not spec.nbytes:
-                    continue  # zero bytes: no segment (module doc)
-                made.append(SharedSegment.create(spec.segment, spec.nbytes, layout.directory))
-        return SharedPools(layout, made)
-    except BaseException:
-        for seg in made:
-            seg.unlink()
-            seg.close()
-        raise
+    """Create every segment (zero-filled) and map it (``hicache.memory.layout.create_segments``)."""
+    return SharedPools(layout, create_segments(layout))
 
 
 def attach_pools(layout: PoolLayout) -> SharedPools:
     """Map the segments another process created; raises FileNotFoundError naming a missing one."""
     return SharedPools(layout, [SharedSegment.attach(name, layout.directory) for name in layout.segments])
 
-
-def default_directory() -> str:
-    return shm_dir()

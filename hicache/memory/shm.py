@@ -1,4 +1,4 @@
-"""Named shared-memory segments that several processes map, and torch tensors over them.
+"""Named shared-memory segments that several processes map (bytes only: no torch here).
 
 A segment is a file in ``/dev/shm`` (a tmpfs: its pages are RAM), created once by the
 process that owns the daemon's lifetime (the launcher, or a test harness) and attached by
@@ -20,8 +20,9 @@ creator        ``create``; ``unlink`` at shutdown (also    —
 attacher       ``attach``; ``close`` when done             ``unlink``
 =============  ==========================================  =============================
 
-The mapping stays valid after ``unlink`` until every process closed it; tensors made by
-``tensor`` view the mapping directly (no copy) and must be dropped before ``close``.
+The mapping stays valid after ``unlink`` until every process closed it; tensors over a
+segment (``hicache.memory.pools.segment_tensor``) view the mapping directly (no copy) and must
+be dropped before ``close``.
 """
 
 from __future__ import annotations
@@ -32,16 +33,10 @@ import re
 import tempfile
 from dataclasses import dataclass
 
-import torch
-
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "uint8": torch.uint8,
-}
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}
+"""The dtype names a ``TensorSpec`` may carry, and the bytes of one element of each."""
 
 
 def shm_dir() -> str:
@@ -59,7 +54,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = torch.empty((), dtype=TORCH_DTYPES[self.dtype]).element_size()
+        n = DTYPE_BYTES[self.dtype]
         for d in self.shape:
             n *= d
         return n
@@ -117,13 +112,6 @@ class SharedSegment:
         if self._mmap is None:
             raise ValueError(f"segment {self.name} is closed")
         return self._mmap
-
-    def tensor(self, spec: TensorSpec) -> torch.Tensor:
-        """A tensor of ``spec``'s shape and dtype viewing the start of this segment (no copy)."""
-        if spec.nbytes > self.size:
-            raise ValueError(f"segment {self.name} has {self.size} bytes; {spec} needs {spec.nbytes}")
-        flat = torch.frombuffer(self.buffer, dtype=torch.uint8, count=spec.nbytes)
-        return flat.view(TORCH_DTYPES[spec.dtype]).view(spec.shape)
 
     def close(self) -> None:
         """Unmap. Raises BufferError while tensors made by ``tensor`` are still alive."""

@@ -64,7 +64,8 @@ if TYPE_CHECKING:
     import zmq
 
     from hicache.kv_events.stream import KVEventStream
-    from hicache.memory.pools import PoolLayout, SharedPools
+    from hicache.memory.layout import PoolLayout
+    from hicache.memory.pools import SharedPools
     from hicache.scheduler.controller_driver import ControllerDriver
 
 ACCEPTS = protos.accepted_by("scheduler")
@@ -104,7 +105,7 @@ class SchedulerArgs:
     ready_address: str
     grace_s: float = DEFAULT_GRACE_S
     controller_run: int = 0
-    """The run of the controller started before this process (``ControllerArgs.run``);
+    """The run of the controller started beside this process (``ControllerArgs.run``);
     later ones come in ``ControllerStarted``."""
 
 

@@ -34,7 +34,8 @@ import logging
 from typing import TYPE_CHECKING
 
 import protos
-from hicache.memory.pools import PoolLayout, attach_pools
+from hicache.memory.layout import PoolLayout
+from hicache.memory.pools import attach_pools
 from hicache.scheduler.loop import Links, ProcessLoop, SchedulerArgs, StopSignal, Telemetry, enter_process
 
 if TYPE_CHECKING:

@@ -12,16 +12,10 @@ import torch
 import zmq
 
 import protos
-from controller.server import ControllerArgs, controller_main
-from hicache.memory.pools import (
-    PoolLayout,
-    SharedPools,
-    create_pools,
-    default_directory,
-    new_instance_id,
-    paged_layout,
-    state_layout,
-)
+from controller.args import ControllerArgs
+from controller.server import controller_main
+from hicache.memory.layout import PoolLayout, default_directory, new_instance_id, paged_layout, state_layout
+from hicache.memory.pools import SharedPools, create_pools
 from hicache.runtime.ipc import Endpoints, PullSocket, ResettablePush, make_runtime_dir
 
 PAGE_SIZE = 4

@@ -27,15 +27,8 @@ from hicache.bench.local_redis import find_redis_server, started
 from hicache.config import PrefetchConfig
 from hicache.hashing import HashNamespace, PageHasher, component_key, component_keys
 from hicache.memory.allocator import PageAllocator
-from hicache.memory.pools import (
-    PoolLayout,
-    SharedPools,
-    create_pools,
-    default_directory,
-    new_instance_id,
-    paged_layout,
-    state_layout,
-)
+from hicache.memory.layout import PoolLayout, default_directory, new_instance_id, paged_layout, state_layout
+from hicache.memory.pools import SharedPools, create_pools
 from hicache.scheduler.controller_driver import ControllerDriver, PrefetchTicket
 from hicache.tree.cache import InsertParams, UnifiedRadixCache
 from hicache.tree.components import FullComponent, MambaComponent, PagedInsert, SWAComponent

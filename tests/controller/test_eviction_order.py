@@ -13,8 +13,9 @@ import pytest
 import zmq
 
 import protos
+from controller.args import ControllerArgs
 from controller.eviction_order import EvictionGate
-from controller.server import ControllerArgs, ControllerServer
+from controller.server import ControllerServer
 from hicache.memory.pools import create_pools
 from hicache.runtime.ipc import Endpoints, PullSocket, PushSocket, make_runtime_dir
 from storage_backends import FileSettings

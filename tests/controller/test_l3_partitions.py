@@ -13,14 +13,8 @@ import torch
 
 from controller.storage_io import StorageIO
 from hicache.hashing import HashNamespace, PageHasher
-from hicache.memory.pools import (
-    PoolLayout,
-    SharedPools,
-    create_pools,
-    default_directory,
-    new_instance_id,
-    paged_layout,
-)
+from hicache.memory.layout import PoolLayout, default_directory, new_instance_id, paged_layout
+from hicache.memory.pools import SharedPools, create_pools
 from hicache.storage_settings import TENANTS_DIR, tenant_partitions
 from storage_backends import FileSettings, RedisSettings, StorageConfigError
 

@@ -109,6 +109,21 @@ def test_l3_round_trip_after_flush_and_after_restart(tmp_path: Path) -> None:
     check_served_from_l3_after_restart(tmp_path, _config(tmp_path), prompt, first["output_ids"], 700)
 
 
+def _maps_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as fh:
+        return "libtorch" in fh.read()
+
+
+def test_the_launcher_never_loads_torch_and_its_children_do(daemon: Daemon) -> None:
+    """The launcher creates the pools' segments and spawns the children without torch (its
+    import is seconds of CPU per start and per restart); the children that copy load it."""
+    assert daemon.proc is not None
+    pids = daemon.pids()
+    assert not _maps_torch(daemon.proc.pid)
+    assert _maps_torch(pids["controller"]) and _maps_torch(pids["scheduler"])
+    assert daemon.generate([5, 6, 7, 8, 9], 2)["output_ids"]
+
+
 def test_controller_killed_during_traffic_is_restarted(daemon: Daemon) -> None:
     rng = random.Random(2)
     prompts = [[rng.randrange(1, 250) for _ in range(120)] for _ in range(6)]

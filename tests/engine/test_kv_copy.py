@@ -20,6 +20,7 @@ from hicache.connectors.kv_copy import (
     state_problem,
 )
 from hicache.connectors.kv_copy_cuda import CudaBlockCopier, block_first
+from hicache.memory.pools import segment_tensor
 from hicache.memory.shm import SharedSegment, TensorSpec
 
 BLOCKS, HEADS, BS, DIM, LAYERS, PAGES = 12, 2, 4, 8, 3, 10
@@ -31,7 +32,7 @@ def pool():
     page_bytes = LAYERS * elems * 4
     name = f"hicache-test-kvcopy-{os.getpid()}"
     seg = SharedSegment.create(name, PAGES * page_bytes)
-    pages = seg.tensor(TensorSpec(name, (PAGES, LAYERS, elems), "float32"))
+    pages = segment_tensor(seg, TensorSpec(name, (PAGES, LAYERS, elems), "float32"))
     pages.copy_(torch.randn(pages.shape, generator=torch.Generator().manual_seed(1)))
     try:
         yield PoolRef("inst", name, seg.directory, PAGES, page_bytes), pages
@@ -164,7 +165,7 @@ def _pool_of(name: str, pages: int, layers: int, seed: int) -> tuple[PoolRef, to
     if not layers:
         return PoolRef("inst", name, "/dev/shm", pages, 0), torch.empty(pages, 0, elems), None
     seg = SharedSegment.create(name, pages * layers * elems * 4)
-    t = seg.tensor(TensorSpec(name, (pages, layers, elems), "float32"))
+    t = segment_tensor(seg, TensorSpec(name, (pages, layers, elems), "float32"))
     t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(seed)))
     return PoolRef("inst", name, seg.directory, pages, layers * elems * 4), t, seg
 
@@ -242,7 +243,7 @@ def test_states_copy_every_state_layers_bytes_of_one_block_and_skip_vllms_paddin
     name = f"hicache-test-state-{os.getpid()}"
     seg = SharedSegment.create(name, slots * 2 * state)
     try:
-        pool = seg.tensor(TensorSpec(name, (slots, 2, state), "uint8"))
+        pool = segment_tensor(seg, TensorSpec(name, (slots, 2, state), "uint8"))
         copier = StateCopier(layers, [1, 1])  # both layers in KV cache group 1
         copier.attach(PoolRef("inst", name, seg.directory, slots, 2 * state))
         assert copier.save([NO_BLOCK, 4], 2) == 2 * state
@@ -269,7 +270,7 @@ def test_states_copy_every_state_layers_bytes_of_one_block_and_skip_vllms_paddin
     name = f"hicache-test-state2-{os.getpid()}"
     seg = SharedSegment.create(name, slots * 2 * 2 * state)
     try:
-        pool = seg.tensor(TensorSpec(name, (slots, 2, 2 * state), "uint8"))
+        pool = segment_tensor(seg, TensorSpec(name, (slots, 2, 2 * state), "uint8"))
         ref = PoolRef("inst", name, seg.directory, slots, 2 * 2 * state)
         ranks = [StateCopier(shares[r], [0, 0], rank=r, ranks=2) for r in range(2)]
         for c in ranks:
