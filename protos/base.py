@@ -12,7 +12,7 @@ from typing import ClassVar, TypeVar
 
 __all__ = ["MAX_FRAME_BYTES", "PROTOCOL_VERSION", "Message", "ProtocolError"]
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 """Bumped on any incompatible change of a message's fields or meaning."""
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024

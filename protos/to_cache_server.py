@@ -244,7 +244,10 @@ class Lookup(CacheServerMessage):
 
     The answer never waits for L3: with ``prefetch``, when L3 may hold pages after the L2
     hit, the server starts fetching them into L2 and answers ``pending`` (ask again later)
-    until they arrived or the prefetch policy gave up on them."""
+    until they arrived or the prefetch policy gave up on them. It also answers ``pending``
+    while another engine's reservation still saves the pages right after the hit, beyond the
+    ``local_pages`` the engine holds itself (its own prefix cache), for at most
+    ``engine.save_wait_ms`` per request."""
 
     req: int
     session: int
@@ -254,6 +257,7 @@ class Lookup(CacheServerMessage):
     cache_salt: str = ""
     prefetch: bool = True
     base: int = 0
+    local_pages: int = 0
 
 
 @dataclass(slots=True)

@@ -61,7 +61,8 @@ class EngineRegistered(EngineMessage):
 class LookupResult(EngineMessage):
     """``host_pages[i]`` is the L2 page holding page ``i`` of the looked-up tokens, locked
     under ``lease`` (0: nothing locked). ``storage_pages`` of them arrived from L3 for this
-    lookup. ``pending``: a prefetch from L3 is in flight; ask again later (nothing is locked).
+    lookup. ``pending``: a prefetch from L3, or another engine's save of the pages after the
+    hit, is in flight; ask again later (nothing is locked).
     With window layers, ``host_pages`` hold the full parts and ``window_pages`` the window
     parts of the *last* ``len(window_pages)`` pages (the window before the hit's end), locked
     too; the pages before them have none here. With state layers, ``state_slot`` holds the

@@ -42,6 +42,9 @@ class EngineCounters:
     """Lookups and save ranges that named tokens the server did not hold (``unknown_request``)."""
     lookup_pending: int = 0
     """Lookups answered ``pending`` (a prefetch from L3 in flight)."""
+    lookup_save_waits: int = 0
+    """Lookups answered ``pending`` because another reservation was saving the pages after
+    the hit (``engine.save_wait_ms``)."""
     lookup_tokens_received: int = 0
     """Token ids received in Lookups (with ``base``, only the new ones)."""
     reserves: int = 0

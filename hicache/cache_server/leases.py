@@ -55,6 +55,13 @@ MAX_WORKER_ENGINES = 4096
 """Tensor-parallel engines whose worker processes the lease table remembers at most."""
 
 
+SaveAt = tuple[str, int, bytes]
+"""Where a reservation's pages begin: its effective salt, its first page's index in the key,
+and that page's tokens (``array('I')`` bytes). A lookup whose hit ends at that page asks
+``LeaseTable.saving`` with the same triple (equal triples on different prefixes are possible:
+the caller compares the prefixes)."""
+
+
 class LeaseKind(enum.Enum):
     LOOKUP = "lookup"
     RESERVE = "reserve"
@@ -112,6 +119,7 @@ class Lease:
     state_slots: list[int] = field(default_factory=list)  # RESERVE: L2 states ...
     state_at: list[int] = field(default_factory=list)  # RESERVE: ... after these pages of ``key``
     rid: str = ""  # RESERVE: the request it saves for
+    saves_at: SaveAt | None = None  # RESERVE with pages: where lookups find it (``LeaseTable.saving``)
     repeat_end: int = 0  # RESERVE: ``SaveRange.repeat_end`` (it ends at the prompt's last full page)
 
 
@@ -175,6 +183,8 @@ class LeaseTable:
         self.expired_sessions = 0
         self.workers: dict[EngineProcess, dict[int, EngineProcess]] = {}
         """Worker processes of tensor-parallel engines, by engine process and rank (``EngineWorker``)."""
+        self._saving: dict[SaveAt, dict[int, Lease]] = {}
+        """The live reservations with ``saves_at``, by it (an orphan's save is never inserted)."""
 
     def open_session(self, engine: str, process: EngineProcess, namespace: str, now: float,
                      ranks: int = 1) -> Session:
@@ -203,7 +213,24 @@ class LeaseTable:
         lease.lease_id = next(self._lease_ids)
         self.leases[lease.lease_id] = lease
         self.sessions[lease.session].leases.add(lease.lease_id)
+        if lease.saves_at is not None:
+            self._saving.setdefault(lease.saves_at, {})[lease.lease_id] = lease
         return lease
+
+    def saving(self, at: SaveAt) -> list[Lease]:
+        """The live reservations whose pages begin at ``at`` (not yet committed)."""
+        found = self._saving.get(at)
+        return list(found.values()) if found else []
+
+    def _not_saving(self, lease: Lease) -> None:
+        """``lease`` left the live leases: lookups no longer find it."""
+        if lease.saves_at is None:
+            return
+        found = self._saving.get(lease.saves_at)
+        if found is not None:
+            found.pop(lease.lease_id, None)
+            if not found:
+                del self._saving[lease.saves_at]
 
     def credit(self, seconds: float) -> None:
         """The daemon could not hear the engines for ``seconds`` (its loop stalled): that time
@@ -230,6 +257,7 @@ class LeaseTable:
         if len(lease.reported) < lease.ranks:
             return Report.WAITING, lease
         if self.leases.pop(lease_id, None) is not None:
+            self._not_saving(lease)
             s = self.sessions.get(session_id)
             if s is not None:
                 s.leases.discard(lease_id)
@@ -247,6 +275,7 @@ class LeaseTable:
             for lease_id in sorted(s.leases):
                 lease = self.leases.pop(lease_id, None)
                 if lease is not None:
+                    self._not_saving(lease)
                     lease.process = s.process
                     self.orphans[lease_id] = lease
                     n += 1

@@ -8,6 +8,13 @@ A hit's answer: its full pages and, with window layers, the window parts of its 
 window, with state layers the state after its last page, each host-locked (the tree's SWA
 and Mamba rules end a hit only where those are held). A request's first lease counts its
 hit in the tree; asking again does not.
+
+A save in flight: when another reservation (another engine's, or a preempted request's own)
+is saving the very pages after the hit, and they reach past what the engine holds itself
+(``Lookup.local_pages``), the answer is ``pending`` rather than a hit that stops short: a
+decode engine asking while the prefill engine's copy still runs gets the whole prefix a
+moment later instead of computing it again. Each request waits so at most ``save_wait_s``
+in all (from its first such answer); then it gets what L2 holds.
 """
 
 from __future__ import annotations
@@ -30,9 +37,11 @@ class Lookups(Handler):
     """Answers ``Lookup`` and ``Release``; the tier manager prefetches from L3."""
 
     def __init__(self, cache: UnifiedRadixCache, tier: ControllerDriver | None, sessions: Sessions,
-                 slots: RequestSlots, l2: L2Pool) -> None:
+                 slots: RequestSlots, l2: L2Pool, save_wait_s: float = 0.0) -> None:
         super().__init__(cache, tier, sessions, slots, l2)
         self._prefetches: dict[Slot, PrefetchTicket] = {}
+        self.save_wait_s = save_wait_s
+        """How long a request's lookups may wait in all for a save in flight (0: never)."""
 
     def lookup(self, msg: protos.Lookup) -> protos.Message:
         """The L2 hit of the request's tokens, locked under a lease, answered at once. When L3
@@ -50,7 +59,7 @@ class Lookups(Handler):
         salt = namespaced_salt(session.namespace, msg.cache_salt)
         ticket = self._prefetches.get(slot)
         if ticket is not None:
-            return self._prefetch_answer(msg.req, slot, key, salt, ticket)
+            return self._prefetch_answer(msg, slot, key, salt, ticket)
         match = None
         memory = self.slots.memory(slot)
         if msg.prefetch and self.tier is not None and self.tier.l3_enabled and not memory.prefetched:
@@ -60,22 +69,22 @@ class Lookups(Handler):
                 ticket = self.tier.start_prefetch(msg.rid, key, match, salt)
                 if ticket is not None and ticket.policy != "best_effort":
                     self._prefetches[slot] = ticket
-                    return self._prefetch_answer(msg.req, slot, key, salt, ticket)
-        return self._answer(msg.req, slot, key, salt, memory.storage_pages, match)
+                    return self._prefetch_answer(msg, slot, key, salt, ticket)
+        return self._answer(msg, slot, key, salt, memory.storage_pages, match)
 
-    def _prefetch_answer(self, req: int, slot: Slot, key: array[int], salt: str,
+    def _prefetch_answer(self, msg: protos.Lookup, slot: Slot, key: array[int], salt: str,
                          ticket: PrefetchTicket) -> protos.Message:
         """``pending`` while the slot's prefetch runs; once it is done (or its policy gave up
         on it), the hit with what it brought."""
         if not ticket.ready(self.clock()):
             self.counters.lookup_pending += 1
-            return protos.LookupResult(req, pending=True)
+            return protos.LookupResult(msg.req, pending=True)
         del self._prefetches[slot]
         self.cancel_prefetch(ticket)
         brought = ticket.arrived_tokens // self.cache.page_size
         memory = self.slots.memory(slot)
         memory.prefetched, memory.storage_pages = True, brought
-        return self._answer(req, slot, key, salt, brought)
+        return self._answer(msg, slot, key, salt, brought)
 
     def cancel_prefetch(self, ticket: PrefetchTicket) -> None:
         if self.tier is None:  # tickets come from the tier manager: there are none without one
@@ -87,14 +96,18 @@ class Lookups(Handler):
         """Requests whose lookup waits for a prefetch from L3."""
         return len(self._prefetches)
 
-    def _answer(self, req: int, slot: Slot, key: array[int], salt: str, storage_pages: int,
+    def _answer(self, msg: protos.Lookup, slot: Slot, key: array[int], salt: str, storage_pages: int,
                 match: MatchResult | None = None) -> protos.Message:
-        """The L2 hit of ``key`` now, locked under a lease (none for no hit); ``match``: the
-        key's match made a moment ago in this call, if any (not made twice). The request's
-        first lease counts its hit in the tree (``record_hit``); asking again does not."""
-        session = slot[0]
+        """The L2 hit of ``key`` now, locked under a lease (none for no hit), or ``pending``
+        while a save in flight continues it (``_awaits_save``); ``match``: the key's match
+        made a moment ago in this call, if any (not made twice). The request's first lease
+        counts its hit in the tree (``record_hit``); asking again does not."""
+        req, session = msg.req, slot[0]
         if match is None:
             match = self.cache.match_prefix(key, salt)
+        if self._awaits_save(slot, key, salt, match.host_hit_length // self.cache.page_size, msg.local_pages):
+            self.counters.lookup_save_waits += 1
+            return protos.LookupResult(req, pending=True)
         if match.host_hit_length == 0:
             return protos.LookupResult(req)
         memory = self.slots.memory(slot)
@@ -116,6 +129,27 @@ class Lookups(Handler):
         self.counters.lookup_window_pages += len(window)
         self.counters.lookup_states += self.state
         return protos.LookupResult(req, lease.lease_id, pages, storage_pages, window_pages=window, state_slot=state)
+
+    def _awaits_save(self, slot: Slot, key: array[int], salt: str, hit_pages: int, local_pages: int) -> bool:
+        """Whether the lookup of ``key`` (its L2 hit ``hit_pages`` long) waits for a live
+        reservation that begins at page ``hit_pages`` of the same prefix and reaches past
+        ``max(hit_pages, local_pages)``: ``pending`` for at most ``save_wait_s`` per request."""
+        if self.save_wait_s <= 0:
+            return False
+        ps = self.cache.page_size
+        beyond = max(hit_pages, local_pages)
+        reach = (beyond + 1) * ps  # the prefix must agree through the first page the engine lacks
+        if len(key) < reach:
+            return False
+        at = (salt, hit_pages, key[hit_pages * ps:(hit_pages + 1) * ps].tobytes())
+        if not any(lease.key is not None and lease.key_len >= reach and lease.key[:reach] == key[:reach]
+                   for lease in self.leases.saving(at)):
+            return False
+        memory = self.slots.memory(slot)
+        now = self.clock()
+        if memory.save_wait_since is None:
+            memory.save_wait_since = now
+        return now - memory.save_wait_since < self.save_wait_s
 
     def release(self, msg: protos.Release) -> None:
         """A rank is done with a lookup's pages; with the last rank's release they are

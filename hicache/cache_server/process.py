@@ -129,7 +129,7 @@ def build_cache_server(args: SchedulerArgs, controller_send: Callable[[protos.Co
                        l3_enabled=cfg.cache.l3.backend != "none")
     pinned = [PinEntry(p.name, tuple(p.token_ids or ()), p.cache_salt) for p in cfg.cache.pinned]
     return CacheServer(cache, tier, geometry, pool, cfg.engine.lease_ttl_s, pinned=pinned,
-                       pinned_fraction=cfg.cache.pinned_fraction)
+                       pinned_fraction=cfg.cache.pinned_fraction, save_wait_s=cfg.engine.save_wait_ms / 1000)
 
 
 class CacheServerProcess(ProcessLoop):

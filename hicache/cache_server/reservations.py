@@ -150,11 +150,12 @@ class Reservations(Handler):
         if n == 0 and not window_at and not state_at:
             return protos.Reservation(0, start)
         pages = list(host.alloc(n)) if n else []
+        saves_at = (salt, start, key[start * ps:(start + 1) * ps].tobytes()) if n else None
         lease = self.leases.add(Lease(0, LeaseKind.RESERVE, session, self.clock(), key=key, key_len=top * ps,
                                       cache_salt=salt, start_page=min(start, top), pages=pages,
                                       ranks=self.sessions.ranks(session), window_pages=window, window_at=window_at,
                                       state_slots=states, state_at=state_at, rid=item.rid,
-                                      repeat_end=item.repeat_end))
+                                      repeat_end=item.repeat_end, saves_at=saves_at))
         self.counters.reserved_pages += n
         if match is None:
             cursor.leases.append(lease.lease_id)

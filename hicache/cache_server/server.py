@@ -59,13 +59,15 @@ class CacheServer:
     this daemon run's number (default: random). ``leases``: the lease table (default: one
     with ``lease_ttl_s`` that watches engine processes through /proc). ``pinned``: the
     pinned prefixes (``hicache.cache_server.pins``; models without window or state layers).
+    ``save_wait_s``: how long a request's lookups may wait in all for another engine's save
+    of the pages after their hit (``engine.save_wait_ms``; 0: never).
     """
 
     def __init__(self, cache: UnifiedRadixCache, tier: ControllerDriver | None, geometry: protos.EngineKVGeometry,
                  pool: protos.L2PoolInfo, lease_ttl_s: float, *,
                  clock: Callable[[], float] = time.monotonic, run: int | None = None,
                  leases: LeaseTable | None = None, pinned: Sequence[PinEntry] = (),
-                 pinned_fraction: float = 0.5) -> None:
+                 pinned_fraction: float = 0.5, save_wait_s: float = 0.0) -> None:
         if cache.full.host_allocator is None:
             raise ValueError("the cache server needs a tree with an L2 allocator")
         if cache.page_size != geometry.block_size:
@@ -93,7 +95,7 @@ class CacheServer:
         self.sessions = Sessions(self.leases, self.run, clock, self.counters, geometry, pool, self.window, self.pins)
         self.slots = RequestSlots(self.leases, self.counters)
         self.requests = self.slots.requests
-        self.lookups = Lookups(cache, tier, self.sessions, self.slots, self.l2)
+        self.lookups = Lookups(cache, tier, self.sessions, self.slots, self.l2, save_wait_s)
         self.reservations = Reservations(cache, tier, self.sessions, self.slots, self.l2, self.pins)
         self._handlers: dict[type, Callable[[Any], protos.Message | None]] = {
             protos.EngineRegister: self.sessions.register,

@@ -44,6 +44,9 @@ class SlotMemory:
     reached the engine (a call that gave up before it arrived)."""
     hit_counted: bool = False
     """The tree counted its hit (``record_hit``): once per request, however often asked."""
+    save_wait_since: float | None = None
+    """When its lookup was first answered ``pending`` for another engine's save in flight
+    (``Lookups._awaits_save``): its waits end ``engine.save_wait_ms`` after that."""
     window_end: int = 0
     """With window layers: the page its last save ended at, whose window it brought ..."""
     window_kept: bool = True

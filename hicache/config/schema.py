@@ -383,6 +383,10 @@ class EngineConfig:
     ``queue_limit``: engine messages the daemon queues per engine (session) at most; a
     ``Lookup`` or ``Reserve`` past it is answered ``busy`` at once (the engine goes on without
     the cache for that request or step). 0: every lookup and reserve is answered ``busy``.
+    ``save_wait_ms``: how long, in all, a request's lookups wait ("ask again", never blocking
+    the engine's other requests) while another reservation still saves the pages right after
+    their hit (a decode engine asking while the prefill engine's copy runs); then the request
+    gets what L2 holds. 0: never wait.
     """
 
     kind: EngineKind = "builtin"
@@ -392,6 +396,7 @@ class EngineConfig:
     lease_ttl_s: float = 10.0
     lookup_timeout_ms: int = 200
     queue_limit: int = 64
+    save_wait_ms: int = 500
 
 
 ENGINE_MODE_ERROR = ("this daemon runs in engine mode (engine.kind: vllm): it serves no model; "

@@ -350,6 +350,7 @@ def _check_engine(cfg: HicacheConfig, ck: _Checks) -> None:
     ck.positive("engine.lease_ttl_s", e.lease_ttl_s)
     ck.positive("engine.lookup_timeout_ms", e.lookup_timeout_ms)
     ck.non_negative("engine.queue_limit", e.queue_limit)
+    ck.non_negative("engine.save_wait_ms", e.save_wait_ms)
     if e.kind == "vllm":
         if not e.model:
             ck.bad("engine.model", "is required when engine.kind is vllm (the checkpoint directory the engines serve)")

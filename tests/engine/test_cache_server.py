@@ -51,13 +51,14 @@ class Clock:
         return process.pid in self.dead
 
 
-def make_server(l2_pages: int = 32, pinned: tuple[PinEntry, ...] = ()) -> tuple[CacheServer, Clock]:
+def make_server(l2_pages: int = 32, pinned: tuple[PinEntry, ...] = (), save_wait_s: float = 0.0
+                ) -> tuple[CacheServer, Clock]:
     comp = FullComponent(PageAllocator(0, "l1-full"), PageAllocator(l2_pages, "l2-full"))
     cache = UnifiedRadixCache([comp], PS, hasher=HashNamespace(GEOMETRY.model_identity, "bfloat16", PS, "full"))
     clock = Clock()
     pool = L2PoolInfo("inst", "inst-full-l2-0", "/dev/shm", l2_pages, GEOMETRY.page_bytes)
     return CacheServer(cache, None, GEOMETRY, pool, TTL, clock=clock, run=RUN,
-                       leases=LeaseTable(TTL, gone=clock.gone), pinned=pinned), clock
+                       leases=LeaseTable(TTL, gone=clock.gone), pinned=pinned, save_wait_s=save_wait_s), clock
 
 
 _pids = iter(range(1000, 10**6))
@@ -1492,3 +1493,115 @@ def test_a_pin_comes_back_from_l3_when_the_first_engine_registers() -> None:
     assert len(eng.lookup(SYSTEM).host_pages) == 5  # a hit before any engine computed it here
     server.check_idle()
     assert server.integrity_error is None
+
+
+# -- a save in flight (engine.save_wait_ms) -----------------------------------------------------------
+
+
+def _reserve_uncommitted(eng: FakeEngine, tokens: list[int], start_page: int = 0) -> protos.Reservation:
+    """``eng`` reserves the pages of ``tokens`` and writes them, but has not committed yet
+    (its copy still runs)."""
+    ans = reserve(eng.server, eng.next_req(), eng.session, RUN, "prefill", tokens, start_page)
+    assert ans.lease and not ans.code, ans
+    for i, page in enumerate(ans.host_pages):
+        eng.l2[page] = content(tokens, ans.start_page + i, eng.runtime)
+    return ans
+
+
+def _ask(eng: FakeEngine, tokens: list[int], local_pages: int = 0, rid: str = "decode") -> protos.LookupResult:
+    ans = eng.server.handle(protos.Lookup(eng.next_req(), eng.session, RUN, rid, protos.pack_tokens(tokens),
+                                          local_pages=local_pages))
+    assert isinstance(ans, protos.LookupResult), ans
+    for i, page in enumerate(ans.host_pages):
+        assert eng.l2.get(page) == content(tokens, i, eng.runtime), f"page {i} of the hit holds other KV"
+    return ans
+
+
+def test_a_lookup_waits_for_another_engines_save_in_flight_and_then_hits_all_of_it() -> None:
+    server, clock = make_server(save_wait_s=0.5)
+    l2: dict[int, bytes] = {}
+    prefill, decode = FakeEngine(server, l2), FakeEngine(server, l2)
+    tokens = list(range(100, 100 + 5 * PS + 2))
+    prefill.save(tokens[: 2 * PS])  # the first two pages are in L2 already
+    saving = _reserve_uncommitted(prefill, tokens)
+    assert saving.start_page == 2 and len(saving.host_pages) == 3
+    first = _ask(decode, tokens)
+    assert first.pending and not first.lease and not first.host_pages
+    clock.t += 0.1
+    assert _ask(decode, tokens).pending
+    assert server.counters.lookup_save_waits == 2
+    server.handle(protos.Commit(prefill.session, RUN, saving.lease, True))
+    hit = _ask(decode, tokens)
+    assert not hit.pending and len(hit.host_pages) == 5
+    server.handle(protos.Release(decode.session, RUN, hit.lease, 5))
+    server.check_idle()
+
+
+def test_the_wait_is_bounded_per_request_and_then_the_lookup_takes_what_l2_holds() -> None:
+    server, clock = make_server(save_wait_s=0.5)
+    l2: dict[int, bytes] = {}
+    prefill, decode = FakeEngine(server, l2), FakeEngine(server, l2)
+    tokens = list(range(200, 200 + 4 * PS))
+    prefill.save(tokens[:PS])
+    stuck = _reserve_uncommitted(prefill, tokens)  # its commit never comes
+    assert _ask(decode, tokens).pending
+    clock.t += 0.49
+    assert _ask(decode, tokens).pending
+    clock.t += 0.02
+    late = _ask(decode, tokens)
+    assert not late.pending and len(late.host_pages) == 1
+    server.handle(protos.Release(decode.session, RUN, late.lease, 1))
+    # the same request never waits again, even for another save in flight
+    other = _reserve_uncommitted(FakeEngine(server, l2), tokens + [7] * PS, start_page=0)
+    assert other.lease
+    assert not _ask(decode, tokens).pending
+    # another request has its own budget
+    assert _ask(decode, tokens, rid="another").pending
+    server.handle(protos.Commit(prefill.session, RUN, stuck.lease, False))
+
+
+def test_no_wait_for_pages_the_engine_holds_itself_or_for_another_prefix() -> None:
+    server, _ = make_server(save_wait_s=0.5)
+    l2: dict[int, bytes] = {}
+    prefill, decode = FakeEngine(server, l2), FakeEngine(server, l2)
+    tokens = list(range(300, 300 + 4 * PS))
+    prefill.save(tokens[:PS])
+    saving = _reserve_uncommitted(prefill, tokens)  # pages 1..3
+    held = _ask(decode, tokens, local_pages=4)  # vLLM's own prefix cache holds them all
+    assert not held.pending and len(held.host_pages) == 1
+    server.handle(protos.Release(decode.session, RUN, held.lease, 1))
+    assert _ask(decode, tokens, local_pages=3, rid="r2").pending  # the last page is still to come
+    # the same page at the same place after another first page: not this save
+    other = [9999] * PS + tokens[PS:]
+    prefill.save(other[:PS])
+    assert not _ask(decode, other, rid="r3").pending
+    server.handle(protos.Commit(prefill.session, RUN, saving.lease, True))
+    assert server.counters.lookup_save_waits == 1
+
+
+def test_an_orphaned_or_failed_reservation_is_not_waited_for() -> None:
+    server, clock = make_server(save_wait_s=0.5)
+    l2: dict[int, bytes] = {}
+    prefill = FakeEngine(server, l2)
+    tokens = list(range(400, 400 + 3 * PS))
+    failed = _reserve_uncommitted(prefill, tokens)
+    server.handle(protos.Commit(prefill.session, RUN, failed.lease, False))
+    decode = FakeEngine(server, l2)
+    assert not _ask(decode, tokens, rid="a").pending
+    _reserve_uncommitted(prefill, tokens)
+    assert _ask(decode, tokens, rid="b").pending
+    clock.t += TTL + 1
+    server.handle(protos.Heartbeat(decode.session, RUN))  # the decode engine stays; the prefill one went silent
+    assert server.expire() == 1
+    assert not _ask(decode, tokens, rid="c").pending
+
+
+def test_no_wait_when_save_wait_is_zero() -> None:
+    server, _ = make_server(save_wait_s=0.0)
+    l2: dict[int, bytes] = {}
+    prefill, decode = FakeEngine(server, l2), FakeEngine(server, l2)
+    tokens = list(range(500, 500 + 3 * PS))
+    saving = _reserve_uncommitted(prefill, tokens)
+    assert not _ask(decode, tokens).pending
+    server.handle(protos.Commit(prefill.session, RUN, saving.lease, True))
+    assert server.counters.lookup_save_waits == 0

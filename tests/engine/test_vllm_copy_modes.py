@@ -6,7 +6,8 @@ saves), both copying on their copy thread. P's copy thread lags on purpose (a fa
 sleeps before each save's copy) while P has KV space for few requests, so the blocks of a
 finished request are handed to the next ones while their saves still read them: the fence
 must hold the next forward pass until those saves are done, or D would load pages that hold
-another request's KV. D's first load fails (a fault point): vLLM recomputes that request.
+another request's KV. D's first load fails (a fault point): vLLM recomputes that request. D asking while P's saves
+are still in flight waits for them (``engine.save_wait_ms``) and loads every page P computed.
 The oracle is vLLM alone's greedy outputs.
 """
 
@@ -31,6 +32,8 @@ BLOCK = 32
 MAX_TOKENS = 8
 PROMPTS = [[random.Random(40 + i).randrange(1, 1000) for _ in range(n)]
            for i, n in enumerate([290, 150, 230, 300, 260, 190, 280, 210, 240, 170])]
+IN_FLIGHT = [[random.Random(80 + i).randrange(1, 1000) for _ in range(n)] for i, n in enumerate([270, 200, 310, 180])]
+"""Prompts D asks for right after P answered them, while P's lagging copy thread still saves them."""
 SHORT = list(range(1, 21))  # shorter than a block: neither looked up nor saved
 P_BLOCKS = 40  # P's KV space: 1,280 tokens, three or four of these requests at a time
 
@@ -77,9 +80,9 @@ def pair(checkpoints: dict[str, Path], engines: Engines, tmp_path_factory: pytes
          short_dir_module: Path) -> Iterator[Pair]:
     model = checkpoints["qwen2-fp32"]
     alone = engines.start(model, "alone", dtype="float32")
-    out = alone.generate(PROMPTS, MAX_TOKENS)
+    out = alone.generate(PROMPTS + IN_FLIGHT, MAX_TOKENS)
     alone.stop()
-    reference = {tuple(p): o for p, o in zip(PROMPTS, out["outputs"], strict=True)}
+    reference = {tuple(p): o for p, o in zip(PROMPTS + IN_FLIGHT, out["outputs"], strict=True)}
     tmp = tmp_path_factory.mktemp("copy-modes")
     daemon = Daemon(tmp, engine_config(model, short_dir_module), "daemon")
     daemon.start()
@@ -132,6 +135,17 @@ def test_the_decode_engine_loads_asynchronously_and_gives_vllm_alones_tokens(pai
     # a consumer never saves: the daemon holds no more pages than the prefill engine gave it
     assert after["reserves"] == before["reserves"] and after["committed_pages"] == before["committed_pages"]
     assert _metric(pair.decode, "vllm:hicache_saved_blocks") == 0
+
+
+def test_the_decode_engine_waits_for_saves_in_flight_and_loads_every_page(pair: Pair) -> None:
+    waits = pair.engine_stats()["lookup_save_waits"]
+    prefilled = pair.prefill.generate(IN_FLIGHT, 1)  # P's copy thread sleeps 50 ms before each save
+    pair.check(prefilled, IN_FLIGHT, 1)
+    out = pair.decode.generate(IN_FLIGHT, MAX_TOKENS)  # at once: P still saves
+    pair.check(out, IN_FLIGHT)
+    assert out["cached"] == [expected_hit(len(p), BLOCK) for p in IN_FLIGHT]
+    assert pair.engine_stats()["lookup_save_waits"] > waits  # D's lookups met saves in flight and waited
+    pair.daemon.wait_for_stats("D's loads to be released", lambda s: s["leases"]["open"] == 0, 30)
 
 
 def test_a_producer_never_loads(pair: Pair) -> None:

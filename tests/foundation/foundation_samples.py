@@ -37,7 +37,7 @@ SAMPLES: dict[str, p.Message] = {
                                         p.EngineKVGeometry("d" * 64, "bfloat16", 32, 2, 2, 32, "LBHNC", "kv", 1, 2,
                                                            135680),
                                         16384, "e" * 64, "pid:[4026531836]", 123456, 2, 64),
-    "engine_lookup": p.Lookup(2, 7, 99, "req-1", p.pack_tokens([3, 4]), "tenant-a", True, 2),
+    "engine_lookup": p.Lookup(2, 7, 99, "req-1", p.pack_tokens([3, 4]), "tenant-a", True, 2, 5),
     "engine_reserve": p.Reserve(3, 7, 99, [p.SaveRange("req-1", p.pack_tokens([1, 2, 3, 4]), 1, "tenant-a", 32, 1, 2, [0]),
                                                 p.SaveRange("req-2", p.pack_tokens([5, 6]), 0)]),
     "engine_finished": p.Finished(7, 99, "req-1"),

@@ -268,7 +268,7 @@ class SchedulerSide:
             return None, False
         self.stats.add("lookups")
         slow = tracked.pending_since > 0 and self.faults.take_slow_pending_ask()
-        answer, reg = self._lookup(tracked, tokens, usable, timeout_ms=0 if slow else None)
+        answer, reg = self._lookup(tracked, tokens, usable, num_computed_tokens // bs, timeout_ms=0 if slow else None)
         if answer is None and tracked.pending_since and now - tracked.pending_since < UNANSWERED_PENDING_WAIT_S:
             self.stats.add("lookups_unanswered_pending")  # its prefetch ran a moment ago: wait, ask again
             tracked.retry_at = now + MAX_PENDING_RETRY_S
@@ -304,22 +304,25 @@ class SchedulerSide:
         tracked.hit = hit
         return external, self.load_async
 
-    def _lookup(self, tracked: Tracked, tokens: list[int], usable: int,
+    def _lookup(self, tracked: Tracked, tokens: list[int], usable: int, local_pages: int,
                 timeout_ms: int | None = None) -> tuple[EngineAnswer | None, protos.EngineRegistered | None]:
         """Ask about the request's first ``usable`` prompt tokens, sending only those the
         daemon does not hold for it yet (all of them again if it forgot them); the answer and
         the registration it was asked under (its lease is of that session and run).
-        ``timeout_ms``: the wait for the answer (None: ``engine.lookup_timeout_ms``)."""
+        ``local_pages``: the blocks vLLM's own prefix cache holds (the daemon does not wait
+        for a save in flight of those). ``timeout_ms``: the wait for the answer (None:
+        ``engine.lookup_timeout_ms``)."""
         rid = tracked.request.request_id
         salt = tracked.request.cache_salt or ""
         base = min(tracked.known_tokens, usable)
         tracked.packed.extend(tokens, len(tokens))  # the prompt, once (vLLM only appends to it)
         new = tracked.packed.span(base, usable)
-        got = self._call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, rid, new, salt, True, base),
-                         timeout_ms)
+        got = self._call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, rid, new, salt, True, base,
+                                                        local_pages), timeout_ms)
         if isinstance(got.answer, protos.EngineError) and got.answer.code == "unknown_request" and base:
             whole = tracked.packed.span(0, usable)
-            got = self._call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, rid, whole, salt), timeout_ms)
+            got = self._call(lambda req, reg: protos.Lookup(req, reg.session, reg.run, rid, whole, salt,
+                                                            local_pages=local_pages), timeout_ms)
         if isinstance(got.answer, protos.LookupResult):
             tracked.known_tokens = usable
         elif isinstance(got.answer, protos.EngineError) and got.answer.code != protos.BUSY:
