@@ -54,7 +54,7 @@ from hicache.tree.eviction import L1Eviction, NodeFilter
 from hicache.tree.hashes import PageHashes
 from hicache.tree.host import HostCalls
 from hicache.tree.integrity import SLICE_UNITS, IntegrityWalker, check_integrity
-from hicache.tree.node import ComponentData, ComponentType, LockToken, TreeNode
+from hicache.tree.node import KEY_ITEMSIZE, ComponentData, ComponentType, LockToken, TreeNode
 from hicache.tree.request_state import RequestState
 from hicache.tree.tiering import TierCalls, TierOp
 
@@ -299,13 +299,16 @@ class UnifiedRadixCache(L1Eviction):
         device_run = True
         path: list[TreeNode] = []
         spare: list[list[int]] = [[] for _ in payloads]
+        kb = key.tobytes()  # edges compared in place, as in ``TreeCore.walk``
+        page_bytes = ps * KEY_ITEMSIZE
         while off < n:
-            child = node.children.get(key[off] if ps == 1 else key[off:off + ps].tobytes())
+            at = off * KEY_ITEMSIZE
+            child = node.children.get(key[off] if ps == 1 else kb[at:at + page_bytes])
             if child is None:
                 break
             ckey = child.key
             kl = len(ckey)
-            if off + kl > n or key[off:off + kl] != ckey:
+            if off + kl > n or not kb.startswith(ckey, at):
                 kl = core.common_tokens(key, off, ckey, n)
                 child = core.split(child, kl)
             cd = child.data[0]

@@ -30,7 +30,7 @@ from typing import Any
 
 from hicache.hashing import HASH_BYTES
 from hicache.tree.content import ContentObserver, Tier
-from hicache.tree.node import KEY_TYPECODE, ComponentData, Key, TreeNode
+from hicache.tree.node import KEY_ITEMSIZE, KEY_TYPECODE, ComponentData, Key, TreeNode
 from hicache.tree.policy import EvictionPolicy
 
 
@@ -134,13 +134,16 @@ class TreeCore:
         node = root
         off = 0
         ps = self.page_size
+        kb = key.tobytes()  # one copy; an edge is then compared in place (``startswith``), not sliced
+        page_bytes = ps * KEY_ITEMSIZE
         while off < n:
-            child = node.children.get(key[off] if ps == 1 else key[off:off + ps].tobytes())
+            at = off * KEY_ITEMSIZE
+            child = node.children.get(key[off] if ps == 1 else kb[at:at + page_bytes])
             if child is None:
                 break
             ckey = child.key
             end = off + len(ckey)
-            if end <= n and key[off:end] == ckey:
+            if end <= n and kb.startswith(ckey, at):
                 path.append(child)
                 off = end
                 node = child

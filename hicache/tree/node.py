@@ -23,6 +23,8 @@ else:
 and compares, and the bytes are exactly what page hashing consumes."""
 
 KEY_TYPECODE = "I"
+KEY_ITEMSIZE = array(KEY_TYPECODE).itemsize
+"""Bytes per token id in a key's ``tobytes()`` (the walks compare keys as bytes, in place)."""
 
 
 class ComponentType(IntEnum):
