@@ -137,7 +137,7 @@ class FileBackend(StorageBackend):
             self._writers.forget_inherited()
             self._init_process_state()
             self._evictor.after_fork(self._usage)
-            self._housekeeper.scan_done.set()
+            self._housekeeper.after_fork()
 
     def _inline(self, layout: PageLayout, n: int) -> bool:
         """Whether a batch of ``n`` pages runs on the calling thread instead of the pool.

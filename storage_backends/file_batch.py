@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import enum
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+
+from storage_backends.locks import ForkSafeLock
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class BatchRunner:
     def __init__(self, io_threads: int, timeout_s: float) -> None:
         self.io_threads = io_threads
         self.timeout_s = timeout_s
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._pool: ThreadPoolExecutor | None = None
 
     def executor(self) -> ThreadPoolExecutor:

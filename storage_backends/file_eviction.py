@@ -16,7 +16,7 @@ a claim                      ``evict``: unlinks the least recently used pages of
                              store) it asks the housekeeper for a scan
 ==========================  ==================================================================
 
-The evicted hashes wait for ``take_evicted``. Lock: one ``threading.Lock`` around that list,
+The evicted hashes wait for ``take_evicted``. Lock: one ``ForkSafeLock`` around that list,
 never held across I/O (the index and the record have their own). The record and the lock
 are per process: the backend calls ``after_fork`` in a forked child.
 """
@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections import deque
 from collections.abc import Callable
 
 from storage_backends.file_index import PageIndex
 from storage_backends.file_layout import page_path
 from storage_backends.file_usage import UsageRecord
+from storage_backends.locks import ForkSafeLock
 from storage_backends.settings import FileSettings
 from storage_backends.stats import StatsCounter
 
@@ -54,13 +54,12 @@ class Evictor:
         self._counters = counters
         self._want_scan = want_scan
         self._evicted: deque[str] = deque(maxlen=MAX_EVICTED_KEPT)  # not yet taken; under _lock
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
 
     def after_fork(self, usage: UsageRecord) -> None:
-        """In a forked child: its own record, and a fresh lock (the parent's may have been
-        held at the fork)."""
+        """In a forked child: its own record (the lock is free again already:
+        ``storage_backends.locks``)."""
         self._usage = usage
-        self._lock = threading.Lock()
 
     def after_writes(self, unused_bytes: int, written: int, full: int, object_size: int,
                      settled: Callable[[], None] | None = None) -> None:

@@ -61,6 +61,13 @@ class Housekeeper:
         self._thread = threading.Thread(target=self._run, name="l3-file-maint", daemon=True)
         self._thread.start()
 
+    def after_fork(self) -> None:
+        """In a forked child: no maintenance thread runs here (it stayed in the parent), and
+        the start-up scan counts as done (a new event: the parent's may have been mid-call)."""
+        self._thread = None
+        self.scan_done = threading.Event()
+        self.scan_done.set()
+
     def want_scan(self) -> None:
         """An eviction could not free what it claimed: pages this process does not know of
         (other processes') hold the store."""

@@ -37,15 +37,16 @@ write made while the scan ran.)
 
 Pages other processes write are not in it until a scan or a read finds them.
 
-Lock: one ``threading.Lock`` guards everything here; it is never held across I/O.
+Lock: one lock (``storage_backends.locks.ForkSafeLock``) guards everything here; it is never held across I/O.
 ``writing``, ``settled`` and ``scan_started`` are called with the shared record's lock held (lock order:
 record, then index; nothing here calls out).
 """
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
+
+from storage_backends.locks import ForkSafeLock
 
 ATIME_REFRESH_S = 3600.0
 """A read refreshes a page file's access time at most this often (``FileBackend._touch_read``)."""
@@ -53,7 +54,7 @@ ATIME_REFRESH_S = 3600.0
 
 class PageIndex:
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._pages: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self._doomed: set[str] = set()
         self._removed_in_scan: set[str] | None = None  # while a scan runs
@@ -62,9 +63,8 @@ class PageIndex:
         self._in_flight_at_scan: set[str] = set()
 
     def after_fork(self) -> None:
-        """In a forked child: a fresh lock (the parent's may have been held at the fork), and
-        no batch in flight (its threads stayed in the parent)."""
-        self._lock = threading.Lock()
+        """In a forked child: no batch in flight (its threads stayed in the parent; the lock is
+        free again already: ``storage_backends.locks``)."""
         self._in_flight = set()
 
     def __len__(self) -> int:

@@ -45,10 +45,11 @@ import logging
 import os
 import secrets
 import struct
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from storage_backends.locks import ForkSafeLock
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class UsageRecord:
 
     def __init__(self, root: str) -> None:
         self.path = os.path.join(root, RECORD_NAME)
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._fd: int | None = None
         self._failing = False
 
@@ -223,7 +224,7 @@ class WriterRegistry:
 
     def __init__(self, root: str) -> None:
         self.dir = os.path.join(root, WRITERS_DIR)
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._token: str | None = None
         self._fd: int | None = None
         self._claimed: dict[str, int | None] = {}  # dead writers' tokens -> our fd holding their lock

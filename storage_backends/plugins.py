@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -40,6 +39,7 @@ from typing import Any
 
 from storage_backends.base import StorageBackend
 from storage_backends.errors import StorageConfigError
+from storage_backends.locks import ForkSafeLock
 from storage_backends.page_format import PageLayout
 
 ENTRY_POINT_GROUP = "hicache.storage_backends"
@@ -121,7 +121,7 @@ class _Registry:
     """The plug-ins found so far and the entry points that could not be used."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = ForkSafeLock()
         self.plugins: dict[str, BackendPlugin] = {}
         self.broken: dict[str, str] = {}
         self.scanned = False

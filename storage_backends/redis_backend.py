@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -46,6 +45,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from storage_backends.base import Buffer, StorageBackend, StoreUsage
 from storage_backends.errors import PageFormatError, StorageUnavailable
 from storage_backends.keys import check_hashes, is_page_hash
+from storage_backends.locks import ForkSafeLock
 from storage_backends.page_format import HEADER_SIZE, PageLayout, check_object, complete_object, encode_header
 from storage_backends.redis_client import STORE_ERRORS, StoreClient
 from storage_backends.redis_evictions import KeyEventListener
@@ -72,7 +72,7 @@ class RedisBackend(StorageBackend):
         self._prefix_b = self._prefix.encode()
         self._counters = StatsCounter()
         self._closed = False
-        self._listener_lock = threading.Lock()
+        self._listener_lock = ForkSafeLock()
         self._listener: KeyEventListener | None = None  # this process's, made by take_evicted
         self._listener_pid = -1
         self.name = f"{'redis-cluster' if settings.cluster else 'redis'}:{redact_url(settings.url)}"

@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import os
 import ssl
-import threading
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,6 +36,7 @@ from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
 from storage_backends.errors import StorageAuthError, StorageConfigError, StorageTLSError, StorageUnavailable
+from storage_backends.locks import ForkSafeLock
 from storage_backends.redis_wire import connection_class_for
 from storage_backends.settings import RedisSettings, redact_url, tls_file_problems
 
@@ -94,7 +94,7 @@ class StoreClient:
     def __init__(self, settings: RedisSettings, name: str) -> None:
         self.settings = settings
         self.name = name
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._client: Any = None
         self._pid = -1
         # Read once, here: a client made later (after fork) uses the same secret. Never logged.

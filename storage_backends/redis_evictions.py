@@ -27,6 +27,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from storage_backends.keys import is_page_hash
+from storage_backends.locks import ForkSafeLock
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class KeyEventListener:
         self._make_client = make_client
         self._prefix = prefix
         self._name = name
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._hashes: deque[str] = deque(maxlen=max_kept)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

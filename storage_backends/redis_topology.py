@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from collections.abc import Callable, Sequence
 
 from storage_backends.errors import StorageConfigError
+from storage_backends.locks import ForkSafeLock
 from storage_backends.redis_client import STORE_ERRORS, StoreClient
 from storage_backends.resilience import CircuitBreaker, ExponentialJitterBackoff
 from storage_backends.settings import RedisSettings
@@ -34,7 +34,7 @@ class Topology:
         self._client = client
         self._counters = counters
         self._key = key
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._closed = False
         self._nodes: dict[str, CircuitBreaker] = {}
         self.store = self._breaker(name, self.probe)

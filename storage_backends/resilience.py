@@ -24,6 +24,8 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
+from storage_backends.locks import ForkSafeLock
+
 log = logging.getLogger(__name__)
 
 
@@ -82,7 +84,7 @@ class CircuitBreaker:
         self._probe = probe
         self._backoff = backoff
         self._on_change = on_change
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._up = True
         self._consecutive = 0
         self._stop = threading.Event()
@@ -132,7 +134,6 @@ class CircuitBreaker:
     # -- internals ------------------------------------------------------------------
 
     def _after_fork(self) -> None:
-        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = None
         self._pid = os.getpid()

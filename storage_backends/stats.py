@@ -6,8 +6,9 @@ immutable ``StorageStats`` the metrics layer can read without locking.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import asdict, dataclass
+
+from storage_backends.locks import ForkSafeLock
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class StatsCounter:
     """Monotonic counters, updated by any thread."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._values = dict.fromkeys(_FIELDS, 0)
 
     def add(self, **deltas: int) -> None:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 import time
 
 import pytest
 
 from storage_backends import InvalidPageHash, PageLayout, StorageBackend
+from storage_backends import locks as fork_safe_locks
+from storage_backends.locks import ForkSafeLock
 from tests.storage.conftest import LAYOUT, BackendFactory, buffers, random_hashes, random_pages
 
 
@@ -210,6 +213,39 @@ def _child_round_trip(be: StorageBackend, conn: mp.connection.Connection) -> Non
     into = buffers(3)
     got = be.batch_get(h, into)
     conn.send((h, ok, got, [bytes(b) == p for b, p in zip(into, pages, strict=True)]))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_fork_while_a_thread_holds_the_backends_locks_leaves_the_child_working(make_backend: BackendFactory) -> None:
+    """A lock another thread held at the fork is never released in the child (that thread is
+    not there): the child must find every lock of the backend free."""
+    be = make_backend()
+    be.batch_set(random_hashes(1), random_pages(1))
+    holding, release = threading.Event(), threading.Event()
+    held: list[ForkSafeLock] = []
+
+    def hold() -> None:
+        held.extend(lock for lock in list(fork_safe_locks._ALL) if lock.acquire(timeout=5))
+        holding.set()
+        release.wait(30)
+        for lock in held:
+            lock.release()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert holding.wait(30) and held
+    ctx = mp.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    p = ctx.Process(target=_child_round_trip, args=(be, child_end))
+    p.start()
+    release.set()
+    holder.join(30)
+    assert parent_end.poll(60), "the forked child hung on a lock its parent's thread held"
+    h, ok, got, same = parent_end.recv()
+    p.join(30)
+    assert p.exitcode == 0
+    assert ok == got == same == [True] * 3
+    assert be.batch_exists(h) == 3
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
