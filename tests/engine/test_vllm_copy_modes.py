@@ -35,6 +35,12 @@ PROMPTS = [[random.Random(40 + i).randrange(1, 1000) for _ in range(n)]
 IN_FLIGHT = [[random.Random(80 + i).randrange(1, 1000) for _ in range(n)] for i, n in enumerate([270, 200, 310, 180])]
 """Prompts D asks for right after P answered them, while P's lagging copy thread still saves them."""
 SHORT = list(range(1, 21))  # shorter than a block: neither looked up nor saved
+COPY_LAG_S = 0.3
+"""P's copy thread sleeps this long before each save: D's lookups, made a few ms after P
+answered, meet saves still in flight even on a busy machine."""
+SAVE_WAIT_MS = 10_000
+"""How long D's lookups may wait for P's saves here (the default, 500 ms, is for a copy that
+takes milliseconds; these are slowed on purpose, one after another)."""
 P_BLOCKS = 40  # P's KV space: 1,280 tokens, three or four of these requests at a time
 
 
@@ -84,11 +90,13 @@ def pair(checkpoints: dict[str, Path], engines: Engines, tmp_path_factory: pytes
     alone.stop()
     reference = {tuple(p): o for p, o in zip(PROMPTS + IN_FLIGHT, out["outputs"], strict=True)}
     tmp = tmp_path_factory.mktemp("copy-modes")
-    daemon = Daemon(tmp, engine_config(model, short_dir_module), "daemon")
+    cfg = engine_config(model, short_dir_module)
+    cfg["engine"]["save_wait_ms"] = SAVE_WAIT_MS
+    daemon = Daemon(tmp, cfg, "daemon")
     daemon.start()
     try:
         prefill = engines.start(model, "prefill", kv_transfer=_connector(daemon, "kv_producer"), log_stats=True, dtype="float32",
-                                num_blocks=P_BLOCKS, max_model_len=512, env={SLOW_COPIES_ENV: "0.05"})
+                                num_blocks=P_BLOCKS, max_model_len=512, env={SLOW_COPIES_ENV: str(COPY_LAG_S)})
         decode = engines.start(model, "decode", kv_transfer=_connector(daemon, "kv_consumer"), log_stats=True, dtype="float32",
                                max_model_len=512, env={FAIL_LOADS_ENV: "1"})
         yield Pair(daemon, prefill, decode, reference)
@@ -139,7 +147,7 @@ def test_the_decode_engine_loads_asynchronously_and_gives_vllm_alones_tokens(pai
 
 def test_the_decode_engine_waits_for_saves_in_flight_and_loads_every_page(pair: Pair) -> None:
     waits = pair.engine_stats()["lookup_save_waits"]
-    prefilled = pair.prefill.generate(IN_FLIGHT, 1)  # P's copy thread sleeps 50 ms before each save
+    prefilled = pair.prefill.generate(IN_FLIGHT, 1)  # P's copy thread sleeps COPY_LAG_S before each save
     pair.check(prefilled, IN_FLIGHT, 1)
     out = pair.decode.generate(IN_FLIGHT, MAX_TOKENS)  # at once: P still saves
     pair.check(out, IN_FLIGHT)

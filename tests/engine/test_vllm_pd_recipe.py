@@ -92,7 +92,9 @@ def recipe(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     model = checkpoints["qwen2-fp32"]
     logs = tmp_path_factory.mktemp("pd-recipe")
     run_dir = Path(tempfile.mkdtemp(prefix="hpd", dir="/tmp"))  # unix socket paths stay short
-    daemon = Daemon(logs, engine_config(model, run_dir), "daemon")
+    cfg = engine_config(model, run_dir)
+    cfg["engine"]["save_wait_ms"] = 10_000  # the decode leg waits for the prefill's save even on a busy machine
+    daemon = Daemon(logs, cfg, "daemon")
     daemon.start()
     servers: list[OpenAIServer] = []
     proxy = None
