@@ -81,9 +81,12 @@ def test_hybrid_prefix_from_file_l3_after_flush_and_restart(tmp_path: Path, kind
 
 
 @pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server not installed (apt-get install redis-server)")
-@pytest.mark.parametrize("ps", [1, 16])
+@pytest.mark.parametrize("ps", [1])
 @pytest.mark.parametrize("kind", list(LAYERS))
 def test_hybrid_prefix_from_redis_l3_after_flush_and_restart(tmp_path: Path, kind: str, ps: int) -> None:
+    """Redis at one page size: the page size changes how many objects the controller writes
+    and their sizes, not the code that writes them (the file half runs pages 1, 16 and 64
+    through the same storage I/O); page 1 gives Redis the most objects per batch."""
     with started(tmp_path / "redis") as server:
         _round(tmp_path, kind, ps, {"backend": "redis", "redis": {"url": server.url, "key_prefix": "hyb",
                                                                    "timeout_s": 2.0}}, "redis")
