@@ -82,6 +82,21 @@ class FakeEngine:
         self._thread.join(10)
 
 
+def wait_serving(url: str, proc: subprocess.Popen[bytes], log: Path, what: str, timeout_s: float) -> None:
+    """Until ``GET {url}/health`` answers 200; fails with the log's tail if ``proc`` exits or
+    ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, f"{what} exited:\n{log.read_text()[-4000:]}"
+        try:
+            if requests.get(f"{url}/health", timeout=2).ok:
+                return
+        except requests.ConnectionError:
+            pass
+        assert time.monotonic() < deadline, f"{what} did not start:\n{log.read_text()[-4000:]}"
+        time.sleep(0.1)
+
+
 class ProxyProcess:
     def __init__(self, prefill: list[str], decode: list[str], log: Path, timeout_s: float = 600.0) -> None:
         self.port = free_port()
@@ -92,16 +107,7 @@ class ProxyProcess:
             args += ["--decode", u]
         self.log = log
         self.proc = subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while True:
-            assert self.proc.poll() is None, log.read_text()
-            try:
-                if requests.get(f"{self.url}/health", timeout=1).ok:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+        wait_serving(self.url, self.proc, log, "the proxy", 30)
 
     @property
     def url(self) -> str:

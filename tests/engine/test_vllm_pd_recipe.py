@@ -14,7 +14,6 @@ import os
 import random
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ import requests
 
 from hicache.bench.engine_lib.vllm_driver import connector_config
 from hicache.bench.loopback_ports import free_port
-from tests.engine.test_pd_proxy import ProxyProcess
+from tests.engine.test_pd_proxy import ProxyProcess, wait_serving
 from tests.support.daemon import Daemon
 from tests.support.vllm_engines import HAVE_VLLM, NO_VLLM, engine_config, expected_hit, worker_cores
 
@@ -55,16 +54,7 @@ class OpenAIServer:
         return f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert self.proc.poll() is None, f"vLLM's server exited:\n{self.log.read_text()[-4000:]}"
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).ok:
-                    return
-            except requests.ConnectionError:
-                pass
-            assert time.monotonic() < deadline, f"vLLM's server did not start:\n{self.log.read_text()[-4000:]}"
-            time.sleep(0.5)
+        wait_serving(self.url, self.proc, self.log, "vLLM's server", timeout_s)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
