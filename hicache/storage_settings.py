@@ -80,7 +80,8 @@ def storage_settings_from_config(l3cfg: Any) -> Any:
     ``RedisSettings`` for ``redis`` and a plug-in's settings (from ``options``) for a kind
     an installed package provides; settings the section does not name keep the
     backends' defaults. Duck-typed, so anything with the same attributes works: reads
-    ``backend``, ``file.dir``, ``file.max_size_gb``, optional ``file.fsync``; those of
+    ``backend``, ``file.dir``, ``file.max_size_gb``, optional ``file.fsync`` and
+    ``file.timeout_s``; those of
     ``REDIS_CONFIG_KEYS`` and ``timeout_s`` that ``redis`` has; ``options`` for a plug-in. Raises
     ``StorageConfigError`` (a ``ValueError``) for an unknown backend or a value the settings
     refuse; never touches the store, and never reads a password file or variable (the
@@ -93,10 +94,12 @@ def storage_settings_from_config(l3cfg: Any) -> Any:
         return None
     if backend == "file":
         f = l3cfg.file
+        timeout = getattr(f, "timeout_s", None)
         return FileSettings(
             dir=str(f.dir),
             max_size_gb=float(f.max_size_gb),
             fsync=bool(getattr(f, "fsync", False)),
+            resilience=ResilienceSettings(timeout_s=float(timeout)) if timeout else ResilienceSettings(),
         )
     if backend == "redis":
         r = l3cfg.redis

@@ -128,6 +128,9 @@ class FileStoreConfig:
     dir: str = field(default_factory=default_l3_dir)
     max_size_gb: float = 10.0
     fsync: bool = False
+    timeout_s: float = 2.0
+    """Each store call's deadline: a page whose I/O has not started by then is a miss
+    (a read) or a failed write (its backup is tried again later)."""
 
 
 @dataclass(frozen=True)

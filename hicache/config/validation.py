@@ -261,6 +261,7 @@ def _check_l3_section(l3: L3Config, path: str, ck: _Checks, in_use: bool) -> Non
         ck.bad(f"{path}.{key}", reason)
     if l3.backend == "file":
         ck.positive(f"{path}.file.max_size_gb", l3.file.max_size_gb)
+        ck.positive(f"{path}.file.timeout_s", l3.file.timeout_s)
         if not l3.file.dir:
             ck.bad(f"{path}.file.dir", "must not be empty")
     r = l3.redis

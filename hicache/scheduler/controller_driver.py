@@ -17,7 +17,9 @@ write (d2h)     ``issue_writes`` (write policy)  ``finish_write(ok)``; then an `
 load (h2d)      ``start_load_back`` (admission)  ``finish_load_back(ok)``;     ``finish_load_back(fail)``:
                                                  the ticket becomes ``done``,  nodes L2-only again, the
                                                  ``on_message`` returns it     request recomputes
-backup (h2s)    after a write                    ``finish_backup``             ``finish_backup``
+backup (h2s)    after a write                    ``finish_backup``             ``finish_backup``; its nodes
+                                                                               are backed up again later
+                                                                               (``retry_backups``)
 prefetch query  ``start_prefetch``               (``PrefetchHits``) reserve    ticket done with 0 pages
                                                  L2 pages, send the fetch
 prefetch fetch  after the query                  ``insert_host`` of the pages  reserved L2 pages freed
@@ -54,11 +56,19 @@ is known to serve, and then no op is started): a controller refuses an op of ano
 so an op queued for a dead controller can never copy into pages freed since, even when
 the scheduler learns of the death after the next controller is up. The caller also drops
 the messages not yet delivered (``ControllerLink.reset``).
+
+A backup that failed (the store refused or timed out, or its controller died) is tried again:
+its span (the node and the ``npages`` pages above it, split or not since) waits in a queue
+for ``BACKUP_RETRY_DELAYS_S[attempt]`` and is backed up again by ``retry_backups`` (the
+loop's housekeeping) once a controller serves with L3 on; the nodes that left L2 meanwhile
+are skipped. After the last delay, or with ``BACKUP_RETRY_QUEUE`` spans already waiting,
+the pages stay in L2 only (``backups_abandoned``).
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
 import itertools
 import logging
 import time
@@ -78,6 +88,12 @@ COPY_PATIENCE_S = 2.0
 frozen: no new L2 write starts then (a write locks its node's path in L1 until answered,
 so writes to a frozen controller would lock L1 away from requests that need no tier)."""
 
+BACKUP_RETRY_DELAYS_S = (1.0, 5.0, 30.0)
+"""Seconds after a backup's first, second and third failure before its nodes are backed up
+again; a fourth failure abandons them (they stay in L2 only, until evicted)."""
+BACKUP_RETRY_QUEUE = 4096
+"""Failed backups waiting for a retry at most; one more is abandoned at once."""
+
 
 @dataclass
 class TierCounters:
@@ -91,6 +107,10 @@ class TierCounters:
     backups: int = 0
     backup_tokens: int = 0
     backups_failed: int = 0
+    backup_retries: int = 0
+    """Backups sent again for the nodes of a failed one (``retry_backups``)."""
+    backups_abandoned: int = 0
+    """Failed backups given up on: their pages reach L3 only if written again."""
     prefetch_queries: int = 0
     prefetch_hit_tokens: int = 0
     prefetch_tokens: int = 0
@@ -177,7 +197,8 @@ class InFlightOp:
     """One entry of the registry: a controller op sent and not yet ended.
 
     ``transfer``: the tree's op (write, load, backup); ``load``: the ticket of a load;
-    ``prefetch``: the ticket of a query or fetch; ``started``: when it was sent.
+    ``prefetch``: the ticket of a query or fetch; ``started``: when it was sent;
+    ``attempt``: a backup's retries before this one (0: its first try).
     """
 
     op_id: int
@@ -186,6 +207,20 @@ class InFlightOp:
     transfer: TierOp | None = None
     load: LoadTicket | None = None
     prefetch: PrefetchTicket | None = None
+    attempt: int = 0
+
+
+@dataclass(order=True)
+class BackupRetry:
+    """The nodes of a failed backup, waiting to be backed up again: ``node`` and the
+    ``npages`` pages from its end upward (the backup's span; a split since adds nodes above
+    ``node``, which keeps the lower part). ``due``: when; ``attempt``: the retry it will be."""
+
+    due: float
+    seq: int
+    node: TreeNode = field(compare=False)
+    npages: int = field(compare=False)
+    attempt: int = field(compare=False)
 
 
 class ControllerDriver:
@@ -227,6 +262,7 @@ class ControllerDriver:
         self._ids = itertools.count(1)
         self._prefetch_reserved = 0
         self._aux_reserved: dict[str, int] = {}
+        self._backup_retries: list[BackupRetry] = []  # a heap, soonest first
         self.write_gate: Callable[[TreeNode], bool] | None = None
         """Whether L1 can spare what a write of a node locks while it copies (the scheduler's
         budget, ``L1Budget.fits`` of ``write_cost``); None: always."""
@@ -253,9 +289,15 @@ class ControllerDriver:
             return 0.0
         return self.clock() - min(e.started for e in self._inflight.values())
 
+    @property
+    def backups_waiting(self) -> int:
+        """Failed backups waiting for their retry."""
+        return len(self._backup_retries)
+
     def _register(self, op_id: int, kind: OpKind, *, transfer: TierOp | None = None,
-                  load: LoadTicket | None = None, prefetch: PrefetchTicket | None = None) -> None:
-        self._inflight[op_id] = InFlightOp(op_id, kind, self.clock(), transfer, load, prefetch)
+                  load: LoadTicket | None = None, prefetch: PrefetchTicket | None = None,
+                  attempt: int = 0) -> None:
+        self._inflight[op_id] = InFlightOp(op_id, kind, self.clock(), transfer, load, prefetch, attempt)
 
     # ------------------------------------------------------------------ L1 -> L2
     def issue_writes(self, limit: int | None = None) -> int:
@@ -309,19 +351,57 @@ class ControllerDriver:
         return ticket
 
     # ------------------------------------------------------------------ L2 -> L3
-    def back_up(self, node: TreeNode) -> None:
-        """Write ``node``'s L2 pages to L3 (no-op with L3 off or no L2 copy)."""
+    def back_up(self, node: TreeNode, attempt: int = 0) -> None:
+        """Write ``node``'s L2 pages to L3 (no-op with L3 off or no L2 copy); ``attempt``:
+        how many retries came before (``retry_backups``)."""
         if not self.l3_enabled or self.run is None:
             return
         op = self.cache.tiers.start_backup(node)
         if op is None:
             return
         op_id = next(self._ids)
-        self._register(op_id, OpKind.BACKUP, transfer=op)
+        self._register(op_id, OpKind.BACKUP, transfer=op, attempt=attempt)
         aux_pages = {name: list(op.transfers[name][0]) for name in op.aux_keys}
         self.send(protos.BackupToStorage(op_id, list(op.transfers["full"][0]), list(op.hashes), "full",
                                          aux_pages, {name: list(k) for name, k in op.aux_keys.items()},
                                          self._partition(node.root.salt or ""), self.run))
+
+    def retry_backups(self) -> int:
+        """Back up again the nodes of the failed backups whose delay has passed, while a
+        controller serves with L3 on (otherwise they keep waiting); returns how many
+        backups were sent. A node no longer in L2 (evicted, or gone from the tree) is
+        skipped: there is nothing to back up."""
+        if not self._backup_retries or self.run is None or not self.l3_enabled:
+            return 0
+        now, sent = self.clock(), 0
+        while self._backup_retries and self._backup_retries[0].due <= now:
+            r = heapq.heappop(self._backup_retries)
+            for node in reversed(self._span(r.node, r.npages)):  # parents first
+                before = self.in_flight
+                self.back_up(node, r.attempt)
+                sent += self.in_flight - before
+        self.counters.backup_retries += sent
+        return sent
+
+    def _retry_later(self, op: TierOp, attempt: int) -> None:
+        """Queue the span of a failed backup for retry ``attempt + 1``, or abandon it."""
+        if attempt >= len(BACKUP_RETRY_DELAYS_S) or len(self._backup_retries) >= BACKUP_RETRY_QUEUE:
+            self.counters.backups_abandoned += 1
+            log.warning("an L3 backup of %d pages failed %d times: they stay in L2 only", op.npages, attempt + 1)
+            return
+        heapq.heappush(self._backup_retries, BackupRetry(self.clock() + BACKUP_RETRY_DELAYS_S[attempt],
+                                                         next(self._ids), op.node, op.npages, attempt + 1))
+
+    def _span(self, node: TreeNode, npages: int) -> list[TreeNode]:
+        """The nodes from ``node`` upward that hold its last ``npages`` pages (lowest first);
+        [] once ``node`` has left the tree (a detached node has no parent)."""
+        out: list[TreeNode] = []
+        n: TreeNode | None = node
+        while npages > 0 and n is not None and n.parent is not None:
+            out.append(n)
+            npages -= len(n.key) // self.cache.page_size
+            n = n.parent
+        return out
 
     def _partition(self, cache_salt: str) -> str:
         return self.l3_partition(cache_salt) if self.l3_partition is not None else ""
@@ -515,6 +595,7 @@ class ControllerDriver:
                 self.counters.backup_tokens += e.transfer.npages * cache.page_size
             else:
                 self.counters.backups_failed += 1
+                self._retry_later(e.transfer, e.attempt)
         elif e.kind is OpKind.QUERY:
             assert e.prefetch is not None
             e.prefetch.complete = True

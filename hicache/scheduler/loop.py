@@ -12,7 +12,8 @@
    ``events.enabled``, publish the round's tier changes as one KV event batch
    (``hicache.kv_events``, never waiting);
 4. ask the launcher, once, to restart a controller that has left an op unanswered for
-   ``server.controller_op_timeout_s``;
+   ``server.controller_op_timeout_s``; back up again the failed L3 backups whose delay has
+   passed (``ControllerDriver.retry_backups``);
 5. settle the garbage collector (``hicache.runtime.gc_guard``: what survived since the last settle
    is frozen, so no collection walks the whole tree); publish telemetry every
    ``METRICS_INTERVAL_S``; run the idle integrity check while ``idle()``, every
@@ -290,8 +291,11 @@ class ProcessLoop(abc.ABC):
         self.log.info("%s stopped", self.title)
 
     def housekeeping(self) -> None:
-        """Steps 4 and 5 of a round: the controller watchdog, telemetry, the idle check."""
+        """Steps 4 and 5 of a round: the controller watchdog, the failed L3 backups' retries,
+        telemetry, the idle check."""
         self.watch_controller()
+        if self.tier is not None:
+            self.tier.retry_backups()
         now = self.clock()
         if self._metrics.due(now):
             self.telemetry.publish()

@@ -13,7 +13,7 @@ import protos
 from hicache.config import PrefetchConfig
 from hicache.hashing import HashNamespace
 from hicache.memory.allocator import PageAllocator
-from hicache.scheduler.controller_driver import ControllerDriver
+from hicache.scheduler.controller_driver import BACKUP_RETRY_DELAYS_S, ControllerDriver
 from hicache.tree import FullComponent, UnifiedRadixCache
 
 
@@ -23,13 +23,14 @@ def _key(s: str) -> array:
 
 class Rig:
     def __init__(self) -> None:
+        self.now = 100.0
         self.dev = PageAllocator(64, "l1")
         self.host = PageAllocator(64, "l2")
         self.cache = UnifiedRadixCache([FullComponent(self.dev, self.host)], 1,
                                        hasher=HashNamespace("test-model", "bf16", 1))
         self.sent: list[protos.ControllerMessage] = []
         self.tier = ControllerDriver(self.cache, self.sent.append, load_back_threshold=1, l3_enabled=True,
-                                prefetch=PrefetchConfig(threshold_tokens=1))
+                                prefetch=PrefetchConfig(threshold_tokens=1), clock=lambda: self.now)
 
     def compute(self, s: str) -> None:
         key = _key(s)
@@ -127,3 +128,109 @@ def test_controller_loss_ends_every_op_once_and_gives_back_what_each_held() -> N
     rig.cache.check_integrity(exact=True)
     m = rig.cache.match_prefix(_key("abcdef"))
     assert m.device_len == 0 and m.host_hit_length == 6  # L2-only again: it can load later
+
+
+def _fail(rig: Rig, msg: protos.ControllerMessage) -> None:
+    assert rig.tier.on_message(protos.OpDone(msg.op_id, "failed", 0, error="store timed out")) is None
+
+
+def test_a_failed_backup_is_tried_again_after_its_delay_until_one_succeeds() -> None:
+    rig = Rig()
+    rig.compute("abcdef")
+    rig.tier.issue_writes()
+    (w,) = rig.take(protos.WriteToHost)
+    rig.ok(w)
+    (b,) = rig.take(protos.BackupToStorage)
+    _fail(rig, b)
+    assert rig.tier.counters.backups_failed == 1 and rig.tier.backups_waiting == 1
+    assert rig.tier.retry_backups() == 0 and not rig.sent  # not due yet
+    rig.now += BACKUP_RETRY_DELAYS_S[0]
+    assert rig.tier.retry_backups() == 1
+    (again,) = rig.take(protos.BackupToStorage)
+    assert again.op_id != b.op_id and again.hashes == b.hashes and again.host_pages == b.host_pages
+    assert rig.ok(again) is None
+    c = rig.tier.counters
+    assert (c.backups, c.backups_failed, c.backup_retries, c.backups_abandoned) == (1, 1, 1, 0)
+    assert rig.tier.backups_waiting == 0 and rig.cache.tiers.open_transfers == 0
+    rig.cache.check_integrity(exact=True)
+
+
+def test_a_backup_that_keeps_failing_is_abandoned_after_the_last_delay() -> None:
+    rig = Rig()
+    rig.compute("abcdef")
+    rig.tier.issue_writes()
+    rig.ok(rig.take(protos.WriteToHost)[0])
+    _fail(rig, rig.take(protos.BackupToStorage)[0])
+    for delay in BACKUP_RETRY_DELAYS_S:
+        rig.now += delay
+        assert rig.tier.retry_backups() == 1
+        _fail(rig, rig.take(protos.BackupToStorage)[0])
+    c = rig.tier.counters
+    assert (c.backups_failed, c.backup_retries, c.backups_abandoned) == (len(BACKUP_RETRY_DELAYS_S) + 1,
+                                                                      len(BACKUP_RETRY_DELAYS_S), 1)
+    rig.now += 3600
+    assert rig.tier.retry_backups() == 0 and not rig.sent and rig.tier.backups_waiting == 0
+    assert rig.cache.match_prefix(_key("abcdef")).device_len == 6  # the data itself is untouched
+    rig.cache.check_integrity(exact=True)
+
+
+def _written_with_failed_backup(rig: Rig, s: str) -> protos.BackupToStorage:
+    rig.compute(s)
+    rig.tier.issue_writes()
+    for w in rig.take(protos.WriteToHost):
+        rig.ok(w)
+    (b,) = rig.take(protos.BackupToStorage)
+    _fail(rig, b)
+    return b
+
+
+def test_a_retry_covers_a_span_split_since() -> None:
+    rig = Rig()
+    failed = _written_with_failed_backup(rig, "abcdef")
+    key = _key("abcXYZ")  # splits abcdef at abc: a new node above it holds abc
+    pages = rig.dev.alloc(6)
+    assert pages is not None
+    res = rig.cache.insert(key, pages)
+    assert res.prefix_len == 3
+    rig.dev.free(pages[:3])
+    rig.now += BACKUP_RETRY_DELAYS_S[0]
+    assert rig.tier.retry_backups() == 2  # abc, then def: abcdef's span in two nodes
+    sent = rig.take(protos.BackupToStorage)
+    assert [len(b.host_pages) for b in sent] == [3, 3]
+    assert sent[0].hashes + sent[1].hashes == failed.hashes
+    assert sent[0].host_pages + sent[1].host_pages == failed.host_pages
+    for b in sent:
+        rig.ok(b)
+    assert rig.tier.backups_waiting == 0 and rig.cache.tiers.open_transfers == 0
+    rig.cache.check_integrity(exact=True)
+
+
+def test_a_retry_skips_pages_that_left_l2() -> None:
+    rig = Rig()
+    _written_with_failed_backup(rig, "abcdef")
+    rig.cache.evict(full_tokens=6)
+    rig.cache.host.evict_host(6)
+    m = rig.cache.match_prefix(_key("abcdef"))
+    assert m.device_len == 0 and m.host_hit_length == 0
+    rig.now += BACKUP_RETRY_DELAYS_S[0]
+    assert rig.tier.retry_backups() == 0 and not rig.sent and rig.tier.backups_waiting == 0
+    rig.cache.check_integrity(exact=True)
+
+
+def test_backups_lost_with_their_controller_wait_for_the_next_one() -> None:
+    rig = Rig()
+    rig.compute("abcdef")
+    rig.tier.issue_writes()
+    rig.ok(rig.take(protos.WriteToHost)[0])
+    (b,) = rig.take(protos.BackupToStorage)
+    rig.tier.on_controller_lost()
+    rig.tier.run = None
+    rig.now += 60
+    assert rig.tier.retry_backups() == 0 and rig.tier.backups_waiting == 1  # no controller
+    rig.tier.run = 2
+    rig.tier.l3_enabled = False
+    assert rig.tier.retry_backups() == 0 and rig.tier.backups_waiting == 1  # L3 not confirmed yet
+    rig.tier.l3_enabled = True
+    assert rig.tier.retry_backups() == 1
+    (again,) = rig.take(protos.BackupToStorage)
+    assert again.run == 2 and again.hashes == b.hashes

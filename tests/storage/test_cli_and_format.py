@@ -124,6 +124,11 @@ def test_settings_from_the_real_config(tmp_path: Path) -> None:
     cfg = config.load_config(None, [f"cache.l3.file.dir={tmp_path}"])
     s = storage_settings_from_config(cfg.cache.l3)
     assert isinstance(s, FileSettings) and s.dir == str(tmp_path)
+    assert s.resilience.timeout_s == 2.0
+    cfg = config.load_config(None, [f"cache.l3.file.dir={tmp_path}", "cache.l3.file.timeout_s=7.5"])
+    assert storage_settings_from_config(cfg.cache.l3).resilience.timeout_s == 7.5
+    with pytest.raises(config.ConfigError, match="cache.l3.file.timeout_s"):
+        config.load_config(None, [f"cache.l3.file.dir={tmp_path}", "cache.l3.file.timeout_s=0"])
     for backend in BUILTIN_L3_BACKENDS:
         assert config.load_config(None, [f"cache.l3.backend={backend}"]).cache.l3.backend == backend
     r = storage_settings_from_config(config.load_config(None, ["cache.l3.backend=redis"]).cache.l3)
