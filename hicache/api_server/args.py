@@ -31,7 +31,10 @@ class TokenizerArgs:
     ``GET /health``; the launcher may update an entry later by pushing ``Ready(name, pid)``
     to the tokenizer's address. ``grace_s`` bounds the drain on SIGTERM/SIGINT/``Shutdown``;
     ``max_body_bytes`` is the request body limit (413 above it); ``admin_timeout_s`` how long
-    an admin route waits for the scheduler (504 after it).
+    an admin route waits for the scheduler (504 after it). ``hold_port``: the launcher starts
+    this process beside the scheduler; it loads what it needs, then waits for the launcher's
+    ``Ready("scheduler", pid)`` on its own address before it pins ``cache.pinned`` and opens
+    the HTTP port (nothing reaches a scheduler that is not ready).
     """
 
     config: HicacheConfig
@@ -41,3 +44,4 @@ class TokenizerArgs:
     grace_s: float = DEFAULT_GRACE_S
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     admin_timeout_s: float = DEFAULT_ADMIN_TIMEOUT_S
+    hold_port: bool = False

@@ -5,7 +5,9 @@ metrics (``init_process_metrics``), the tokenizer and the model limits, the API 
 (``server.api_key`` / ``server.api_keys``: key files and variables are read now), the
 ZeroMQ link (binds ``endpoints.address("tokenizer")``), the HTTP server on
 ``server.host:server.port`` (its read deadlines ``server.header_timeout_s`` /
-``server.body_timeout_s``), then ``Ready("tokenizer", pid)`` to ``args.ready_address``. Any
+``server.body_timeout_s``), then ``Ready("tokenizer", pid)`` to ``args.ready_address``. With
+``args.hold_port`` (the launcher's start) the process waits, after binding its ZeroMQ link,
+for the launcher's ``Ready("scheduler", pid)`` before it pins and opens the HTTP port. Any
 failure before Ready (a port or socket address in use, an unreadable tokenizer, a bad model
 config, a key file that cannot be read: the reason, never a key) is logged and the process
 exits with code 1 without sending Ready.
@@ -92,10 +94,15 @@ async def _serve(args: TokenizerArgs) -> None:
     cfg = args.config
     pids = {"tokenizer": os.getpid(), **args.process_pids}
 
+    scheduler_ready = asyncio.Event()
+
     def on_control(msg: protos.Message) -> None:
         if isinstance(msg, protos.Ready):
-            log.info("%s is now pid %d", msg.process, msg.pid)
+            if pids.get(msg.process) != msg.pid:
+                log.info("%s is now pid %d", msg.process, msg.pid)
             pids[msg.process] = msg.pid
+            if msg.process == "scheduler":
+                scheduler_ready.set()
         elif isinstance(msg, protos.Shutdown):
             log.info("shutdown requested by the launcher%s", f": {msg.reason}" if msg.reason else "")
             stop.set()
@@ -130,6 +137,9 @@ async def _serve(args: TokenizerArgs) -> None:
     set_up = False
     try:
         link.start()
+        if args.hold_port and not await _first_of(scheduler_ready, stop):
+            log.info("tokenizer stopped before the scheduler was ready")
+            return
         if cfg.cache.pinned and cfg.engine.kind == "builtin":  # before the port opens: the first request finds
             # them (in engine mode the cache server starts them itself, as engines register)
             pinning = asyncio.ensure_future(pin_configured(link, tokenizer, cfg))
@@ -166,6 +176,15 @@ async def _serve(args: TokenizerArgs) -> None:
         if api.request_log is not None:
             api.request_log.close()
     log.info("tokenizer stopped")
+
+
+async def _first_of(wanted: asyncio.Event, stop: asyncio.Event) -> bool:
+    """Wait until ``wanted`` or ``stop`` is set; True when ``wanted`` is."""
+    waits = {asyncio.ensure_future(wanted.wait()), asyncio.ensure_future(stop.wait())}
+    _done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in pending:
+        w.cancel()
+    return wanted.is_set()
 
 
 async def _drain(api: HttpApi, runner: web.AppRunner, link: SchedulerLink, grace_s: float) -> None:

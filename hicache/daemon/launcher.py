@@ -8,11 +8,12 @@ the process and the reason):
    (``hicache.daemon.startup_checks.startup_problems``: the model, its geometry, the memory its
    pools need); exit 2 with every problem and its key path;
 2. create the private runtime directory, the metrics directory and the shared-memory pools;
-3. spawn the cache controller (when L2 is on) and the scheduler side by side, wait for both
-   ``Ready``, then spawn the tokenizer (it opens the HTTP port once it is ready: nothing reaches
-   a scheduler that is not) and wait for its ``Ready`` (``START_TIMEOUT_S`` each wait). The
-   two first need nothing from each other to start: what one sends the other waits in its
-   socket until the other reads it.
+3. spawn the cache controller (when L2 is on), the scheduler and the tokenizer side by side;
+   wait for the first two's ``Ready``, then tell the tokenizer (``Ready("scheduler", pid)``
+   pushed to its address: it has loaded its tokenizer meanwhile, and holds its HTTP port until
+   then, so nothing reaches a scheduler that is not ready) and wait for its ``Ready``
+   (``START_TIMEOUT_S`` each wait). None needs anything from another to start: what one
+   sends another waits in its socket until the other reads it.
 
 Supervision (the loop in ``Launcher.supervise``):
 
@@ -209,14 +210,15 @@ class Launcher:
         code = 1
         try:
             try:
-                ctx = open_context(endpoints)
+                ctx = context = open_context(endpoints)
             except CurveKeyError as exc:  # the start checks loaded them: changed on disk since
                 raise StartError(f"cannot load the CURVE keys (ipc.curve_keys_dir): {exc}") from None
             segments = create_segments(layout)
             inbox = PullSocket(ctx, endpoints.address("launcher"), self._accepts(), bind=True)
             self._define_children(layout, endpoints)
-            self._start([c for n, c in self.children.items() if n != "tokenizer"], inbox)
-            self._start([self.children["tokenizer"]], inbox)
+            tokenizer = self.children["tokenizer"]
+            self._start([c for c in self.children.values() if c is not tokenizer], inbox, held=tokenizer,
+                        release=lambda: self._release_tokenizer(context, endpoints))
             log.info("hicache is serving on http://%s:%d (pids: %s)", cfg.server.host, cfg.server.port,
                      {n: c.pid for n, c in self.children.items()})
             code = self.supervise(inbox, ctx, endpoints)
@@ -317,24 +319,49 @@ class Launcher:
         target: Callable[[SchedulerArgs], None] = run_scheduler if cfg.engine.kind == "builtin" else run_cache_server
         self.children["scheduler"] = _Child("scheduler", target, SchedulerArgs(cfg, layout, endpoints, ready,
                                                                                controller_run=run))
-        self.children["tokenizer"] = _Child("tokenizer", run_tokenizer, TokenizerArgs(cfg, endpoints, ready))
+        self.children["tokenizer"] = _Child("tokenizer", run_tokenizer, TokenizerArgs(cfg, endpoints, ready,
+                                                                                     hold_port=True))
 
     def _spawn(self, child: _Child) -> None:
         child.proc = mp.get_context("spawn").Process(target=child.target, args=(child.args,), name=child.name)
         child.proc.start()
 
-    def _start(self, children: list[_Child], inbox: PullSocket[protos.Message]) -> None:
-        """Spawn ``children`` side by side and return once each has sent its ``Ready``; raises
-        StartError naming the first that fails, exits or is late (``START_TIMEOUT_S``), or
-        when a stop signal arrives. Messages on the inbox other than these are dropped."""
-        import protos
+    def _start(self, children: list[_Child], inbox: PullSocket[protos.Message], *, held: _Child | None = None,
+                release: Callable[[], None] | None = None) -> None:
+        """Spawn ``children`` (then ``held``) side by side and return once each has sent its
+        ``Ready``: ``held`` finishes its start only when told (``release``, called once every
+        one of ``children`` is ready). Raises StartError naming the first that fails, exits or
+        is late (``START_TIMEOUT_S`` each wait), or when a stop signal arrives. Messages on the
+        inbox other than these are dropped."""
         from hicache.api_server.args import TokenizerArgs
 
-        for child in children:
+        for child in [*children, *([held] if held is not None else [])]:
             if isinstance(child.args, TokenizerArgs):  # /health shows the pids of the others
                 pids = {n: c.pid for n, c in self.children.items() if c.proc is not None}
                 child.args = dataclasses.replace(child.args, process_pids=pids)
             self._spawn(child)
+        self._await_ready(children, inbox, [held] if held is not None else [])
+        if held is not None:
+            if release is not None:
+                release()
+            self._await_ready([held], inbox, [])
+
+    def _release_tokenizer(self, ctx: zmq.Context[Any], endpoints: Endpoints) -> None:
+        """Tell the tokenizer (``TokenizerArgs.hold_port``) that the scheduler is ready: it may
+        open the HTTP port. Queued until the tokenizer's address is bound; delivered by the
+        context's I/O thread after this socket is closed."""
+        import protos
+        from hicache.runtime.ipc import PushSocket
+
+        push: PushSocket[protos.Message] = PushSocket(ctx, endpoints.address("tokenizer"))
+        push.send(protos.Ready("scheduler", self.children["scheduler"].pid))
+        push.close(linger_ms=int(START_TIMEOUT_S * 1000))
+
+    def _await_ready(self, children: list[_Child], inbox: PullSocket[protos.Message], also_alive: list[_Child]) -> None:
+        """Wait for each of ``children``'s ``Ready`` (``_start``'s errors), and meanwhile for
+        each of ``also_alive`` to be alive."""
+        import protos
+
         waiting = {c.name: c for c in children}
         deadline = time.monotonic() + START_TIMEOUT_S
         while waiting and time.monotonic() < deadline:
@@ -345,7 +372,7 @@ class Launcher:
                 del waiting[msg.process]
             elif isinstance(msg, protos.ProcessEvent) and msg.process in waiting and msg.event == "failed":
                 raise StartError(f"the {msg.process} failed to start: {msg.detail}")
-            for child in waiting.values():
+            for child in [*waiting.values(), *also_alive]:
                 if not child.process.is_alive():
                     raise StartError(f"the {child.name} exited during start with code {child.process.exitcode} "
                                      "(see its log above)")

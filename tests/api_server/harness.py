@@ -43,7 +43,7 @@ class TokenizerProcess:
     """The process, its endpoints, its log file, and a small HTTP client."""
 
     def __init__(self, tmp: Path, overrides: dict[str, Any] | None = None, pids: dict[str, int] | None = None,
-                 grace_s: float = 5.0, admin_timeout_s: float = 10.0) -> None:
+                 grace_s: float = 5.0, admin_timeout_s: float = 10.0, hold_port: bool = False) -> None:
         raw: dict[str, Any] = {"server": {"port": free_port()}, "logging": {"level": "info"},
                                "model": {"reference": {"preset": "tiny", "max_context": 512}},
                                "scheduler": {"max_new_tokens_limit": 256, "default_max_new_tokens": 16}}
@@ -57,13 +57,21 @@ class TokenizerProcess:
         self.ctx = zmq.Context()
         self.ready: PullSocket[protos.Message] = PullSocket(self.ctx, self.endpoints.address("launcher"), (protos.Ready,))
         self.args = TokenizerArgs(self.config, self.endpoints, self.endpoints.address("launcher"),
-                                  dict(pids or {}), grace_s=grace_s, admin_timeout_s=admin_timeout_s)
+                                  dict(pids or {}), grace_s=grace_s, admin_timeout_s=admin_timeout_s,
+                                  hold_port=hold_port)
         self.proc: mp.process.BaseProcess | None = None
 
     def start(self, timeout_s: float = 60.0) -> None:
+        self.spawn()
+        self.wait_ready(timeout_s)
+
+    def spawn(self) -> None:
         self.proc = mp.get_context("spawn").Process(target=_run_with_log, args=(self.args, str(self.log_path)),
                                                     daemon=True)
         self.proc.start()
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        assert self.proc is not None
         deadline = time.monotonic() + timeout_s
         msg = None
         while msg is None and self.proc.is_alive() and time.monotonic() < deadline:

@@ -136,3 +136,44 @@ def test_shutdown_message_from_the_launcher(tmp_path: Path) -> None:
     finally:
         tp.stop()
         fake.close()
+
+
+def _held_until_bound(tp: TokenizerProcess) -> None:
+    """Spawn a ``hold_port`` tokenizer and wait until its ZeroMQ address is bound (what it does
+    just before it waits for the launcher)."""
+    tp.spawn()
+    sock = Path(tp.endpoints.address("tokenizer").removeprefix("ipc://"))
+    deadline = time.monotonic() + 60
+    while not sock.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sock.exists(), tp.log()
+
+
+def test_a_held_tokenizer_opens_its_port_only_once_the_scheduler_is_ready(tmp_path: Path) -> None:
+    import zmq
+
+    tp = TokenizerProcess(tmp_path, pids={"scheduler": os.getpid()}, hold_port=True)
+    fake = FakeScheduler(tp.endpoints)
+    try:
+        _held_until_bound(tp)
+        assert tp.ready.recv(1500) is None  # no Ready: it holds
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", tp.port), timeout=2).close()
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.connect(tp.endpoints.address("tokenizer"))
+        push.send(protos.encode(protos.Ready("scheduler", os.getpid())))
+        push.close(linger=2000)
+        ctx.term()
+        tp.wait_ready(30)
+        assert tp.get("/health").status in (200, 503)  # it answers (the fake's health is its own business)
+    finally:
+        assert tp.stop() == 0
+        fake.close()
+
+
+def test_a_held_tokenizer_stopped_before_the_scheduler_is_ready_exits_zero(tmp_path: Path) -> None:
+    tp = TokenizerProcess(tmp_path, hold_port=True)
+    _held_until_bound(tp)
+    assert tp.stop() == 0
+    assert "stopped before the scheduler was ready" in tp.log()
