@@ -461,4 +461,7 @@ def save_random_model(out_dir: str | Path, *, arch: str = "llama", layers: int =
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from hicache.runtime.proc import exit_after_orderly_stop
+
+    code = main()  # vLLM's engine shuts down in its atexit finalizers, which still run
+    exit_after_orderly_stop(code)
