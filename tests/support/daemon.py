@@ -74,7 +74,7 @@ class Daemon:
                     return
             except (OSError, urllib.error.URLError, ValueError, KeyError):
                 pass
-            time.sleep(0.3)
+            time.sleep(0.1)  # a start is seconds: a coarser poll would add to every test that starts one
         raise TimeoutError(f"daemon not healthy in {timeout_s} s:\n{self.log()}")
 
     def log(self) -> str:
