@@ -116,7 +116,7 @@ def _model_geometry(cfg: HicacheConfig, out: list[ConfigProblem]) -> ModelGeomet
 
 
 def _check_weights(cfg: HicacheConfig, out: list[ConfigProblem]) -> None:
-    from hicache.model.checkpoint import weight_files
+    from hicache.model.checkpoint_files import weight_files
     from hicache.model.hf_config import CheckpointError
 
     assert cfg.model.path is not None  # _model_geometry read its config.json

@@ -8,7 +8,6 @@ either ``model.safetensors.index.json`` plus the shards it names, or one or more
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from hicache.model.checkpoint_files import weight_files
 from hicache.model.hf_config import CheckpointError
 from hicache.model.pools import torch_dtype
 from hicache.model.safetensors_io import SafetensorsFile
@@ -24,31 +24,7 @@ from hicache.model.weights import AttentionWeights, DecoderWeights, LayerWeights
 
 log = logging.getLogger(__name__)
 
-INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def weight_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint, in a stable order; checks that each exists."""
-    root = Path(model_dir)
-    index = root / INDEX_FILE
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"{index} is malformed (needs a 'weight_map' object): {exc}") from exc
-        files = [root / n for n in names]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"shard(s) listed in {index} are missing: {', '.join(missing)}")
-        return files
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        bins = sorted(p.name for p in root.glob("*.bin"))
-        hint = f" (found {', '.join(bins)}: only safetensors checkpoints are supported)" if bins else ""
-        raise CheckpointError(f"no *.safetensors weight files in {root}{hint}")
-    return files
 
 
 @contextmanager

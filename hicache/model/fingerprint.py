@@ -31,7 +31,7 @@ def model_identity(model: ModelConfig) -> str:
         h.update(spec.to_json().encode())
         h.update(f"\0seed={model.reference.seed}".encode())
         return h.hexdigest()
-    from hicache.model.checkpoint import weight_files
+    from hicache.model.checkpoint_files import weight_files
     from hicache.model.safetensors_io import SafetensorsFile
 
     root = Path(model.path or "")

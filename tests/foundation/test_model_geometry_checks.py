@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,7 @@ from hicache.model.geometry import (
     unsupported_reason,
 )
 from hicache.model.spec import DecoderSpec
+from tests.deploy.deploy_helpers import write_tiny_llama
 
 
 def _geometry(kinds: tuple[str, ...]) -> ModelGeometry:
@@ -76,11 +78,17 @@ def test_a_mamba_state_slot_holds_conv_and_ssm_state_of_every_layer() -> None:
     assert m.bytes_per_slot == 3 * (3 * 16 + 16 * 4) * 4  # float32 states
 
 
-def test_the_start_checks_do_not_import_torch() -> None:
+@pytest.mark.parametrize("model", ["reference", "checkpoint"])
+def test_the_start_checks_do_not_import_torch(model: str, tmp_path: Path) -> None:
+    """Neither for the reference model nor for a checkpoint (its config and weight files are
+    checked, no weight is loaded): the launcher and ``check-config`` stay torch-free."""
+    sets = []
+    if model == "checkpoint":
+        sets = ["model.kind=hf", f"model.path={write_tiny_llama(tmp_path / 'tiny-llama')}"]
     code = ("import sys\n"
             "from hicache.config import load_config\n"
             "from hicache.daemon.startup_checks import startup_problems\n"
-            "print(startup_problems(load_config(None, [])))\n"
+            f"print(startup_problems(load_config(None, {sets!r})))\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
     env = {k: v for k, v in os.environ.items() if k != "HICACHE_CONFIG"}  # the default config
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,

@@ -104,14 +104,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.tensor_parallel_size > 1:
         kw["tensor_parallel_size"] = args.tensor_parallel_size
         kw["distributed_executor_backend"] = "mp"
-    began = time.perf_counter()
-    llm = LLM(model=args.model, skip_tokenizer_init=True, block_size=args.block_size, dtype=args.dtype,
-              max_model_len=args.max_model_len, enforce_eager=True, enable_prefix_caching=args.prefix_caching,
-              max_num_seqs=args.max_num_seqs, **kw)
-
     def answer(obj: dict[str, Any]) -> None:
         out.write(json.dumps(obj) + "\n")
         out.flush()
+
+    began = time.perf_counter()
+    try:
+        llm = LLM(model=args.model, skip_tokenizer_init=True, block_size=args.block_size, dtype=args.dtype,
+                  max_model_len=args.max_model_len, enforce_eager=True, enable_prefix_caching=args.prefix_caching,
+                  max_num_seqs=args.max_num_seqs, **kw)
+    except Exception as exc:  # a refused start: say why, and exit at once (no wait for vLLM's
+        # workers to wind down: the parent kills the driver's whole session)
+        import traceback
+
+        traceback.print_exc()
+        answer({"ready": False, "error": f"{type(exc).__name__}: {exc}"})
+        sys.stderr.flush()
+        os._exit(1)
 
     answer({"ready": True, "start_s": time.perf_counter() - began})
     for line in sys.stdin:
@@ -282,7 +291,7 @@ class VllmProcess:
         try:
             ready = self._read(start_timeout_s)
             if not ready.get("ready"):
-                raise VllmError(f"vLLM did not start: {ready}")
+                raise VllmError(f"vLLM did not start: {ready.get('error', ready)}; log tail:\n{self.log_tail()}")
         except VllmError:
             self.kill()
             raise
