@@ -74,19 +74,24 @@ def _round(tmp: Path, kind: str, ps: int, l3: dict[str, Any], label: str) -> Non
         assert d2.stop() == 0
 
 
-@pytest.mark.parametrize("ps", [1, 16, 64])
-@pytest.mark.parametrize("kind", list(LAYERS))
+FILE_CASES = [(kind, ps) for ps in (1, 16) for kind in LAYERS] + [("swa+mamba", 64)]
+"""Every pattern at page 1 (a boundary at every token) and page 16; page 64 (the prompt's
+last boundary far before its end) for the pattern with every component."""
+REDIS_CASES = [("swa+mamba", 1), ("swa+mamba-only", 1)]
+"""Redis with and without Full pages: the pattern changes which objects the controller
+writes, not the code that writes them (the file half runs every pattern through the same
+storage I/O); page 1 gives Redis the most objects per batch."""
+
+
+@pytest.mark.parametrize(("kind", "ps"), FILE_CASES)
 def test_hybrid_prefix_from_file_l3_after_flush_and_restart(tmp_path: Path, kind: str, ps: int) -> None:
     _round(tmp_path, kind, ps, {"backend": "file", "file": {"dir": str(tmp_path / "l3")}}, "file")
 
 
 @pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server not installed (apt-get install redis-server)")
-@pytest.mark.parametrize("ps", [1])
-@pytest.mark.parametrize("kind", list(LAYERS))
+@pytest.mark.parametrize(("kind", "ps"), REDIS_CASES)
 def test_hybrid_prefix_from_redis_l3_after_flush_and_restart(tmp_path: Path, kind: str, ps: int) -> None:
-    """Redis at one page size: the page size changes how many objects the controller writes
-    and their sizes, not the code that writes them (the file half runs pages 1, 16 and 64
-    through the same storage I/O); page 1 gives Redis the most objects per batch."""
+    """Redis: ``REDIS_CASES``."""
     with started(tmp_path / "redis") as server:
         _round(tmp_path, kind, ps, {"backend": "redis", "redis": {"url": server.url, "key_prefix": "hyb",
                                                                    "timeout_s": 2.0}}, "redis")
