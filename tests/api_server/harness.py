@@ -79,6 +79,15 @@ class TokenizerProcess:
         if not (isinstance(msg, protos.Ready) and msg.process == "tokenizer" and msg.pid == self.proc.pid):
             raise RuntimeError(f"the tokenizer did not report ready: {msg!r}\n{self.log()}")
 
+    def push(self, msg: protos.Message) -> None:
+        """Send ``msg`` to the process's own address, as the launcher does."""
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.connect(self.endpoints.address("tokenizer"))
+        push.send(protos.encode(msg))
+        push.close(linger=2000)
+        ctx.term()
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 

@@ -198,12 +198,7 @@ def test_models_and_health(tok: TokenizerProcess) -> None:
 
 
 def test_launcher_updates_health_pids(tok: TokenizerProcess) -> None:
-    ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.connect(tok.endpoints.address("tokenizer"))
-    push.send(protos.encode(protos.Ready("controller", os.getpid())))
-    push.close(linger=2000)
-    ctx.term()
+    tok.push(protos.Ready("controller", os.getpid()))
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if tok.get("/health").json()["processes"].get("controller") == os.getpid():

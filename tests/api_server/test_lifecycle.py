@@ -119,18 +119,12 @@ def test_sigterm_drains_then_aborts_and_exits_zero(tmp_path: Path) -> None:
 
 
 def test_shutdown_message_from_the_launcher(tmp_path: Path) -> None:
-    import zmq
 
     tp = TokenizerProcess(tmp_path)
     fake = FakeScheduler(tp.endpoints)
     try:
         tp.start()
-        ctx = zmq.Context()
-        push = ctx.socket(zmq.PUSH)
-        push.connect(tp.endpoints.address("tokenizer"))
-        push.send(protos.encode(protos.Shutdown("test")))
-        push.close(linger=2000)
-        ctx.term()
+        tp.push(protos.Shutdown("test"))
         tp.proc.join(20)
         assert tp.proc.exitcode == 0, tp.log()
     finally:
@@ -150,7 +144,6 @@ def _held_until_bound(tp: TokenizerProcess) -> None:
 
 
 def test_a_held_tokenizer_opens_its_port_only_once_the_scheduler_is_ready(tmp_path: Path) -> None:
-    import zmq
 
     tp = TokenizerProcess(tmp_path, pids={"scheduler": os.getpid()}, hold_port=True)
     fake = FakeScheduler(tp.endpoints)
@@ -159,12 +152,7 @@ def test_a_held_tokenizer_opens_its_port_only_once_the_scheduler_is_ready(tmp_pa
         assert tp.ready.recv(1500) is None  # no Ready: it holds
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", tp.port), timeout=2).close()
-        ctx = zmq.Context()
-        push = ctx.socket(zmq.PUSH)
-        push.connect(tp.endpoints.address("tokenizer"))
-        push.send(protos.encode(protos.Ready("scheduler", os.getpid())))
-        push.close(linger=2000)
-        ctx.term()
+        tp.push(protos.Ready("scheduler", os.getpid()))
         tp.wait_ready(30)
         assert tp.get("/health").status in (200, 503)  # it answers (the fake's health is its own business)
     finally:

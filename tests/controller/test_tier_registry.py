@@ -134,14 +134,25 @@ def _fail(rig: Rig, msg: protos.ControllerMessage) -> None:
     assert rig.tier.on_message(protos.OpDone(msg.op_id, "failed", 0, error="store timed out")) is None
 
 
+def _written(rig: Rig, s: str) -> protos.BackupToStorage:
+    """``s`` computed and written to L2: its backup, sent and not answered."""
+    rig.compute(s)
+    rig.tier.issue_writes()
+    for w in rig.take(protos.WriteToHost):
+        rig.ok(w)
+    (b,) = rig.take(protos.BackupToStorage)
+    return b
+
+
+def _written_with_failed_backup(rig: Rig, s: str) -> protos.BackupToStorage:
+    b = _written(rig, s)
+    _fail(rig, b)
+    return b
+
+
 def test_a_failed_backup_is_tried_again_after_its_delay_until_one_succeeds() -> None:
     rig = Rig()
-    rig.compute("abcdef")
-    rig.tier.issue_writes()
-    (w,) = rig.take(protos.WriteToHost)
-    rig.ok(w)
-    (b,) = rig.take(protos.BackupToStorage)
-    _fail(rig, b)
+    b = _written_with_failed_backup(rig, "abcdef")
     assert rig.tier.counters.backups_failed == 1 and rig.tier.backups_waiting == 1
     assert rig.tier.retry_backups() == 0 and not rig.sent  # not due yet
     rig.now += BACKUP_RETRY_DELAYS_S[0]
@@ -157,10 +168,7 @@ def test_a_failed_backup_is_tried_again_after_its_delay_until_one_succeeds() -> 
 
 def test_a_backup_that_keeps_failing_is_abandoned_after_the_last_delay() -> None:
     rig = Rig()
-    rig.compute("abcdef")
-    rig.tier.issue_writes()
-    rig.ok(rig.take(protos.WriteToHost)[0])
-    _fail(rig, rig.take(protos.BackupToStorage)[0])
+    _written_with_failed_backup(rig, "abcdef")
     for delay in BACKUP_RETRY_DELAYS_S:
         rig.now += delay
         assert rig.tier.retry_backups() == 1
@@ -172,16 +180,6 @@ def test_a_backup_that_keeps_failing_is_abandoned_after_the_last_delay() -> None
     assert rig.tier.retry_backups() == 0 and not rig.sent and rig.tier.backups_waiting == 0
     assert rig.cache.match_prefix(_key("abcdef")).device_len == 6  # the data itself is untouched
     rig.cache.check_integrity(exact=True)
-
-
-def _written_with_failed_backup(rig: Rig, s: str) -> protos.BackupToStorage:
-    rig.compute(s)
-    rig.tier.issue_writes()
-    for w in rig.take(protos.WriteToHost):
-        rig.ok(w)
-    (b,) = rig.take(protos.BackupToStorage)
-    _fail(rig, b)
-    return b
 
 
 def test_a_retry_covers_a_span_split_since() -> None:
@@ -219,10 +217,7 @@ def test_a_retry_skips_pages_that_left_l2() -> None:
 
 def test_backups_lost_with_their_controller_wait_for_the_next_one() -> None:
     rig = Rig()
-    rig.compute("abcdef")
-    rig.tier.issue_writes()
-    rig.ok(rig.take(protos.WriteToHost)[0])
-    (b,) = rig.take(protos.BackupToStorage)
+    b = _written(rig, "abcdef")
     rig.tier.on_controller_lost()
     rig.tier.run = None
     rig.now += 60
