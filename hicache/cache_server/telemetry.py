@@ -48,3 +48,5 @@ class EngineTelemetry:
             t = s.tier.counters
             m.prefetched(self._delta("prefetch", t.prefetch_tokens))
             m.backed_up(self._delta("backup", t.backup_tokens))
+            m.backup_failures(self._delta("backups_retried", t.backups_failed - t.backups_abandoned),
+                               self._delta("backups_abandoned", t.backups_abandoned))

@@ -44,6 +44,10 @@ REQUEST_STATUSES = ("ok", "invalid", "aborted", "error")
 """``status`` of ``hicache_requests_total``: answered; refused by validation (4xx); ended by
 the client's disconnect, a shutdown or the scheduler's abort; failed (5xx)."""
 
+BACKUP_FAILURE_OUTCOMES = ("retried", "abandoned")
+"""``outcome`` of ``hicache_backup_failures_total``: a failed L3 backup whose pages are backed
+up again later, or one given up on after its last retry (its pages stay in L2 only)."""
+
 STORAGE_OPS = ("get", "set", "exists", "delete")
 """``op`` of ``hicache_storage_errors_total``: the storage (L3) calls whose failures are counted."""
 
@@ -94,6 +98,9 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("hicache_evicted_tokens_total", "counter", "Tokens evicted from a tier", ("tier",)),
     MetricSpec("hicache_prefetch_tokens_total", "counter", "Tokens prefetched from storage into host memory"),
     MetricSpec("hicache_backup_tokens_total", "counter", "Tokens backed up from host memory to storage"),
+    MetricSpec("hicache_backup_failures_total", "counter",
+               "Failed backups to storage: retried later, or abandoned after the last retry (their pages stay "
+               "in host memory only)", ("outcome",)),
     MetricSpec("hicache_storage_errors_total", "counter", "Failed storage (L3) operations", ("op",)),
     MetricSpec("hicache_storage_up", "gauge",
                "1 while the storage (L3) backend is attached and healthy, else 0 (0 also with none attached)"),
@@ -142,7 +149,8 @@ SERIES_OWNERS: dict[str, tuple[tuple[str, str, tuple[str, ...]], ...]] = {
     "tokenizer": (("hicache_cached_tokens_total", "tier", TIERS),
                   ("hicache_requests_total", "status", REQUEST_STATUSES)),
     "scheduler": (("hicache_evicted_tokens_total", "tier", ("device", "host")),
-                  ("hicache_kv_events_total", "outcome", KV_EVENT_OUTCOMES)),
+                  ("hicache_kv_events_total", "outcome", KV_EVENT_OUTCOMES),
+                  ("hicache_backup_failures_total", "outcome", BACKUP_FAILURE_OUTCOMES)),
     "controller": (("hicache_transfer_bytes_total", "direction", DIRECTIONS),
                    ("hicache_transfer_seconds", "direction", DIRECTIONS),
                    ("hicache_storage_errors_total", "op", STORAGE_OPS)),

@@ -153,6 +153,13 @@ class Metrics:
         if tokens:
             self._m["hicache_backup_tokens_total"].inc(tokens)
 
+    def backup_failures(self, retried: int, abandoned: int) -> None:
+        """Failed L3 backups since the last call: to be retried, and given up on."""
+        if retried:
+            self._m["hicache_backup_failures_total"].labels(outcome="retried").inc(retried)
+        if abandoned:
+            self._m["hicache_backup_failures_total"].labels(outcome="abandoned").inc(abandoned)
+
     def kv_events(self, published: int, dropped: int) -> None:
         """Counts of KV events published and dropped since the last call (``events.enabled``)."""
         if published:

@@ -59,3 +59,5 @@ class SchedulerTelemetry:
             c = s.tier.counters
             m.prefetched(self._delta("prefetch", c.prefetch_tokens))
             m.backed_up(self._delta("backup", c.backup_tokens))
+            m.backup_failures(self._delta("backups_retried", c.backups_failed - c.backups_abandoned),
+                               self._delta("backups_abandoned", c.backups_abandoned))

@@ -237,6 +237,15 @@ def test_transfer_and_storage_wrappers() -> None:
         m.evicted("L1", 5)
 
 
+def test_backup_failures_are_counted_by_outcome() -> None:
+    m, reg = _metrics()
+    m.backup_failures(3, 0)
+    m.backup_failures(1, 1)
+    m.backup_failures(0, 0)
+    assert reg.get_sample_value("hicache_backup_failures_total", {"outcome": "retried"}) == 4
+    assert reg.get_sample_value("hicache_backup_failures_total", {"outcome": "abandoned"}) == 1
+
+
 def test_disabled_metrics_are_a_no_op() -> None:
     m = Metrics(None)
     assert not m.enabled

@@ -26,6 +26,7 @@ TESTS = PROM / "alerts_test.yml"
 REQUIRED_ALERTS = {
     "HicacheStorageDown": "L3 down",
     "HicacheControllerRestarting": "controller restarting",
+    "HicacheBackupsAbandoned": "backups to L3 given up on after every retry",
     "HicacheHitRateCollapsed": "hit rate collapsed",
     "HicachePoolsSaturated": "pools saturated with a growing queue",
     "HicacheTTFTHigh": "TTFT p99 over a threshold",
