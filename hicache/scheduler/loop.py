@@ -269,7 +269,9 @@ class ProcessLoop(abc.ABC):
     # -- the loop ----------------------------------------------------------------------
 
     def run(self) -> None:
-        """Send ``Ready``, loop until a stop has drained, close everything."""
+        """Publish the telemetry once (the pools' gauges are on ``/metrics`` as soon as the
+        daemon serves), send ``Ready``, loop until a stop has drained, close everything."""
+        self.telemetry.publish()
         self.links.to_launcher.send(protos.Ready("scheduler", os.getpid()))
         self.log.info("%s", self.ready_line())
         self._gc = GcGuard()

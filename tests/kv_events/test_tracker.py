@@ -102,6 +102,9 @@ class EventMachine(HybridMachine):
             if ok:
                 self.stored.update(hashes)
 
+    def other_ops_in_flight(self) -> bool:
+        return bool(getattr(self, "backups", None))
+
     def _nodes(self):
         stack, out = list(self.cache.core.roots.values()), []
         while stack:

@@ -27,6 +27,14 @@ from hicache.bench.loopback_ports import free_port
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def shm_segments(prefix: str = "hicache-") -> set[str]:
     """The shared-memory segments whose names start with ``prefix``."""
     return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)} if os.path.isdir("/dev/shm") else set()
@@ -43,6 +51,8 @@ class Daemon:
         cfg.setdefault("server", {})["port"] = self.port
         self.config_path = self.dir / "hicache.yaml"
         self.config_path.write_text(yaml.safe_dump(cfg))
+        self.engine_mode = cfg.get("engine", {}).get("kind", "builtin") != "builtin"
+        self._engines_at_stop: set[int] = set()
         self.log_path = self.dir / "daemon.log"
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
@@ -51,8 +61,16 @@ class Daemon:
         operator's, for a daemon with keys: ``/metrics``, ``/cache/stats`` ...)."""
 
     def start(self, timeout_s: float = 180.0) -> None:
+        """Launch and wait until healthy; in engine mode, after a ``stop``, also until every
+        engine registered then that still runs has registered again (a lookup that meets its
+        engine's registration in progress is a miss by design, which would make a test's
+        expected hits a race with the engine's reconnection)."""
         self.launch()
         self.wait_healthy(timeout_s)
+        running = {pid for pid in self._engines_at_stop if _running(pid)}
+        if running:
+            self.wait_for_stats("the engines to register again",
+                                lambda st: running <= {e["pid"] for e in st.get("engines", [])}, 60)
 
     def launch(self) -> None:
         """Start the launcher process without waiting for it (see ``wait_healthy``)."""
@@ -171,6 +189,11 @@ class Daemon:
 
     def stop(self, timeout_s: float = 120.0) -> int:
         assert self.proc is not None
+        if self.engine_mode and self.proc.poll() is None:
+            try:
+                self._engines_at_stop = {int(e["pid"]) for e in self.get("/cache/stats").get("engines", [])}
+            except (OSError, urllib.error.URLError, ValueError, KeyError):
+                self._engines_at_stop = set()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
