@@ -30,15 +30,16 @@ from tests.support.rigs import Rig, gen
 LAYERS = ["full", "swa", "mamba", "full"]
 MODEL = {"reference": {"preset": "tiny", "layers": LAYERS, "sliding_window": 16}}
 NEW_TOKENS = 8
-TRAFFIC_S = 40.0
+TRAFFIC_S = 20.0
 pytestmark = pytest.mark.timeout(600)  # on a busy machine the traffic may run five times TRAFFIC_S
 KILL_EVERY_S = (2.0, 3.5)
 
 
 def _config(tmp: Path) -> dict[str, Any]:
+    """L1 holds half the prompts' four shared 500-token bases: prefixes leave for L2 and load back."""
     return {
         "model": MODEL,
-        "cache": {"page_size": 16, "l1": {"tokens": 2048, "state_slots": 16},
+        "cache": {"page_size": 16, "l1": {"tokens": 1024, "state_slots": 16},
                   "l2": {"tokens": 4096, "state_slots": 32},
                   "l3": {"backend": "file", "file": {"dir": str(tmp / "l3")}},
                   "prefetch": {"threshold_tokens": 64}},
@@ -124,7 +125,7 @@ def test_hybrid_outputs_equal_recomputed_ones_while_the_controller_is_killed(tmp
     assert kills >= 5 and len(served) >= 50, (kills, len(served))
     assert not errors, errors[:5]
     loaded = sum(1 for _i, _o, meta in served if meta["cached_tokens_details"].get("host", 0) > 0)
-    assert loaded > 0, "no request loaded from L2: the test shows nothing"
+    assert loaded > 0, f"no request loaded from L2 of {len(served)} served: the test shows nothing"
     cold = _cold_outputs(prompts)
     wrong = [(i, out, cold[i], meta) for i, out, meta in served if out != cold[i]]
     assert not wrong, f"{len(wrong)} of {len(served)} outputs differ from the recomputed ones: {wrong[:3]}"

@@ -68,7 +68,8 @@ def _advise(model: Path, tmp: Path, page_size: int) -> Any:
     from hicache.cli.check_config import advise
     from hicache.connectors.vllm.block_size import supported_near, vllm_block_size
 
-    cfg = config_from_dict(engine_config(model, tmp / "run", page_size=page_size, l2_tokens=16384))
+    l2_tokens = 16384 // page_size * page_size  # a whole number of pages, whatever block the host gives
+    cfg = config_from_dict(engine_config(model, tmp / "run", page_size=page_size, l2_tokens=l2_tokens))
     return advise(cfg, None, "bfloat16", vllm_block_size, supported_near)
 
 

@@ -77,7 +77,7 @@ class SlowController(L3Rig):
             self.pump()
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=9, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**20), l1_pages=st.integers(40, 96), l2_factor=st.sampled_from([1.0, 1.5, 3.0]),
        policy=st.sampled_from(["write_through", "write_back"]), max_delay=st.integers(0, 4),
        layers=st.sampled_from([("full", "full"), ("full", "swa", "mamba", "full")]))
