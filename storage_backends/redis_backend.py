@@ -187,11 +187,16 @@ class RedisBackend(StorageBackend):
             pipe.strlen(key)
 
         def consume(idx: list[int], results: list[Any]) -> int:
+            bad = 0
             for j, i in enumerate(idx):
                 header, size = results[2 * j], results[2 * j + 1]
-                present[i] = (not isinstance(header, Exception) and not isinstance(size, Exception)
-                              and complete_object(header, int(size), hashes[i], layout))
-            return sum(isinstance(res, Exception) for res in results)
+                if isinstance(header, Exception) or isinstance(size, Exception):
+                    bad += 1  # one error per page, as a read counts them
+                    continue
+                present[i] = complete_object(header, int(size), hashes[i], layout)
+            if bad:
+                self._counters.add(errors=bad)
+            return bad
 
         self._run_groups("EXISTS", hashes, 0, send, consume, span)
 

@@ -143,6 +143,21 @@ def test_redis_cluster_master_killed_mid_traffic_then_restarted(redis_cluster_no
     be.close()
 
 
+def test_a_failed_existence_check_counts_an_error_as_a_failed_read_does(redis_process: RedisProcess) -> None:
+    """A command that fails inside a pipeline (here WRONGTYPE: a list where a page should be)
+    counts one error per page for an existence check as for a read; before, an existence
+    check's failures moved the breaker toward ``down`` without counting any error."""
+    be = create_backend(RedisSettings(url=redis_process.url, key_prefix="w", resilience=QUICK), LAYOUT)
+    good, bad = random_hashes(2)
+    assert be.batch_set([good], random_pages(1)) == [True]
+    redis_process.client().rpush(f"w:{bad}", b"not a page")
+    assert be.exists_each([good, bad]) == [True, False]
+    assert be.stats().errors == 1
+    assert be.batch_get([good, bad], buffers(2)) == [True, False]
+    assert be.stats().errors == 2
+    be.close()
+
+
 def test_redis_slower_than_the_timeout(redis_process: RedisProcess) -> None:
     be = create_backend(RedisSettings(url=redis_process.url, resilience=QUICK), LAYOUT)
     h = random_hashes(4)
