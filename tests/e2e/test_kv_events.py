@@ -22,6 +22,7 @@ import msgpack
 import msgspec
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from hicache.bench.loopback_ports import free_port
 from tests.support.daemon import Daemon
@@ -50,6 +51,9 @@ class Index:
             self.sub.bind(endpoint)
         else:
             self.sub.connect(endpoint)
+        self.monitor = self.sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.connections = 0
+        """Connections made to a publisher (the first, and one after each restart)."""
         self.decoder = msgspec.msgpack.Decoder(kv_events.KVEventBatch)
         self.held: dict[str, set[bytes]] = {"GPU": set(), "CPU": set(), "STORAGE": set()}
         self.parent: dict[bytes, bytes | None] = {}
@@ -74,8 +78,15 @@ class Index:
             self.error = exc
 
     def _follow(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sub, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
         while not self._stop.is_set():
-            if not self.sub.poll(100):
+            ready = dict(poller.poll(100))
+            if self.monitor in ready:
+                recv_monitor_message(self.monitor)
+                self.connections += 1
+            if self.sub not in ready:
                 continue
             topic, seq_bytes, payload = self.sub.recv_multipart()
             seq = int.from_bytes(seq_bytes, "big")
@@ -144,6 +155,8 @@ class Index:
     def close(self) -> None:
         self._stop.set()
         self.thread.join(5)
+        self.sub.disable_monitor()
+        self.monitor.close(0)
         self.sub.close(0)
         self.ctx.term()
 
@@ -269,11 +282,16 @@ def test_the_index_follows_every_tier_through_a_flush_a_restart_and_storage_chan
     for h in (leaf, root):
         (tmp_path / "l3" / h.hex()[:2] / f"{h.hex()}.page").unlink()
     d2 = Daemon(tmp_path, cfg, "b")
+    connected = index.connections
     d2.start()
     try:
         # the new run's first batches (AllBlocksCleared, the journal's pages) may go out
         # before the subscriber is connected again; the first batch it gets names a new run,
-        # and the replay socket gives it the run's beginning
+        # and the replay socket gives it the run's beginning. An idle restarted daemon sends
+        # nothing (docs/events.md), so the subscriber must be connected again before the
+        # request whose batches tell it of the run: ZeroMQ reconnects every 100 to 200 ms, and
+        # a request of the tiny model can end, its last batch published, within that
+        index.until("the subscriber connected to the new run", lambda: index.connections > connected)
         out = d2.generate(prompts[-1], n=4)
         assert out["meta_info"]["cached_tokens_details"]["storage"] > 0
         stats = d2.wait_tiers_idle("the load-back done", backed_up=False)  # (L3 holds the prefix already)
