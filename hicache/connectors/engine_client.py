@@ -293,8 +293,8 @@ class CacheSession:
 
     def ensure(self, timeout_ms: int | None = None) -> protos.EngineRegistered | None:
         """The open session, registering first if needed (waiting for another thread's
-        registration to end); None while the daemon is unreachable. For the engine's start
-        and for tests: the engine's thread serves through ``current``."""
+        registration to end); None while the daemon is unreachable. For the engine's start,
+        its cache resets and tests: the engine's thread serves through ``current``."""
         if self.registered is not None:
             return self.registered
         return self._register(self.client, timeout_ms)

@@ -22,8 +22,8 @@ vLLM calls                          this side
                                     its request's lookups
 ``request_finished``                ``Finished``: the daemon forgets the request; never
                                     delays freeing (saves complete inside their step)
-``reset_cache``                     a new reset generation, so a new namespace; requests
-                                    that began before it save nothing more
+``reset_cache``                     a new reset generation, so a new namespace, registered
+                                    at once; requests that began before it save nothing more
 ==================================  =======================================================
 
 Who frees what:
@@ -186,13 +186,25 @@ class SchedulerSide:
         block pools): then nothing changes here either and the answer is
         False, since requests of the new weights would compute on those blocks and save
         into the new namespace. vLLM's own ``reset_prefix_cache()`` without
-        ``reset_connector=True`` does not call this: the engine keeps its namespace."""
+        ``reset_connector=True`` does not call this: the engine keeps its namespace.
+
+        The new identity registers here, on the engine's thread (one round trip; at most
+        ``engine.lookup_timeout_ms`` when the daemon does not answer, then the heartbeat
+        thread goes on trying): left to the heartbeat thread, a request arriving right after
+        the reset could run its whole prefill before a session was open again, and a step
+        without a session plans no save, so its prompt was never saved."""
         if kept:
             log.warning("hicache: cache reset refused: vLLM keeps %d blocks (its own reset failed); the engine "
                         "keeps its namespace", kept)
             return False
         self.reset_generation = secrets.token_hex(16)
         self.session.reregister(self._register_msg())
+        try:
+            if self.session.ensure() is None:
+                log.warning("hicache: cache reset: the daemon is not answering; the new namespace registers "
+                            "when it does")
+        except RegistrationRefused as exc:  # the heartbeat thread meets it again; the next call raises it
+            log.error("hicache: cache reset: the daemon refused this engine's new identity: %s", exc)
         if self.events is not None:  # the old namespace's pages are no longer this engine's
             self.events.change_namespace(self._namespace())
         for tracked in self._requests.values():
