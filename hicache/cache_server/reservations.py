@@ -108,7 +108,7 @@ class Reservations(Handler):
             start = match.walked_len // ps
         else:
             start = self._held_prefix(cursor, key, salt) // ps
-            start = self._after_own_reservations(cursor, key, salt, start)
+            start = self._after_own_reservations(cursor, key, salt, start, item.start_page)
         new = max(0, end - max(start, item.start_page))
         gap = max(0, min(item.start_page, end) - start)
         credit = cursor.credit + RESAVE_SHARE * new
@@ -198,12 +198,22 @@ class Reservations(Handler):
         return node.root is root and (node is root or (node.parent is not None and not node.loading
                                                        and node.data[0].host_value is not None))
 
-    def _after_own_reservations(self, cursor: SaveCursor, key: array[int], salt: str, start: int) -> int:
+    def _after_own_reservations(self, cursor: SaveCursor, key: array[int], salt: str, start: int,
+                                asked: int) -> int:
         """``start`` moved past the pages that the request's own open reservations (its
         earlier saves, whose commits have not come yet) will insert from there on, so that a
         save of a page that filled while an earlier one was still being copied does not copy
         the request's whole prefix again. Full-attention models only (a window or a state
         part is brought at a save's own boundaries).
+
+        Only reservations that end by ``asked`` (the range's ``start_page``) are passed: the
+        engine asks from below one of its own open reservations only when it learned that the
+        step which was to save those pages failed (``Tracked.saved_pages`` lowered to the
+        first stale block), and that step's failed ``Commit`` comes from the worker, on another
+        socket, so it may arrive after this ``Reserve``. Passing it would leave those pages
+        to a lease about to fail, and the request, which computes them again, would not save
+        them. Reserved again, they are saved from the good blocks; had the earlier lease not
+        failed after all, the second commit of the same pages is a duplicate, freed.
 
         Safe because a rank commits its saves in the order they were planned, so the earlier
         lease ends first; if it fails, the later one starts past what the tree holds and
@@ -213,7 +223,7 @@ class Reservations(Handler):
         spans = [(lease.start_page, lease.start_page + len(lease.pages)) for lease in open_
                  if lease.cache_salt == salt and not lease.failed and lease.pages]
         for first, top in sorted(spans):  # by first page: one pass follows a run of them
-            if first <= start < top:
+            if first <= start < top <= asked:
                 start = top
         return start
 

@@ -620,6 +620,32 @@ def test_a_save_while_the_requests_earlier_save_is_being_copied_reserves_only_th
     assert server.integrity_error is None
 
 
+@pytest.mark.parametrize("first_ok", [False, True])
+def test_a_save_asked_again_from_below_its_own_open_reservation_reserves_those_pages_again(first_ok: bool) -> None:
+    """The engine asks to save a request's pages again from below its own open reservation
+    only when it learned that the step which was to save them failed; that step's failed
+    commit comes from the worker, on another socket, and may arrive after the new reserve.
+    The new reservation takes those pages again, so the request's recomputed pages are
+    saved (before, it started past them, and once the failed commit came the request had
+    saved nothing). Had the first save not failed after all, the second is a duplicate."""
+    server, _ = make_server()
+    eng = FakeEngine(server, {})
+    tokens = list(range(1, 4 * PS + 1))
+    first = reserve(server, 1, eng.session, RUN, "r", tokens[: 3 * PS], 0)
+    again = reserve(server, 2, eng.session, RUN, "r", tokens, 0)  # asked from page 0 again
+    assert (first.start_page, len(first.host_pages)) == (0, 3)
+    assert (again.start_page, len(again.host_pages)) == (0, 4)
+    for got in (first, again):
+        _fill(eng, tokens, got)
+    server.handle(protos.Commit(eng.session, RUN, first.lease, first_ok))  # comes late
+    server.handle(protos.Commit(eng.session, RUN, again.lease))
+    assert server.counters.commit_duplicate_pages == (3 if first_ok else 0)
+    assert len(eng.lookup(tokens).host_pages) == 4
+    assert server.host.used == 4
+    server.check_idle()
+    assert server.integrity_error is None
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_engines_never_get_another_prefixes_pages(seed: int) -> None:
     """Several engines saving, loading, dying and coming back over a small L2: every hit

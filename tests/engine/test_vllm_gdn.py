@@ -205,6 +205,7 @@ def test_redis_l3_serves_pages_and_states_after_a_daemon_restart(stack: Stack, r
     cfg = engine_config(stack.model, stack.run_dir, page_size=BLOCK, l3=l3)
     cfg["cache"]["l2"]["state_slots"] = 64
     d = Daemon(tmp_path, cfg, "redis-daemon")
+    d.replaces(stack.daemon)  # a request before ``c`` registered with it would save nothing
     d.start()
     try:
         assert stack.ask(c, P) == [0] * len(P)  # nothing in L2 nor in Redis: computed, saved, backed up

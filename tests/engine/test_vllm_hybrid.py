@@ -225,6 +225,7 @@ def test_redis_l3_serves_the_window_model_after_a_daemon_restart(stack: Stack, r
     assert stack.daemon.stop() == 0
     l3 = {"backend": "redis", "redis": {"url": redis_server.url, "key_prefix": "hc-hybrid"}}
     d = Daemon(tmp_path, engine_config(stack.model, stack.run_dir, l3=l3), "redis-daemon")
+    d.replaces(stack.daemon)  # a request before ``a`` registered with it would save nothing
     d.start()
     try:
         first = a.generate(P, MAX_TOKENS)  # nothing in L2 nor in Redis: computed, saved, backed up
@@ -303,8 +304,9 @@ def test_a_model_whose_every_layer_has_the_window(engines: Engines, tmp_path_fac
         st = daemon.wait_for_stats("an exact check", lambda st: st["integrity"]["exact_checks"] > checks, 30)
         assert st["integrity"]["error"] is None
         assert daemon.stop() == 0  # Redis as L3 in its place (same socket: m moves to it)
-        daemon = Daemon(tmp, engine_config(model, run_dir, l3={"backend": "redis", "redis": {
+        stopped, daemon = daemon, Daemon(tmp, engine_config(model, run_dir, l3={"backend": "redis", "redis": {
             "url": redis_server.url, "key_prefix": "hc-all-window"}}), "redis-daemon")
+        daemon.replaces(stopped)
         daemon.start()
         assert m.generate(prompts, MAX_TOKENS)["outputs"] == reference  # computed again, saved, backed up
         daemon.wait_for_stats("the backups to Redis", lambda st: st["leases"]["open"] == 0

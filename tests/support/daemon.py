@@ -73,6 +73,12 @@ class Daemon:
             self.wait_for_stats("the engines to register again",
                                 lambda st: running <= {e["pid"] for e in st.get("engines", [])}, 60)
 
+    def replaces(self, other: Daemon) -> None:
+        """This daemon takes ``other``'s engine socket (``other`` stopped): its ``start`` waits,
+        as ``other``'s own restart would, until every engine ``other`` served then that still
+        runs has registered with it."""
+        self._engines_at_stop = set(other._engines_at_stop)
+
     def launch(self) -> None:
         """Start the launcher process without waiting for it (see ``wait_healthy``)."""
         with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
