@@ -5,8 +5,8 @@ chained ``hash_ids`` per block of ``B`` tokens) through ``UnifiedRadixCache`` wi
 calls the scheduler uses, copies acknowledged at once (``hicache.replay_sim.tiered``).
 Prints per tier the hit tokens, hit rate and evictions, the tokens and bytes that would
 move per direction, the infinite-capacity ceiling, Belady's offline optimum at the L1
-capacity (single tier) and every eviction policy's single-tier hit rate there as a
-fraction of it. ``--sweep`` replays a range of capacities per policy and draws the curves
+capacity (single tier), LRU told which blocks return (``bounds.returning_lru_hits``) and
+every eviction policy's single-tier hit rate there as a fraction of Belady's. ``--sweep`` replays a range of capacities per policy and draws the curves
 (PNG); ``--json`` writes every figure.
 
 Capacities (``--l1``, ``--l2``, ``--l3``) are tokens (``3M``, ``65536``) or blocks
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear report
     import json
 
-    from hicache.replay_sim.bounds import belady_hits, infinite_hits, next_uses
+    from hicache.replay_sim.bounds import belady_hits, infinite_hits, next_uses, returning_lru_hits
     from hicache.replay_sim.sizes import parse_size
     from hicache.replay_sim.tiered import SimConfig, simulate
     from hicache.replay_sim.trace import load_trace
@@ -198,10 +198,16 @@ def _run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear report
         nxt = next_uses(work.pages)
         opt = belady_hits(work.pages, l1, nxt) / total if total else 0.0
         out["belady"] = {"capacity_pages": l1, "hit_rate": opt}
+        told = returning_lru_hits(work.pages, l1, nxt) / total if total else 0.0
+        out["lru_told_what_returns"] = {"capacity_pages": l1, "hit_rate": told,
+                                        "of_belady": told / opt if opt else None}
     print(f"\nsingle tier at L1 capacity ({fmt_tokens(l1 * P)} tokens):")
     print(f"  infinite-capacity ceiling {100 * ceiling:6.2f}%")
     if opt is not None:
         print(f"  Belady (offline optimum)  {100 * opt:6.2f}%")
+        told_of = f"  ({told / opt:.2f}x Belady)" if opt else ""
+        print(f"  LRU told what returns     {100 * told:6.2f}%{told_of}  (a yardstick: knows whether a block"
+              " is used again, not when)")
     cmp_rows = {}
     for pol in policies:
         r = simulate(work.keys, SimConfig(l1, page_tokens=P, eviction=pol), work.tree_page_size,
