@@ -101,9 +101,9 @@ def returning_lru_hits(requests: Sequence[Sequence[int]], capacity: int,
             cached[x] = key
             push(heap, (*key, x))
         while len(cached) > capacity:
-            *key, x = pop(heap)
-            if cached.get(x) == tuple(key):
-                del cached[x]
+            entry = pop(heap)
+            if cached.get(entry[3]) == entry[:3]:
+                del cached[entry[3]]
         if len(heap) > 4 * capacity + 1024:  # drop stale entries
             heap = [e for e in heap if cached.get(e[3]) == e[:3]]
             heapq.heapify(heap)
