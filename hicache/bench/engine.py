@@ -25,7 +25,13 @@ Every figure comes with its reference measured in the same run, as medians and r
   ``--steps-requests`` concurrent requests, a third of them L3 hits, a third L2 hits, with
   hicache against vLLM alone serving the same hits from its own prefix cache (goal: p99 step
   time <= 1.1x; ``engine_lib.parts.run_steps``), once per ``--copy-modes`` entry (the
-  connector's ``hicache_copy``: ``sync`` copies on the forward pass, ``async`` beside it).
+  connector's ``hicache_copy``: ``sync`` copies on the forward pass, ``async`` beside it,
+  ``layer`` loads layer by layer during it).
+* ``loads``: ``--loads-decoders`` requests decoding while ``--loads-hits`` prompts of
+  ``--loads-prompt-tokens`` arrive one at a time and load from L2: the decoders' inter-token
+  latency p50 / p99 against vLLM alone serving the same hits from its own prefix cache (goal
+  p99 <= 1.05x), and the hits' TTFT against vLLM alone's and against ``sync`` copies (goal
+  <= 1.05x), once per ``--copy-modes`` entry (``engine_lib.loads``).
 * ``lookup``: the connector's side of a lookup that hits L2, first ask and ask again, at
   ``--lookup-tokens`` lengths against the shortest (goal for the longest: 1 ms;
   ``engine_lib.lookup.run_lookup``). No vLLM runs in this part.
@@ -55,8 +61,10 @@ run tens of times slower than float32 ones, and prefill alone would take many mi
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
-PARTS = ("ttft", "multiturn", "decode", "steps", "lookup", "copy", "peers")
+PARTS = ("ttft", "multiturn", "decode", "steps", "loads", "lookup", "copy", "peers")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,9 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--steps-requests", type=int, default=12)
     g.add_argument("--steps-prompt-tokens", type=int, default=1024)
     g.add_argument("--steps-max-tokens", type=int, default=32)
-    g.add_argument("--copy-modes", default="sync,async",
+    g.add_argument("--copy-modes", default="sync,async,layer",
                    help="the connector's hicache_copy values to run the hicache engine with, comma-separated "
                         "(each against the same vLLM-alone reference)")
+    g = parser.add_argument_group("loads")
+    g.add_argument("--loads-prompt-tokens", type=int, default=4096, help="tokens of each hitting prompt")
+    g.add_argument("--loads-hits", type=int, default=6, help="hitting prompts, arriving one at a time")
+    g.add_argument("--loads-decoders", type=int, default=4, help="requests decoding meanwhile")
     g = parser.add_argument_group("lookup")
     g.add_argument("--lookup-tokens", default="1024,32768", help="prompt lengths, comma-separated")
     g.add_argument("--lookup-repeats", type=int, default=50)
@@ -151,6 +163,20 @@ def _apply_quick(args: argparse.Namespace) -> None:
     args.peer_repeats = 1
     args.steps_requests, args.steps_prompt_tokens, args.steps_max_tokens = 6, 256, 8
     args.lookup_tokens, args.lookup_repeats = "1024,8192", 10
+    args.loads_prompt_tokens, args.loads_hits, args.loads_decoders = 512, 2, 2
+
+
+def _per_mode_notes(notes: list[str], part: str, result: dict[str, Any], modes: tuple[str, ...],
+                    detail: Callable[[dict[str, Any]], str]) -> int:
+    """Append a part's note per copy mode (its outputs against vLLM alone's, then ``detail``);
+    1 when a mode's outputs differ, else 0."""
+    code = 0
+    for mode in modes:
+        m = result[mode]
+        notes.append(f"{part} ({mode} copies): greedy outputs with hicache equal vLLM alone's: "
+                     f"{m['same_output_tokens']}; {detail(m)}")
+        code |= 0 if m["same_output_tokens"] else 1
+    return code
 
 
 def run(args: argparse.Namespace) -> int:
@@ -267,21 +293,26 @@ def run(args: argparse.Namespace) -> int:
                 f, x = run_decode(bench, contexts=contexts, decode_tokens=args.decode_tokens)
                 figures += f
                 extra["decode"] = x
+            modes = tuple(m.strip() for m in args.copy_modes.split(",") if m.strip())
             if "steps" in parts:
                 from hicache.bench.engine_lib.parts import run_steps
 
-                modes = tuple(m.strip() for m in args.copy_modes.split(",") if m.strip())
                 f, x = run_steps(bench, requests=args.steps_requests, prompt_tokens=args.steps_prompt_tokens,
                                  max_tokens=args.steps_max_tokens, copy_modes=modes)
                 figures += f
                 extra["steps"] = x
-                for mode in modes:
-                    m = x[mode]
-                    notes.append(f"steps ({mode} copies): greedy outputs with hicache equal vLLM alone's: "
-                                 f"{m['same_output_tokens']}; hit tokens per kind {m['hicache_cached']}; "
-                                 f"daemon {m['daemon']}")
-                    if not m["same_output_tokens"]:
-                        code = 1
+                code |= _per_mode_notes(notes, "steps", x, modes, lambda m: f"hit tokens per kind "
+                                        f"{m['hicache_cached']}; daemon {m['daemon']}")
+            if "loads" in parts:
+                from hicache.bench.engine_lib.loads import run_loads
+
+                f, x = run_loads(bench, prompt_tokens=args.loads_prompt_tokens, hits=args.loads_hits,
+                                 decoders=args.loads_decoders, copy_modes=modes)
+                figures += f
+                extra["loads"] = x
+                alone_hits = x["vllm"]["cached"]
+                code |= _per_mode_notes(notes, "loads", x, modes, lambda m: f"hit tokens {m['cached']} "
+                                        f"(vLLM alone {alone_hits})")
             if "lookup" in parts:
                 from hicache.bench.engine_lib.lookup import run_lookup
 

@@ -6,7 +6,9 @@ Each one set is logged as a warning when the connector starts. None is set in pr
 variable                            effect
 ==================================  ==========================================================
 ``HICACHE_FAULT_FAIL_LOADS=N``      the worker's first ``N`` load plans fail as a copy error
-                                    would (vLLM recomputes their blocks)
+                                    would (vLLM recomputes their blocks); a layer-wise one
+                                    (``hicache_copy: layer``) at its last layer, once the
+                                    forward pass has read the layers copied before it
 ``HICACHE_FAULT_RUNTIME={...}``     a JSON object replacing entries of the engine's runtime
                                     identity (e.g. ``{"isa": "amx"}``: an engine that models
                                     another host; ``hicache.connectors.runtime_identity``)
@@ -15,7 +17,9 @@ variable                            effect
                                     hangs or is killed mid-save; the other ranks commit)
 ``HICACHE_FAULT_SLOW_COPIES_S=X``  the copy thread (``hicache_copy: async``) sleeps ``X``
                                     seconds before each save's copy (a copy that lags
-                                    behind the steps: the blocks it reads are reused)
+                                    behind the steps: the blocks it reads are reused), and
+                                    the layer loader (``layer``) before each layer (the
+                                    forward pass reaches layers not copied yet)
 ``HICACHE_FAULT_SLOW_PENDING_ASKS=N``  the scheduler half's first ``N`` asks again about a
                                     request whose lookup was answered pending do not wait
                                     for their answer (as against a daemon loop that answers
@@ -114,6 +118,6 @@ class ConnectorFaults:
             time.sleep(STALL_S)
 
     def slow_copy(self) -> None:
-        """Sleep ``slow_copies_s`` (the copy thread's fault point, before each save's copy)."""
+        """Sleep ``slow_copies_s`` (the copy threads' fault point: before each save's copy, each layer of a load)."""
         if self.slow_copies_s > 0:
             time.sleep(self.slow_copies_s)

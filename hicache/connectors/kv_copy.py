@@ -38,7 +38,8 @@ than enabled untested; ``python -m hicache.connectors.gpu_check`` is its check.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -246,15 +247,27 @@ class BlockCopier:
         """Copy L2 ``pages[i]`` into block ``blocks[g][i]`` of every layer of group ``g``
         (none where that is ``NO_BLOCK``; a window group's from ``window_pages[i]``);
         returns bytes copied."""
-        copied = 0
+        return sum(copy() for copy in self.layer_loads(pages, blocks, window_pages))
+
+    def layer_loads(self, pages: list[int], blocks: Sequence[Sequence[int]],
+                    window_pages: Sequence[int] | None = None) -> list[Callable[[], int]]:
+        """``load`` split by layer: one call per layer, in model order, each copying that
+        layer's blocks and returning its bytes. The index lists are checked here, once
+        (raises on a bad one); a call raises only if the copy itself fails."""
+        out: list[Callable[[], int]] = [lambda: 0] * len(self.layers)
         for layers, (l2, group_pages, group_blocks) in zip(self.group_layers,
                                                            self._pairs(pages, blocks, window_pages, load=True),
                                                            strict=True):
-            for p, b, n in page_runs(group_pages, group_blocks):
-                for i in layers:
-                    self.layers[i][b : b + n].copy_(l2[p : p + n, self.place[i], self.shard])
-            copied += len(group_pages) * len(layers) * self.block_bytes
-        return copied
+            runs = page_runs(group_pages, group_blocks)
+            for i in layers:
+                out[i] = functools.partial(self._load_layer, i, l2, runs, len(group_pages))
+        return out
+
+    def _load_layer(self, i: int, l2: torch.Tensor, runs: list[tuple[int, int, int]], pages: int) -> int:
+        layer, place = self.layers[i], self.place[i]
+        for p, b, n in runs:
+            layer[b : b + n].copy_(l2[p : p + n, place, self.shard])
+        return pages * self.block_bytes
 
     def save(self, blocks: Sequence[Sequence[int]], pages: list[int], window_pages: Sequence[int] | None = None
              ) -> int:

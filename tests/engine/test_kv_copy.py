@@ -97,6 +97,30 @@ def test_each_layer_copies_its_groups_blocks_and_a_window_group_loads_only_what_
     copier.detach()
 
 
+def test_a_load_split_by_layer_copies_one_layer_per_call_and_the_same_bytes_as_one_load(pool) -> None:
+    """``layer_loads``: layer ``i``'s call copies layer ``i`` only (two groups, as above); the
+    calls together leave the blocks as ``load`` does; bad indices raise before any copy."""
+    ref, pages = pool
+    split = [torch.zeros(BLOCKS, HEADS, BS, 2 * DIM) for _ in range(LAYERS)]
+    whole = [torch.zeros(BLOCKS, HEADS, BS, 2 * DIM) for _ in range(LAYERS)]
+    by_layer, at_once = BlockCopier(split, [0, 1, 0]), BlockCopier(whole, [0, 1, 0])
+    by_layer.attach(ref)
+    at_once.attach(ref)
+    src, full, window = [2, 3, 4, 8], [1, 2, 3, 9], [NO_BLOCK, 6, 7, 5]
+    calls = by_layer.layer_loads(src, [full, window])
+    assert len(calls) == LAYERS and not any(t.any() for t in split)  # nothing copied yet
+    copied = 0
+    for i, call in enumerate(calls):
+        copied += call()
+        assert [bool(t.any()) for t in split] == [j <= i for j in range(LAYERS)]
+    assert copied == at_once.load(src, [full, window])
+    assert all(torch.equal(a, b) for a, b in zip(split, whole, strict=True))
+    with pytest.raises(ValueError, match="out of range"):
+        by_layer.layer_loads([2], [[BLOCKS], [NO_BLOCK]])
+    by_layer.detach()
+    at_once.detach()
+
+
 def test_tensor_parallel_ranks_each_copy_their_heads_of_every_page(pool) -> None:
     """Two ranks of one head each save and load their slice of a page: together they write
     exactly the page one rank of both heads writes, and each loads back only its heads."""

@@ -13,6 +13,8 @@ hicache equal those of the same model in a vLLM without the connector.
 * A cache reset through vLLM's own ``reset_prefix_cache(reset_connector=True)`` serves
   nothing saved before it; one that vLLM could not do itself (a request held blocks) leaves
   the engine in its namespace.
+* Layer-wise loads (``hicache_copy: layer``) whose copies lag behind the forward pass, and
+  one that fails at its last layer, give vLLM alone's tokens.
 * vLLM's own metrics carry hicache's hits per tier, loads, saves and errors.
 * After a daemon restart, asks about a request whose pages come back from L3 that get no
   answer in time (a fault point makes the connector give up on them at once, as against a
@@ -21,9 +23,10 @@ hicache equal those of the same model in a vLLM without the connector.
   vLLM computing alone: vLLM alone's tokens, no hit, nothing saved, the busy answers counted
   on both sides (last: it restarts the daemon with that setting).
 
-The module shares one daemon (with a file L3) and six engines (vLLM alone, ``a`` with the
+The module shares one daemon (with a file L3) and seven engines (vLLM alone, ``a`` with the
 load fault, ``b``, ``c`` with the other identity, ``d`` with the unanswered-asks fault, ``e``
-with the load fault and vLLM's own prefix caching), each started when a test first needs it.
+with the load fault and vLLM's own prefix caching, ``l`` loading layer by layer with the load
+fault and slowed copies), each started when a test first needs it.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ from typing import Any
 import pytest
 import yaml
 
-from hicache.bench.engine_lib.vllm_driver import VllmProcess
-from hicache.connectors.faults import FAIL_LOADS_ENV, RUNTIME_ENV, SLOW_PENDING_ASKS_ENV
+from hicache.bench.engine_lib.vllm_driver import VllmProcess, connector_config
+from hicache.connectors.faults import FAIL_LOADS_ENV, RUNTIME_ENV, SLOW_COPIES_ENV, SLOW_PENDING_ASKS_ENV
 from tests.support.daemon import Daemon
 from tests.support.vllm_engines import Engines, ModelStack, engine_config, expected_hit
 
@@ -63,6 +66,8 @@ Q = HEAD + _prompt(50, 100)  # shares HEAD; its blocks 4..6 are computed in the 
 Q1, Q2 = HEAD + _prompt(51, 100), HEAD + _prompt(52, 100)
 ALL = P + [Q, Q1, Q2]
 SLOW_ASKS = 1  # one call given up on: the client then backs off for 0.5 s, as after a timeout
+LAYER_LAG_S = 0.2
+"""Engine ``l``'s layer loader sleeps this long before each layer: a forward pass outruns it."""
 
 
 class Stack(ModelStack):
@@ -130,6 +135,36 @@ def test_a_failed_load_saves_nothing_another_request_computed_on_it(stack: Stack
         again = b.generate([q], MAX_TOKENS)
         stack.check(again, [q])
         assert again["cached"][0] >= len(HEAD)
+    stack.idle_and_intact()
+
+
+def test_layer_wise_loads_give_vllm_alones_tokens_while_the_copies_lag_and_a_late_failure_is_recomputed(
+        stack: Stack) -> None:
+    """Engine ``l`` loads layer by layer (``hicache_copy: layer``) with every layer's copy
+    slowed (the forward pass reaches layers not copied yet and must wait for them) and its
+    first load failing at its last layer (after the forward pass read the layers before it):
+    vLLM alone's tokens, the failed load's blocks recomputed, the next loads whole."""
+    b = stack.engine("b")
+    stack.check(b.generate(P, MAX_TOKENS), P)
+    stack.wait("P's saves", lambda st: st["leases"]["open"] == 0)
+    lw = stack.engine("l", kv_transfer=connector_config(str(stack.daemon.config_path), copy_mode="layer"),
+                      env={FAIL_LOADS_ENV: "1", SLOW_COPIES_ENV: str(LAYER_LAG_S)}, log_stats=True)
+    before = _hicache_metrics(lw)
+    out = lw.generate(P, MAX_TOKENS)
+    stack.check(out, P)
+    log_text = lw.log_path.read_text()
+    assert f"failed (fault point {FAIL_LOADS_ENV})" in log_text and "vLLM recomputes them" in log_text
+    after = _hicache_metrics(lw)
+    hits = [expected_hit(len(p), BLOCK) for p in P]
+    failed_blocks = after["vllm:hicache_load_errors"] - before.get("vllm:hicache_load_errors", 0.0)
+    assert failed_blocks in {h // BLOCK for h in hits}, after  # one load, whole
+    assert after["vllm:hicache_loaded_blocks"] - before.get("vllm:hicache_loaded_blocks", 0.0) \
+        == sum(hits) // BLOCK - failed_blocks, after
+    assert after["vllm:hicache_layer_waits"] > 0, after  # attention layers waited for their copies
+    stack.wait("l's loads to be released", lambda st: st["leases"]["open"] == 0)
+    again = lw.generate(P, MAX_TOKENS)  # the fault is spent: every load whole
+    stack.check(again, P)
+    assert again["cached"] == hits
     stack.idle_and_intact()
 
 

@@ -18,13 +18,15 @@ starts ``vllm.LLM`` (with ``HiCacheConnector`` when ``--hicache-config`` is give
   blocks);
 * ``{"op": "metrics", "prefix": P}`` -> ``{"metrics": [{"name", "labels", "value"}...]}``:
   vLLM's own Prometheus metrics whose name starts with ``P`` (needs ``--log-stats``);
-* ``{"op": "steps", "prompts": [[ids...]], "arrivals": [step...], "max_tokens": N}`` -> the
-  prompts fed to the engine step by step (prompt ``i`` added before step ``arrivals[i]``),
-  stepped until all finished: ``{"outputs", "cached", "finished_at": [...], "step_s": [...],
-  "schedule_s": [...]}``: when each request finished (``time.monotonic()``, comparable
-  across processes), the wall time of each engine step and of the scheduler's part of it
-  (``schedule`` and ``update_from_output``, where a KV connector's scheduler half runs; empty
-  unless the engine core runs in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
+* ``{"op": "steps", "prompts": [[ids...]], "arrivals": [step...], "max_tokens": N or [N...]}``
+  -> the prompts fed to the engine step by step (prompt ``i`` added before step
+  ``arrivals[i]``, decoding ``max_tokens`` or ``max_tokens[i]`` tokens), stepped until all
+  finished: ``{"outputs", "cached", "finished_at": [...], "added_at": [...], "token_at":
+  [[...]...], "step_s": [...], "schedule_s": [...]}``: when each request finished, was added
+  and got each of its tokens (``time.monotonic()``, comparable across processes), the wall
+  time of each engine step and of the scheduler's part of it (``schedule`` and
+  ``update_from_output``, where a KV connector's scheduler half runs; empty unless the
+  engine core runs in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
 * ``{"op": "exit"}`` -> exits.
 
 ``--num-blocks`` sets vLLM's KV space in blocks (``num_gpu_blocks_override``: the
@@ -70,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="vLLM's KV space in blocks (VLLM_CPU_KVCACHE_SPACE takes whole GiB only)")
     p.add_argument("--log-stats", action="store_true", help="keep vLLM's stats on (the metrics op)")
     p.add_argument("--kv-transfer-json", default=None,
-                   help="any kv_transfer_config (another connector), instead of --hicache-config")
+                   help="any kv_transfer_config (another connector, or hicache's with other settings); "
+                        "it wins over --hicache-config")
     p.add_argument("--kv-events-json", default=None,
                    help="vLLM's kv_events_config (its own KV event publisher), as JSON")
     p.add_argument("--attention-backend", default=None,
@@ -85,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.inputs import TokensPrompt
 
     kw: dict[str, Any] = {}
-    if args.hicache_config:
-        kw["kv_transfer_config"] = connector_config(args.hicache_config)
-    elif args.kv_transfer_json:
+    if args.kv_transfer_json:  # given with --hicache-config too: the connector's other settings
         kw["kv_transfer_config"] = json.loads(args.kv_transfer_json)
+    elif args.hicache_config:
+        kw["kv_transfer_config"] = connector_config(args.hicache_config)
     if args.num_blocks:
         kw["num_gpu_blocks_override"] = args.num_blocks
     if args.max_num_batched_tokens:
@@ -152,10 +155,13 @@ def main(argv: list[str] | None = None) -> int:
             if salt:
                 prompt["cache_salt"] = salt
             prompts.append(prompt)
-        params = SamplingParams(max_tokens=int(req.get("max_tokens", 8)), temperature=0.0, ignore_eos=True)
+        wanted = req.get("max_tokens", 8)
         if op == "steps":
-            answer(_steps(llm, prompts, [int(a) for a in req["arrivals"]], params))
+            each = wanted if isinstance(wanted, list) else [wanted] * len(prompts)
+            answer(_steps(llm, prompts, [int(a) for a in req["arrivals"]],
+                          [SamplingParams(max_tokens=int(n), temperature=0.0, ignore_eos=True) for n in each]))
             continue
+        params = SamplingParams(max_tokens=int(wanted), temperature=0.0, ignore_eos=True)
         t0 = time.perf_counter()
         results = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
@@ -178,7 +184,7 @@ def _reset_while_running(llm: Any, prompt: Any, params: Any, steps: int) -> dict
     return {"ok": ok, "outputs": [list(done[0].outputs[0].token_ids)], "cached": [int(done[0].num_cached_tokens or 0)]}
 
 
-def _steps(llm: Any, prompts: list[Any], arrivals: list[int], params: Any) -> dict[str, Any]:
+def _steps(llm: Any, prompts: list[Any], arrivals: list[int], params: list[Any]) -> dict[str, Any]:
     """The ``steps`` op (see the module docstring)."""
     engine = llm.llm_engine
     core = getattr(engine.engine_core, "engine_core", None)  # in-process engine core only
@@ -201,6 +207,8 @@ def _steps(llm: Any, prompts: list[Any], arrivals: list[int], params: Any) -> di
     order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
     results: dict[str, Any] = {}
     finished_at: dict[str, float] = {}
+    added_at: dict[str, float] = {}
+    token_at: dict[str, list[float]] = {f"steps-{i}": [] for i in range(len(prompts))}
     step_s: list[float] = []
     schedule_s: list[float] = []
     step = 0
@@ -208,14 +216,18 @@ def _steps(llm: Any, prompts: list[Any], arrivals: list[int], params: Any) -> di
         while len(results) < len(prompts):
             while order and arrivals[order[0]] <= step:
                 i = order.pop(0)
-                engine.add_request(f"steps-{i}", prompts[i], params)
+                engine.add_request(f"steps-{i}", prompts[i], params[i])
+                added_at[f"steps-{i}"] = time.monotonic()
             scheduler_s[0] = 0.0
             t0 = time.perf_counter()
             outs = engine.step()
             step_s.append(time.perf_counter() - t0)
             if core is not None:
                 schedule_s.append(scheduler_s[0])
+            now = time.monotonic()
             for out in outs:
+                times = token_at[out.request_id]
+                times += [now] * (len(out.outputs[0].token_ids) - len(times))
                 if out.finished:
                     results[out.request_id] = out
                     finished_at[out.request_id] = time.monotonic()
@@ -226,7 +238,9 @@ def _steps(llm: Any, prompts: list[Any], arrivals: list[int], params: Any) -> di
     done = [results[f"steps-{i}"] for i in range(len(prompts))]
     return {"outputs": [list(r.outputs[0].token_ids) for r in done],
             "cached": [int(r.num_cached_tokens or 0) for r in done],
-            "finished_at": [finished_at[f"steps-{i}"] for i in range(len(prompts))], "step_s": step_s,
+            "finished_at": [finished_at[f"steps-{i}"] for i in range(len(prompts))],
+            "added_at": [added_at[f"steps-{i}"] for i in range(len(prompts))],
+            "token_at": [token_at[f"steps-{i}"] for i in range(len(prompts))], "step_s": step_s,
             "schedule_s": schedule_s}
 
 
@@ -353,7 +367,7 @@ class VllmProcess:
         return self.request({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
                              "cache_salt": cache_salt}, timeout_s)
 
-    def steps(self, prompts: list[list[int]], arrivals: list[int], max_tokens: int,
+    def steps(self, prompts: list[list[int]], arrivals: list[int], max_tokens: int | list[int],
               timeout_s: float = 3600.0) -> dict[str, Any]:
         """The ``steps`` op: per-step wall times of a staggered batch (module docstring)."""
         return self.request({"op": "steps", "prompts": prompts, "arrivals": arrivals, "max_tokens": max_tokens},

@@ -131,7 +131,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.start_load_kv(self._metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # a synchronous load completed in start_load_kv; an asynchronous one's request is not in the step
+        # hicache_copy: layer waits for that layer's copies; sync: a load completed in
+        # start_load_kv; async: a loading request is not in the step
+        self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # saves are copied in wait_for_save, once every layer has been computed

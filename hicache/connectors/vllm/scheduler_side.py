@@ -133,8 +133,9 @@ class SchedulerSide:
         self.address = settings.address
         self.stats = stats
         self.loads, self.saves = settings.loads, settings.saves  # the engine's kv_role
-        self.copy_async = settings.copy_mode == "async"
-        self.load_async = self.copy_async or self.layout.load_async  # a hit's request waits for its own load
+        self.copy_async = settings.copy_mode != "sync"  # saves on the worker's copy thread
+        # a hit's request waits for its own load (hicache_copy: layer loads in the request's step)
+        self.load_async = settings.copy_mode == "async" or self.layout.load_async
         self._busy_count = 0  # busy answers since the last log line about them
         self._busy_logged_at = -BUSY_LOG_EVERY_S
         self.reset_generation = ""

@@ -27,12 +27,16 @@ if TYPE_CHECKING:
     from hicache.runtime.ipc import CurveClientKeys
 
 
-CopyMode = Literal["sync", "async"]
-COPY_MODES: tuple[CopyMode, ...] = ("sync", "async")
+CopyMode = Literal["sync", "async", "layer"]
+COPY_MODES: tuple[CopyMode, ...] = ("sync", "async", "layer")
 """``sync``: a step's loads are copied before its forward pass and its saves after it, on the
 worker's own thread (every request of the step waits for them). ``async``: both run on a copy
 thread beside the forward passes (``copy_thread``); a hit's request waits for its own load
-only, reported done by ``get_finished``."""
+only, reported done by ``get_finished``. ``layer``: a hit's request runs in the step that
+loads it, its loads copied layer by layer while the forward pass computes (``layer_loads``:
+layer ``i`` waits for its own copies only); saves as ``async``. An engine whose hits vLLM
+loads asynchronously anyway (several KV cache groups: ``VllmKVLayout.load_async``) loads as
+``async``."""
 DEFAULT_COPY_MODE: CopyMode = "sync"
 
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")

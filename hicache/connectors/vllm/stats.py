@@ -29,6 +29,9 @@ key                        half        counts
 ``fence_waits``            worker      forward passes that waited for the copy thread's saves
                                        (``hicache_copy: async``): a block they read was reused
 ``fence_seconds``          worker      time those waits took
+``layer_waits``            worker      attention layers that waited for their layer-wise load
+                                       (``hicache_copy: layer``): the copy was behind the compute
+``layer_wait_seconds``     worker      time those waits took
 ``loaded_bytes``           worker      bytes copied by loads (a sliding-window group's layers of
                                        the pages before its window are not copied)
 ``saved_bytes``            worker      bytes of ``saved_blocks``
@@ -49,7 +52,7 @@ KEYS: tuple[str, ...] = (
     "lookups", "lookup_misses", "lookups_pending", "lookups_unanswered_pending", "hit_tokens_host", "hit_tokens_disk",
     "reserved_blocks", "late_answers", "busy_answers",
     "loaded_blocks", "load_errors", "load_seconds", "saved_blocks", "save_skipped_blocks", "save_seconds",
-    "loaded_bytes", "saved_bytes", "fence_waits", "fence_seconds",
+    "loaded_bytes", "saved_bytes", "fence_waits", "fence_seconds", "layer_waits", "layer_wait_seconds",
 )
 HIT_TIERS = {"hit_tokens_host": "host", "hit_tokens_disk": "disk"}
 
@@ -71,6 +74,8 @@ _HELP = {
     "save_seconds": "Seconds spent copying KV blocks into hicache's L2.",
     "fence_waits": "Forward passes that waited for a save of the copy thread (a block it read was reused).",
     "fence_seconds": "Seconds forward passes waited for saves of the copy thread.",
+    "layer_waits": "Attention layers that waited for their layer-wise load from hicache's L2.",
+    "layer_wait_seconds": "Seconds attention layers waited for their layer-wise loads.",
     "loaded_bytes": "Bytes copied from hicache's L2 into vLLM's KV cache.",
     "saved_bytes": "Bytes copied from vLLM's KV cache into hicache's L2.",
 }

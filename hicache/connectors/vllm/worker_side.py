@@ -9,9 +9,13 @@ vLLM calls               this side
 ``register_kv_caches``   checks the KV layout (CPU, block index first, contiguous
                          blocks) and the state layers; builds the copiers
 ``start_load_kv``        copies every planned load before the forward pass (so
-                         ``wait_for_layer_load`` waits for nothing); ``Release`` each
-``wait_for_save``        copies the step's new full blocks into their reserved pages;
-                         ``Commit`` each (ok or not)
+                         ``wait_for_layer_load`` waits for nothing); ``Release`` each.
+                         ``hicache_copy: async``: hands them to the copy thread;
+                         ``layer``: to the layer loader (``layer_loads``)
+``wait_for_layer_load``  ``layer``: waits until that layer of the step's loads is copied
+``wait_for_save``        (``layer``: first finishes the step's loads, ``Release`` each)
+                         copies the step's new full blocks into their reserved pages;
+                         ``Commit`` each (ok or not); ``async`` / ``layer``: on the copy thread
 ``get_finished`` ...     reports asynchronous loads done (``failed_recving``: failed)
 ``get_block_ids_with_    reports a failed synchronous load's blocks: vLLM recomputes
 load_errors``            them (the connector sets ``kv_load_failure_policy: recompute``)
@@ -24,8 +28,9 @@ what                  rule
 ====================  ===================================================================
 a plan of another     fails (load) or is not saved: its page numbers index another
 daemon run            daemon's pool
-a failed synchronous  no save of that step is committed ok, nor of any later step until a
-load                  step's metadata names it (``failures_known``, from this side's
+a failed synchronous  (a layer-wise load is one: its request is in the step) no save of
+load                  that step is committed ok, nor of any later step until a
+                      step's metadata names it (``failures_known``, from this side's
                       ``HiCacheWorkerMeta``): every request of the step may attend to the
                       failed blocks, which vLLM caches when it allocates them. A rank's
                       failed load is released as loading nothing; vLLM joins the ranks'
@@ -49,6 +54,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,6 +66,7 @@ from hicache.connectors.copy_thread import CopyJob, CopyThread
 from hicache.connectors.engine_client import EngineClient
 from hicache.connectors.faults import FAIL_LOADS_ENV
 from hicache.connectors.kv_copy import NO_BLOCK, NO_PAGE, BlockCopier, StateCopier, kv_problem, state_problem
+from hicache.connectors.layer_loads import LayerLoad, LayerLoads
 from hicache.connectors.vllm.layout import ConnectorRefused
 from hicache.connectors.vllm.plans import (
     HiCacheConnectorMetadata,
@@ -72,6 +79,13 @@ from hicache.connectors.vllm.settings import ConnectorSettings
 from hicache.connectors.vllm.stats import HiCacheStats
 
 log = logging.getLogger("hicache.connector")
+
+
+def _fails(why: str) -> Callable[[], int]:
+    """A layer's copy that raises ``why`` (the fault point of a layer-wise load)."""
+    def copy() -> int:
+        raise RuntimeError(why)
+    return copy
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -98,10 +112,16 @@ class WorkerSide:
         self._failures_to_report: set[int] = set()  # for the next HiCacheWorkerMeta
         self._loaded_async: set[str] = set()  # asynchronous loads done (or failed) since the last report
         self._failed_async: set[str] = set()  # of which these failed
-        self.copies: CopyThread | None = None  # hicache_copy: async
-        if settings.copy_mode == "async":
+        self.copies: CopyThread | None = None  # hicache_copy: async or layer (saves; async: loads too)
+        if settings.copy_mode != "sync":
             self.copies = CopyThread(settings.address, settings.timeout_ms, curve=settings.curve,
                                      before_save=settings.faults.slow_copy)
+        self.layer_loads: LayerLoads | None = None  # hicache_copy: layer, an engine whose hits load in the step
+        self._layer_index: dict[str, int] = {}
+        self._layer_meta: HiCacheConnectorMetadata | None = None  # the step whose layer-wise loads run
+        if settings.copy_mode == "layer" and not self.layout.load_async:
+            self.layer_loads = LayerLoads(len(self.layout.layer_names), before_layer=settings.faults.slow_copy)
+            self._layer_index = {name: i for i, name in enumerate(self.layout.layer_names)}
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         missing = [n for n in self.layout.layer_names if n not in kv_caches]
@@ -136,19 +156,77 @@ class WorkerSide:
                 self.stats.add("fence_seconds", waited)
 
     def start_load_kv(self, meta: HiCacheConnectorMetadata) -> None:
+        self.finish_layer_loads()  # the last step's, when vLLM deferred its wait_for_save
         self._unknown_failures -= meta.failures_known
         self.fence(meta)  # vLLM calls handle_preemptions first; a load must not overtake a fence either
+        layered: list[LayerLoad] = []
         for plan in meta.loads:
-            if self.copies is not None:
+            if self.layer_loads is not None:
+                load = self._layer_load(meta, plan)
+                if load is not None:
+                    layered.append(load)
+            elif self.copies is not None:
                 self._load_on_copy_thread(meta, plan)
             else:
                 self._load_now(meta, plan)
+        if layered:
+            assert self.layer_loads is not None
+            self._layer_meta = meta
+            self.layer_loads.start(layered)
 
-    def _load_check(self, meta: HiCacheConnectorMetadata, plan: LoadPlan) -> None:
-        """Raise when ``plan`` must fail instead of loading."""
+    def _layer_load(self, meta: HiCacheConnectorMetadata, plan: LoadPlan) -> LayerLoad | None:
+        """``plan`` split by layer for the layer loader; None when it fails at once (its
+        blocks are load errors, its lease released as loading nothing). The fault point's
+        load fails at its last layer, after the others were copied."""
+        try:
+            self._load_check(meta, plan, fault=False)
+            if plan.states:
+                raise RuntimeError("a layer-wise load copies no states")
+            layers = self._attach(meta).layer_loads(plan.pages, plan.blocks, plan.window_pages or None)
+        except Exception as exc:
+            self._load_failed(meta, plan, str(exc), reported_async=False)
+            self.worker_client.send(protos.Release(plan.session, plan.run, plan.lease, 0, self.rank))
+            return None
+        if self.faults.take_load_failure():
+            layers[-1] = _fails(f"fault point {FAIL_LOADS_ENV}")
+        return LayerLoad(plan.rid, len(plan.pages), layers, payload=plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Wait until layer ``layer_name`` of this step's layer-wise loads is copied."""
+        if self.layer_loads is None:
+            return
+        i = self._layer_index.get(layer_name)
+        if i is None:
+            return
+        waited = self.layer_loads.wait(i)
+        if waited:
+            self.stats.add("layer_waits")
+            self.stats.add("layer_wait_seconds", waited)
+
+    def finish_layer_loads(self) -> None:
+        """Wait for the step's layer-wise loads, then end each one's lease: a load that failed
+        is reported as load errors (vLLM recomputes its blocks) and released as loading nothing."""
+        if self.layer_loads is None or self._layer_meta is None:
+            return
+        meta, self._layer_meta = self._layer_meta, None
+        loads, seconds = self.layer_loads.finish()
+        self.stats.add("load_seconds", seconds)
+        for load in loads:
+            plan = load.payload
+            assert isinstance(plan, LoadPlan)
+            if load.ok:
+                self.stats.add("loaded_blocks", load.pages)
+                self.stats.add("loaded_bytes", load.copied)
+            else:
+                self._load_failed(meta, plan, load.error, reported_async=False)
+            self.worker_client.send(protos.Release(plan.session, plan.run, plan.lease,
+                                                   load.pages if load.ok else 0, self.rank))
+
+    def _load_check(self, meta: HiCacheConnectorMetadata, plan: LoadPlan, *, fault: bool = True) -> None:
+        """Raise when ``plan`` must fail instead of loading (``fault``: the fault point may fail it here)."""
         if plan.run != meta.run:
             raise RuntimeError("planned under another daemon run (the daemon restarted)")
-        if self.faults.take_load_failure():
+        if fault and self.faults.take_load_failure():
             raise RuntimeError(f"fault point {FAIL_LOADS_ENV}")
         if plan.unloadable:
             raise RuntimeError(plan.unloadable)
@@ -251,6 +329,7 @@ class WorkerSide:
         return sum(copier.load(st.slot, st.blocks) if load else copier.save(st.blocks, st.slot) for st in states)
 
     def wait_for_save(self, meta: HiCacheConnectorMetadata) -> None:
+        self.finish_layer_loads()  # a save must know whether a load of its step failed
         if meta.saves:
             self.faults.stall_saves(self.rank)
         for plan in meta.saves:
@@ -359,6 +438,7 @@ class WorkerSide:
         return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self.finish_layer_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -371,6 +451,8 @@ class WorkerSide:
         return HiCacheWorkerMeta(failed)
 
     def shutdown(self) -> None:
+        if self.layer_loads is not None:
+            self.layer_loads.close()
         if self.copies is not None:
             self.copies.close()
         self.worker_client.close()
