@@ -16,8 +16,9 @@ Every figure comes with its reference measured in the same run, as medians and r
   (the round's latency; throughput = prompt + output tokens of these answer calls per second
   of their wall time). vLLM's KV space (``--kv-space-gib``, default a third of the working
   set) is below the working set (conversations x final length). vLLM alone (its prefix
-  caching on) against vLLM + hicache (prefix caching on too); vLLM's ``num_cached_tokens``
-  as hit tokens; both runs' greedy tokens compared.
+  caching on) against vLLM + hicache (prefix caching on too), and vLLM alone given KV
+  space for the whole working set (goal: hicache within 1.2x of it, throughput and TTFT
+  p50); vLLM's ``num_cached_tokens`` as hit tokens; the runs' greedy tokens compared.
 * ``decode``: a long decode (``--decode-contexts``, ``--decode-tokens``): Reserve messages
   and token ids sent to the daemon per generated block, at each context length against the
   shortest one (goal: constant, ratio <= 1.1; ``engine_lib.parts.run_decode``).
@@ -284,9 +285,10 @@ def run(args: argparse.Namespace) -> int:
                 extra["multiturn"] = x
                 same = "identical" if x["same_answer_tokens"] else f"DIFFERENT (first: {x['first_difference']})"
                 notes.append(f"multiturn: greedy answer tokens of the two runs: {same}; 1-token probes "
-                             f"{'identical' if x['same_probe_tokens'] else 'DIFFERENT'}. vLLM KV space "
-                             f"{x['kv_space_mib']:.1f} MiB ({x['kv_blocks']} blocks) < working set "
-                             f"{x['working_set_mib']:.1f} MiB")
+                             f"{'identical' if x['same_probe_tokens'] else 'DIFFERENT'}; vLLM alone with room "
+                             f"for the working set: {'identical' if x['roomy_same_answer_tokens'] else 'DIFFERENT'}. "
+                             f"vLLM KV space {x['kv_space_mib']:.1f} MiB ({x['kv_blocks']} blocks) < working set "
+                             f"{x['working_set_mib']:.1f} MiB ({x['roomy_kv_blocks']} blocks for the roomy run)")
             if "decode" in parts:
                 from hicache.bench.engine_lib.parts import run_decode
 
