@@ -33,6 +33,9 @@ Every figure comes with its reference measured in the same run, as medians and r
   latency p50 / p99 against vLLM alone serving the same hits from its own prefix cache (goal
   p99 <= 1.05x), and the hits' TTFT against vLLM alone's and against ``sync`` copies (goal
   <= 1.05x), once per ``--copy-modes`` entry (``engine_lib.loads``).
+* ``pd``: ``--pd-requests`` prompts of ``--pd-prompt-tokens`` through a prefill engine and a
+  decode engine (the recipe of docs/engine-mode.md) against one colocated engine: TTFT and
+  inter-token latency p50 / p99 (``engine_lib.pd``).
 * ``lookup``: the connector's side of a lookup that hits L2, first ask and ask again, at
   ``--lookup-tokens`` lengths against the shortest (goal for the longest: 1 ms;
   ``engine_lib.lookup.run_lookup``). No vLLM runs in this part.
@@ -65,7 +68,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-PARTS = ("ttft", "multiturn", "decode", "steps", "loads", "lookup", "copy", "peers")
+PARTS = ("ttft", "multiturn", "decode", "steps", "loads", "pd", "lookup", "copy", "peers")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,6 +117,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--loads-prompt-tokens", type=int, default=4096, help="tokens of each hitting prompt")
     g.add_argument("--loads-hits", type=int, default=6, help="hitting prompts, arriving one at a time")
     g.add_argument("--loads-decoders", type=int, default=4, help="requests decoding meanwhile")
+    g = parser.add_argument_group("pd")
+    g.add_argument("--pd-prompt-tokens", type=int, default=2048)
+    g.add_argument("--pd-requests", type=int, default=8)
+    g.add_argument("--pd-decode-tokens", type=int, default=32)
     g = parser.add_argument_group("lookup")
     g.add_argument("--lookup-tokens", default="1024,32768", help="prompt lengths, comma-separated")
     g.add_argument("--lookup-repeats", type=int, default=50)
@@ -165,6 +172,7 @@ def _apply_quick(args: argparse.Namespace) -> None:
     args.steps_requests, args.steps_prompt_tokens, args.steps_max_tokens = 6, 256, 8
     args.lookup_tokens, args.lookup_repeats = "1024,8192", 10
     args.loads_prompt_tokens, args.loads_hits, args.loads_decoders = 512, 2, 2
+    args.pd_prompt_tokens, args.pd_requests, args.pd_decode_tokens = 256, 3, 8
 
 
 def _per_mode_notes(notes: list[str], part: str, result: dict[str, Any], modes: tuple[str, ...],
@@ -315,6 +323,16 @@ def run(args: argparse.Namespace) -> int:
                 alone_hits = x["vllm"]["cached"]
                 code |= _per_mode_notes(notes, "loads", x, modes, lambda m: f"hit tokens {m['cached']} "
                                         f"(vLLM alone {alone_hits})")
+            if "pd" in parts:
+                from hicache.bench.engine_lib.pd import run_pd
+
+                f, x = run_pd(bench, prompt_tokens=args.pd_prompt_tokens, requests=args.pd_requests,
+                              decode_tokens=args.pd_decode_tokens)
+                figures += f
+                extra["pd"] = x
+                notes.append(f"pd: the decode engine's greedy tokens equal vLLM alone's: {x['same_output_tokens']}; "
+                             f"its hit tokens {x['decode_cached']}")
+                code |= 0 if x["same_output_tokens"] else 1
             if "lookup" in parts:
                 from hicache.bench.engine_lib.lookup import run_lookup
 
