@@ -20,7 +20,7 @@ at all: an online policy can only approach it as far as it predicts that.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Container, Sequence
 
 NEVER = 1 << 62
 
@@ -46,32 +46,8 @@ def belady_hits(requests: Sequence[Sequence[int]], capacity: int,
     ``nxt``: ``next_uses(requests)``, when the caller evaluates several capacities.
     Raises ``ValueError`` for a capacity below 1. O(total items x log capacity).
     """
-    if capacity < 1:
-        raise ValueError("capacity must be >= 1")
-    if nxt is None:
-        nxt = next_uses(requests)
-    cached: dict[int, int] = {}  # item -> its next use as pushed (the heap entry's key)
-    heap: list[tuple[int, int, int]] = []  # (-next use, -depth, item): largest next use first
-    push, pop = heapq.heappush, heapq.heappop
-    hits = 0
-    for r, ids in enumerate(requests):
-        h = 0
-        for x in ids:
-            if x not in cached:
-                break
-            h += 1
-        hits += h
-        for depth, (x, nu) in enumerate(zip(ids, nxt[r], strict=True)):
-            cached[x] = nu
-            push(heap, (-nu, -depth, x))
-        while len(cached) > capacity:
-            neg_nu, _d, x = pop(heap)
-            if cached.get(x) == -neg_nu:
-                del cached[x]
-        if len(heap) > 4 * capacity + 1024:  # drop stale entries
-            heap = [e for e in heap if cached.get(e[2]) == -e[0]]
-            heapq.heapify(heap)
-    return hits
+    # largest next use first; ties to the deeper item
+    return _hits_keeping_smallest(requests, capacity, nxt, lambda r, depth, nu: (-nu, -depth))
 
 
 def returning_lru_hits(requests: Sequence[Sequence[int]], capacity: int,
@@ -81,33 +57,48 @@ def returning_lru_hits(requests: Sequence[Sequence[int]], capacity: int,
     The order keeps prefixes whole: an item's parent is used whenever it is, so it returns
     if the item does and was used last no earlier. ``nxt`` and errors as ``belady_hits``.
     """
+    # never used again first, then least recently used; ties to the deeper item
+    return _hits_keeping_smallest(requests, capacity, nxt,
+                                  lambda r, depth, nu: (0 if nu == NEVER else 1, r, -depth))
+
+
+def _hits_keeping_smallest(requests: Sequence[Sequence[int]], capacity: int, nxt: list[list[int]] | None,
+                           key: Callable[[int, int, int], tuple[int, ...]]) -> int:
+    """Hit items of a cache that, after each request, keeps the ``capacity`` items with the
+    smallest ``key(request, depth, next use)``, each item keyed at its last use (ties to
+    the smaller item)."""
     if capacity < 1:
         raise ValueError("capacity must be >= 1")
     if nxt is None:
         nxt = next_uses(requests)
-    cached: dict[int, tuple[int, int, int]] = {}  # item -> its heap key as pushed
-    heap: list[tuple[int, int, int, int]] = []  # (returns, last use, -depth, item): smallest first
+    cached: dict[int, tuple[int, ...]] = {}  # item -> its key as pushed
+    heap: list[tuple[tuple[int, ...], int]] = []  # (key, item): smallest first
     push, pop = heapq.heappush, heapq.heappop
     hits = 0
     for r, ids in enumerate(requests):
-        h = 0
-        for x in ids:
-            if x not in cached:
-                break
-            h += 1
-        hits += h
+        hits += _cached_prefix(ids, cached)
         for depth, (x, nu) in enumerate(zip(ids, nxt[r], strict=True)):
-            key = (0 if nu == NEVER else 1, r, -depth)
-            cached[x] = key
-            push(heap, (*key, x))
+            k = key(r, depth, nu)
+            cached[x] = k
+            push(heap, (k, x))
         while len(cached) > capacity:
-            entry = pop(heap)
-            if cached.get(entry[3]) == entry[:3]:
-                del cached[entry[3]]
+            k, x = pop(heap)
+            if cached.get(x) == k:
+                del cached[x]
         if len(heap) > 4 * capacity + 1024:  # drop stale entries
-            heap = [e for e in heap if cached.get(e[3]) == e[:3]]
+            heap = [e for e in heap if cached.get(e[1]) == e[0]]
             heapq.heapify(heap)
     return hits
+
+
+def _cached_prefix(ids: Sequence[int], cached: Container[int]) -> int:
+    """How many of ``ids``, from the first, are in ``cached``."""
+    h = 0
+    for x in ids:
+        if x not in cached:
+            break
+        h += 1
+    return h
 
 
 def infinite_hits(requests: Sequence[Sequence[int]]) -> int:
@@ -115,11 +106,6 @@ def infinite_hits(requests: Sequence[Sequence[int]]) -> int:
     seen: set[int] = set()
     hits = 0
     for ids in requests:
-        h = 0
-        for x in ids:
-            if x not in seen:
-                break
-            h += 1
-        hits += h
+        hits += _cached_prefix(ids, seen)
         seen.update(ids)
     return hits
