@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from hicache.connectors import gpu_check
 from hicache.connectors.kv_copy import (
     CUDA_REFUSAL,
     NO_BLOCK,
@@ -181,6 +183,44 @@ def test_the_cuda_path_is_refused_where_it_has_not_run() -> None:
     r = subprocess.run([sys.executable, "-m", "hicache.connectors.gpu_check"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "no CUDA device" in r.stdout
+
+
+SMALL_CHECK = ["--pages", "32", "--copy-pages", "11", "--blocks", "64", "--repeats", "1", "--layers", "4",
+               "--heads", "2", "--head-dim", "32"]
+
+
+def test_gpu_check_runs_every_copy_mode_with_inline_streams_on_the_cpu() -> None:
+    """The check a GPU machine runs, here on the CPU: every mode, both layouts, both cases."""
+    r = subprocess.run([sys.executable, "-m", "hicache.connectors.gpu_check", "--device", "cpu", *SMALL_CHECK],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert out["ok"] and out["modes"] == list(gpu_check.MODES) == ["sync", "layer", "async"]
+    for layout in ("block_first", "flash"):
+        for mode in gpu_check.MODES:
+            for case in ("runs", "scattered"):
+                assert out[f"{layout}_{mode}_{case}"] == "bitwise equal"
+        assert out[f"{layout}_bandwidth"]["load_gbps"] > 0
+
+
+def test_gpu_check_fails_a_copier_that_loses_pages(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A load that skips its last run of pages, and a save one page off: every mode says so."""
+    from hicache.connectors import kv_copy_cuda
+
+    real_runs, real_save = kv_copy_cuda.page_runs, CudaBlockCopier.save
+    monkeypatch.setattr(kv_copy_cuda, "page_runs", lambda a, b: real_runs(a, b)[:-1] or real_runs(a, b))
+    assert gpu_check.main(["--device", "cpu", *SMALL_CHECK]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert not out["ok"] and all("layer 0 differs" in out[f"flash_{m}_scattered"] for m in gpu_check.MODES)
+
+    monkeypatch.setattr(kv_copy_cuda, "page_runs", real_runs)
+    monkeypatch.setattr(CudaBlockCopier, "save",
+                        lambda self, blocks, pages, after=None: real_save(self, blocks, [p - 1 for p in pages], after))
+    assert gpu_check.main(["--device", "cpu", *SMALL_CHECK]) == 1
+    out = json.loads(capsys.readouterr().out)
+    for m in gpu_check.MODES:
+        assert out[f"block_first_{m}_runs"].startswith("save: layer 0 differs")
 
 
 def _pool_of(name: str, pages: int, layers: int, seed: int) -> tuple[PoolRef, torch.Tensor, SharedSegment | None]:
