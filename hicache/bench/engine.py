@@ -12,10 +12,11 @@ Every figure comes with its reference measured in the same run, as medians and r
   cores and take turns prompt by prompt (``engine_lib.parts.run_ttft``).
 * ``multiturn``: ``--conversations`` x ``--rounds`` chats, each round's prompt = the previous
   prompt + its answer + a new question; per round, each conversation's prompt alone with
-  ``max_tokens=1`` (its TTFT), then all prompts in one ``generate`` for ``--answer-tokens``
-  (the round's latency; throughput = prompt + output tokens of these answer calls per second
-  of their wall time). vLLM's KV space (``--kv-space-gib``, default a third of the working
-  set) is below the working set (conversations x final length). vLLM alone (its prefix
+  ``max_tokens=1`` (its TTFT), then the prompts for ``--answer-tokens``, ``--answer-batch``
+  at a time (default: as many as vLLM's KV space runs at once, so that every run answers in
+  the same batches) (the round's latency; throughput = prompt + output tokens of these
+  answer calls per second of their wall time). vLLM's KV space (``--kv-space-gib``, default a
+  third of the working set) is below the working set (conversations x final length). vLLM alone (its prefix
   caching on) against vLLM + hicache (prefix caching on too), and vLLM alone given KV
   space for the whole working set (goal: hicache within 1.2x of it, throughput and TTFT
   p50); vLLM's ``num_cached_tokens`` as hit tokens; the runs' greedy tokens compared.
@@ -101,6 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rounds", type=int, default=6)
     g.add_argument("--question-tokens", type=int, default=256)
     g.add_argument("--answer-tokens", type=int, default=16)
+    g.add_argument("--answer-batch", type=int, default=0,
+                   help="conversations per answer call (default 0: as many as the KV space runs at once)")
     g.add_argument("--kv-space-gib", type=float, default=None,
                    help="vLLM's KV space (default: a third of the working set), set exactly as a block count")
     g = parser.add_argument_group("decode")
@@ -287,7 +290,8 @@ def run(args: argparse.Namespace) -> int:
             if "multiturn" in parts:
                 from hicache.bench.engine_lib.parts import run_multiturn
 
-                shape = ChatShape(args.conversations, args.rounds, args.question_tokens, args.answer_tokens)
+                shape = ChatShape(args.conversations, args.rounds, args.question_tokens, args.answer_tokens,
+                                  args.answer_batch)
                 f, x = run_multiturn(bench, shape, args.kv_space_gib)
                 figures += f
                 extra["multiturn"] = x
@@ -295,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
                 notes.append(f"multiturn: greedy answer tokens of the two runs: {same}; 1-token probes "
                              f"{'identical' if x['same_probe_tokens'] else 'DIFFERENT'}; vLLM alone with room "
                              f"for the working set: {'identical' if x['roomy_same_answer_tokens'] else 'DIFFERENT'}. "
+                             f"Answers {x['answer_batch']} conversations at a time. "
                              f"vLLM KV space {x['kv_space_mib']:.1f} MiB ({x['kv_blocks']} blocks) < working set "
                              f"{x['working_set_mib']:.1f} MiB ({x['roomy_kv_blocks']} blocks for the roomy run)")
             if "decode" in parts:

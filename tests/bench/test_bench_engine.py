@@ -89,3 +89,17 @@ def test_lookup_part_times_the_connector_side_against_the_shortest_prompt(tmp_pa
         assert row["hit_pages"] == row["tokens"] // 32
         assert len(row["first_s"]) == len(row["again_s"]) == lookup["repeats"]
     assert lookup["longest"] == 8192 and lookup["goal_ms"] == 1.0
+
+
+def test_multiturn_answers_in_batches_the_smaller_kv_space_runs_at_once() -> None:
+    """Every run of the multi-turn part answers in the same batches: by default as many
+    conversations as the smaller KV space holds in the last round (8 x 6 rounds of 256 + 16
+    tokens: 52 blocks of 32 each, 136 blocks hold two), or what ``--answer-batch`` asks."""
+    from hicache.bench.engine_lib.parts import ChatShape, answer_batch_for
+
+    shape = ChatShape(8, 6, 256, 16)
+    assert answer_batch_for(shape, 136, 32) == 2
+    assert answer_batch_for(shape, 51, 32) == 1  # not even one fits: one at a time
+    assert answer_batch_for(shape, 10_000, 32) == 8
+    assert answer_batch_for(ChatShape(8, 6, 256, 16, answer_batch=3), 136, 32) == 3
+    assert answer_batch_for(ChatShape(8, 6, 256, 16, answer_batch=20), 136, 32) == 8

@@ -123,6 +123,9 @@ class ChatShape:
     rounds: int
     question_tokens: int
     answer_tokens: int
+    answer_batch: int = 0
+    """Conversations answered per ``generate`` call (0: as many as vLLM's KV space runs at
+    once in the last round, ``answer_batch_for``)."""
 
     @property
     def final_tokens(self) -> int:
@@ -144,10 +147,22 @@ def chat_kv_blocks(b: Bench, shape: ChatShape, kv_space_gib: float | None) -> tu
     return blocks, working, max_len
 
 
+def answer_batch_for(shape: ChatShape, blocks: int, block_size: int) -> int:
+    """``shape.answer_batch``, or by default the conversations whose last-round prompts and
+    answers fit in ``blocks`` together (at least one): a batch that vLLM runs without
+    preempting, so that every run answers in the same batches whatever its KV space, and
+    the throughput compares the caches, not the batch sizes."""
+    if shape.answer_batch:
+        return min(shape.answer_batch, shape.conversations)
+    per_conversation = -(-(shape.final_tokens + block_size) // block_size)
+    return max(1, min(shape.conversations, blocks // per_conversation))
+
+
 def _chat_run(b: Bench, name: str, shape: ChatShape, blocks: int, max_len: int,
-              hicache_config: str | None) -> dict[str, Any]:
+              hicache_config: str | None, batch: int) -> dict[str, Any]:
     """One multi-turn run: per round, a ``max_tokens=1`` probe of each conversation's prompt
-    alone (its TTFT), then every conversation's prompt in one ``generate`` for the answer."""
+    alone (its TTFT), then the conversations' prompts ``batch`` at a time, one ``generate``
+    each, for the answers."""
     questions = [b.prompts(shape.rounds, shape.question_tokens, seed=100 + c) for c in range(shape.conversations)]
     history: list[list[int]] = [[] for _ in range(shape.conversations)]
     out: dict[str, Any] = {"ttft_s": [], "probe_cached": [], "round_s": [], "round_tokens": [],
@@ -162,14 +177,18 @@ def _chat_run(b: Bench, name: str, shape: ChatShape, blocks: int, max_len: int,
                 out["ttft_s"].append(float(res["elapsed_s"]))
                 out["probe_cached"].append(int(res["cached"][0]))
                 out["probe_tokens"].append(list(res["outputs"][0]))
-            res = eng.generate(prompts, shape.answer_tokens, timeout_s=1800)
-            answers = [list(o) for o in res["outputs"]]
-            out["round_s"].append(float(res["elapsed_s"]))
+            answers, cached, elapsed = [], [], 0.0
+            for first in range(0, len(prompts), batch):
+                res = eng.generate(prompts[first:first + batch], shape.answer_tokens, timeout_s=1800)
+                answers += [list(o) for o in res["outputs"]]
+                cached += [int(x) for x in res["cached"]]
+                elapsed += float(res["elapsed_s"])
+            out["round_s"].append(elapsed)
             out["round_tokens"].append(sum(len(p) for p in prompts) + sum(len(a) for a in answers))
-            out["answer_cached"].append([int(x) for x in res["cached"]])
+            out["answer_cached"].append(cached)
             out["answers"].append(answers)
             ttft_round = out["ttft_s"][-shape.conversations:]
-            b.progress(f"multiturn {name}: round {r + 1}/{shape.rounds}: answers {res['elapsed_s']:.2f} s, "
+            b.progress(f"multiturn {name}: round {r + 1}/{shape.rounds}: answers {elapsed:.2f} s, "
                        f"TTFT p50 {median(ttft_round) * 1000:.0f} ms, hit tokens "
                        f"{sum(out['answer_cached'][-1])}/{sum(len(p) for p in prompts)}")
             history = [prompts[c] + answers[c] for c in range(shape.conversations)]
@@ -190,15 +209,17 @@ def run_multiturn(b: Bench, shape: ChatShape, kv_space_gib: float | None) -> tup
     in for) as the second reference."""
     blocks, working, max_len = chat_kv_blocks(b, shape, kv_space_gib)
     block_bytes = b.kv_bytes_per_token * b.block_size
+    batch = answer_batch_for(shape, blocks, b.block_size)
     b.progress(f"multiturn: working set {working} blocks ({working * block_bytes / (1 << 20):.1f} MiB), "
-               f"vLLM KV space {blocks} blocks ({blocks * block_bytes / (1 << 20):.1f} MiB)")
-    alone = _chat_run(b, "chat-vllm", shape, blocks, max_len, None)
+               f"vLLM KV space {blocks} blocks ({blocks * block_bytes / (1 << 20):.1f} MiB), "
+               f"answers {batch} conversations at a time")
+    alone = _chat_run(b, "chat-vllm", shape, blocks, max_len, None, batch)
     roomy_blocks = working + max_len // b.block_size + 16
-    roomy = _chat_run(b, "chat-vllm-roomy", shape, roomy_blocks, max_len, None)
+    roomy = _chat_run(b, "chat-vllm-roomy", shape, roomy_blocks, max_len, None, batch)
     l2_tokens = round_up(4 * working * b.block_size + 4096, b.block_size)
     daemon = b.daemon("chat-hicache", l2_tokens)
     try:
-        with_hc = _chat_run(b, "chat-hicache", shape, blocks, max_len, str(daemon.config))
+        with_hc = _chat_run(b, "chat-hicache", shape, blocks, max_len, str(daemon.config), batch)
         stats = daemon.stats()
     finally:
         daemon.stop()
@@ -239,7 +260,7 @@ def run_multiturn(b: Bench, shape: ChatShape, kv_space_gib: float | None) -> tup
         Figure("chat probe hit tokens", "tok", hits["hicache"]["probe_hit_tokens"], "vLLM alone",
                hits["vllm"]["probe_hit_tokens"]),
     ]
-    extra = {"shape": vars(shape), "kv_blocks": blocks, "working_set_blocks": working, "max_model_len": max_len,
+    extra = {"shape": vars(shape), "answer_batch": batch, "kv_blocks": blocks, "working_set_blocks": working, "max_model_len": max_len,
              "kv_space_mib": blocks * block_bytes / (1 << 20),
              "working_set_mib": working * block_bytes / (1 << 20), "hits": hits,
              "same_answer_tokens": same_answers, "same_probe_tokens": same_probes, "first_difference": first_diff,
