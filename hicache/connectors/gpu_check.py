@@ -139,6 +139,7 @@ class _Check:
         self.busy()  # other requests' forward passes meanwhile
         t.join()
         bad = errors + self.loaded((pg, bl))
+        errors.clear()
         # a step writes its blocks behind a long kernel; the copy thread saves them after it
         fresh = [torch.randn(v[bl].shape, generator=torch.Generator().manual_seed(i)).to(v.dtype).to(self.device)
                  for i, v in enumerate(self.views)]

@@ -14,7 +14,8 @@ hicache equal those of the same model in a vLLM without the connector.
   nothing saved before it; one that vLLM could not do itself (a request held blocks) leaves
   the engine in its namespace.
 * Layer-wise loads (``hicache_copy: layer``) whose copies lag behind the forward pass, and
-  one that fails at its last layer, give vLLM alone's tokens.
+  one that fails at its last layer, give vLLM alone's tokens; so do they when the daemon is
+  killed while they copy (it restarts the daemon; the hits come back from L3).
 * vLLM's own metrics carry hicache's hits per tier, loads, saves and errors.
 * After a daemon restart, asks about a request whose pages come back from L3 that get no
   answer in time (a fault point makes the connector give up on them at once, as against a
@@ -34,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,7 +47,13 @@ import yaml
 from hicache.bench.engine_lib.vllm_driver import VllmProcess, connector_config
 from hicache.connectors.faults import FAIL_LOADS_ENV, RUNTIME_ENV, SLOW_COPIES_ENV, SLOW_PENDING_ASKS_ENV
 from tests.support.daemon import Daemon
-from tests.support.vllm_engines import Engines, ModelStack, engine_config, expected_hit
+from tests.support.vllm_engines import (
+    Engines,
+    ModelStack,
+    engine_config,
+    expected_hit,
+    generate_in_background,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -147,8 +155,7 @@ def test_layer_wise_loads_give_vllm_alones_tokens_while_the_copies_lag_and_a_lat
     b = stack.engine("b")
     stack.check(b.generate(P, MAX_TOKENS), P)
     stack.wait("P's saves", lambda st: st["leases"]["open"] == 0)
-    lw = stack.engine("l", kv_transfer=connector_config(str(stack.daemon.config_path), copy_mode="layer"),
-                      env={FAIL_LOADS_ENV: "1", SLOW_COPIES_ENV: str(LAYER_LAG_S)}, log_stats=True)
+    lw = _layer_engine(stack)
     before = _hicache_metrics(lw)
     out = lw.generate(P, MAX_TOKENS)
     stack.check(out, P)
@@ -166,6 +173,12 @@ def test_layer_wise_loads_give_vllm_alones_tokens_while_the_copies_lag_and_a_lat
     stack.check(again, P)
     assert again["cached"] == hits
     stack.idle_and_intact()
+
+
+def _layer_engine(stack: Stack) -> VllmProcess:
+    """Engine ``l``: layer-wise loads, its first load failing, every layer's copy slowed."""
+    return stack.engine("l", kv_transfer=connector_config(str(stack.daemon.config_path), copy_mode="layer"),
+                        env={FAIL_LOADS_ENV: "1", SLOW_COPIES_ENV: str(LAYER_LAG_S)}, log_stats=True)
 
 
 def _hicache_metrics(engine: VllmProcess) -> dict[str, float]:
@@ -254,6 +267,41 @@ def test_a_cache_reset_through_vllm_serves_nothing_saved_before_it(stack: Stack)
     # a, which was not reset, still gets the pages saved before b's reset (its namespace)
     a = stack.engine("a")
     assert a.generate(P, MAX_TOKENS)["cached"] == hit
+    stack.idle_and_intact()
+
+
+def test_a_daemon_killed_while_layer_wise_loads_copy_costs_hits_not_answers(stack: Stack) -> None:
+    """Engine ``l`` loads P's hits layer by layer, each layer's copy slowed, and the daemon is
+    SIGKILLed once it holds their leases (the copies run from the L2 segment the engine still
+    maps, and their leases end against a dead socket): vLLM alone's tokens, then again with
+    no daemon at all; after a restart the hits come back (from the file L3)."""
+    b = stack.engine("b")
+    stack.check(b.generate(P, MAX_TOKENS), P)
+    stack.wait("P's saves and their backups", lambda st: st["leases"]["open"] == 0
+               and st["tiers"]["in_flight"] == 0)
+    lw = _layer_engine(stack)
+    d = stack.daemon
+    lookups = stack.stats()["engine"]["lookups"]
+    t, result = generate_in_background(lw, P, MAX_TOKENS)
+    try:
+        stack.wait("l's hits to be leased", lambda st: st["engine"]["lookups"] > lookups and st["leases"]["open"] > 0)
+    finally:
+        assert d.proc is not None
+        os.killpg(d.proc.pid, signal.SIGKILL)
+        d.proc.wait(30)
+        t.join(300)
+    assert "out" in result, result.get("error")
+    stack.check(result["out"], P)
+    stack.check(lw.generate(P, MAX_TOKENS), P)  # no daemon at all
+    d.start()
+    deadline = time.monotonic() + 60
+    while True:  # the connector registers again after its backoff; the hits come back
+        out = lw.generate(P, MAX_TOKENS)
+        stack.check(out, P)
+        if out["cached"] == [expected_hit(len(p), BLOCK) for p in P]:
+            break
+        assert time.monotonic() < deadline, f"no whole hits within 60 s of the restart: {out['cached']}"
+        time.sleep(1.0)
     stack.idle_and_intact()
 
 
