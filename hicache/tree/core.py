@@ -30,7 +30,7 @@ from typing import Any
 
 from hicache.hashing import HASH_BYTES
 from hicache.tree.content import ContentObserver, Tier
-from hicache.tree.node import KEY_ITEMSIZE, KEY_TYPECODE, ComponentData, Key, TreeNode
+from hicache.tree.node import KEY_ITEMSIZE, KEY_TYPECODE, ComponentData, Key, LruLink, TreeNode
 from hicache.tree.policy import EvictionPolicy
 
 
@@ -387,18 +387,23 @@ class TreeCore:
         ``last_access_time`` and the FULL L2 order by ``host_time`` (ties: a split's upper
         part sits first), which eviction relies on when it follows a parent."""
         t = self.tick
-        if self.n == 1:  # FULL only: the common case, without the per-component loop
-            dtouch, htouch = self.dev_lru[0].touch, self.host_lru[0].touch
+        if self.n == 1:  # FULL only: the common case, each order touched in one call
+            dlinks: list[LruLink] = []
+            hlinks: list[LruLink] = []
+            dlink, hlink = dlinks.append, hlinks.append
             for node in path:
                 t += 1
-                node.last_access_time = t
-                node.host_time = t
+                node.last_access_time = node.host_time = t
                 cd = node.data[0]
                 if cd.value is not None:
-                    dtouch(cd.dlink)
+                    dlink(cd.dlink)
                 if cd.host_value is not None:
-                    htouch(cd.hlink)
+                    hlink(cd.hlink)
             self.tick = t
+            if dlinks:
+                self.dev_lru[0].touch_all(dlinks)
+            if hlinks:
+                self.host_lru[0].touch_all(hlinks)
             return
         dev, host = self.dev_lru, self.host_lru
         rng = range(self.n)

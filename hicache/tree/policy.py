@@ -1,8 +1,9 @@
 """Eviction order: intrusive doubly-linked lists and the pluggable policies built on them.
 
 Every component keeps one ordering per tier over the nodes that hold its data there. The
-ordering is an ``EvictionPolicy``: O(1) ``add`` / ``remove`` / ``touch`` and iteration from
-the coldest entry. The tree only asks for candidates in order; it decides itself whether a
+ordering is an ``EvictionPolicy``: O(1) ``add`` / ``remove`` / ``touch``, ``touch_all`` of a
+path (for LRU, a splice per run of it that is already in order) and iteration from the
+coldest entry. The tree only asks for candidates in order; it decides itself whether a
 candidate can go (a leaf, unlocked, no transfer in flight).
 
 Policies:
@@ -91,6 +92,30 @@ class LruList:
         last.next = link  # type: ignore[union-attr]
         tail.prev = link
 
+    def move_all_to_mru(self, links: list[LruLink]) -> None:
+        """``move_to_mru`` of each of ``links`` (listed, distinct), in order, with each run of
+        them that already follows one another in the list moved as one piece: a path the
+        tree touched before, whose nodes nothing moved since, costs one splice plus a
+        comparison per node."""
+        tail = self._tail
+        i, n = 0, len(links)
+        while i < n:
+            first = last = links[i]
+            i += 1
+            while i < n and last.next is links[i]:
+                last = links[i]
+                i += 1
+            if tail.prev is last:  # the run ends the list already
+                continue
+            prev, nxt = first.prev, last.next
+            prev.next = nxt  # type: ignore[union-attr]
+            nxt.prev = prev  # type: ignore[union-attr]
+            end = tail.prev
+            end.next = first  # type: ignore[union-attr]
+            first.prev = end
+            last.next = tail
+            tail.prev = last
+
     def coldest(self) -> LruLink | None:
         first = self._head.next
         return None if first is self._tail else first
@@ -139,6 +164,12 @@ class EvictionPolicy:
     def touch(self, link: LruLink) -> None:
         raise NotImplementedError
 
+    def touch_all(self, links: list[LruLink]) -> None:
+        """``touch`` of each of ``links``, in order (a policy may do it in fewer steps)."""
+        touch = self.touch
+        for link in links:
+            touch(link)
+
     def candidates(self) -> Iterator[TreeNode]:
         raise NotImplementedError
 
@@ -165,6 +196,7 @@ class LRUPolicy(EvictionPolicy):
         self.add = self._list.push_mru  # type: ignore[method-assign]
         self.remove = self._list.unlink  # type: ignore[method-assign]
         self.touch = self._list.move_to_mru  # type: ignore[method-assign]
+        self.touch_all = self._list.move_all_to_mru  # type: ignore[method-assign]
 
     def candidates(self) -> Iterator[TreeNode]:
         return self._list.iter_cold()

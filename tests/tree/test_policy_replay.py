@@ -99,3 +99,34 @@ def test_demote_makes_an_entry_the_next_offered():
         assert next(pol.candidates()) is nodes[2], name
         assert len(pol) == 4
         pol.check()
+
+
+def test_touch_all_orders_every_policy_as_one_touch_at_a_time():
+    """``touch_all`` (LRU: a splice per run already in order) leaves each policy's
+    candidates exactly as touching the links one by one does: random lists, random paths
+    (runs in order, out of order, at the MRU end, repeated), checked against the plain loop."""
+    import random
+
+    rnd = random.Random(7)
+    for name in sorted(POLICIES):
+        for _ in range(200):
+            fast, slow = make_policy(name), make_policy(name)
+            a, b = _nodes(12), _nodes(12)
+            for x, y in zip(a, b, strict=True):
+                fast.add(x.data[0].dlink)
+                slow.add(y.data[0].dlink)
+            for _ in range(rnd.randrange(1, 6)):
+                k = rnd.randrange(1, 12)
+                if rnd.random() < 0.5:  # a run of the current order, as a touched path leaves it
+                    start = rnd.randrange(0, 12 - k + 1)
+                    picks = [a.index(link.owner) for link in fast.links()][start:start + k]
+                else:
+                    picks = rnd.sample(range(12), k)
+                for i in picks:
+                    a[i].hit_count = b[i].hit_count = rnd.randrange(0, 3)
+                fast.touch_all([a[i].data[0].dlink for i in picks])
+                for i in picks:
+                    slow.touch(b[i].data[0].dlink)
+                fast.check()
+                assert [a.index(x.owner) for x in fast.links()] == [b.index(x.owner) for x in slow.links()], name
+            assert [a.index(n) for n in fast.candidates()] == [b.index(n) for n in slow.candidates()], name
