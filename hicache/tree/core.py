@@ -385,9 +385,10 @@ class TreeCore:
         parent is older than its child, and each node to the MRU end of every order that
         holds it. With the LRU policy, the FULL L1 order is therefore sorted by
         ``last_access_time`` and the FULL L2 order by ``host_time`` (ties: a split's upper
-        part sits first), which eviction relies on when it follows a parent."""
+        part sits first), which eviction relies on when it follows a parent. Each order is
+        touched in one call (``EvictionPolicy.touch_all``), in path order."""
         t = self.tick
-        if self.n == 1:  # FULL only: the common case, each order touched in one call
+        if self.n == 1:  # FULL only: the common case, without the per-component lists
             dlinks: list[LruLink] = []
             hlinks: list[LruLink] = []
             dlink, hlink = dlinks.append, hlinks.append
@@ -405,19 +406,22 @@ class TreeCore:
             if hlinks:
                 self.host_lru[0].touch_all(hlinks)
             return
-        dev, host = self.dev_lru, self.host_lru
-        rng = range(self.n)
+        dlists: list[list[LruLink]] = [[] for _ in range(self.n)]
+        hlists: list[list[LruLink]] = [[] for _ in range(self.n)]
         for node in path:
             t += 1
-            node.last_access_time = t
-            node.host_time = t
-            for i in rng:
-                cd = node.data[i]
+            node.last_access_time = node.host_time = t
+            for cd, dl, hl in zip(node.data, dlists, hlists, strict=True):
                 if cd.value is not None:
-                    dev[i].touch(cd.dlink)
+                    dl.append(cd.dlink)
                 if cd.host_value is not None:
-                    host[i].touch(cd.hlink)
+                    hl.append(cd.hlink)
         self.tick = t
+        for i in range(self.n):
+            if dlists[i]:
+                self.dev_lru[i].touch_all(dlists[i])
+            if hlists[i]:
+                self.host_lru[i].touch_all(hlists[i])
 
     def iter_nodes(self) -> list[TreeNode]:
         out: list[TreeNode] = []

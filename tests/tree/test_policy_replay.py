@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from hicache.tree import POLICIES, TreeNode, make_policy
 from tests.support.tree import cache_seq, full_cache, toks
 
@@ -105,8 +107,6 @@ def test_touch_all_orders_every_policy_as_one_touch_at_a_time():
     """``touch_all`` (LRU: a splice per run already in order) leaves each policy's
     candidates exactly as touching the links one by one does: random lists, random paths
     (runs in order, out of order, at the MRU end, repeated), checked against the plain loop."""
-    import random
-
     rnd = random.Random(7)
     for name in sorted(POLICIES):
         for _ in range(200):
